@@ -1,0 +1,185 @@
+"""Which transformer layers go to which pipeline stage.
+
+Pure functions: a method string and a few counts in, half-open layer ranges out. The methods
+are the ones Merak users know (`uniform`, `uniform_transformer`, `parameters`,
+`custom:a,b,...`) plus `weighted:w0,w1,...` for pipelines whose nodes differ in speed (a Pi 5
+next to a Pi 4 should take proportionally more layers).
+
+The embeddings always live on the first stage and the final norm + head on the last; the
+methods that balance "items" (`uniform`, `parameters`) count them as one item each so that
+the first and last stage take fewer transformer layers when those parts are heavy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+METHODS = ("uniform_transformer", "uniform", "parameters", "custom:a,b,...", "weighted:w0,w1,...")
+
+
+class PartitionError(ValueError):
+    """A partition spec that cannot be honoured; the message is one line a user can act on."""
+
+
+@dataclass(frozen=True)
+class StageRange:
+    stage: int
+    start: int  # first layer index (inclusive)
+    end: int  # last layer index + 1
+
+    @property
+    def num_layers(self) -> int:
+        return self.end - self.start
+
+
+def partition_layers(method: str, num_layers: int, num_stages: int, *,
+                     layer_params: int = 0, embed_params: int = 0, head_params: int = 0,
+                     key: str = "parallel.partition") -> list[StageRange]:
+    """Split `num_layers` transformer layers over `num_stages` stages with `method`."""
+    if num_stages < 1:
+        raise PartitionError(f"{key}: need at least 1 stage, got {num_stages}")
+    if num_layers < num_stages and not method.startswith(("uniform", "parameters")):
+        raise PartitionError(f"{key}: {num_layers} layers cannot fill {num_stages} pipeline stages; "
+                             f"use fewer stages or more layers")
+    method = method.strip()
+    if method == "uniform_transformer":
+        bounds = _uniform_bounds(num_layers, num_stages)
+    elif method == "uniform":
+        # Merak's `uniform`: embeddings, every layer and the head each count as one item.
+        bounds = _items_to_layer_bounds(_balanced_bounds([1] * (num_layers + 2), num_stages), num_layers)
+    elif method == "parameters":
+        if layer_params <= 0:
+            raise PartitionError(f"{key}: 'parameters' needs the per-layer parameter count")
+        weights = [embed_params] + [layer_params] * num_layers + [head_params]
+        bounds = _items_to_layer_bounds(_balanced_bounds(weights, num_stages), num_layers)
+    elif method.startswith("custom:"):
+        bounds = _custom_bounds(method[len("custom:"):], num_layers, num_stages, key)
+    elif method.startswith("weighted:"):
+        bounds = _weighted_bounds(method[len("weighted:"):], num_layers, num_stages, key)
+    else:
+        raise PartitionError(f"{key}: unknown partition method {method!r}; choose one of {', '.join(METHODS)}")
+    ranges = [StageRange(i, bounds[i], bounds[i + 1]) for i in range(num_stages)]
+    for r in ranges:
+        # A stage with no layer is fine only when it holds the embeddings or the head.
+        if r.num_layers < 0 or (r.num_layers == 0 and 0 < r.stage < num_stages - 1):
+            raise PartitionError(f"{key}: {method!r} leaves stage {r.stage} without layers "
+                                 f"({num_layers} layers, {num_stages} stages); use fewer stages")
+    return ranges
+
+
+def _uniform_bounds(num_layers: int, num_stages: int) -> list[int]:
+    # Earlier stages take the remainder, as picotron does.
+    base, extra = divmod(num_layers, num_stages)
+    bounds = [0]
+    for s in range(num_stages):
+        bounds.append(bounds[-1] + base + (1 if s < extra else 0))
+    return bounds
+
+
+def _balanced_bounds(weights: list[int], num_parts: int) -> list[int]:
+    """Contiguous split of `weights` into `num_parts` non-empty parts minimising the heaviest part.
+
+    Dynamic programming over (items, parts); ties go to the split whose earlier parts are
+    larger, which keeps `uniform` consistent with `uniform_transformer` on round numbers.
+    """
+    n = len(weights)
+    if num_parts > n:
+        raise PartitionError(f"parallel.partition: {n} items cannot fill {num_parts} stages")
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    inf = float("inf")
+    # best[k][i]: minimal max-part weight splitting the first i items into k parts.
+    best = [[inf] * (n + 1) for _ in range(num_parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_parts + 1)]
+    best[0][0] = 0
+    for k in range(1, num_parts + 1):
+        for i in range(k, n - (num_parts - k) + 1):
+            for j in range(i - 1, k - 2, -1):  # last part = items j..i-1
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost < best[k][i]:
+                    best[k][i], cut[k][i] = cost, j
+    bounds = [n]
+    i = n
+    for k in range(num_parts, 0, -1):
+        i = cut[k][i]
+        bounds.append(i)
+    return bounds[::-1]
+
+
+def _items_to_layer_bounds(item_bounds: list[int], num_layers: int) -> list[int]:
+    # Item 0 is the embeddings and item L+1 the head, so item i >= 1 is layer i-1.
+    inner = [min(max(b - 1, 0), num_layers) for b in item_bounds[1:-1]]
+    return [0, *inner, num_layers]
+
+
+def _parse_ints(text: str, what: str, method: str, key: str, cast=int) -> list:
+    try:
+        return [cast(x) for x in text.split(",") if x.strip() != ""]
+    except ValueError:
+        raise PartitionError(f"{key}: {method}:{text} must be comma-separated {what}") from None
+
+
+def _custom_bounds(text: str, num_layers: int, num_stages: int, key: str) -> list[int]:
+    bounds = _parse_ints(text, "integers", "custom", key)
+    want = f"custom:0,...,{num_layers}"
+    if len(bounds) != num_stages + 1:
+        raise PartitionError(f"{key}: custom:{text} has {len(bounds)} boundaries but {num_stages} stages need "
+                             f"{num_stages + 1} (first 0, last {num_layers}: {want})")
+    if bounds[0] != 0 or bounds[-1] != num_layers:
+        raise PartitionError(f"{key}: custom:{text} must start at 0 and end at the layer count {num_layers} "
+                             f"({want})")
+    if any(hi <= lo for lo, hi in zip(bounds[:-1], bounds[1:], strict=False)):
+        raise PartitionError(f"{key}: custom:{text} boundaries must be strictly increasing "
+                             f"(every stage needs at least one layer)")
+    return bounds
+
+
+def _weighted_bounds(text: str, num_layers: int, num_stages: int, key: str) -> list[int]:
+    weights = _parse_ints(text, "positive numbers", "weighted", key, cast=float)
+    if len(weights) != num_stages:
+        raise PartitionError(f"{key}: weighted:{text} has {len(weights)} weights but there are {num_stages} "
+                             f"stages; give one weight per stage")
+    if any(w <= 0 for w in weights):
+        raise PartitionError(f"{key}: weighted:{text} weights must be positive")
+    # Largest-remainder rounding of the proportional shares, at least one layer per stage.
+    total = sum(weights)
+    shares = [w / total * num_layers for w in weights]
+    counts = [max(1, int(s)) for s in shares]
+    while sum(counts) < num_layers:
+        i = max(range(num_stages), key=lambda s: (shares[s] - counts[s], weights[s]))
+        counts[i] += 1
+    while sum(counts) > num_layers:
+        i = min((s for s in range(num_stages) if counts[s] > 1), key=lambda s: (shares[s] - counts[s], -s))
+        counts[i] -= 1
+    bounds = [0]
+    for c in counts:
+        bounds.append(bounds[-1] + c)
+    return bounds
+
+
+def stage_to_rank(stage: int, pp: int, num_stages: int, style: str = "loop") -> int:
+    """Pipeline rank that runs `stage`: round-robin ('loop') or zig-zag ('v', for ZBV/DualPipeV)."""
+    if style == "v":
+        virt = stage // pp
+        return stage % pp if virt % 2 == 0 else pp - 1 - stage % pp
+    return stage % pp
+
+
+def format_ranges(ranges: list[StageRange], pp: int, *, style: str = "loop",
+                  params: list[int] | None = None) -> str:
+    """Human-readable plan, one line per stage, printed at start."""
+    n = len(ranges)
+    lines = []
+    for r in ranges:
+        parts = []
+        if r.stage == 0:
+            parts.append("embeddings")
+        if r.num_layers:
+            parts.append(f"layers {r.start}-{r.end - 1}" if r.num_layers > 1 else f"layer {r.start}")
+        if r.stage == n - 1:
+            parts.append("norm + head")
+        extra = f", {params[r.stage] / 1e6:.2f}M params" if params else ""
+        lines.append(f"stage {r.stage} (pp rank {stage_to_rank(r.stage, pp, n, style)}): "
+                     f"{' + '.join(parts)} ({r.num_layers} layers{extra})")
+    return "\n".join(lines)
