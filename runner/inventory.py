@@ -1,0 +1,440 @@
+"""Inventory: which nodes exist, how to reach them, and the job to run on them.
+
+The YAML is composed (not just loaded) so every value keeps its line number: a validation error
+names the file, the line and the field in one line, e.g.
+``hosts/pis.yaml:7: nodes[1].port: must be an integer in 1..65535, got 'ssh'``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from runner.errors import UserError
+
+ARCHES = ("amd64", "arm64")
+# What users type for arch, mapped onto Docker's platform names.
+ARCH_ALIASES = {"amd64": "amd64", "x86_64": "amd64", "arm64": "arm64", "aarch64": "arm64"}
+ROLES = ("master", "worker")
+FINGERPRINT_RE = re.compile(r"^SHA256:[A-Za-z0-9+/]{43}=?$")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+HOSTNAME_RE = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
+
+NODE_FIELDS = {"name", "host", "port", "user", "identity_file", "known_hosts", "host_key", "arch",
+               "slots", "role", "workdir", "gpus", "env"}
+DEFAULT_FIELDS = NODE_FIELDS - {"name", "host", "role", "host_key"}
+JOB_FIELDS = {"image", "config", "args", "env", "env_file", "master_port", "nproc_per_node",
+              "grace_period", "command"}
+TOP_FIELDS = {"defaults", "nodes", "job"}
+
+
+@dataclass
+class Node:
+    name: str
+    host: str
+    port: int = 22
+    user: str = "root"
+    identity_file: str | None = None
+    known_hosts: str | None = None
+    host_key: str | None = None      # pinned "SHA256:..." fingerprint
+    arch: str | None = None          # None: probed over SSH
+    slots: int = 1                   # processes per node (torchrun --nproc-per-node)
+    role: str = "worker"
+    workdir: str = "~/runner"
+    gpus: int | str | None = None    # None/0: CPU; "all" or a count
+    env: dict[str, str] = field(default_factory=dict)
+    line: int = 0
+
+    @property
+    def is_master(self) -> bool:
+        return self.role == "master"
+
+
+@dataclass
+class Job:
+    image: dict[str, str] | str = "runner-trainer:latest"  # one tag, or {arch: tag}
+    config: str | None = None
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    env_file: str | None = None
+    master_port: int | str = "auto"
+    nproc_per_node: int | None = None  # None: each node's slots
+    grace_period: float = 30.0        # seconds between SIGTERM and SIGKILL on down
+    command: list[str] | None = None  # replaces `-m trainer --config ...` (tests, custom entrypoints)
+
+    def image_for(self, arch: str | None) -> str | None:
+        if isinstance(self.image, str):
+            return self.image
+        if arch is None:
+            return None
+        return self.image.get(arch)
+
+    def secrets(self) -> dict[str, str]:
+        """Parsed env_file (KEY=VALUE lines); values are secrets and never printed."""
+        return read_env_file(self.env_file) if self.env_file else {}
+
+
+@dataclass
+class Inventory:
+    path: str
+    nodes: list[Node]
+    job: Job
+
+    @property
+    def master(self) -> Node:
+        return next(n for n in self.nodes if n.is_master)
+
+    def ordered(self) -> list[Node]:
+        """Master first (node rank 0), then the others in inventory order."""
+        return [self.master] + [n for n in self.nodes if not n.is_master]
+
+    def node(self, name: str) -> Node:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise UserError(f"{self.path}: no node named {name!r} (nodes: {', '.join(n.name for n in self.nodes)})")
+
+
+# --- YAML with line numbers --------------------------------------------------------------
+
+class _Val:
+    """A plain value plus where it came from."""
+
+    __slots__ = ("value", "line")
+
+    def __init__(self, value: Any, line: int):
+        self.value = value
+        self.line = line
+
+
+def _scalar(node: yaml.ScalarNode) -> Any:
+    loader = yaml.SafeLoader("")
+    try:
+        return loader.construct_object(node, deep=True)
+    finally:
+        loader.dispose()
+
+
+def _convert(node: yaml.Node) -> _Val:
+    line = node.start_mark.line + 1
+    if isinstance(node, yaml.MappingNode):
+        out: dict[str, tuple[int, _Val]] = {}
+        for k, v in node.value:
+            out[str(_scalar(k)) if isinstance(k, yaml.ScalarNode) else str(k)] = (k.start_mark.line + 1, _convert(v))
+        return _Val(out, line)
+    if isinstance(node, yaml.SequenceNode):
+        return _Val([_convert(v) for v in node.value], line)
+    return _Val(_scalar(node), line)
+
+
+class _Checker:
+    """Raises UserError("file:line: field: problem") for the first problem found."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def fail(self, line: int, where: str, msg: str) -> None:
+        raise UserError(f"{self.path}:{line}: {where}: {msg}")
+
+    def mapping(self, v: _Val, where: str, allowed: set[str]) -> dict[str, tuple[int, _Val]]:
+        if not isinstance(v.value, dict):
+            self.fail(v.line, where, f"must be a mapping, got {_kind(v.value)}")
+        for key, (kline, _) in v.value.items():
+            if key not in allowed:
+                self.fail(kline, f"{where}.{key}" if where else key,
+                          f"unknown field (allowed: {', '.join(sorted(allowed))})")
+        return v.value
+
+    def str_(self, v: _Val, where: str) -> str:
+        if not isinstance(v.value, str) or not v.value.strip():
+            self.fail(v.line, where, f"must be a non-empty string, got {_show(v.value)}")
+        return v.value
+
+    def int_(self, v: _Val, where: str, lo: int, hi: int) -> int:
+        if isinstance(v.value, bool) or not isinstance(v.value, int) or not lo <= v.value <= hi:
+            self.fail(v.line, where, f"must be an integer in {lo}..{hi}, got {_show(v.value)}")
+        return v.value
+
+    def str_map(self, v: _Val, where: str) -> dict[str, str]:
+        if not isinstance(v.value, dict):
+            self.fail(v.line, where, f"must be a mapping of NAME: value, got {_kind(v.value)}")
+        out = {}
+        for key, (kline, x) in v.value.items():
+            if not ENV_NAME_RE.match(key):
+                self.fail(kline, f"{where}.{key}", "not a valid environment variable name")
+            if isinstance(x.value, (dict, list)) or x.value is None:
+                self.fail(x.line, f"{where}.{key}", f"must be a string or number, got {_kind(x.value)}")
+            out[key] = str(x.value).lower() if isinstance(x.value, bool) else str(x.value)
+        return out
+
+
+def _kind(x: Any) -> str:
+    return {dict: "a mapping", list: "a list", type(None): "nothing"}.get(type(x), type(x).__name__)
+
+
+def _show(x: Any) -> str:
+    return repr(x) if isinstance(x, (str, int, float, bool)) else _kind(x)
+
+
+def _expand(p: str, base: Path) -> str:
+    """~ and $VARS expanded; relative paths taken from the cwd if they exist there, else the
+    inventory's folder (so `configs/x.yaml` works from the repo root and next to the file)."""
+    p = os.path.expandvars(os.path.expanduser(p))
+    if os.path.isabs(p) or os.path.exists(p):
+        return p
+    cand = base / p
+    return str(cand) if cand.exists() else p
+
+
+def read_env_file(path: str) -> dict[str, str]:
+    """Docker-style env file: KEY=VALUE per line, # comments, optional surrounding quotes."""
+    out: dict[str, str] = {}
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read env_file: {exc.strerror}") from None
+    for i, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("export "):
+            line = line[7:].lstrip()
+        key, sep, val = line.partition("=")
+        key = key.strip()
+        if not sep or not ENV_NAME_RE.match(key):
+            raise UserError(f"{path}:{i}: expected KEY=VALUE (value not shown)")
+        val = val.strip()
+        if len(val) >= 2 and val[0] == val[-1] and val[0] in "'\"":
+            val = val[1:-1]
+        out[key] = val
+    return out
+
+
+def _valid_host(h: str) -> bool:
+    try:
+        ipaddress.ip_address(h)
+        return True
+    except ValueError:
+        return bool(HOSTNAME_RE.match(h))
+
+
+# --- parsing -----------------------------------------------------------------------------
+
+def load_inventory(path: str | os.PathLike, *, check_files: bool = True,
+                   job_path: str | None = None) -> Inventory:
+    """Parse and validate. check_files=False skips files needed only to connect (SSH keys,
+    known_hosts), so a dry-run works on a laptop without the cluster's keys."""
+    path = str(path)
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read inventory: {exc.strerror}") from None
+    root = _compose(path, text)
+    c = _Checker(path)
+    if root is None:
+        c.fail(1, "nodes", "inventory is empty; it needs at least a `nodes:` list")
+    top = c.mapping(root, "", TOP_FIELDS)
+    base = Path(path).resolve().parent
+
+    defaults: dict[str, Any] = {}
+    if "defaults" in top:
+        dline, dv = top["defaults"]
+        if dv.value is not None:
+            defaults = _node_fields(c, dv, "defaults", DEFAULT_FIELDS, base, check_files)
+
+    if "nodes" not in top:
+        c.fail(1, "nodes", "missing; list at least one node with name and host")
+    nline, nv = top["nodes"]
+    if not isinstance(nv.value, list) or not nv.value:
+        c.fail(nv.line if nv.value is not None else nline, "nodes",
+               f"must be a non-empty list of nodes, got {_kind(nv.value) if nv.value else 'nothing'}")
+    nodes: list[Node] = []
+    seen: dict[str, int] = {}
+    addrs: dict[tuple[str, int], str] = {}
+    for i, item in enumerate(nv.value):
+        where = f"nodes[{i}]"
+        fields = _node_fields(c, item, where, NODE_FIELDS, base, check_files)
+        for req in ("name", "host"):
+            if req not in fields:
+                c.fail(item.line, f"{where}.{req}", "missing (every node needs a name and a host)")
+        merged = {**{k: v for k, v in defaults.items() if k != "env"}, **fields}
+        merged["env"] = {**defaults.get("env", {}), **fields.get("env", {})}
+        node = Node(**merged, line=item.line)
+        if node.name in seen:
+            c.fail(item.line, f"{where}.name", f"duplicate node name {node.name!r} (first at line {seen[node.name]})")
+        seen[node.name] = item.line
+        key = (node.host, node.port)
+        if key in addrs:
+            c.fail(item.line, f"{where}.host", f"{node.host}:{node.port} is also node {addrs[key]!r}")
+        addrs[key] = node.name
+        nodes.append(node)
+
+    masters = [n for n in nodes if n.is_master]
+    if len(masters) > 1:
+        c.fail(masters[1].line, f"nodes[{nodes.index(masters[1])}].role",
+               f"two masters ({masters[0].name}, {masters[1].name}); exactly one node may be role: master")
+    if not masters:
+        nodes[0].role = "master"  # no role given: the first node is the master (rank 0)
+
+    job = Job()
+    if "job" in top and top["job"][1].value is not None:
+        job = _job(c, top["job"][1], base)
+    if job_path:
+        job = _job_file(job_path, base)
+    if isinstance(job.image, dict):
+        for n in nodes:
+            if n.arch and n.arch not in job.image:
+                jv = top["job"][1].value if "job" in top else {}
+                c.fail(jv["image"][0] if isinstance(jv, dict) and "image" in jv else n.line, "job.image",
+                       f"no image for arch {n.arch} (node {n.name}); add `{n.arch}: <tag>`")
+    return Inventory(path=path, nodes=nodes, job=job)
+
+
+def _compose(path: str, text: str) -> _Val | None:
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+        line = mark.line + 1 if mark else 1
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise UserError(f"{path}:{line}: YAML syntax error: {problem}") from None
+    if node is None:
+        return None
+    try:
+        return _convert(node)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        raise UserError(f"{path}:{mark.line + 1 if mark else 1}: YAML error: {getattr(exc, 'problem', exc)}") from None
+
+
+def _node_fields(c: _Checker, v: _Val, where: str, allowed: set[str], base: Path,
+                 check_files: bool) -> dict[str, Any]:
+    m = c.mapping(v, where, allowed)
+    out: dict[str, Any] = {}
+    for key, (_, x) in m.items():
+        w = f"{where}.{key}"
+        if key in ("name",):
+            out[key] = c.str_(x, w)
+            if not NAME_RE.match(out[key]):
+                c.fail(x.line, w, f"{out[key]!r}: use letters, digits, '.', '_' or '-' (it names containers)")
+        elif key == "host":
+            out[key] = c.str_(x, w)
+            if not _valid_host(out[key]):
+                c.fail(x.line, w, f"{out[key]!r} is not an IP address or host name")
+        elif key == "port":
+            out[key] = c.int_(x, w, 1, 65535)
+        elif key == "user":
+            out[key] = c.str_(x, w)
+        elif key in ("identity_file", "known_hosts"):
+            p = _expand(c.str_(x, w), base)
+            if check_files and not os.path.isfile(p):
+                c.fail(x.line, w, f"file not found: {p}")
+            out[key] = p
+        elif key == "host_key":
+            s = c.str_(x, w)
+            if not FINGERPRINT_RE.match(s):
+                c.fail(x.line, w, "must be an OpenSSH SHA256 fingerprint like 'SHA256:<43 base64 chars>' "
+                       "(ssh-keyscan -p PORT HOST | ssh-keygen -lf -)")
+            out[key] = s
+        elif key == "arch":
+            s = c.str_(x, w)
+            if s not in ARCH_ALIASES:
+                c.fail(x.line, w, f"unknown arch {s!r} (use {' or '.join(ARCHES)}, or leave it out to probe)")
+            out[key] = ARCH_ALIASES[s]
+        elif key == "slots":
+            out[key] = c.int_(x, w, 1, 1024)
+        elif key == "role":
+            s = c.str_(x, w)
+            if s not in ROLES:
+                c.fail(x.line, w, f"must be 'master' or 'worker', got {s!r}")
+            out[key] = s
+        elif key == "workdir":
+            out[key] = c.str_(x, w)
+        elif key == "gpus":
+            if x.value == "all" or x.value is None:
+                out[key] = x.value
+            else:
+                out[key] = c.int_(x, w, 0, 1024)
+        elif key == "env":
+            out[key] = c.str_map(x, w)
+    return out
+
+
+def _job(c: _Checker, v: _Val, base: Path) -> Job:
+    m = c.mapping(v, "job", JOB_FIELDS)
+    job = Job()
+    for key, (_, x) in m.items():
+        w = f"job.{key}"
+        if key == "image":
+            if isinstance(x.value, dict):
+                imgs = {}
+                for arch, (aline, tag) in x.value.items():
+                    if arch not in ARCH_ALIASES:
+                        c.fail(aline, f"{w}.{arch}", f"unknown arch (use {' or '.join(ARCHES)})")
+                    imgs[ARCH_ALIASES[arch]] = c.str_(tag, f"{w}.{arch}")
+                if not imgs:
+                    c.fail(x.line, w, "empty mapping; give a tag or {arch: tag}")
+                job.image = imgs
+            else:
+                job.image = c.str_(x, w)
+        elif key == "config":
+            p = _expand(c.str_(x, w), base)
+            if not os.path.isfile(p):
+                c.fail(x.line, w, f"config file not found: {p}")
+            job.config = p
+        elif key in ("args", "command"):
+            if not isinstance(x.value, list):
+                c.fail(x.line, w, f"must be a list of strings, got {_kind(x.value)}")
+            vals = []
+            for j, a in enumerate(x.value):
+                if isinstance(a.value, (dict, list)) or a.value is None:
+                    c.fail(a.line, f"{w}[{j}]", f"must be a string or number, got {_kind(a.value)}")
+                vals.append(str(a.value).lower() if isinstance(a.value, bool) else str(a.value))
+            setattr(job, key, vals)
+        elif key == "env":
+            job.env = c.str_map(x, w)
+        elif key == "env_file":
+            p = _expand(c.str_(x, w), base)
+            if not os.path.isfile(p):
+                c.fail(x.line, w, f"env_file not found: {p}")
+            try:
+                read_env_file(p)
+            except UserError as exc:
+                c.fail(x.line, w, str(exc))
+            job.env_file = p
+        elif key == "master_port":
+            if x.value == "auto":
+                job.master_port = "auto"
+            else:
+                if isinstance(x.value, str):
+                    c.fail(x.line, w, f"must be 'auto' or an integer in 1024..65535, got {x.value!r}")
+                job.master_port = c.int_(x, w, 1024, 65535)
+        elif key == "nproc_per_node":
+            job.nproc_per_node = c.int_(x, w, 1, 1024)
+        elif key == "grace_period":
+            if isinstance(x.value, bool) or not isinstance(x.value, (int, float)) or not 0 <= x.value <= 3600:
+                c.fail(x.line, w, f"must be seconds in 0..3600, got {_show(x.value)}")
+            job.grace_period = float(x.value)
+    return job
+
+
+def _job_file(job_path: str, base: Path) -> Job:
+    """`--job FILE`: a YAML file holding a job section (top-level `job:` or the fields directly)."""
+    try:
+        text = Path(job_path).read_text()
+    except OSError as exc:
+        raise UserError(f"{job_path}: cannot read job file: {exc.strerror}") from None
+    root = _compose(job_path, text)
+    c = _Checker(job_path)
+    if root is None or not isinstance(root.value, dict):
+        c.fail(1, "job", "must be a mapping of job fields")
+    if set(root.value) == {"job"}:
+        root = root.value["job"][1]
+    return _job(c, root, Path(job_path).resolve().parent)

@@ -1,0 +1,199 @@
+"""Plan: inventory + job + run id + probed facts in, one action list per node out.
+
+Pure: no sockets, no files, no clocks. `runner up --dry-run` prints it, tests assert on it, and
+launch.py executes it. Node rank 0 is always the inventory's master (static rendezvous), so the
+rank order cannot be reshuffled by torchrun's c10d rendezvous.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+
+from runner.errors import UserError
+from runner.inventory import Inventory, Node
+
+LABEL_PREFIX = "io.runner"
+LABEL_RUN = f"{LABEL_PREFIX}.run-id"
+LABEL_NODE = f"{LABEL_PREFIX}.node"
+LABEL_RANK = f"{LABEL_PREFIX}.rank"
+LABEL_NNODES = f"{LABEL_PREFIX}.nnodes"
+LABEL_RUN_DIR = f"{LABEL_PREFIX}.run-dir"
+LABEL_MASTER = f"{LABEL_PREFIX}.master"
+LABEL_GRACE = f"{LABEL_PREFIX}.grace-period"
+
+OUT = "/out"
+SECRETS_IN_CONTAINER = "/run/runner/secrets.env"
+MASK = "******"
+UNPROBED = "<probed at launch>"
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the runner learned from a node over SSH (check/up); all optional for dry-runs."""
+
+    arch: str | None = None
+    ifname: str | None = None   # interface whose route reaches the master address
+    home: str | None = None     # to resolve `~` in workdir (docker mounts need absolute paths)
+
+
+@dataclass
+class NodePlan:
+    node: str
+    host: str
+    rank: int
+    arch: str | None
+    image: str | None
+    container: str
+    labels: dict[str, str]
+    command: list[str]            # container command (argv); never holds a secret
+    env: dict[str, str]           # non-secret env, set on the container
+    secret_keys: list[str]        # names only; values travel in a 0600 file
+    workdir: str
+    run_dir: str                  # on the node; mounted as /out
+    secrets_file: str | None      # on the node; mounted read-only at SECRETS_IN_CONTAINER
+    config_file: str | None       # on the node (inside run_dir)
+    gpus: int | str | None = None
+    mounts: dict[str, str] = field(default_factory=dict)  # node path -> container path
+
+    @property
+    def is_master(self) -> bool:
+        return self.rank == 0
+
+
+@dataclass
+class Plan:
+    run_id: str
+    nnodes: int
+    master: str
+    master_addr: str
+    master_port: int | str
+    nproc_per_node: dict[str, int]
+    nodes: list[NodePlan]
+    grace_period: float
+    config_src: str | None
+    env_file_src: str | None
+
+    def node(self, name: str) -> NodePlan:
+        return next(n for n in self.nodes if n.node == name)
+
+    def render(self) -> str:
+        """Human-readable plan; secret values never appear (only their names, masked)."""
+        lines = [f"run {self.run_id}: {self.nnodes} node(s), master {self.master} "
+                 f"({self.master_addr}:{self.master_port}), static rendezvous"]
+        if self.config_src:
+            lines.append(f"  config {self.config_src} -> <run dir>/config.yaml on every node")
+        if self.env_file_src:
+            lines.append(f"  env_file {self.env_file_src} -> 0600 file on every node (values masked)")
+        for n in self.nodes:
+            lines.append(f"[{n.node}/{n.rank}] {n.host}  arch={n.arch or UNPROBED}  image={n.image or UNPROBED}")
+            lines.append(f"    container {n.container}  network=host  gpus={n.gpus or 'none'}")
+            lines.append(f"    run dir   {n.run_dir} -> {OUT}")
+            lines.append(f"    command   {shlex.join(n.command)}")
+            for k, v in sorted(n.env.items()):
+                lines.append(f"    env       {k}={v}")
+            for k in n.secret_keys:
+                lines.append(f"    env       {k}={MASK}  (from env_file)")
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict:
+        return {"run_id": self.run_id, "nnodes": self.nnodes, "master": self.master,
+                "master_addr": self.master_addr, "master_port": self.master_port,
+                "nodes": [{"node": n.node, "rank": n.rank, "host": n.host, "arch": n.arch, "image": n.image,
+                           "container": n.container, "command": n.command, "env": n.env,
+                           "secret_keys": n.secret_keys, "run_dir": n.run_dir, "labels": n.labels}
+                          for n in self.nodes]}
+
+
+def resolve_workdir(node: Node, facts: Facts) -> str:
+    wd = node.workdir.rstrip("/") or "/"
+    if wd == "~" or wd.startswith("~/"):
+        if facts.home:
+            return facts.home.rstrip("/") + wd[1:]
+        return wd
+    return wd
+
+
+def container_name(run_id: str, node: str) -> str:
+    return f"runner-{run_id}-{node}"
+
+
+def torchrun_command(inv: Inventory, nnodes: int, rank: int, nproc: int, master_addr: str,
+                     master_port: int | str, has_config: bool) -> list[str]:
+    job = inv.job
+    cmd = ["torchrun", "--nnodes", str(nnodes), "--node-rank", str(rank), "--nproc-per-node", str(nproc),
+           "--master-addr", master_addr, "--master-port", str(master_port),
+           "--rdzv-backend", "static", "--max-restarts", "0"]
+    if job.command:
+        # A custom program per rank (not python -m trainer): torchrun execs it directly.
+        return cmd + ["--no-python", *job.command, *job.args]
+    cmd += ["-m", "trainer"]
+    if has_config:
+        cmd += ["--config", f"{OUT}/config.yaml"]
+    return cmd + list(job.args)
+
+
+def make_plan(inv: Inventory, run_id: str, facts: dict[str, Facts] | None = None,
+              master_port: int | None = None, secret_keys: list[str] | None = None,
+              strict: bool = False) -> Plan:
+    """strict=True (a real launch) demands every probed fact; dry-runs show placeholders."""
+    facts = facts or {}
+    nodes = inv.ordered()
+    nnodes = len(nodes)
+    master = nodes[0]
+    job = inv.job
+    port: int | str = master_port if master_port is not None else job.master_port
+    if strict and not isinstance(port, int):
+        raise UserError("master_port 'auto' was not resolved before launch (internal error)")
+    secret_keys = sorted(secret_keys or [])
+    plans: list[NodePlan] = []
+    nproc = {n.name: job.nproc_per_node or n.slots for n in nodes}
+    for rank, node in enumerate(nodes):
+        f = facts.get(node.name, Facts())
+        arch = node.arch or f.arch
+        image = job.image_for(arch)
+        if strict:
+            if not arch:
+                raise UserError(f"{inv.path}:{node.line}: node {node.name}: arch unknown (not in inventory, not probed)")
+            if not image:
+                raise UserError(f"{inv.path}: job.image: no image for arch {arch} (node {node.name}); add `{arch}: <tag>`")
+            if not f.ifname:
+                raise UserError(f"node {node.name}: no interface routes to master {master.host} "
+                                f"(`ip route get {master.host}` failed on the node)")
+        workdir = resolve_workdir(node, f)
+        run_dir = f"{workdir}/runs/{run_id}"
+        ifname = f.ifname or UNPROBED
+        env = {**job.env, **node.env}
+        # The contract with the trainer (shared/design.md); set last so user env cannot break it.
+        env.update({
+            "RUN_ID": run_id, "NODE_NAME": node.name, "NODE_RANK": str(rank), "NNODES": str(nnodes),
+            "MASTER_ADDR": master.host, "MASTER_PORT": str(port), "OUTPUT_DIR": OUT,
+            "GLOO_SOCKET_IFNAME": ifname, "NCCL_SOCKET_IFNAME": ifname, "PYTHONUNBUFFERED": "1",
+        })
+        for k in secret_keys:
+            env.pop(k, None)  # the env_file wins, and its value must not sit in container config
+        tr = torchrun_command(inv, nnodes, rank, nproc[node.name], master.host, port, bool(job.config))
+        secrets_file = f"{workdir}/secrets/{run_id}.env" if secret_keys else None
+        mounts = {run_dir: OUT}
+        if secrets_file:
+            mounts[secrets_file] = SECRETS_IN_CONTAINER
+            # Sourced inside the container: secrets never appear in argv, `docker inspect` or logs.
+            command = ["/bin/sh", "-c", f'set -a; . {SECRETS_IN_CONTAINER}; set +a; exec "$@"',
+                       "runner-env", *tr]
+        else:
+            command = tr
+        labels = {LABEL_RUN: run_id, LABEL_NODE: node.name, LABEL_RANK: str(rank), LABEL_NNODES: str(nnodes),
+                  LABEL_RUN_DIR: run_dir, LABEL_MASTER: master.name, LABEL_GRACE: str(job.grace_period)}
+        plans.append(NodePlan(
+            node=node.name, host=node.host, rank=rank, arch=arch, image=image,
+            container=container_name(run_id, node.name), labels=labels, command=command, env=env,
+            secret_keys=secret_keys, workdir=workdir, run_dir=run_dir, secrets_file=secrets_file,
+            config_file=f"{run_dir}/config.yaml" if job.config else None, gpus=node.gpus, mounts=mounts))
+    return Plan(run_id=run_id, nnodes=nnodes, master=master.name, master_addr=master.host, master_port=port,
+                nproc_per_node=nproc, nodes=plans, grace_period=job.grace_period,
+                config_src=job.config, env_file_src=job.env_file)
+
+
+def render_secrets_file(secrets: dict[str, str]) -> str:
+    """Shell-quoted KEY='value' lines, sourced with `set -a` inside the container."""
+    return "".join(f"{k}={shlex.quote(v)}\n" for k, v in sorted(secrets.items()))
