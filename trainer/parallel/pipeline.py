@@ -1,0 +1,214 @@
+"""Pipeline parallelism on torch.distributed.pipelining.
+
+Three steps, so that compose.py can put TP and FSDP between them:
+1. `check_schedule` validates schedule, stages and microbatches up front (one-line errors);
+2. `split_for_pipeline` cuts the seeded full model into this rank's stage modules;
+3. `PipelineRunner` wraps the (possibly TP/FSDP-wrapped) stage modules in `PipelineStage`s and a
+   schedule, and exposes `forward_backward(input_ids, labels, n_micro)` like `Parallelized`.
+
+Loss: each microbatch's loss is its token-summed cross entropy divided by the number of
+labelled tokens in the whole local batch, and the schedule does not rescale gradients. Summed
+over microbatches this is exactly the full-batch mean the single-process loop computes, also
+when microbatches hold different numbers of labelled tokens (BERT masking).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.parallel.partition import StageRange, format_ranges, partition_layers, stage_to_rank
+from trainer.parallel.stages import TiedWeights, num_layers, part_param_counts, split_model, sync_tied_grads
+
+log = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+
+
+class PipelineError(ValueError):
+    """An impossible pipeline layout; the message is one line a user can act on."""
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    name: str  # canonical name
+    torch_name: str  # name for torch's get_schedule_class
+    multi: bool  # several stages per rank
+    style: str  # stage-to-rank placement: "loop" or "v"
+
+
+SCHEDULES = {
+    "gpipe": ScheduleSpec("gpipe", "GPipe", False, "loop"),
+    "1f1b": ScheduleSpec("1f1b", "1F1B", False, "loop"),
+    "interleaved1f1b": ScheduleSpec("interleaved1f1b", "Interleaved1F1B", True, "loop"),
+    "interleaved_zb": ScheduleSpec("interleaved_zb", "InterleavedZeroBubble", True, "loop"),
+    "zbv": ScheduleSpec("zbv", "ZBVZeroBubble", True, "v"),
+    "dualpipev": ScheduleSpec("dualpipev", "DualPipeV", True, "v"),
+}
+ALIASES = {"afab": "gpipe", "all_forward_all_backward": "gpipe", "interleaved_1f1b": "interleaved1f1b",
+           "interleaved": "interleaved1f1b", "interleavedzerobubble": "interleaved_zb",
+           "zbvzerobubble": "zbv", "zb_v": "zbv", "dualpipe_v": "dualpipev"}
+
+
+def schedule_spec(name: str, key: str = "parallel.pp_schedule") -> ScheduleSpec:
+    canon = ALIASES.get(name.lower(), name.lower())
+    if canon not in SCHEDULES:
+        raise PipelineError(f"{key}: unknown schedule {name!r}; choose one of "
+                            f"{', '.join([*SCHEDULES, *sorted(ALIASES)])}")
+    return SCHEDULES[canon]
+
+
+def check_schedule(name: str, pp: int, virtual_stages: int, n_micro: int, layers: int) -> ScheduleSpec:
+    """Every constraint of the chosen schedule, checked before any process group work."""
+    spec = schedule_spec(name)
+    v, stages = virtual_stages, pp * virtual_stages
+    if not spec.multi and v != 1:
+        raise PipelineError(f"parallel.virtual_stages: {spec.name} runs one stage per rank, got {v}; "
+                            f"use interleaved1f1b/interleaved_zb/zbv/dualpipev for virtual stages")
+    if spec.multi and v < 2:
+        raise PipelineError(f"parallel.virtual_stages: {spec.name} needs at least 2 stages per rank, got {v}; "
+                            f"set --parallel.virtual_stages 2")
+    if spec.style == "v" and v != 2:
+        raise PipelineError(f"parallel.virtual_stages: {spec.name} needs exactly 2 stages per rank, got {v}")
+    if spec.name == "1f1b" and n_micro < pp:
+        raise PipelineError(f"train.microbatch_num: 1f1b needs at least as many microbatches as stages "
+                            f"({n_micro} < {pp}); raise --microbatch_num or use gpipe")
+    if spec.name in ("interleaved1f1b", "interleaved_zb"):
+        rounds = max(1, n_micro // pp)
+        if n_micro % rounds:
+            raise PipelineError(f"train.microbatch_num: {spec.name} with pp={pp} needs microbatches < {pp} "
+                                f"or a multiple of {rounds} (got {n_micro}); use a multiple of {pp}")
+    if spec.style == "v" and n_micro < stages:
+        raise PipelineError(f"train.microbatch_num: {spec.name} needs at least as many microbatches as "
+                            f"stages ({n_micro} < {stages} = 2 x pp)")
+    if layers < stages:
+        raise PipelineError(f"parallel.pp: {layers} layers cannot fill {stages} stages (pp={pp} x "
+                            f"virtual_stages={v}); lower pp or virtual_stages")
+    return spec
+
+
+def local_stage_ids(spec: ScheduleSpec, pp_rank: int, pp: int, num_stages: int) -> list[int]:
+    return [s for s in range(num_stages) if stage_to_rank(s, pp, num_stages, spec.style) == pp_rank]
+
+
+def plan_ranges(model: nn.Module, partition: str, num_stages: int) -> list[StageRange]:
+    layer_p, embed_p, head_p = part_param_counts(model)
+    return partition_layers(partition, num_layers(model), num_stages, layer_params=layer_p,
+                            embed_params=embed_p, head_params=head_p)
+
+
+def split_for_pipeline(model: nn.Module, spec: ScheduleSpec, partition: str, pp_rank: int, pp: int,
+                       virtual_stages: int) -> tuple[dict[int, nn.Module], TiedWeights, list[StageRange]]:
+    """This rank's stage modules (stage index -> module), the tied-weight map and every range."""
+    num_stages = pp * virtual_stages
+    ranges = plan_ranges(model, partition, num_stages)
+    if pp_rank == 0:
+        layer_p, embed_p, head_p = part_param_counts(model)
+        params = [r.num_layers * layer_p + (embed_p if r.stage == 0 else 0)
+                  + (head_p if r.stage == num_stages - 1 else 0) for r in ranges]
+        log.info("pipeline %s, partition %s:\n%s", spec.name, partition,
+                 format_ranges(ranges, pp, style=spec.style, params=params))
+    parts, tied = split_model(model, ranges, keep=local_stage_ids(spec, pp_rank, pp, num_stages))
+    return parts, tied, ranges
+
+
+def tied_groups(tied: TiedWeights, spec: ScheduleSpec, pp: int, num_stages: int,
+                pp_lines: list[list[int]]) -> dict[tuple[int, ...], dist.ProcessGroup | None]:
+    """Process groups joining, on every pipeline line, the ranks that hold copies of a tied weight.
+
+    `pp_lines` lists the global ranks of each pipeline (one list per dp/tp coordinate, indexed
+    by pp rank). Every rank must call this, in the same order, since new_group is collective.
+    """
+    me = dist.get_rank() if dist.is_initialized() else 0
+    groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+    for g in tied.groups:
+        key = tuple(tied.stages_of(g))
+        pp_ranks = sorted({stage_to_rank(s, pp, num_stages, spec.style) for s in key})
+        groups[key] = None
+        if len(pp_ranks) < 2:
+            continue
+        for line in pp_lines:
+            ranks = [line[r] for r in pp_ranks]
+            pg = dist.new_group(ranks)
+            if me in ranks:
+                groups[key] = pg
+    return groups
+
+
+def make_loss_fn(state: dict) -> callable:
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
+                             ignore_index=IGNORE_INDEX, reduction="sum")
+        return ce / state["n_tokens"]
+
+    return loss_fn
+
+
+class PipelineRunner:
+    """This rank's stages and the schedule; `forward_backward` returns the loss on the last stage."""
+
+    def __init__(self, parts: dict[int, nn.Module], spec: ScheduleSpec, num_stages: int,
+                 pp_group: dist.ProcessGroup, device: torch.device, tied: TiedWeights | None = None,
+                 tied_pgs: dict | None = None):
+        from torch.distributed.pipelining import PipelineStage
+
+        self.spec, self.num_stages = spec, num_stages
+        self.stage_ids = sorted(parts)
+        self.parts = parts
+        self.tied, self.tied_pgs = tied or TiedWeights(), tied_pgs or {}
+        self.stages = [PipelineStage(parts[s], s, num_stages, device, group=pp_group) for s in self.stage_ids]
+        self.has_first = 0 in parts
+        self.has_last = num_stages - 1 in parts
+        self._state: dict = {"n_tokens": 1}
+        self._schedules: dict[int, object] = {}
+
+    @property
+    def model_parts(self) -> list[nn.Module]:
+        return [self.parts[s] for s in self.stage_ids]
+
+    def _schedule(self, n_micro: int):
+        if n_micro not in self._schedules:
+            from torch.distributed.pipelining.schedules import get_schedule_class
+
+            cls = get_schedule_class(self.spec.torch_name)
+            stages = self.stages if self.spec.multi else self.stages[0]
+            self._schedules[n_micro] = cls(stages, n_microbatches=n_micro,
+                                           loss_fn=make_loss_fn(self._state), scale_grads=False)
+        return self._schedules[n_micro]
+
+    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor, n_micro: int
+                         ) -> torch.Tensor | None:
+        if input_ids.shape[0] % n_micro:
+            raise PipelineError(f"train.batch_size {input_ids.shape[0]} is not divisible by "
+                                f"train.microbatch_num {n_micro}")
+        self._state["n_tokens"] = max(int((labels != IGNORE_INDEX).sum()), 1)
+        sched = self._schedule(n_micro)
+        losses: list[torch.Tensor] = []
+        args = (input_ids,) if self.has_first else ()
+        target = labels if self.has_last else None
+        sched.step(*args, target=target, losses=losses if self.has_last else None, return_outputs=False)
+        if self.tied.groups:
+            sync_tied_grads(self.tied, self.parts, lambda stages: self.tied_pgs.get(tuple(stages)))
+        if self.has_last:
+            return torch.stack([loss.detach() for loss in losses]).sum()
+        return None
+
+    def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, n_micro: int) -> torch.Tensor | None:
+        """Forward only through the pipeline (no gradients); loss on the last stage."""
+        from torch.distributed.pipelining import ScheduleGPipe
+
+        if self.spec.multi:
+            return None  # forward-only multi-stage evaluation is not wired; callers skip eval
+        self._state["n_tokens"] = max(int((labels != IGNORE_INDEX).sum()), 1)
+        sched = ScheduleGPipe(self.stages[0], n_microbatches=n_micro, loss_fn=make_loss_fn(self._state),
+                              scale_grads=False)
+        losses: list[torch.Tensor] = []
+        with torch.no_grad():
+            sched.eval(*((input_ids,) if self.has_first else ()), target=labels if self.has_last else None,
+                       losses=losses if self.has_last else None)
+        return torch.stack(losses).sum() if self.has_last else None
