@@ -284,10 +284,11 @@ def load_inventory(path: str | os.PathLike, *, check_files: bool = True,
         nodes[0].role = "master"  # no role given: the first node is the master (rank 0)
 
     job = Job()
-    if "job" in top and top["job"][1].value is not None:
-        job = _job(c, top["job"][1], base)
-    if job_path:
+    if job_path:  # --job replaces the inventory's job section, which is then not validated
         job = _job_file(job_path, base)
+        top.pop("job", None)
+    elif "job" in top and top["job"][1].value is not None:
+        job = _job(c, top["job"][1], base)
     if isinstance(job.image, dict):
         for n in nodes:
             if n.arch and n.arch not in job.image:

@@ -1,0 +1,54 @@
+"""`runner` command line: one subcommand per module, each registering itself here."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from runner.errors import UserError
+
+# Modules that contribute subcommands. Each exposes `register(subparsers)` which adds its
+# parser(s) and sets `func` to a callable taking the parsed args and returning an exit code.
+COMMAND_MODULES = [
+    "runner.sandbox_cli",
+    "runner.check", "runner.push", "runner.launch", "runner.status", "runner.down", "runner.collect",
+]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, non-zero, no usage dump
+        sys.stderr.write(f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import importlib
+
+    parser = _Parser(prog="runner", description="Run containerized distributed PyTorch jobs on the "
+                     "nodes of an inventory: check, push, up, logs, status, down, collect.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(message)s", stream=sys.stderr)
+    try:
+        return int(args.func(args) or 0)
+    except UserError as exc:
+        sys.stderr.write(f"runner: error: {exc}\n")
+        return exc.exit_code
+    except KeyboardInterrupt:
+        sys.stderr.write("runner: interrupted\n")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

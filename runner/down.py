@@ -1,0 +1,85 @@
+"""`runner down [RUN]`: SIGTERM, a grace period for the trainer's preempt checkpoint, then stop and
+remove the run's containers on every node. Found by label, so it works from any shell and is
+idempotent (a second call finds nothing and says so)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from runner.errors import UserError
+from runner.plan import LABEL_GRACE, LABEL_NODE, LABEL_RUN
+from runner.session import Cluster, add_inventory_args, load, parallel
+from runner.ssh import Remote
+
+log = logging.getLogger("runner.down")
+
+
+def run_containers(remote: Remote, run_id: str | None, all_: bool = True) -> list:
+    flt = {"label": f"{LABEL_RUN}={run_id}" if run_id else LABEL_RUN}
+    return remote.docker().containers.list(all=all_, filters=flt)
+
+
+def stop_node(remote: Remote, run_id: str, grace: float | None, remove: bool = True) -> list[str]:
+    """Stop (SIGTERM, then SIGKILL after grace) and remove this node's containers of the run."""
+    gone = []
+    for c in run_containers(remote, run_id):
+        g = grace if grace is not None else float(c.labels.get(LABEL_GRACE, "30"))
+        try:
+            if c.status in ("running", "restarting", "paused"):
+                # docker stop = SIGTERM, wait g seconds, SIGKILL: the trainer checkpoints on SIGTERM.
+                c.stop(timeout=max(0, int(round(g))))
+            if remove:
+                c.remove(force=True)
+            gone.append(c.labels.get(LABEL_NODE, c.name))
+        except Exception as exc:  # noqa: BLE001 - already gone is fine (idempotent)
+            if "No such container" not in str(exc) and "404" not in str(exc):
+                raise
+    return gone
+
+
+def stop_run(remotes: dict[str, Remote], run_id: str, grace: float | None = None,
+             remove: bool = True) -> tuple[list[str], list[str]]:
+    """Every node in parallel. Returns (nodes where containers were stopped, errors)."""
+    res = parallel(list(remotes.values()), lambda r: stop_node(r, run_id, grace, remove))
+    stopped, errors = [], []
+    for r, val, err in res:
+        if err is not None:
+            errors.append(f"{r.node.name}: {err}")
+        elif val:
+            stopped.append(r.node.name)
+    return stopped, errors
+
+
+def latest_run(remotes: dict[str, Remote]) -> str | None:
+    """Most recent run id among containers on any node (run ids sort by time)."""
+    ids: set[str] = set()
+    for _, val, _ in parallel(list(remotes.values()), lambda r: run_containers(r, None)):
+        for c in val or []:
+            ids.add(c.labels.get(LABEL_RUN, ""))
+    ids.discard("")
+    return max(ids) if ids else None
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("down", help="stop a run on every node (SIGTERM, grace period, remove); idempotent")
+    add_inventory_args(p)
+    p.add_argument("run", nargs="?", help="run id (default: the latest run found on the nodes)")
+    p.add_argument("--grace", type=float, default=None,
+                   help="seconds between SIGTERM and SIGKILL (default: the run's job.grace_period)")
+    p.set_defaults(func=main)
+
+
+def main(args) -> int:
+    inv = load(args)
+    with Cluster(inv, args.accept_new_host_keys) as cl:
+        run_id = args.run or latest_run(cl.remotes)
+        if not run_id:
+            print("nothing to stop: no runner containers on any node")
+            return 0
+        stopped, errors = stop_run(cl.remotes, run_id, args.grace)
+        if errors:
+            raise UserError(f"run {run_id}: could not stop on " + "; ".join(errors))
+        print(f"run {run_id}: " + (f"stopped and removed on {', '.join(stopped)}" if stopped
+                                   else "nothing running (already down)"))
+    return 0

@@ -1,0 +1,155 @@
+"""Images: export from this host's engine once (cached by image id), work out which layers a node
+lacks, and build the partial `docker save` archive that carries only those.
+
+Why a partial archive works: `docker load` walks the image's diff_ids and, for each prefix,
+looks the layer's chain id up in the node's layer store; only layers it does not have are read
+from the archive (moby image/tarexport/load.go). So manifest.json + config + the missing
+layer.tar files are enough, and an unchanged base is never sent again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from runner.errors import UserError
+from runner.ssh import Remote
+
+log = logging.getLogger("runner.images")
+HOST_DOCKER = os.environ.get("RUNNER_HOST_DOCKER", "unix:///var/run/docker.sock")
+CACHE = Path(os.environ.get("RUNNER_IMAGE_CACHE", ".build/push-cache"))
+
+
+def chain_ids(diff_ids: list[str]) -> list[str]:
+    """OCI chain ids: chain[0] = diff[0]; chain[i] = sha256(chain[i-1] + " " + diff[i])."""
+    out: list[str] = []
+    for d in diff_ids:
+        out.append(d if not out else "sha256:" + hashlib.sha256(f"{out[-1]} {d}".encode()).hexdigest())
+    return out
+
+
+@dataclass
+class Exported:
+    tag: str
+    image_id: str
+    dir: Path                 # extracted `docker save` archive
+    config: str               # archive path of the config json
+    layers: list[str]         # archive paths of layer tars, in diff_id order
+    diff_ids: list[str]
+    sizes: list[int]          # uncompressed bytes per layer
+
+    @property
+    def chains(self) -> list[str]:
+        return chain_ids(self.diff_ids)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.sizes)
+
+
+def host_client():
+    import docker
+
+    try:
+        c = docker.DockerClient(base_url=HOST_DOCKER, version="auto", timeout=600)
+        c.ping()
+        return c
+    except Exception as exc:  # noqa: BLE001
+        raise UserError(f"this host's docker engine ({HOST_DOCKER}) is not reachable: {exc}; "
+                        "start it (scripts/setup.sh)") from None
+
+
+def export(tag: str, cache: Path = CACHE) -> Exported:
+    """`docker save` of tag from this host's engine into cache/<image id>/ (skipped when cached)."""
+    import docker
+
+    client = host_client()
+    try:
+        img = client.images.get(tag)
+    except docker.errors.ImageNotFound:
+        raise UserError(f"image {tag} is not on this host's engine; build it first "
+                        "(scripts/build-image.sh) or fix job.image") from None
+    image_id = img.id
+    d = cache / image_id.split(":", 1)[1]
+    done = d / ".complete"
+    if not done.exists():
+        tmp = d.with_name(d.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        log.info("exporting %s (%s) from the host engine", tag, image_id[:19])
+        stream = _IterReader(img.save(chunk_size=1 << 20, named=True))
+        with tarfile.open(fileobj=stream, mode="r|") as tf:
+            tf.extractall(tmp, filter="tar") if hasattr(tarfile, "data_filter") else tf.extractall(tmp)  # noqa: S202
+        (tmp / ".complete").write_text(image_id)
+        shutil.rmtree(d, ignore_errors=True)
+        tmp.rename(d)
+        _prune(cache, keep=d)
+    manifest = json.loads((d / "manifest.json").read_text())[0]
+    config = json.loads((d / manifest["Config"]).read_text())
+    diff_ids = config["rootfs"]["diff_ids"]
+    layers = manifest["Layers"]
+    sizes = [(d / p).stat().st_size for p in layers]
+    return Exported(tag, image_id, d, manifest["Config"], layers, diff_ids, sizes)
+
+
+def _prune(cache: Path, keep: Path, max_entries: int = 4) -> None:
+    """Keep the cache bounded: the newest few exports survive."""
+    entries = sorted((p for p in cache.iterdir() if p.is_dir() and p != keep), key=lambda p: p.stat().st_mtime)
+    for p in entries[: max(0, len(entries) - (max_entries - 1))]:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+class _IterReader:
+    """File-like over an iterator of bytes chunks (for tarfile's stream mode)."""
+
+    def __init__(self, it):
+        self.it, self.buf = iter(it), b""
+
+    def read(self, n: int = -1) -> bytes:
+        while n < 0 or len(self.buf) < n:
+            try:
+                self.buf += next(self.it)
+            except StopIteration:
+                break
+        if n < 0:
+            out, self.buf = self.buf, b""
+        else:
+            out, self.buf = self.buf[:n], self.buf[n:]
+        return out
+
+
+def node_image_id(remote: Remote, tag: str) -> str | None:
+    res = remote.run(["docker", "image", "inspect", "--format", "{{.Id}}", tag], timeout=30)
+    return res.out.strip() if res.rc == 0 else None
+
+
+def node_chains(remote: Remote) -> set[str]:
+    """Chain ids of every layer prefix of every image on the node (what its layer store holds)."""
+    res = remote.run(["sh", "-c", "ids=$(docker image ls -aq --no-trunc | sort -u); "
+                      "[ -z \"$ids\" ] || docker image inspect --format '{{json .RootFS.Layers}}' $ids"], timeout=60)
+    if res.rc != 0:
+        raise UserError(f"node {remote.node.name}: listing images failed: {res.err.strip()[:200]}")
+    have: set[str] = set()
+    for line in res.out.splitlines():
+        line = line.strip()
+        if line and line != "null":
+            have.update(chain_ids(json.loads(line)))
+    return have
+
+
+def missing_layers(exp: Exported, have: set[str]) -> list[int]:
+    return [i for i, c in enumerate(exp.chains) if c not in have]
+
+
+def partial_members(exp: Exported, missing: list[int]) -> list[str]:
+    """Archive members for a node lacking `missing`: manifest, config, and those layer tars."""
+    members = ["manifest.json", exp.config]
+    for i in missing:
+        members.append(exp.layers[i])
+    return members

@@ -1,0 +1,263 @@
+"""`runner up`: check -> push -> run id -> config + env-file to every node -> master container ->
+master's rendezvous port listening -> workers (node ranks 1..N-1) -> watch -> the job's result.
+
+`--dry-run` stops after planning: it prints the plan with secrets masked and opens no socket.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import secrets
+import shlex
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from runner.down import stop_run
+from runner.errors import UserError
+from runner.inventory import ARCH_ALIASES, Inventory
+from runner.plan import Facts, NodePlan, Plan, make_plan, render_secrets_file
+from runner.session import Cluster, Probe, add_inventory_args, load, parallel, pick_master_port, probe
+from runner.ssh import Remote
+from runner.watch import Watcher
+
+log = logging.getLogger("runner.up")
+RESUME_ARGS = ["--resume", "latest"]
+
+
+def new_run_id(now: float | None = None) -> str:
+    """Sortable by start time, unique enough for concurrent launches."""
+    t = datetime.fromtimestamp(now or time.time(), tz=timezone.utc)
+    return t.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("up", help="launch the job on every node (master first) and follow it",
+                       description="Launch the inventory's job. Extra trainer args go after `--`.")
+    add_inventory_args(p)
+    p.add_argument("--job", help="YAML file with a job section, overriding the inventory's")
+    p.add_argument("--dry-run", action="store_true", help="print the plan per node; contact nothing")
+    p.add_argument("--arch", action="append", default=[], metavar="NODE=ARCH",
+                   help="for --dry-run: arch of a node whose inventory entry has none (or ARCH for all)")
+    p.add_argument("--detach", "-d", action="store_true", help="return once every container is started")
+    p.add_argument("--resume", nargs="?", const="latest", metavar="RUN",
+                   help="continue a run from its latest checkpoint (default: the latest run)")
+    p.add_argument("--max-restarts", type=int, default=0, help="on failure, relaunch with --resume up to N times")
+    p.add_argument("--no-push", action="store_true", help="do not push images (fail if a node lacks one)")
+    p.add_argument("--rendezvous-timeout", type=float, default=120.0,
+                   help="seconds to wait for the master's port to listen (default 120)")
+    p.add_argument("--logs-dir", default="artifacts", help="where per-node logs are kept (artifacts/<run>/<node>/)")
+    p.add_argument("trainer_args", nargs="*", help="extra trainer arguments (after --)")
+    p.set_defaults(func=main)
+
+
+def _dry_facts(inv: Inventory, arch_args: list[str]) -> dict[str, Facts]:
+    given: dict[str, str] = {}
+    for a in arch_args:
+        node, sep, arch = a.rpartition("=")
+        if arch not in ARCH_ALIASES:
+            raise UserError(f"--arch {a}: unknown arch {arch!r} (amd64 or arm64)")
+        given[node if sep else "*"] = ARCH_ALIASES[arch]
+    return {n.name: Facts(arch=given.get(n.name, given.get("*"))) for n in inv.nodes}
+
+
+def main(args) -> int:
+    inv = load(args, check_files=not args.dry_run)
+    if args.trainer_args:
+        inv.job.args = list(inv.job.args) + list(args.trainer_args)
+    secret_vals = inv.job.secrets()
+    if args.dry_run:
+        run_id = args.resume if args.resume not in (None, "latest") else "<new run id>"
+        if args.resume:
+            inv.job.args += RESUME_ARGS
+        plan = make_plan(inv, run_id, _dry_facts(inv, args.arch), secret_keys=list(secret_vals))
+        print(plan.render())
+        return 0
+    return Launcher(inv, args, secret_vals).run()
+
+
+class Launcher:
+    def __init__(self, inv: Inventory, args, secret_vals: dict[str, str]):
+        self.inv, self.args, self.secret_vals = inv, args, secret_vals
+
+    def run(self) -> int:
+        with Cluster(self.inv, self.args.accept_new_host_keys) as cl:
+            probes = self.preflight(cl)
+            if not self.args.no_push:
+                from runner.push import push_to_nodes
+
+                push_to_nodes(cl, {n: p.arch for n, p in probes.items()}, quiet=False)
+            run_id = self._run_id(cl)
+            attempt = 0
+            while True:
+                code = self.launch_once(cl, probes, run_id, resume=bool(self.args.resume) or attempt > 0)
+                if code == 0 or code == 130 or attempt >= self.args.max_restarts:
+                    return code
+                attempt += 1
+                log.warning("run %s: restart %d/%d from the latest checkpoint", run_id, attempt,
+                            self.args.max_restarts)
+
+    def _run_id(self, cl: Cluster) -> str:
+        if not self.args.resume:
+            return new_run_id()
+        if self.args.resume != "latest":
+            return self.args.resume
+        master = cl[self.inv.master.name]
+        wd = self.inv.master.workdir.replace("~", "$HOME", 1)
+        res = master.run(["sh", "-c", f"ls -1 {wd}/runs 2>/dev/null | sort | tail -1"])
+        rid = res.out.strip()
+        if not rid:
+            raise UserError(f"--resume: no previous run in {self.inv.master.workdir}/runs on {self.inv.master.name}")
+        return rid
+
+    def preflight(self, cl: Cluster) -> dict[str, Probe]:
+        probes = cl.each(lambda r: probe(r, self.inv.master.host))
+        bad = []
+        for name, p in probes.items():
+            node = self.inv.node(name)
+            if p.docker_error:
+                bad.append(f"{name}: docker engine not reachable ({p.docker_error})")
+            if not p.ifname:
+                bad.append(f"{name}: no interface routes to master {self.inv.master.host}")
+            if node.arch and p.arch and node.arch != p.arch:
+                bad.append(f"{name}: inventory says arch {node.arch} but the node is {p.arch}")
+        if bad:
+            raise UserError("preflight failed: " + "; ".join(bad))
+        return probes
+
+    def make_plan(self, probes: dict[str, Probe], run_id: str, resume: bool) -> Plan:
+        job = self.inv.job
+        if job.master_port == "auto":
+            # Derived from the run id so two concurrent launches on one master rarely collide.
+            listening = probes[self.inv.master.name].listening or set()
+            port = pick_master_port(listening, start=29500 + int(run_id[-4:], 16) % 400)
+        else:
+            port = int(job.master_port)
+            if port in (probes[self.inv.master.name].listening or set()):
+                raise UserError(f"master {self.inv.master.name}: master_port {port} is already in use; "
+                                "choose another or use master_port: auto")
+        saved = list(job.args)
+        if resume and not any(a == "--resume" for a in job.args):
+            job.args = saved + RESUME_ARGS
+        try:
+            return make_plan(self.inv, run_id, {n: p.facts() for n, p in probes.items()}, master_port=port,
+                             secret_keys=list(self.secret_vals), strict=True)
+        finally:
+            job.args = saved
+
+    def stage_files(self, cl: Cluster, plan: Plan) -> None:
+        config = Path(plan.config_src).read_bytes() if plan.config_src else None
+        secret_text = render_secrets_file(self.secret_vals).encode() if self.secret_vals else None
+
+        def one(np: NodePlan) -> None:
+            r = cl[np.node]
+            r.makedirs(np.run_dir)
+            if config is not None:
+                r.put_bytes(np.config_file, config, 0o644)
+            if secret_text is not None:
+                r.makedirs(os.path.dirname(np.secrets_file), 0o700)
+                r.put_bytes(np.secrets_file, secret_text, 0o600)
+
+        for np_, _, err in parallel(plan.nodes, one):
+            if err:
+                raise UserError(f"node {np_.node}: staging files in {np_.run_dir} failed: {err}")
+
+    def launch_once(self, cl: Cluster, probes: dict[str, Probe], run_id: str, resume: bool) -> int:
+        plan = self.make_plan(probes, run_id, resume)
+        self.stage_files(cl, plan)
+        log_dir = Path(self.args.logs_dir) / run_id
+        master = plan.nodes[0]
+        watcher: Watcher | None = None
+        try:
+            t0 = time.time()
+            start_container(cl[master.node], master)
+            wait_listening(cl[master.node], master, int(plan.master_port), self.args.rendezvous_timeout)
+            log.info("[%s/0] master listening on %s:%s after %.1fs", master.node, plan.master_addr,
+                     plan.master_port, time.time() - t0)
+            for np_, _, err in parallel(plan.nodes[1:], lambda np: start_container(cl[np.node], np)):
+                if err:
+                    raise UserError(f"node {np_.node}: starting container failed: {err}")
+            log.info("run %s: %d node(s) running after %.1fs", run_id, plan.nnodes, time.time() - t0)
+            print(f"run {run_id} started on {', '.join(n.node for n in plan.nodes)}", flush=True)
+            if self.args.detach:
+                print(f"follow: runner logs {run_id} -f -i {self.inv.path}   stop: runner down {run_id} -i {self.inv.path}")
+                return 0
+            watcher = Watcher(cl.remotes, plan, log_dir)
+            failed = watcher.run()
+        except KeyboardInterrupt:
+            sys.stderr.write(f"runner: interrupted: stopping run {run_id} (grace {plan.grace_period:.0f}s)\n")
+            stop_run(cl.remotes, run_id, plan.grace_period)
+            return 130
+        except BaseException:
+            stop_run(cl.remotes, run_id, grace=3)  # never leave half a run behind
+            raise
+        if failed is None:
+            write_status(cl, plan, watcher, 0)
+            stop_run(cl.remotes, run_id, grace=0)  # exited containers: remove them
+            print(f"run {run_id} finished: all {plan.nnodes} node(s) exited 0; collect: runner collect {run_id}")
+            return 0
+        what = failed.error or f"container exited with code {failed.exit_code}"
+        for line in failed.last_lines:
+            sys.stderr.write(f"  [{failed.node}/{failed.rank}] {line}\n")
+        write_status(cl, plan, watcher, failed.exit_code or 1)
+        sys.stderr.write(f"runner: error: run {run_id}: node {failed.node} (rank {failed.rank}) failed: {what}; "
+                         f"stopped the run on every node\n")
+        return failed.exit_code if failed.exit_code and 0 < failed.exit_code < 126 else 1
+
+
+def start_container(remote: Remote, np: NodePlan):
+    import docker
+
+    d = remote.docker()
+    volumes = {src: {"bind": dst, "mode": "ro" if dst.startswith("/run/") else "rw"} for src, dst in np.mounts.items()}
+    kwargs = {}
+    if np.gpus:
+        count = -1 if np.gpus == "all" else int(np.gpus)
+        kwargs["device_requests"] = [docker.types.DeviceRequest(count=count, capabilities=[["gpu"]])]
+    try:
+        return d.containers.run(np.image, np.command, name=np.container, labels=np.labels, environment=np.env,
+                                network_mode="host", ipc_mode="host", volumes=volumes, detach=True,
+                                **kwargs)
+    except docker.errors.ImageNotFound:
+        raise UserError(f"node {np.node}: image {np.image} not present; run `runner push`") from None
+    except docker.errors.APIError as exc:
+        raise UserError(f"node {np.node}: docker refused to start {np.container}: {exc.explanation}") from None
+
+
+def wait_listening(remote: Remote, np: NodePlan, port: int, timeout: float) -> None:
+    """Poll the master node until something listens on the rendezvous port (torchrun's TCPStore)."""
+    deadline = time.time() + timeout
+    c = remote.docker().containers.get(np.container)
+    check = f"ss -ltnH 'sport = :{port}' 2>/dev/null | head -1"
+    i = 0
+    while time.time() < deadline:
+        if remote.run(["sh", "-c", check], timeout=10).out.strip():
+            return
+        i += 1
+        if i % 5 == 0:
+            c.reload()
+            if c.status not in ("running", "created"):
+                tail = c.logs(tail=10).decode(errors="replace").strip().splitlines()
+                raise UserError(f"node {np.node}: master container exited ({c.attrs['State'].get('ExitCode')}) "
+                                f"before its port {port} listened; last line: {tail[-1] if tail else '(no output)'}")
+        time.sleep(0.1)
+    raise UserError(f"node {np.node}: master port {port} did not listen within {timeout:.0f}s "
+                    f"(--rendezvous-timeout); check `runner logs --node {np.node}`")
+
+
+def write_status(cl: Cluster, plan: Plan, watcher: Watcher | None, code: int) -> None:
+    """runner-status.json in each node's run dir, so `status`/`ls` know how a finished run ended."""
+    for np in plan.nodes:
+        o = watcher.done.get(np.node) if watcher else None
+        doc = {"run_id": plan.run_id, "node": np.node, "rank": np.rank, "result": code,
+               "exit_code": o.exit_code if o else None, "error": o.error if o else None,
+               "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+               "image": np.image, "command": shlex.join(np.command)}
+        try:
+            cl[np.node].put_bytes(f"{np.run_dir}/runner-status.json", json.dumps(doc, indent=1).encode())
+        except Exception as exc:  # noqa: BLE001 - an unreachable node just has no status file
+            log.debug("status file on %s: %s", np.node, exc)

@@ -1,0 +1,180 @@
+"""Shared plumbing for the commands: inventory arguments, parallel SSH, and node probing."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TypeVar
+
+from runner.errors import UserError
+from runner.inventory import Inventory, load_inventory
+from runner.plan import Facts
+from runner.ssh import Remote, connect_all
+
+T = TypeVar("T")
+DEFAULT_INVENTORY = "hosts/local.yaml"
+
+
+def add_inventory_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-i", "--inventory", default=DEFAULT_INVENTORY, help=f"inventory YAML (default {DEFAULT_INVENTORY})")
+    p.add_argument("--accept-new-host-keys", action="store_true",
+                   help="trust and record host keys not yet in known_hosts (default: refuse)")
+
+
+def load(args, *, check_files: bool = True) -> Inventory:
+    return load_inventory(args.inventory, check_files=check_files, job_path=getattr(args, "job", None))
+
+
+def parallel(items: list, fn: Callable[..., T], workers: int | None = None) -> list[tuple[object, T | None, Exception | None]]:
+    """fn over items concurrently; returns (item, result, error) in input order."""
+    if not items:
+        return []
+    with ThreadPoolExecutor(max_workers=workers or len(items)) as ex:
+        futs = [ex.submit(fn, it) for it in items]
+        out = []
+        for it, f in zip(items, futs, strict=True):
+            try:
+                out.append((it, f.result(), None))
+            except Exception as exc:  # noqa: BLE001 - reported per node by the caller
+                out.append((it, None, exc))
+        return out
+
+
+class Cluster:
+    """The inventory's nodes, connected (verified host keys), closed on exit."""
+
+    def __init__(self, inv: Inventory, accept_new_host_keys: bool = False):
+        self.inv = inv
+        self.accept_new = accept_new_host_keys
+        self.remotes: dict[str, Remote] = {}
+
+    def __enter__(self) -> Cluster:
+        self.remotes = connect_all(self.inv.nodes, self.accept_new)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for r in self.remotes.values():
+            r.close()
+
+    def __getitem__(self, name: str) -> Remote:
+        return self.remotes[name]
+
+    def each(self, fn: Callable[[Remote], T]) -> dict[str, T]:
+        """Run fn on every node in parallel; one UserError naming every node that failed."""
+        res = parallel([self.remotes[n.name] for n in self.inv.nodes], fn)
+        errors = [f"{r.node.name}: {_short(e)}" for r, _, e in res if e is not None]
+        if errors:
+            raise UserError("; ".join(errors))
+        return {r.node.name: v for r, v, _ in res}
+
+
+def _short(e: Exception) -> str:
+    s = str(e).strip().splitlines()
+    msg = s[0] if s else type(e).__name__
+    return msg.split(": ", 1)[1] if msg.startswith("node ") and ": " in msg else msg
+
+
+@dataclass
+class Probe:
+    """Everything `check` shows about a node; `up` uses arch/home/ifname."""
+
+    arch: str | None = None
+    home: str | None = None
+    ifname: str | None = None
+    master_ip: str | None = None
+    cpus: int | None = None
+    mem_gb: float | None = None
+    disk_free_gb: float | None = None
+    gpus: int = 0
+    docker: str | None = None
+    docker_error: str | None = None
+    clock_offset_s: float | None = None
+    listening: set[int] | None = None
+
+    def facts(self) -> Facts:
+        return Facts(arch=self.arch, ifname=self.ifname, home=self.home)
+
+
+UNAME_ARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
+
+
+def probe(remote: Remote, master_host: str) -> Probe:
+    """One round trip of plain shell (no python needed on the node)."""
+    wd = remote.node.workdir
+    wd_sh = '"$HOME"' + shlex.quote(wd[1:]) if wd.startswith("~") else shlex.quote(wd)
+    m = shlex.quote(master_host)
+    script = f"""
+A=$(getent ahostsv4 {m} 2>/dev/null | awk 'NR==1{{print $1}}'); [ -n "$A" ] || A={m}
+echo "master_ip=$A"
+R=$(ip -o route get "$A" 2>/dev/null | head -1)
+echo "route=$R"
+case "$R" in local*) echo "addrdev=$(ip -o addr show to "$A" 2>/dev/null | awk 'NR==1{{print $2}}')";; esac
+echo "arch=$(uname -m)"
+echo "home=$HOME"
+echo "nproc=$(nproc 2>/dev/null || getconf _NPROCESSORS_ONLN)"
+echo "mem_kb=$(awk '/MemTotal/{{print $2}}' /proc/meminfo)"
+d={wd_sh}; while [ ! -e "$d" ]; do d=$(dirname "$d"); done
+echo "disk_kb=$(df -Pk "$d" | awk 'NR==2{{print $4}}')"
+echo "gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')"
+echo "listen=$(ss -ltnH 2>/dev/null | awk '{{n=split($4,a,":"); printf "%s ", a[n]}}')"
+V=$(docker version --format '{{{{.Server.Version}}}}' 2>&1 | tr '\\n' ' ')
+echo "docker_rc=$?"
+echo "docker=$V"
+echo "time_ns=$(date +%s%N)"
+"""
+    t0 = time.time()
+    res = remote.run(["sh", "-c", script], timeout=30)
+    t1 = time.time()
+    kv: dict[str, str] = {}
+    for line in res.out.splitlines():
+        k, _, v = line.partition("=")
+        kv[k.strip()] = v.strip()
+    p = Probe()
+    p.arch = UNAME_ARCH.get(kv.get("arch", ""), kv.get("arch") or None)
+    p.home = kv.get("home") or None
+    p.master_ip = kv.get("master_ip")
+    route = kv.get("route", "").split()
+    if "dev" in route:
+        p.ifname = route[route.index("dev") + 1]
+    if kv.get("addrdev"):
+        # The master routes its own address via `local ... dev lo`; gloo must bind the interface
+        # that HOLDS the address, which other nodes can reach.
+        p.ifname = kv["addrdev"]
+    p.cpus = _int(kv.get("nproc"))
+    mem = _int(kv.get("mem_kb"))
+    p.mem_gb = round(mem / 1048576, 1) if mem else None
+    disk = _int(kv.get("disk_kb"))
+    p.disk_free_gb = round(disk / 1048576, 1) if disk is not None else None
+    p.gpus = _int(kv.get("gpus")) or 0
+    v = kv.get("docker", "")
+    if v and v[0].isdigit() and " " not in v.strip():
+        p.docker = v.strip()
+    else:
+        p.docker_error = v.strip()[:160] or "docker not found"
+    tn = _int(kv.get("time_ns"))
+    if tn:
+        p.clock_offset_s = round(tn / 1e9 - (t0 + t1) / 2, 3)
+    p.listening = {int(x) for x in kv.get("listen", "").split() if x.isdigit()}
+    return p
+
+
+def _int(s: str | None) -> int | None:
+    try:
+        return int(s) if s not in (None, "") else None
+    except ValueError:
+        return None
+
+
+def pick_master_port(listening: set[int], start: int = 29500, span: int = 500) -> int:
+    """First port from 29500 that nothing listens on (torchrun's default neighbourhood)."""
+    for p in range(start, start + span):
+        if p not in listening:
+            return p
+    raise UserError(f"no free master port in {start}..{start + span - 1} on the master; set job.master_port")
+
+
+__all__ = ["Cluster", "Probe", "add_inventory_args", "load", "parallel", "pick_master_port", "probe", "connect_all"]

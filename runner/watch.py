@@ -1,0 +1,156 @@
+"""Watch a launched run: stream every container's output prefixed `[node/rank]` (also kept per
+node), and fail fast: the first container exiting non-zero or node becoming unreachable stops
+every other container of the run (one shared event, as Horovod's safe_shell_exec does)."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from runner.down import stop_run
+from runner.plan import Plan
+from runner.ssh import Remote
+
+log = logging.getLogger("runner.watch")
+HEARTBEAT_S = 2.0
+HEARTBEAT_TIMEOUT_S = 6.0
+FAIL_STOP_GRACE_S = 3  # after a failure the job is lost anyway: SIGTERM, then SIGKILL after 3 s
+
+
+@dataclass
+class Outcome:
+    node: str
+    rank: int
+    exit_code: int | None = None
+    error: str | None = None          # node unreachable / docker error
+    last_lines: list[str] = field(default_factory=list)
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None or (self.exit_code or 0) != 0
+
+
+class Watcher:
+    def __init__(self, remotes: dict[str, Remote], plan: Plan, log_dir: Path | None,
+                 out: TextIO | None = None, tail_lines: int = 20):
+        self.remotes, self.plan, self.log_dir = remotes, plan, log_dir
+        self.out = out or sys.stdout
+        self.tail: dict[str, collections.deque[str]] = {n.node: collections.deque(maxlen=tail_lines) for n in plan.nodes}
+        self.events: queue.Queue[Outcome] = queue.Queue()
+        self.stop = threading.Event()
+        self.done: dict[str, Outcome] = {}
+        self._print_lock = threading.Lock()
+        self._log_threads: dict[str, threading.Thread] = {}
+
+    # -- threads ---------------------------------------------------------------------------
+    def _emit(self, prefix: str, node: str, line: str, fh) -> None:
+        self.tail[node].append(line)
+        with self._print_lock:
+            self.out.write(f"{prefix} {line}\n")
+            self.out.flush()
+        if fh:
+            fh.write(line + "\n")
+            fh.flush()
+
+    def _stream(self, np) -> None:
+        prefix = f"[{np.node}/{np.rank}]"
+        fh = None
+        if self.log_dir:
+            d = self.log_dir / np.node
+            d.mkdir(parents=True, exist_ok=True)
+            fh = open(d / "container.log", "a")
+        try:
+            c = self.remotes[np.node].docker().containers.get(np.container)
+            buf = b""
+            for chunk in c.logs(stream=True, follow=True):
+                buf += chunk
+                *lines, buf = buf.split(b"\n")
+                for ln in lines:
+                    self._emit(prefix, np.node, ln.decode(errors="replace").rstrip("\r"), fh)
+            if buf:
+                self._emit(prefix, np.node, buf.decode(errors="replace"), fh)
+        except Exception as exc:  # noqa: BLE001 - the wait/heartbeat threads report the failure
+            log.debug("%s log stream ended: %s", prefix, exc)
+        finally:
+            if fh:
+                fh.close()
+
+    def _wait(self, np) -> None:
+        try:
+            c = self.remotes[np.node].docker().containers.get(np.container)
+            res = c.wait(timeout=None)
+            self.events.put(Outcome(np.node, np.rank, exit_code=int(res.get("StatusCode", 1))))
+        except Exception as exc:  # noqa: BLE001
+            if not self.stop.is_set():
+                self.events.put(Outcome(np.node, np.rank, error=f"lost contact with the engine: {exc}"))
+
+    def _heartbeat(self, np) -> None:
+        r = self.remotes[np.node]
+        while not self.stop.wait(HEARTBEAT_S):
+            if np.node in self.done:
+                return
+            try:
+                if not r.alive:
+                    raise ConnectionError("SSH connection closed")
+                r.run("true", timeout=HEARTBEAT_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001
+                if not self.stop.is_set():
+                    self.events.put(Outcome(np.node, np.rank, error=f"node unreachable ({exc})"))
+                return
+
+    # -- main loop -------------------------------------------------------------------------
+    def start_streams(self) -> None:
+        for np in self.plan.nodes:
+            t = threading.Thread(target=self._stream, args=(np,), daemon=True, name=f"logs-{np.node}")
+            t.start()
+            self._log_threads[np.node] = t
+
+    def run(self) -> Outcome | None:
+        """Block until every container exits 0 (returns None) or one fails (returns it, after
+        stopping every other container of the run). KeyboardInterrupt propagates to the caller."""
+        if not self._log_threads:
+            self.start_streams()
+        for np in self.plan.nodes:
+            threading.Thread(target=self._wait, args=(np,), daemon=True).start()
+            threading.Thread(target=self._heartbeat, args=(np,), daemon=True).start()
+        try:
+            while len(self.done) < len(self.plan.nodes):
+                try:
+                    ev = self.events.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+                if ev.node in self.done:
+                    continue
+                self.done[ev.node] = ev
+                if ev.failed:
+                    return self._fail(ev)
+                log.info("[%s/%d] exited 0", ev.node, ev.rank)
+            self._drain()
+            return None
+        finally:
+            self.stop.set()
+
+    def _drain(self, timeout: float = 3.0) -> None:
+        end = time.time() + timeout
+        for t in self._log_threads.values():
+            t.join(max(0.0, end - time.time()))
+
+    def _fail(self, ev: Outcome) -> Outcome:
+        self.stop.set()
+        t0 = time.time()
+        reachable = {k: v for k, v in self.remotes.items() if k != ev.node or ev.error is None}
+        stopped, errors = stop_run(reachable, self.plan.run_id, grace=FAIL_STOP_GRACE_S)
+        log.info("run %s: stopped the other containers on %s in %.1fs", self.plan.run_id,
+                 ", ".join(stopped) or "no node", time.time() - t0)
+        for e in errors:
+            log.warning("could not stop: %s", e)
+        self._drain(1.0)
+        ev.last_lines = list(self.tail[ev.node])
+        return ev
