@@ -1,0 +1,8 @@
+"""`python -m trainer` = the `trainer` console script."""
+
+import sys
+
+from trainer.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""`trainer` console script: `trainer [train] --config X.yaml [overrides]` and registered subcommands.
+
+Subcommands are looked up lazily in COMMANDS ("name" -> "module:function"), so a command's
+imports (torch, matplotlib) cost nothing for the others. A command function takes argv (the
+arguments after its name) and returns an exit code. Register a new one by adding a line to
+COMMANDS or calling register() before main().
+
+Overrides for `train`:
+  --section.key VALUE | --section.key=VALUE   any canonical key (see trainer/config.py)
+  --config PATH | a positional PATH.yaml       the YAML file (FSDP stub: `trainer cfg.yaml`)
+  seed flags (`--train_steps 5`, `--max-steps`, `--mbs`, ...)  see docs/flags.md
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any
+
+from trainer.config import ConfigError
+
+COMMANDS: dict[str, str] = {
+    "train": "trainer.train:main",
+    "export": "trainer.checkpoint:export_main",
+    "plot": "trainer.plots:main",
+}
+
+
+def register(name: str, target: str) -> None:
+    COMMANDS[name] = target
+
+
+def parse_train_args(argv: list[str]) -> tuple[str | None, list[tuple[str, Any]]]:
+    """argv -> (config path, canonical (key, raw value) overrides in command-line order)."""
+    from trainer.seed_flags import FLAGS, model_name_key
+
+    config_path: str | None = None
+    overrides: list[tuple[str, Any]] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            if config_path is None and arg.endswith((".yaml", ".yml")):
+                config_path = arg
+                i += 1
+                continue
+            raise ConfigError(f"unexpected argument '{arg}' (options look like --section.key VALUE)")
+        name, eq, inline = arg.partition("=")
+        alias = FLAGS.get(name) or FLAGS.get(name.replace("_", "-")) if "." not in name else None
+        switch = alias is not None and alias.is_switch
+        if eq:
+            value: Any = inline
+            i += 1
+        elif switch and (i + 1 >= len(argv) or argv[i + 1].startswith("--")):
+            value = True
+            i += 1
+        else:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"option '{name}' needs a value")
+            value = argv[i + 1]
+            i += 2
+        if name == "--config":
+            config_path = str(value)
+        elif "." in name:
+            overrides.append((name[2:], value))
+        elif alias is not None:
+            if name == "--model_name":
+                overrides.append(model_name_key(value))
+            else:
+                overrides.append((alias.canonical, alias.convert(value)))
+        else:
+            raise ConfigError(f"unknown option '{name}' (see docs/flags.md or use --section.key VALUE)")
+    return config_path, overrides
+
+
+def _load(target: str):
+    module, _, func = target.partition(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        print("\ncommands: " + ", ".join(sorted(COMMANDS)))
+        return 0
+    command = "train"
+    if argv and not argv[0].startswith("-") and argv[0] in COMMANDS:
+        command = argv.pop(0)
+    try:
+        fn = _load(COMMANDS[command])
+    except (ImportError, AttributeError):
+        print(f"error: command '{command}' is not available in this build", file=sys.stderr)
+        return 2
+    try:
+        return int(fn(argv) or 0)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2

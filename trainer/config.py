@@ -1,0 +1,326 @@
+"""Job configuration: dataclasses with stated defaults, YAML, env fallbacks and CLI overrides.
+
+Precedence, lowest to highest: dataclass default < YAML file < environment variable < CLI flag.
+(The Pi guide's `--batch_size` beats `BATCH_SIZE`, which beats the YAML; the runner's
+`OUTPUT_DIR=/out` beats a YAML `output_dir`, while an explicit `--output-dir` beats both.)
+
+Seed-compatible flags (`--train_steps`, `--max-steps`, `--mbs`, ...) and the FSDP stub's YAML keys
+(`dist.sharding_stage`, ...) are aliases of canonical dotted keys; the table is `seed_flags.py`
+and docs/flags.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(Exception):
+    """An error the user can fix: printed as one line, exit code 2, no traceback."""
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "tiny-llama"          # a name in trainer/models/presets.py
+    path: str | None = None             # local HF model dir: config (+ weights) loaded, never downloaded
+    load_weights: bool = True           # with `path`: load its weights (False = its config, random init)
+    num_hidden_layers: int | None = None  # override the preset's layer count
+    hidden_size: int | None = None
+    num_attention_heads: int | None = None
+    intermediate_size: int | None = None
+    vocab_size: int | None = None       # default: the preset's, or the tokenizer's for text data
+    attn_implementation: str = "sdpa"   # sdpa | eager (both deterministic on CPU in fp32)
+    hf_overrides: dict = field(default_factory=dict)  # any other transformers config field
+
+
+@dataclass
+class DataConfig:
+    source: str = "synthetic"           # synthetic | a file/dir of .txt/.jsonl/.json/.parquet
+    seq_len: int = 128
+    tokenizer: str | None = None        # tokenizer dir; None = train a BPE on the corpus
+    tokenizer_vocab_size: int = 4096    # for the trained BPE tokenizer
+    text_field: str = "text"            # column holding text in jsonl/parquet
+    eval_fraction: float = 0.0          # fraction of packed blocks held out for eval (text data)
+    mlm_probability: float = 0.15       # masked-LM (BERT) masking rate
+    num_workers: int = 0                # accepted for the FSDP stub; data is made in-process
+
+
+@dataclass
+class TrainConfig:
+    steps: int | None = None            # optimizer steps; None = one pass over text data
+    seed: int = 0
+    batch_size: int = 16                # samples per DP rank per forward/backward (Pi guide: "per rank")
+    microbatch_num: int = 4             # each batch is split into this many microbatches
+    grad_acc_steps: int = 1             # batches accumulated per optimizer step
+    dtype: str = "fp32"                 # fp32 | bf16
+    grad_clip: float = 1.0              # max grad norm; 0 = no clipping (the norm is logged anyway)
+    eval_interval: int = 0              # evaluate every N steps (0 = never)
+    eval_batches: int = 2
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 3e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+
+@dataclass
+class ScheduleConfig:
+    warmup_steps: int = 0               # linear warmup; warmup_ratio (of train.steps) used when > 0
+    warmup_ratio: float = 0.0
+    decay: str = "cosine"               # cosine | constant
+    min_lr: float = 0.0
+    total_steps: int | None = None      # cosine horizon; default train.steps; flat min_lr after it
+
+
+@dataclass
+class ParallelConfig:
+    sharding: str = "ddp"               # ddp | zero0 | zero2 | zero3 | zero2_hybrid | zero3_hybrid
+    dp: int | None = None               # default world / (tp * pp)
+    dp_shard: int | None = None         # hybrid: shard group size (default: ranks per node)
+    tp: int = 1
+    pp: int = 1
+    pp_schedule: str = "1f1b"           # gpipe (afab) | 1f1b | interleaved1f1b | zbv | ...
+    partition: str = "uniform_transformer"
+    virtual_stages: int = 1
+    device: str = "auto"                # auto (cuda if available) | cpu | cuda
+    backend: str = "auto"               # auto (gloo on cpu, nccl on cuda) | gloo | nccl
+    timeout_s: int = 1800
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 0                   # every N steps (0 = only at the end when enabled)
+    keep_last: int = 2
+    format: str = "dcp"                 # dcp | full (also the FSDP stub's *_state_dict.pt files)
+    prefix: str = ""                    # FSDP stub naming <prefix>.<timestamp>[.preempt]
+    preempt_interval: int = 0
+    dir: str | None = None              # default OUTPUT_DIR/checkpoints
+    resume: str | None = None           # latest | PATH
+    enabled: bool = False
+
+
+@dataclass
+class ProfileConfig:
+    batch: str = "0"                    # Pi guide PROFILE_BATCH: batch index (or list/range) to record
+    format: str = "chrome"              # chrome | seed
+    export_timing_csv: bool = False     # Perseus/Merak instructions-*.csv and time-energy-*.csv
+    num_prof_steps: int = 0
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = 1
+    seed_line: bool = True              # also print the Pi guide's `[rank0] step N loss X.XXXX`
+    peak_flops: float | None = None     # per-device peak for MFU; default GPU table / CPU matmul probe
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    output_dir: str = "outputs"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+SHARDING = ("ddp", "zero0", "zero2", "zero3", "zero2_hybrid", "zero3_hybrid")
+DTYPES = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
+
+
+# ---------------------------------------------------------------- key access and coercion
+
+
+def _section_and_field(cfg: Config, key: str) -> tuple[Any, str]:
+    parts = key.split(".")
+    obj: Any = cfg
+    for p in parts[:-1]:
+        if not dataclasses.is_dataclass(obj) or p not in {f.name for f in dataclasses.fields(obj)}:
+            raise ConfigError(f"unknown config key '{key}'")
+        obj = getattr(obj, p)
+    name = parts[-1]
+    if not dataclasses.is_dataclass(obj) or name not in {f.name for f in dataclasses.fields(obj)}:
+        raise ConfigError(f"unknown config key '{key}'")
+    if dataclasses.is_dataclass(getattr(obj, name)):
+        raise ConfigError(f"config key '{key}' is a section; set one of its fields")
+    return obj, name
+
+
+def _coerce(key: str, tp: Any, value: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        return _coerce(key, args[0], value)
+    if isinstance(value, str) and tp is not str:
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config key '{key}': cannot parse {value!r}") from e
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"config key '{key}': expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"config key '{key}': expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"config key '{key}': expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"config key '{key}': expected a string, got {value!r}")
+        return str(value)
+    if tp is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{key}': expected a mapping, got {value!r}")
+        return dict(value)
+    return value
+
+
+def set_key(cfg: Config, key: str, value: Any) -> None:
+    """Set a canonical dotted key, coercing to the field's declared type."""
+    obj, name = _section_and_field(cfg, key)
+    hints = typing.get_type_hints(type(obj))
+    setattr(obj, name, _coerce(key, hints[name], value))
+
+
+def get_key(cfg: Config, key: str) -> Any:
+    obj, name = _section_and_field(cfg, key)
+    return getattr(obj, name)
+
+
+# ---------------------------------------------------------------- YAML
+
+
+def _flatten(d: dict, prefix: str = "") -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        # dict-valued fields (model.hf_overrides, FSDP stub's model.hf_config) stay whole.
+        if isinstance(v, dict) and key not in DICT_KEYS:
+            out += _flatten(v, key + ".")
+        else:
+            out.append((key, v))
+    return out
+
+
+DICT_KEYS = {"model.hf_overrides", "model.hf_config"}
+
+
+def apply_yaml(cfg: Config, path: str | Path) -> None:
+    from trainer.seed_flags import YAML_ALIASES, YAML_IGNORED
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file '{path}' not found")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file '{path}' is not valid YAML: {str(e).splitlines()[0]}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{path}' must be a mapping of sections")
+    for key, value in _flatten(data):
+        if key in YAML_IGNORED:
+            continue
+        alias = YAML_ALIASES.get(key)
+        if alias is not None:
+            key, value = alias.canonical, alias.convert(value)
+        try:
+            set_key(cfg, key, value)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
+
+
+# ---------------------------------------------------------------- validation
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need no torch and no process group; each error names its key."""
+    from trainer.models.presets import PRESETS
+
+    p, t = cfg.parallel, cfg.train
+    if p.sharding not in SHARDING:
+        raise ConfigError(f"parallel.sharding: unknown strategy '{p.sharding}' (choose one of {', '.join(SHARDING)})")
+    p.pp_schedule = {"afab": "gpipe", "1F1B": "1f1b"}.get(p.pp_schedule, p.pp_schedule)
+    if t.dtype not in DTYPES:
+        raise ConfigError(f"train.dtype: unknown dtype '{t.dtype}' (fp32 or bf16)")
+    t.dtype = DTYPES[t.dtype]
+    if cfg.model.path is None and cfg.model.preset not in PRESETS:
+        raise ConfigError(f"model.preset: unknown preset '{cfg.model.preset}' (known: {', '.join(sorted(PRESETS))})")
+    if cfg.model.path is not None and not Path(cfg.model.path).is_dir():
+        raise ConfigError(f"model.path: '{cfg.model.path}' is not a local model directory")
+    for key in ("train.batch_size", "train.microbatch_num", "train.grad_acc_steps", "data.seq_len",
+                "parallel.tp", "parallel.pp", "parallel.virtual_stages", "logging.log_interval"):
+        if get_key(cfg, key) < 1:
+            raise ConfigError(f"{key} must be >= 1, got {get_key(cfg, key)}")
+    if t.batch_size % t.microbatch_num != 0:
+        raise ConfigError(f"train.batch_size {t.batch_size} is not divisible by train.microbatch_num "
+                          f"{t.microbatch_num} (--batch_size % --microbatch_num must be 0)")
+    if t.steps is not None and t.steps < 0:
+        raise ConfigError(f"train.steps must be >= 0, got {t.steps}")
+    if cfg.data.source == "synthetic" and t.steps is None:
+        raise ConfigError("train.steps: required with synthetic data (set --train.steps N or --train_steps N)")
+    if p.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"parallel.device: '{p.device}' (auto, cpu or cuda)")
+    if p.backend not in ("auto", "gloo", "nccl"):
+        raise ConfigError(f"parallel.backend: '{p.backend}' (auto, gloo or nccl)")
+    if not 0.0 <= cfg.schedule.warmup_ratio < 1.0:
+        raise ConfigError(f"schedule.warmup_ratio must be in [0, 1), got {cfg.schedule.warmup_ratio}")
+    if cfg.schedule.decay not in ("cosine", "constant"):
+        raise ConfigError(f"schedule.decay: '{cfg.schedule.decay}' (cosine or constant)")
+    if cfg.model.attn_implementation not in ("sdpa", "eager"):
+        raise ConfigError(f"model.attn_implementation: '{cfg.model.attn_implementation}' (sdpa or eager)")
+    if cfg.data.source != "synthetic" and not Path(cfg.data.source).exists():
+        raise ConfigError(f"data.source: '{cfg.data.source}' does not exist (a file or directory, or 'synthetic')")
+
+
+# ---------------------------------------------------------------- resolution
+
+
+def resolve(config_path: str | None, overrides: list[tuple[str, Any]],
+            environ: typing.Mapping[str, str] | None = None) -> Config:
+    """default < YAML < env < CLI; `overrides` are canonical (key, raw value) pairs from the CLI."""
+    from trainer.seed_flags import ENV_KEYS
+
+    environ = os.environ if environ is None else environ
+    cfg = Config()
+    if config_path:
+        apply_yaml(cfg, config_path)
+    for var, key in ENV_KEYS.items():
+        if environ.get(var, "") != "":
+            try:
+                set_key(cfg, key, environ[var])
+            except ConfigError as e:
+                raise ConfigError(f"env {var}: {e}") from None
+    for key, value in overrides:
+        set_key(cfg, key, value)
+    validate(cfg)
+    return cfg

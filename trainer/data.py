@@ -1,0 +1,204 @@
+"""Training data: synthetic tokens/images, or local text/jsonl/parquet tokenised and packed.
+
+Every sample has a global index; sample i is a pure function of (seed, i). A step's global
+batch is samples [c, c + G) with G = batch_size x grad_acc_steps x dp, and DP rank r takes the
+contiguous slice [c + r*L, c + (r+1)*L), L = G / dp. So sample i of a global batch is the same
+whatever the DP layout, and the only position to save for resume is c (`consumed`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.config import ConfigError, DataConfig
+
+log = logging.getLogger("trainer")
+
+TEXT_EXT = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+SPECIAL_TOKENS = ["<|endoftext|>", "[MASK]", "[PAD]"]
+_EVAL_OFFSET = 1 << 40  # synthetic eval samples live far from training indices
+
+
+def _gen(seed: int, index: int) -> torch.Generator:
+    return torch.Generator().manual_seed((seed * 1_000_003 + index) % (1 << 63))
+
+
+@dataclass
+class Tokenizer:
+    vocab_size: int
+    eos_id: int
+    mask_id: int | None
+    backend: Any                         # a tokenizers.Tokenizer
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.backend.encode_batch(texts)]
+
+
+# ---------------------------------------------------------------- text corpus
+
+
+def _data_files(source: str) -> tuple[str, list[str]]:
+    p = Path(source)
+    files = sorted(str(f) for f in p.rglob("*") if f.suffix in TEXT_EXT) if p.is_dir() else [str(p)]
+    if not files:
+        raise ConfigError(f"data.source: no .txt/.jsonl/.parquet files under '{source}'")
+    kinds = {TEXT_EXT.get(Path(f).suffix) for f in files}
+    if None in kinds or len(kinds) != 1:
+        raise ConfigError(f"data.source: '{source}' must hold files of one kind (.txt, .jsonl/.json or .parquet)")
+    return kinds.pop(), files
+
+
+def load_texts(dcfg: DataConfig, cache_dir: str | None = None) -> list[str]:
+    """Documents (paragraphs for plain text) through `datasets`, read from local files only."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    kind, files = _data_files(dcfg.source)
+    kwargs: dict[str, Any] = {"sample_by": "paragraph"} if kind == "text" else {}
+    ds = datasets.load_dataset(kind, data_files=files, split="train", cache_dir=cache_dir, **kwargs)
+    field = "text" if kind == "text" else dcfg.text_field
+    if field not in ds.column_names:
+        raise ConfigError(f"data.text_field: column '{field}' not in {dcfg.source} (columns: {ds.column_names})")
+    return [t for t in ds[field] if t and t.strip()]
+
+
+def load_tokenizer(dcfg: DataConfig, texts: list[str]) -> Tokenizer:
+    """A tokenizer directory, or a byte-level BPE trained on the corpus (deterministic)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    if dcfg.tokenizer:
+        path = Path(dcfg.tokenizer)
+        file = path / "tokenizer.json" if path.is_dir() else path
+        if not file.is_file():
+            raise ConfigError(f"data.tokenizer: no tokenizer.json at '{dcfg.tokenizer}'")
+        tok = HFTokenizer.from_file(str(file))
+    else:
+        from tokenizers import decoders, models, pre_tokenizers, trainers
+
+        tok = HFTokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=dcfg.tokenizer_vocab_size, special_tokens=SPECIAL_TOKENS,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        tok.train_from_iterator(texts, trainer=trainer)
+    vocab = tok.get_vocab_size()
+    eos = next((tok.token_to_id(t) for t in ("<|endoftext|>", "</s>", "<eos>", "[SEP]") if tok.token_to_id(t) is not None),
+               None)
+    if eos is None:
+        raise ConfigError(f"data.tokenizer: '{dcfg.tokenizer}' has no end-of-text token")
+    mask = next((tok.token_to_id(t) for t in ("[MASK]", "<mask>") if tok.token_to_id(t) is not None), None)
+    return Tokenizer(vocab, eos, mask, tok)
+
+
+def pack(token_lists: list[list[int]], eos_id: int, block: int) -> torch.Tensor:
+    """Concatenate documents separated by EOS and cut into [n, block] (remainder dropped)."""
+    flat: list[int] = []
+    for ids in token_lists:
+        flat.extend(ids)
+        flat.append(eos_id)
+    n = len(flat) // block
+    return torch.tensor(flat[: n * block], dtype=torch.long).view(n, block)
+
+
+# ---------------------------------------------------------------- the stream
+
+
+class DataStream:
+    """Per-rank batches for each optimizer step, resumable from `consumed` global samples."""
+
+    def __init__(self, kind: str, dcfg: DataConfig, seed: int, local_batch: int, dp_rank: int, dp_size: int, *,
+                 vocab_size: int = 0, mask_id: int | None = None, blocks: torch.Tensor | None = None,
+                 eval_blocks: torch.Tensor | None = None, image: tuple[int, int, int, int] | None = None):
+        self.kind, self.dcfg, self.seed = kind, dcfg, seed
+        self.local_batch, self.dp_rank, self.dp_size = local_batch, dp_rank, dp_size
+        self.global_batch = local_batch * dp_size
+        self.vocab_size, self.mask_id = vocab_size, mask_id
+        self.blocks, self.eval_blocks, self.image = blocks, eval_blocks, image
+        self.consumed = 0
+
+    # --- one sample as (input, label) tensors
+    def _token_block(self, index: int, evaluation: bool) -> torch.Tensor:
+        s = self.dcfg.seq_len + 1
+        if self.blocks is None:
+            hi = self.vocab_size - (1 if self.kind == "masked_lm" else 0)  # keep the synthetic [MASK] id out
+            return torch.randint(0, hi, (s,), generator=_gen(self.seed, index + (_EVAL_OFFSET if evaluation else 0)))
+        blocks = self.eval_blocks if evaluation else self.blocks
+        n = blocks.shape[0]
+        epoch, pos = divmod(index, n)
+        if evaluation:
+            return blocks[pos]
+        perm = torch.randperm(n, generator=_gen(self.seed, -1 - epoch)) if n > 1 else torch.zeros(1, dtype=torch.long)
+        return blocks[perm[pos]]
+
+    def sample(self, index: int, evaluation: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.kind == "mae":
+            c, h, w, patches = self.image  # type: ignore[misc]
+            g = _gen(self.seed, index + (_EVAL_OFFSET if evaluation else 0))
+            return torch.randn(c, h, w, generator=g), torch.rand(patches, generator=g)
+        block = self._token_block(index, evaluation)
+        if self.kind == "masked_lm":
+            ids = block[:-1].clone()
+            g = _gen(self.seed + 7, index)
+            masked = torch.rand(ids.shape, generator=g) < self.dcfg.mlm_probability
+            masked[0] |= not bool(masked.any())  # every sample contributes at least one target
+            labels = torch.where(masked, ids, torch.full_like(ids, -100))
+            ids[masked] = self.mask_id  # type: ignore[assignment]
+            return ids, labels
+        return block[:-1], block[1:]
+
+    def _batch(self, start: int, evaluation: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        first = start + self.dp_rank * self.local_batch
+        pairs = [self.sample(first + k, evaluation) for k in range(self.local_batch)]
+        return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = self._batch(self.consumed, False)
+        self.consumed += self.global_batch
+        return batch
+
+    def eval_batch(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.blocks is not None and (self.eval_blocks is None or len(self.eval_blocks) == 0):
+            raise ConfigError("data.eval_fraction must be > 0 to evaluate on text data")
+        return self._batch(j * self.global_batch, True)
+
+    @property
+    def steps_per_epoch(self) -> int | None:
+        return None if self.blocks is None else self.blocks.shape[0] // self.global_batch
+
+    def state_dict(self) -> dict:
+        return {"consumed": self.consumed, "seed": self.seed, "global_batch": self.global_batch}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("seed", self.seed) != self.seed:
+            raise ConfigError(f"train.seed {self.seed} differs from the checkpoint's data seed {state['seed']}")
+        self.consumed = int(state["consumed"])
+
+
+def build_data(dcfg: DataConfig, task: str, hf_config: Any, seed: int, local_batch: int, dp_rank: int,
+               dp_size: int, tokenizer: Tokenizer | None = None, texts: list[str] | None = None) -> DataStream:
+    if task == "mae":
+        if dcfg.source != "synthetic":
+            raise ConfigError("data.source: ViT-MAE trains on synthetic images only (data.source: synthetic)")
+        c, size, patch = hf_config.num_channels, hf_config.image_size, hf_config.patch_size
+        return DataStream(task, dcfg, seed, local_batch, dp_rank, dp_size, image=(c, size, size, (size // patch) ** 2))
+    vocab = int(hf_config.vocab_size)
+    if dcfg.source == "synthetic":
+        return DataStream(task, dcfg, seed, local_batch, dp_rank, dp_size, vocab_size=vocab, mask_id=vocab - 1)
+    assert tokenizer is not None and texts is not None
+    blocks = pack(tokenizer.encode_batch(texts), tokenizer.eos_id, dcfg.seq_len + 1)
+    n_eval = int(round(blocks.shape[0] * dcfg.eval_fraction))
+    train_blocks, eval_blocks = blocks[: blocks.shape[0] - n_eval], blocks[blocks.shape[0] - n_eval:]
+    if train_blocks.shape[0] < local_batch * dp_size:
+        raise ConfigError(f"data.source: {train_blocks.shape[0]} blocks of {dcfg.seq_len + 1} tokens are fewer than "
+                          f"one global batch ({local_batch * dp_size}); use more text or a smaller batch/seq_len")
+    if task == "masked_lm" and tokenizer.mask_id is None:
+        raise ConfigError("data.tokenizer: a masked LM needs a [MASK] token in the tokenizer")
+    log.info("data: %d training blocks of %d tokens (%d held out), vocab %d", train_blocks.shape[0],
+             dcfg.seq_len + 1, n_eval, tokenizer.vocab_size)
+    return DataStream(task, dcfg, seed, local_batch, dp_rank, dp_size, vocab_size=vocab, mask_id=tokenizer.mask_id,
+                      blocks=train_blocks, eval_blocks=eval_blocks)

@@ -1,0 +1,109 @@
+"""Who am I: rank/world/local rank from torchrun, Slurm (srun) or Open MPI (mpirun) env; process group.
+
+Order as in the FSDP stub: torchrun's RANK first, then Slurm, then Open MPI, else one process.
+Slurm and MPI do not provide a rendezvous address, so MASTER_ADDR is required there.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+from trainer.config import ConfigError
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    launcher: str = "single"             # single | torchrun | slurm | mpi
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def _int(environ: Mapping[str, str], var: str, default: int | None = None) -> int:
+    raw = environ.get(var)
+    if raw is None or raw == "":
+        if default is None:
+            raise ConfigError(f"env {var} is required by this launcher but not set")
+        return default
+    try:
+        return int(raw.split("(")[0].split(",")[0])  # Slurm writes e.g. "4(x2)" for tasks per node
+    except ValueError:
+        raise ConfigError(f"env {var}={raw!r} is not an integer") from None
+
+
+def _master(environ: Mapping[str, str], launcher: str, world: int) -> tuple[str, int]:
+    addr = environ.get("MASTER_ADDR", "")
+    if not addr:
+        if world > 1 and launcher in ("slurm", "mpi"):
+            raise ConfigError(f"env MASTER_ADDR is required under {launcher} (e.g. MASTER_ADDR=$(hostname) srun ...)")
+        addr = "127.0.0.1"
+    return addr, _int(environ, "MASTER_PORT", 29500)
+
+
+def from_environ(environ: Mapping[str, str] | None = None) -> DistEnv:
+    env = os.environ if environ is None else environ
+    if env.get("RANK", "") != "":
+        world = _int(env, "WORLD_SIZE")
+        addr, port = _master(env, "torchrun", world)
+        return DistEnv(_int(env, "RANK"), world, _int(env, "LOCAL_RANK", 0),
+                       _int(env, "LOCAL_WORLD_SIZE", world), addr, port, "torchrun")
+    if env.get("SLURM_PROCID", "") != "":
+        world = _int(env, "SLURM_NTASKS")
+        addr, port = _master(env, "slurm", world)
+        local_world = _int(env, "SLURM_NTASKS_PER_NODE", 0) or _int(env, "SLURM_TASKS_PER_NODE", world)
+        return DistEnv(_int(env, "SLURM_PROCID"), world, _int(env, "SLURM_LOCALID", 0), local_world,
+                       addr, port, "slurm")
+    if env.get("OMPI_COMM_WORLD_RANK", "") != "":
+        world = _int(env, "OMPI_COMM_WORLD_SIZE")
+        addr, port = _master(env, "mpi", world)
+        return DistEnv(_int(env, "OMPI_COMM_WORLD_RANK"), world, _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0),
+                       _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", world), addr, port, "mpi")
+    return DistEnv()
+
+
+def pick_device(device: str = "auto"):
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("parallel.device: cuda requested but no CUDA device is visible")
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    return torch.device("cuda") if use_cuda else torch.device("cpu")
+
+
+def init_process_group(env: DistEnv, device_type: str, backend: str = "auto", timeout_s: int = 1800) -> str:
+    """Start the default process group (env:// rendezvous). Returns the backend used."""
+    import torch
+    import torch.distributed as dist
+
+    if backend == "auto":
+        backend = "nccl" if device_type == "cuda" else "gloo"
+    if not env.distributed or dist.is_initialized():
+        return backend
+    # env:// reads these; srun/mpirun do not set them the torchrun way.
+    os.environ.update({"RANK": str(env.rank), "WORLD_SIZE": str(env.world_size),
+                       "LOCAL_RANK": str(env.local_rank), "MASTER_ADDR": env.master_addr,
+                       "MASTER_PORT": str(env.master_port)})
+    kwargs = {}
+    if device_type == "cuda":
+        torch.cuda.set_device(env.local_rank)
+        kwargs["device_id"] = torch.device("cuda", env.local_rank)
+    dist.init_process_group(backend=backend, init_method="env://", rank=env.rank, world_size=env.world_size,
+                            timeout=timedelta(seconds=timeout_s), **kwargs)
+    return backend
+
+
+def destroy_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()

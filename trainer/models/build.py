@@ -1,0 +1,190 @@
+"""Build transformers models from presets or a local directory, and say how to compute their loss.
+
+Random init happens on one seed before any sharding, so every rank and every parallel layout
+starts from identical weights. Parameter counts of big presets are taken on the meta device
+(no memory allocated).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.config import ConfigError, ModelConfig
+from trainer.models.presets import PRESETS
+
+
+@dataclass(frozen=True)
+class Family:
+    config_cls: str
+    model_cls: str
+    task: str                            # causal_lm | masked_lm | mae
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family("LlamaConfig", "LlamaForCausalLM", "causal_lm"),
+    "qwen2": Family("Qwen2Config", "Qwen2ForCausalLM", "causal_lm"),
+    "qwen3": Family("Qwen3Config", "Qwen3ForCausalLM", "causal_lm"),
+    "gpt2": Family("GPT2Config", "GPT2LMHeadModel", "causal_lm"),
+    "bert": Family("BertConfig", "BertForMaskedLM", "masked_lm"),
+    "vitmae": Family("ViTMAEConfig", "ViTMAEForPreTraining", "mae"),
+}
+MODEL_TYPE_TO_FAMILY = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2", "bert": "bert",
+                        "vit_mae": "vitmae"}
+
+# Dropout draws random numbers per rank, which would make parallel layouts diverge; pretraining
+# here runs without it (re-enable through model.hf_overrides).
+_NO_DROPOUT = {
+    "gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "bert": dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+    "vitmae": dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+}
+
+
+def _transformers_attr(name: str) -> Any:
+    import transformers
+
+    return getattr(transformers, name)
+
+
+@dataclass
+class ModelSpec:
+    """What the rest of the trainer needs to know about a model, without holding it."""
+
+    family: str
+    task: str
+    hf_config: Any
+    num_params: int
+    num_layers: int
+    hidden_size: int
+
+    def tokens_per_sample(self, seq_len: int) -> int:
+        if self.task == "mae":  # one token per image patch
+            c = self.hf_config
+            return (c.image_size // c.patch_size) ** 2
+        return seq_len
+
+
+def _family_of(mcfg: ModelConfig) -> str:
+    if mcfg.path is not None:
+        cfg = _transformers_attr("AutoConfig").from_pretrained(mcfg.path, local_files_only=True)
+        fam = MODEL_TYPE_TO_FAMILY.get(cfg.model_type)
+        if fam is None:
+            raise ConfigError(f"model.path: model_type '{cfg.model_type}' is not supported "
+                              f"(supported: {', '.join(MODEL_TYPE_TO_FAMILY)})")
+        return fam
+    return PRESETS[mcfg.preset].family
+
+
+def build_hf_config(mcfg: ModelConfig, vocab_size: int | None = None) -> tuple[str, Any]:
+    """(family, transformers config) with preset, overrides and data vocab applied."""
+    family = _family_of(mcfg)
+    fam = FAMILIES[family]
+    if mcfg.path is not None:
+        cfg = _transformers_attr("AutoConfig").from_pretrained(mcfg.path, local_files_only=True)
+    else:
+        cfg = _transformers_attr(fam.config_cls)(**_NO_DROPOUT.get(family, {}), **PRESETS[mcfg.preset].config)
+    for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size"):
+        value = getattr(mcfg, key)
+        if value is not None:
+            setattr(cfg, "n_inner" if (family == "gpt2" and key == "intermediate_size") else key, value)
+    if vocab_size is not None and mcfg.vocab_size is None and fam.task != "mae":
+        cfg.vocab_size = vocab_size
+    if mcfg.vocab_size is not None:
+        if vocab_size is not None and mcfg.vocab_size < vocab_size:
+            raise ConfigError(f"model.vocab_size {mcfg.vocab_size} is smaller than the tokenizer's {vocab_size}")
+        cfg.vocab_size = mcfg.vocab_size
+    for key, value in mcfg.hf_overrides.items():
+        setattr(cfg, key, value)
+    heads = getattr(cfg, "num_attention_heads", None)
+    if heads and cfg.hidden_size % heads and getattr(cfg, "head_dim", None) is None:
+        raise ConfigError(f"model.hidden_size {cfg.hidden_size} is not divisible by num_attention_heads {heads}")
+    kv = getattr(cfg, "num_key_value_heads", None)
+    if kv is not None and heads and (kv > heads or heads % kv):
+        cfg.num_key_value_heads = heads  # a head-count override must not leave an impossible GQA ratio
+    if family in ("llama", "qwen2", "qwen3") and mcfg.hidden_size is not None and mcfg.path is None \
+            and "head_dim" in PRESETS[mcfg.preset].config:
+        cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
+    if hasattr(cfg, "use_cache"):
+        cfg.use_cache = False
+    cfg._attn_implementation = mcfg.attn_implementation
+    return family, cfg
+
+
+def count_params(family: str, hf_config: Any) -> int:
+    """Parameter count on the meta device: works for 175B without allocating it."""
+    with torch.device("meta"):
+        model = _transformers_attr(FAMILIES[family].model_cls)(hf_config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def model_spec(mcfg: ModelConfig, vocab_size: int | None = None) -> ModelSpec:
+    family, cfg = build_hf_config(mcfg, vocab_size)
+    return ModelSpec(family, FAMILIES[family].task, cfg, count_params(family, cfg),
+                     int(cfg.num_hidden_layers), int(cfg.hidden_size))
+
+
+def build_model(spec: ModelSpec, mcfg: ModelConfig, seed: int) -> nn.Module:
+    """Full model on CPU in fp32, initialised from `seed` (or loaded from model.path)."""
+    cls = _transformers_attr(FAMILIES[spec.family].model_cls)
+    torch.manual_seed(seed)
+    if mcfg.path is not None and mcfg.load_weights:
+        try:
+            model = cls.from_pretrained(mcfg.path, config=spec.hf_config, local_files_only=True,
+                                        dtype=torch.float32)
+        except OSError as e:
+            raise ConfigError(f"model.path: cannot load weights from '{mcfg.path}': {str(e).splitlines()[0]}") from None
+    else:
+        model = cls(spec.hf_config)
+    return model.float()
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks (FSDP units, TP targets, pipeline split points)."""
+    blocks: list[nn.Module] = []
+    for path in ("model.layers", "transformer.h", "bert.encoder.layer", "vit.encoder.layer",
+                 "decoder.decoder_layers"):
+        obj: Any = model
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                break
+        if isinstance(obj, nn.ModuleList):
+            blocks.extend(obj)
+    return blocks
+
+
+# ---------------------------------------------------------------- losses
+
+
+def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of token cross-entropies (labels already shifted; -100 ignored), in fp32."""
+    return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=-100, reduction="sum")
+
+
+class Task:
+    """How a family computes its loss. `loss_sum` over a microbatch, `weight` normalises it:
+    the batch loss is sum(loss_sum) / sum(weight), identical however the batch is split."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+
+    def weight(self, inputs: torch.Tensor, labels: torch.Tensor) -> int:
+        if self.kind == "mae":
+            return int(inputs.shape[0])
+        return int((labels != -100).sum())
+
+    def loss_sum(self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.kind == "mae":
+            # labels carry the masking noise so every layout masks the same patches
+            out = model(pixel_values=inputs, noise=labels)
+            return out.loss * inputs.shape[0]
+        if self.kind == "masked_lm":
+            logits = model(input_ids=inputs).logits
+        else:
+            logits = model(input_ids=inputs, use_cache=False).logits
+        return lm_loss_sum(logits, labels)

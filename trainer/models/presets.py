@@ -1,0 +1,99 @@
+"""Named model presets: a transformers family plus config fields. Nothing is downloaded.
+
+Families map to transformers classes in build.py. Sizes of the Merak presets follow Merak's
+`load_gpt3_config`/`load_bert_config` (GPT-2 architecture with GPT-3 widths; BERT MLM), and
+`EXPECTED_PARAMS_M` is the Merak README table they must match within 1 %.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Preset:
+    family: str                          # llama | qwen2 | qwen3 | gpt2 | bert | vitmae
+    config: dict = field(default_factory=dict)
+
+
+def _gpt3(n_embd: int, n_layer: int, n_head: int, **extra) -> Preset:
+    # Merak starts from the `gpt2` config: vocab 50257, 1024 positions, 4x MLP.
+    return Preset("gpt2", dict(vocab_size=50257, n_positions=1024, n_embd=n_embd, n_layer=n_layer,
+                               n_head=n_head, **extra))
+
+
+def _bert(hidden: int, layers: int, heads: int, inter: int) -> Preset:
+    return Preset("bert", dict(vocab_size=30522, hidden_size=hidden, num_hidden_layers=layers,
+                               num_attention_heads=heads, intermediate_size=inter,
+                               max_position_embeddings=512, type_vocab_size=2))
+
+
+def _smollm(hidden: int, layers: int, heads: int, kv: int, inter: int) -> Preset:
+    return Preset("llama", dict(vocab_size=49152, hidden_size=hidden, num_hidden_layers=layers,
+                                num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=inter,
+                                max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0,
+                                tie_word_embeddings=True))
+
+
+_TINY_LM = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512)
+
+PRESETS: dict[str, Preset] = {
+    # tiny sizes for tests and quick demos
+    "tiny-llama": Preset("llama", dict(_TINY_LM, tie_word_embeddings=False)),
+    "tiny-qwen2": Preset("qwen2", dict(_TINY_LM, tie_word_embeddings=False)),
+    "tiny-qwen3": Preset("qwen3", dict(_TINY_LM, head_dim=16, tie_word_embeddings=True)),
+    "tiny-gpt2": Preset("gpt2", dict(vocab_size=512, n_positions=512, n_embd=64, n_layer=2, n_head=4,
+                                     bos_token_id=0, eos_token_id=0)),
+    "tiny-bert": Preset("bert", dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=128, max_position_embeddings=512, type_vocab_size=2)),
+    "tiny-vitmae": Preset("vitmae", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                         intermediate_size=128, image_size=32, patch_size=8, num_channels=1,
+                                         mask_ratio=0.75, decoder_hidden_size=32, decoder_num_hidden_layers=1,
+                                         decoder_num_attention_heads=4, decoder_intermediate_size=64)),
+    # ~20M-parameter Llama for benchmarks (bench/trainer_throughput.py)
+    "llama-20m": Preset("llama", dict(vocab_size=8192, hidden_size=384, num_hidden_layers=8, num_attention_heads=6,
+                                      num_key_value_heads=6, intermediate_size=1024, max_position_embeddings=2048,
+                                      tie_word_embeddings=False)),
+    # real architectures
+    "qwen3-0.6b": Preset("qwen3", dict(vocab_size=151936, hidden_size=1024, num_hidden_layers=28,
+                                       num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                                       intermediate_size=3072, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                                       rope_theta=1000000.0, tie_word_embeddings=True)),
+    "smollm-135m": _smollm(576, 30, 9, 3, 1536),
+    "smollm-360m": _smollm(960, 32, 15, 5, 2560),
+    "smollm-1.7b": _smollm(2048, 24, 32, 32, 8192),
+    "gpt3-small": _gpt3(768, 12, 12),
+    "gpt3-medium": _gpt3(1024, 24, 16),
+    "gpt3-large": _gpt3(1536, 24, 16),
+    "gpt3-xl": _gpt3(2048, 24, 16),
+    "gpt3-2.7b": _gpt3(2560, 32, 32),
+    "gpt3-6.7b": _gpt3(4096, 32, 32),
+    "gpt3-13b": _gpt3(5120, 40, 40),
+    # Merak's table counts these two with a separate LM head (tied, they would be ~1 % smaller).
+    "gpt3-39b": _gpt3(8192, 48, 64, tie_word_embeddings=False),
+    "gpt3-80b": _gpt3(9600, 72, 64, tie_word_embeddings=False),
+    "gpt3-175b": _gpt3(12288, 96, 96),
+    "bert-base": _bert(768, 12, 12, 3072),
+    "bert-large": _bert(1024, 24, 16, 4096),
+    "bert-huge": _bert(2048, 24, 16, 8192),
+    # FSDP stub (seed 001): ViT-MAE on 1920x1920 single-channel images
+    "vitmae-stub": Preset("vitmae", dict(hidden_size=1280, num_hidden_layers=32, num_attention_heads=16,
+                                         intermediate_size=5120, image_size=1920, patch_size=128, num_channels=1,
+                                         mask_ratio=0.75, decoder_hidden_size=512, decoder_num_hidden_layers=16,
+                                         decoder_num_attention_heads=16, decoder_intermediate_size=2048)),
+}
+
+# Merak's README model table (millions of parameters); tests check our presets against it.
+EXPECTED_PARAMS_M = {
+    "bert-base": 109.43, "bert-large": 334.95, "bert-huge": 1276.40,
+    "gpt3-small": 124.44, "gpt3-medium": 354.82, "gpt3-large": 758.73, "gpt3-xl": 1313.63,
+    "gpt3-2.7b": 2648.93, "gpt3-6.7b": 6654.21, "gpt3-13b": 12848.14, "gpt3-39b": 39491.63,
+    "gpt3-80b": 80600.16, "gpt3-175b": 174591.68,
+}
+
+# Merak's model names are accepted too.
+ALIASES = {"bert-base-uncased": "bert-base", "bert-large-uncased": "bert-large", "bert-huge-uncased": "bert-huge",
+           "vit-mae-stub": "vitmae-stub"}
+for _alias, _name in ALIASES.items():
+    PRESETS[_alias] = PRESETS[_name]

@@ -1,0 +1,47 @@
+"""AdamW and the LR schedule: linear warmup (steps or ratio), then cosine to min_lr, flat after."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from trainer.config import Config
+
+
+def build_optimizer(params: list[nn.Parameter], cfg: Config) -> torch.optim.Optimizer:
+    o = cfg.optim
+    # No weight decay on biases and norm weights (1-D tensors), as is usual for transformers.
+    decay = [p for p in params if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in params if p.requires_grad and p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                             foreach=True)
+
+
+def warmup_steps(cfg: Config, total_steps: int) -> int:
+    s = cfg.schedule
+    return int(round(s.warmup_ratio * total_steps)) if s.warmup_ratio > 0 else s.warmup_steps
+
+
+def lr_at(step: int, cfg: Config, total_steps: int) -> float:
+    """LR for optimizer step `step` (0-based). Warmup reaches the peak at step `warmup`."""
+    s, peak = cfg.schedule, cfg.optim.lr
+    horizon = s.total_steps or total_steps
+    warm = warmup_steps(cfg, horizon)
+    if warm > 0 and step < warm:
+        return peak * (step + 1) / warm
+    if s.decay == "constant":
+        return peak
+    if step >= horizon:
+        return s.min_lr
+    span = max(horizon - warm, 1)
+    progress = (step - warm) / span
+    return s.min_lr + 0.5 * (peak - s.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    peak = cfg.optim.lr
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_at(step, cfg, total_steps) / peak if peak > 0 else 0.0)

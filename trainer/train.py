@@ -1,0 +1,227 @@
+"""The training loop: config -> process group -> mesh -> model -> parallelize -> data -> steps.
+
+Batch semantics: per optimizer step each DP rank processes train.batch_size x train.grad_acc_steps
+samples (split into microbatch_num x grad_acc_steps microbatches); the global batch is that times
+dp. The loss of a step is the mean over the global batch, identical for every layout.
+
+Other features hook in through callbacks (checkpointing, profiling): objects with any of
+on_train_start(trainer), on_step_start(trainer, step), on_step_end(trainer, record),
+on_train_end(trainer). `CALLBACKS` lists "module:factory" paths tried at start; a factory takes
+the Trainer and returns a callback or None (feature off). Missing modules are skipped.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainer import dist_env
+from trainer.config import Config, ConfigError, resolve
+from trainer.data import DataStream, build_data, load_texts, load_tokenizer
+from trainer.metrics import MetricsWriter, StepStats, console_line, flops_per_token, memory_bytes, peak_flops
+from trainer.models.build import build_model, model_spec
+from trainer.optim import build_optimizer, build_scheduler
+from trainer.parallel.compose import Parallelized, check_supported, parallelize
+from trainer.parallel.mesh import ParallelDims
+
+log = logging.getLogger("trainer")
+
+CALLBACKS = ["trainer.checkpoint:make_callback", "trainer.profiling:make_callback"]
+
+
+def setup_logging(rank: int, output_dir: Path, console: bool) -> None:
+    fmt = logging.Formatter(f"[rank{rank}] %(message)s")
+    log.handlers.clear()
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    out = logging.StreamHandler(sys.stdout)
+    out.setFormatter(fmt)
+    out.setLevel(logging.INFO if console else logging.WARNING)
+    log.addHandler(out)
+    (output_dir / "logs").mkdir(parents=True, exist_ok=True)
+    file = logging.FileHandler(output_dir / "logs" / f"rank{rank}.log", mode="a")
+    file.setFormatter(logging.Formatter(f"%(asctime)s [rank{rank}] %(levelname)s %(message)s"))
+    log.addHandler(file)
+
+
+class Trainer:
+    """Holds everything a step needs; callbacks read and restore this state."""
+
+    def __init__(self, cfg: Config, env: dist_env.DistEnv, dims: ParallelDims, device: torch.device, backend: str):
+        self.cfg, self.env, self.dims, self.device, self.backend = cfg, env, dims, device, backend
+        self.output_dir = Path(cfg.output_dir)
+        self.step = 0                    # optimizer steps completed
+        self.tokens_seen = 0
+        self.stop_requested = False      # a callback (e.g. preemption) may end the run after a step
+        t, d = cfg.train, cfg.data
+
+        tokenizer, texts, self._tmp = None, None, None
+        if d.source != "synthetic":
+            self._tmp = tempfile.TemporaryDirectory(prefix="trainer-datasets-")
+            texts = load_texts(d, cache_dir=self._tmp.name)
+            tokenizer = load_tokenizer(d, texts)
+            if env.local_rank == 0:
+                tokenizer.backend.save(str(self.output_dir / "tokenizer.json"))
+        self.tokenizer = tokenizer
+        self.spec = model_spec(cfg.model, tokenizer.vocab_size if tokenizer else None)
+        log.info("model: %s (%s), %d layers, hidden %d, Number of parameters: %.2fM", cfg.model.path or cfg.model.preset,
+                 self.spec.family, self.spec.num_layers, self.spec.hidden_size, self.spec.num_params / 1e6)
+        model = build_model(self.spec, cfg.model, t.seed)
+        self.par: Parallelized = parallelize(model, self.spec, dims, cfg, device, backend)
+        self.optimizer = build_optimizer(self.par.parameters(), cfg)
+
+        self.local_batch = t.batch_size * t.grad_acc_steps
+        self.data: DataStream = build_data(d, self.spec.task, self.spec.hf_config, t.seed, self.local_batch,
+                                           dims.dp_rank, dims.dp, tokenizer, texts)
+        steps = t.steps if t.steps is not None else self.data.steps_per_epoch
+        if not steps and t.steps is None:
+            raise ConfigError("train.steps: the corpus holds less than one global batch; set train.steps")
+        self.total_steps = int(steps or 0)
+        self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
+
+        self.global_samples = self.local_batch * dims.dp
+        self.tokens_per_sample = self.spec.tokens_per_sample(d.seq_len)
+        self.flops_per_token = flops_per_token(self.spec.num_params, self.spec.num_layers, self.spec.hidden_size,
+                                               self.tokens_per_sample)
+        self.peak, peak_src = peak_flops(device, t.dtype, cfg.logging.peak_flops)
+        log.info("global batch %d samples x %d tokens; %d steps; peak %.3g FLOP/s per device from %s",
+                 self.global_samples, self.tokens_per_sample, self.total_steps, self.peak, peak_src)
+        self.is_logger = self.par.owns_loss and dims.coord("dp") == 0 and dims.coord("tp") == 0
+        self.metrics = MetricsWriter(self.output_dir, self.is_logger, resume=bool(cfg.checkpoint.resume))
+        self.callbacks = self._load_callbacks()
+
+    def _load_callbacks(self) -> list[Any]:
+        out = []
+        for target in CALLBACKS:
+            module, _, name = target.partition(":")
+            try:
+                factory = getattr(importlib.import_module(module), name)
+            except (ImportError, AttributeError):
+                continue
+            cb = factory(self)
+            if cb is not None:
+                out.append(cb)
+        return out
+
+    def _emit(self, hook: str, *args: Any) -> None:
+        for cb in self.callbacks:
+            fn = getattr(cb, hook, None)
+            if fn is not None:
+                fn(self, *args)
+
+    def _dp_mean(self, value: torch.Tensor) -> float:
+        if self.dims.mesh is not None and self.dims.dp > 1:
+            value = value.detach().clone()
+            dist.all_reduce(value, group=self.dims.dp_mesh.get_group())  # SUM: gloo's AVG is unreliable
+            value /= self.dims.dp
+        return float(value)
+
+    def train_step(self) -> tuple[float | None, float]:
+        t = self.cfg.train
+        inputs, labels = self.data.next_batch()
+        loss = self.par.forward_backward(inputs, labels, t.microbatch_num * t.grad_acc_steps)
+        grad_norm = self.par.clip_grad_norm(t.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return (None if loss is None else self._dp_mean(loss)), grad_norm
+
+    def evaluate(self) -> float | None:
+        self.par.train(False)
+        total, n = torch.zeros((), device=self.device), 0
+        for j in range(self.cfg.train.eval_batches):
+            loss = self.par.evaluate(*self.data.eval_batch(j))
+            if loss is not None:
+                total += loss
+                n += 1
+        self.par.train(True)
+        return None if n == 0 else self._dp_mean(total / n)
+
+    def fit(self) -> None:
+        cfg = self.cfg
+        self.par.train(True)
+        self._emit("on_train_start")
+        while self.step < self.total_steps and not self.stop_requested:
+            self._emit("on_step_start", self.step)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            t0 = time.perf_counter()
+            lr = self.scheduler.get_last_lr()[0]
+            loss, grad_norm = self.train_step()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            dt = time.perf_counter() - t0
+            self.step += 1
+            self.tokens_seen += self.global_samples * self.tokens_per_sample
+            record: dict[str, Any] | None = None
+            if loss is not None:
+                record = StepStats(self.step, loss, lr, grad_norm, self.global_samples,
+                                   self.global_samples * self.tokens_per_sample, dt, self.tokens_seen,
+                                   self.env.world_size, self.flops_per_token, self.peak,
+                                   memory_bytes(self.device)).record()
+            if cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0:
+                eval_loss = self.evaluate()
+                if record is not None and eval_loss is not None:
+                    record["eval_loss"] = eval_loss
+            if record is not None and self.is_logger and (self.step % cfg.logging.log_interval == 0
+                                                          or self.step == self.total_steps):
+                self.metrics.write(record)
+                log.info(console_line(record))
+                if cfg.logging.seed_line:
+                    log.info("step %d loss %.4f", self.step, record["loss"])
+                if "eval_loss" in record:
+                    log.info("eval step %d loss %.4f", self.step, record["eval_loss"])
+            self._emit("on_step_end", record)
+        self._emit("on_train_end")
+
+    def close(self) -> None:
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+
+def run(cfg: Config, env: dist_env.DistEnv) -> int:
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    setup_logging(env.rank, out, console=env.rank == 0)
+    os.environ["PROFILE_BATCH"] = str(cfg.profile.batch)  # the Pi guide writes it back for its recorder
+    device = dist_env.pick_device(cfg.parallel.device)
+    dims = ParallelDims.from_config(cfg.parallel, env.world_size, env.local_world_size)
+    if env.rank == 0:
+        log.info("resolved config:\n%s", cfg.to_yaml().rstrip())
+    if env.local_rank == 0:
+        (out / "config.yaml").write_text(cfg.to_yaml())
+    if device.type == "cuda":
+        device = torch.device("cuda", env.local_rank)
+    backend = dist_env.init_process_group(env, device.type, cfg.parallel.backend, cfg.parallel.timeout_s)
+    trainer = None
+    try:
+        if env.distributed:
+            dims.build_mesh(device.type)
+        log.info("launcher %s; %s; device %s, backend %s", env.launcher, dims.describe(), device,
+                 backend if env.distributed else "none")
+        trainer = Trainer(cfg, env, dims, device, backend)
+        trainer.fit()
+    finally:
+        if trainer is not None:
+            trainer.close()
+        dist_env.destroy_process_group()
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    from trainer.cli import parse_train_args
+
+    config_path, overrides = parse_train_args(argv)
+    cfg = resolve(config_path, overrides)
+    check_supported(cfg)
+    env = dist_env.from_environ()
+    return run(cfg, env)
