@@ -71,7 +71,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args) -> int:
-    inv = load(args)
+    inv = load(args, with_job=False)
     with Cluster(inv, args.accept_new_host_keys) as cl:
         run_id = args.run or latest_run(cl.remotes)
         if not run_id:

@@ -228,9 +228,10 @@ def _valid_host(h: str) -> bool:
 # --- parsing -----------------------------------------------------------------------------
 
 def load_inventory(path: str | os.PathLike, *, check_files: bool = True,
-                   job_path: str | None = None) -> Inventory:
+                   job_path: str | None = None, with_job: bool = True) -> Inventory:
     """Parse and validate. check_files=False skips files needed only to connect (SSH keys,
-    known_hosts), so a dry-run works on a laptop without the cluster's keys."""
+    known_hosts), so a dry-run works on a laptop without the cluster's keys. with_job=False
+    ignores the job section (status, logs, down, collect only need the nodes)."""
     path = str(path)
     try:
         text = Path(path).read_text()
@@ -284,7 +285,9 @@ def load_inventory(path: str | os.PathLike, *, check_files: bool = True,
         nodes[0].role = "master"  # no role given: the first node is the master (rank 0)
 
     job = Job()
-    if job_path:  # --job replaces the inventory's job section, which is then not validated
+    if not with_job:
+        top.pop("job", None)
+    elif job_path:  # --job replaces the inventory's job section, which is then not validated
         job = _job_file(job_path, base)
         top.pop("job", None)
     elif "job" in top and top["job"][1].value is not None:

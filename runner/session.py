@@ -25,8 +25,9 @@ def add_inventory_args(p: argparse.ArgumentParser) -> None:
                    help="trust and record host keys not yet in known_hosts (default: refuse)")
 
 
-def load(args, *, check_files: bool = True) -> Inventory:
-    return load_inventory(args.inventory, check_files=check_files, job_path=getattr(args, "job", None))
+def load(args, *, check_files: bool = True, with_job: bool = True) -> Inventory:
+    return load_inventory(args.inventory, check_files=check_files, job_path=getattr(args, "job", None),
+                          with_job=with_job)
 
 
 def parallel(items: list, fn: Callable[..., T], workers: int | None = None) -> list[tuple[object, T | None, Exception | None]]:
@@ -124,11 +125,8 @@ echo "listen=$(ss -ltnH 2>/dev/null | awk '{{n=split($4,a,":"); printf "%s ", a[
 V=$(docker version --format '{{{{.Server.Version}}}}' 2>&1 | tr '\\n' ' ')
 echo "docker_rc=$?"
 echo "docker=$V"
-echo "time_ns=$(date +%s%N)"
 """
-    t0 = time.time()
     res = remote.run(["sh", "-c", script], timeout=30)
-    t1 = time.time()
     kv: dict[str, str] = {}
     for line in res.out.splitlines():
         k, _, v = line.partition("=")
@@ -155,11 +153,24 @@ echo "time_ns=$(date +%s%N)"
         p.docker = v.strip()
     else:
         p.docker_error = v.strip()[:160] or "docker not found"
-    tn = _int(kv.get("time_ns"))
-    if tn:
-        p.clock_offset_s = round(tn / 1e9 - (t0 + t1) / 2, 3)
+    p.clock_offset_s = clock_offset(remote)
     p.listening = {int(x) for x in kv.get("listen", "").split() if x.isdigit()}
     return p
+
+
+def clock_offset(remote: Remote, samples: int = 3) -> float | None:
+    """Node clock minus ours, from the sample with the smallest round trip (NTP's idea)."""
+    best: tuple[float, float] | None = None
+    for _ in range(samples):
+        t0 = time.time()
+        out = remote.run("date +%s%N", timeout=10).out.strip()
+        t1 = time.time()
+        if not out.isdigit():
+            return None
+        rtt, off = t1 - t0, int(out) / 1e9 - (t0 + t1) / 2
+        if best is None or rtt < best[0]:
+            best = (rtt, off)
+    return round(best[1], 3) if best else None
 
 
 def _int(s: str | None) -> int | None:

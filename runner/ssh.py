@@ -339,7 +339,7 @@ def _pump(conn: socket.socket, chan: paramiko.Channel, up: bool) -> None:
                     conn.shutdown(socket.SHUT_WR)
                     return
                 conn.sendall(data)
-    except OSError:
+    except Exception:  # noqa: BLE001 - either side closing ends the pump
         pass
     finally:
         if not up:
