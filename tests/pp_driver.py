@@ -51,14 +51,18 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8, help="global batch")
     ap.add_argument("--micro", type=int, default=4)
     ap.add_argument("--seq", type=int, default=16)
+    ap.add_argument("--clip", type=float, default=0.5, help="max grad norm (small: clipping always acts)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
 
+    from trainer.parallel.grad_norm import clip_grad_norm
     from trainer.parallel.pipeline import (
         PipelineRunner,
         check_schedule,
+        pp_lines,
         split_for_pipeline,
         tied_groups,
+        untied_params,
     )
     from trainer.parallel.tensor_parallel import apply_tp
 
@@ -94,15 +98,14 @@ def main() -> None:
                 fully_shard(block, mesh=mesh["dp_shard"], reshard_after_forward=reshard)
             fully_shard(part, mesh=mesh["dp_shard"], reshard_after_forward=reshard)
     if a.pp > 1:
-        lines = mesh.mesh.permute(1, 2, 0).reshape(-1, a.pp).tolist()
-        pgs = tied_groups(tied, spec, a.pp, a.pp * a.vstages, lines)
+        pgs = tied_groups(tied, spec, a.pp, a.pp * a.vstages, pp_lines(mesh))
         runner = PipelineRunner(parts, spec, a.pp * a.vstages, mesh["pp"].get_group(), torch.device("cpu"),
                                 tied=tied, tied_pgs=pgs)
     params = [p for part in parts.values() for p in part.parameters()]
     opt = torch.optim.Adam(params, lr=1e-3)
 
     local_b = a.batch // a.dp
-    out_losses = []
+    out_losses, norms = [], []
     for step in range(a.steps):
         g = torch.Generator().manual_seed(1000 + step)
         tokens = torch.randint(0, 128, (a.batch, a.seq + 1), generator=g)
@@ -120,6 +123,13 @@ def main() -> None:
                                      reduction="sum") / y.numel()
                 mb.backward()
                 loss += mb.detach()
+        if world == 1:  # the reference clips with torch's own function
+            norm = float(torch.nn.utils.clip_grad_norm_(params, a.clip))
+        elif runner is not None:
+            norm = clip_grad_norm(untied_params(runner), a.clip, mesh["pp"].get_group(), all_params=params)
+        else:
+            norm = clip_grad_norm(params, a.clip)
+        norms.append(norm)
         opt.step()
         if loss is not None and mesh is not None and a.dp > 1:
             dist.all_reduce(loss, group=mesh["dp_shard"].get_group())
@@ -130,7 +140,7 @@ def main() -> None:
     if pp_rank == last_pp and dp_rank == 0 and tp_rank == 0:
         with open(a.out, "w") as f:
             local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
-            json.dump({"losses": out_losses, "local_params": sum(t.numel() for t in local),
+            json.dump({"losses": out_losses, "grad_norms": norms, "local_params": sum(t.numel() for t in local),
                        "dtensor_params": sum(hasattr(p, "to_local") for p in params)}, f)
     if dist.is_initialized():
         dist.barrier()

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trainer.config import ConfigError
+
 METHODS = ("uniform_transformer", "uniform", "parameters", "custom:a,b,...", "weighted:w0,w1,...")
 
 
-class PartitionError(ValueError):
+class PartitionError(ConfigError, ValueError):
     """A partition spec that cannot be honoured; the message is one line a user can act on."""
 
 

@@ -22,6 +22,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from trainer.config import ConfigError
+from trainer.parallel.compose import Parallelized
+from trainer.parallel.grad_norm import clip_grad_norm
 from trainer.parallel.partition import StageRange, format_ranges, partition_layers, stage_to_rank
 from trainer.parallel.stages import TiedWeights, num_layers, part_param_counts, split_model, sync_tied_grads
 
@@ -30,7 +33,7 @@ log = logging.getLogger(__name__)
 IGNORE_INDEX = -100
 
 
-class PipelineError(ValueError):
+class PipelineError(ConfigError, ValueError):
     """An impossible pipeline layout; the message is one line a user can act on."""
 
 
@@ -161,6 +164,13 @@ class PipelineRunner:
         self.stage_ids = sorted(parts)
         self.parts = parts
         self.tied, self.tied_pgs = tied or TiedWeights(), tied_pgs or {}
+        # Resolve tied copies to Parameter objects now, after TP/FSDP replaced them (DDP adds
+        # a "module." prefix, hence the unwrap).
+        named = {s: dict(getattr(m, "module", m).named_parameters()) for s, m in parts.items()}
+        self.tied_local = [([named[s][n] for s, n in g if s in parts], tuple(self.tied.stages_of(g)))
+                           for g in self.tied.groups]
+        self.tied_local = [(ps, key) for ps, key in self.tied_local if ps]
+        self.tied_copy_ids = {id(named[s][n]) for g in self.tied.groups for s, n in g[1:] if s in parts}
         self.stages = [PipelineStage(parts[s], s, num_stages, device, group=pp_group) for s in self.stage_ids]
         self.has_first = 0 in parts
         self.has_last = num_stages - 1 in parts
@@ -192,8 +202,8 @@ class PipelineRunner:
         args = (input_ids,) if self.has_first else ()
         target = labels if self.has_last else None
         sched.step(*args, target=target, losses=losses if self.has_last else None, return_outputs=False)
-        if self.tied.groups:
-            sync_tied_grads(self.tied, self.parts, lambda stages: self.tied_pgs.get(tuple(stages)))
+        for params, key in self.tied_local:
+            sync_tied_grads(params, self.tied_pgs.get(key))
         if self.has_last:
             return torch.stack([loss.detach() for loss in losses]).sum()
         return None
@@ -212,3 +222,51 @@ class PipelineRunner:
             sched.eval(*((input_ids,) if self.has_first else ()), target=labels if self.has_last else None,
                        losses=losses if self.has_last else None)
         return torch.stack(losses).sum() if self.has_last else None
+
+
+def pp_lines(mesh) -> list[list[int]]:
+    """Global ranks of every pipeline (one list per non-pp mesh coordinate, indexed by pp rank)."""
+    t = mesh.mesh
+    return t.movedim(0, -1).reshape(-1, t.shape[0]).tolist()
+
+
+def stage_blocks(part: nn.Module) -> list[nn.Module]:
+    """The transformer blocks a stage module holds (FSDP units)."""
+    for path in ("model.layers", "transformer.h", "bert.encoder.layer"):
+        obj = part
+        for name in path.split("."):
+            obj = getattr(obj, name, None)
+            if obj is None:
+                break
+        if isinstance(obj, nn.ModuleDict):
+            return list(obj.values())
+    return []
+
+
+def untied_params(runner: PipelineRunner) -> list[nn.Parameter]:
+    """This rank's parameters minus tied copies held by later stages (they count once)."""
+    return [p for m in runner.model_parts for p in m.parameters() if id(p) not in runner.tied_copy_ids]
+
+
+@dataclass
+class PipelineParallelized(Parallelized):
+    """`Parallelized` for pipeline runs: the schedule drives forward and backward of this rank's
+    stages; the loss exists only on the rank holding the last stage (`owns_loss`)."""
+
+    runner: PipelineRunner | None = None
+    pp_group: dist.ProcessGroup | None = None
+    n_micro: int = 1
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, n_micro: int) -> torch.Tensor | None:
+        self.n_micro = n_micro
+        return self.runner.forward_backward(inputs.to(self.device), labels.to(self.device), n_micro)
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+        # Stage buffers were sized from training microbatches: evaluate with the same split.
+        if inputs.shape[0] % self.n_micro:
+            return None
+        return self.runner.eval_loss(inputs.to(self.device), labels.to(self.device), self.n_micro)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        return clip_grad_norm(untied_params(self.runner), max_norm, self.pp_group, all_params=self.parameters())

@@ -21,13 +21,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from trainer.config import ConfigError
 from trainer.parallel.partition import StageRange
 
 DECODER_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 SUPPORTED = (*DECODER_TYPES, "gpt2", "bert")
 
 
-class StageError(ValueError):
+class StageError(ConfigError, ValueError):
     """A model that cannot be split as asked; the message is one line a user can act on."""
 
 
@@ -239,27 +240,29 @@ def _untie_across_stages(stages: dict[int, nn.Module]) -> TiedWeights:
     return tied
 
 
-def sync_tied_grads(tied: TiedWeights, local: dict[int, nn.Module], group_for) -> None:
-    """Sum the gradients of tied copies so every copy sees the full model's gradient.
-
-    `group_for(stages)` returns the process group spanning the pipeline ranks holding those
-    stages, or None when they all live on this rank.
-    """
+def sync_tied_grads(mine: list[nn.Parameter], group) -> None:
+    """Sum the gradients of this rank's copies of one tied weight, then over `group` (the
+    pipeline ranks holding the other copies, None when all are local), so every copy sees the
+    full model's gradient and the copies stay identical after the optimizer step."""
     import torch.distributed as dist
 
-    for g in tied.groups:
-        mine = [dict(local[s].named_parameters())[name] for s, name in g if s in local]
-        if not mine:
-            continue
-        grads = [_local(p.grad) for p in mine if p.grad is not None]
-        total = torch.zeros_like(_local(mine[0])) if not grads else sum(grads[1:], grads[0].clone())
-        pg = group_for(tied.stages_of(g))
-        if pg is not None:
-            dist.all_reduce(total, group=pg)
-        for p in mine:
-            if p.grad is None:
-                continue
+    grads = [_local(p.grad) for p in mine if p.grad is not None]
+    total = torch.zeros_like(_local(mine[0])) if not grads else sum(grads[1:], grads[0].clone())
+    if group is not None:
+        dist.all_reduce(total, group=group)
+    for p in mine:
+        if p.grad is None:
+            p.grad = _like(p, total.clone())
+        else:
             _local(p.grad).copy_(total)
+
+
+def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    if hasattr(p, "_local_tensor"):
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False)
+    return local
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

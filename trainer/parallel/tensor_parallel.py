@@ -14,15 +14,19 @@ from __future__ import annotations
 
 from torch import nn
 
+from trainer.config import ConfigError
+
 DECODER_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 
-class TensorParallelError(ValueError):
+class TensorParallelError(ConfigError, ValueError):
     """A model that cannot be split over tp ranks; the message is one line a user can act on."""
 
 
-def check_tp(config, tp: int) -> None:
-    """Divisibility of heads, kv heads, MLP width and vocabulary by tp; one-line errors."""
+def check_tp(config, tp: int, check_vocab: bool = True) -> None:
+    """Divisibility of heads, kv heads, MLP width and vocabulary by tp; one-line errors.
+
+    `check_vocab=False` before the tokenizer has fixed the vocabulary (config-time checks)."""
     if tp == 1:
         return
     mt = getattr(config, "model_type", None)
@@ -31,8 +35,9 @@ def check_tp(config, tp: int) -> None:
                                   f"(GPT-2 packs q/k/v in one Conv1D); use parallel.tp 1")
     checks = [("num_attention_heads", config.num_attention_heads),
               ("num_key_value_heads", getattr(config, "num_key_value_heads", config.num_attention_heads)),
-              ("intermediate_size", config.intermediate_size),
-              ("vocab_size", config.vocab_size)]
+              ("intermediate_size", config.intermediate_size)]
+    if check_vocab:
+        checks.append(("vocab_size", config.vocab_size))
     for name, value in checks:
         if value % tp:
             raise TensorParallelError(f"parallel.tp: model {name}={value} is not divisible by tp={tp}; "

@@ -1,0 +1,50 @@
+"""Global gradient norm and clipping across any mix of TP, FSDP and pipeline stages.
+
+`torch.nn.utils.clip_grad_norm_` needs every gradient on one mesh; with TP (2-D DTensors),
+FSDP-only parameters (1-D DTensors), plain replicated tensors and pipeline stages on other
+ranks, the norm has to be assembled: per mesh group the DTensor norm (exact across its
+shards), then the squares summed over pipeline ranks. Tied-weight copies on later pipeline
+stages are left out so the tied gradient counts once, as in the single-process model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+
+def _group_key(g: torch.Tensor) -> tuple:
+    mesh = getattr(g, "device_mesh", None)
+    return ("plain",) if mesh is None else ("dtensor", id(mesh))
+
+
+def total_grad_norm(params: list[torch.Tensor], pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    grads = [p.grad for p in params if p.grad is not None]
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        groups[_group_key(g)].append(g)
+    sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
+    for gs in groups.values():
+        norm = torch.nn.utils.get_total_norm(gs, 2.0, foreach=True)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        sq = sq + norm.float() ** 2
+    if pp_group is not None:
+        dist.all_reduce(sq, group=pp_group)
+    return sq.sqrt()
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float, pp_group: dist.ProcessGroup | None = None,
+                   all_params: list[torch.Tensor] | None = None) -> float:
+    """Norm over `params` (tied copies excluded); scale every gradient in `all_params` (default params)."""
+    norm = total_grad_norm(params, pp_group)
+    if max_norm > 0 and math.isfinite(float(norm)):
+        coef = min(max_norm / (float(norm) + 1e-6), 1.0)
+        if coef < 1.0:
+            for p in all_params if all_params is not None else params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+    return float(norm)
