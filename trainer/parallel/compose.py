@@ -1,7 +1,7 @@
 """THE one place where parallelisms are composed onto a model.
 
 Order (torchtitan's): split for PP first, then TP on each part, then FSDP/DDP on each part.
-This build implements the data-parallel path; PP and TP plug in here (see `check_supported`).
+PP: trainer/parallel/pipeline.py (+ stages.py, partition.py); TP: trainer/parallel/tensor_parallel.py.
 
 `parallelize()` returns a `Parallelized`: the model parts this rank holds plus
 `forward_backward(inputs, labels, n_micro)`, which runs one batch split into n_micro
@@ -30,11 +30,26 @@ log = logging.getLogger("trainer")
 
 
 def check_supported(cfg: Config) -> None:
-    """Refuse, before any process group exists, what this build cannot run yet."""
-    if cfg.parallel.pp > 1:
-        raise ConfigError(f"parallel.pp={cfg.parallel.pp}: pipeline parallelism is not yet supported in this build")
-    if cfg.parallel.tp > 1:
-        raise ConfigError(f"parallel.tp={cfg.parallel.tp}: tensor parallelism is not yet supported in this build")
+    """Pipeline and tensor-parallel constraints, checked from the config before any process group
+    exists (the vocabulary, known only once the tokenizer is built, is checked again in apply_tp)."""
+    p, t = cfg.parallel, cfg.train
+    if p.pp == 1 and p.tp == 1:
+        return
+    from trainer.models.build import build_hf_config
+    from trainer.parallel.partition import partition_layers
+    from trainer.parallel.pipeline import check_schedule
+    from trainer.parallel.stages import SUPPORTED
+    from trainer.parallel.tensor_parallel import check_tp
+
+    _, hf = build_hf_config(cfg.model)
+    if p.pp > 1:
+        if hf.model_type not in SUPPORTED:
+            raise ConfigError(f"parallel.pp: pipeline splitting supports {', '.join(SUPPORTED)}, "
+                              f"not {hf.model_type!r}")
+        check_schedule(p.pp_schedule, p.pp, p.virtual_stages, t.microbatch_num * t.grad_acc_steps,
+                       hf.num_hidden_layers)
+        partition_layers(p.partition, hf.num_hidden_layers, p.pp * p.virtual_stages, layer_params=1)
+    check_tp(hf, p.tp, check_vocab=False)
 
 
 @dataclass
@@ -87,6 +102,10 @@ class Parallelized:
     def clip_grad_norm(self, max_norm: float) -> float:
         """Total grad norm over all ranks' shards (clipped when max_norm > 0)."""
         params = [p for p in self.parameters() if p.grad is not None]
+        if self.dims.tp > 1:  # TP and FSDP-only params live on different meshes: assemble the norm
+            from trainer.parallel.grad_norm import clip_grad_norm
+
+            return clip_grad_norm(params, max_norm)
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf, foreach=True)
         if hasattr(norm, "full_tensor"):  # DTensor under FSDP2: the norm of the whole gradient
             norm = norm.full_tensor()
@@ -98,18 +117,71 @@ def parallelize(model: nn.Module, spec: ModelSpec, dims: ParallelDims, cfg: Conf
     check_supported(cfg)
     model.to(device)
     task = Task(spec.task)
+    if dims.pp > 1:
+        return _parallelize_pipeline(model, spec, dims, cfg, device, backend, task)
+    if dims.tp > 1:
+        from trainer.parallel.tensor_parallel import apply_tp
+
+        apply_tp(model, dims.mesh["tp"], spec.hf_config)
+        log.info("TP over %d ranks: attention/MLP column+row parallel, vocab-parallel embedding and head", dims.tp)
     par = Parallelized([model], task, dims, device, cfg.train.dtype)
     if dims.mesh is None or dims.dp == 1:
         return par
+    par.model_parts = [_apply_dp(par, model, transformer_blocks(model), dims, cfg, backend)]
+    return par
+
+
+def _apply_dp(par: Parallelized, model: nn.Module, blocks: list[nn.Module], dims: ParallelDims, cfg: Config,
+              backend: str) -> nn.Module:
+    """FSDP2 (zero2/zero3/hybrid) or DDP on one model or pipeline stage; returns what to run."""
     if dims.fsdp:
-        blocks = transformer_blocks(model)
         param_dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else None
         apply_fsdp(model, blocks, dims.fsdp_mesh, reshard_after_forward=dims.sharding.startswith("zero3"),
                    param_dtype=param_dtype, backend=backend)
         par.fsdp = True
         par.sync_every_microbatch = dims.sharding.startswith("zero3")
         log.info("FSDP2 %s over mesh %s: %d blocks + root", dims.sharding, dims.fsdp_mesh.mesh_dim_names, len(blocks))
-    else:
-        par.model_parts = [apply_ddp(model, dims.fsdp_mesh, device)]
-        log.info("DDP over %d ranks", dims.dp)
+        return model
+    if dims.tp > 1:
+        raise ConfigError("parallel.sharding: ddp with tensor parallelism is not supported; use zero2 or zero3")
+    log.info("DDP over %d ranks", dims.dp)
+    return apply_ddp(model, dims.fsdp_mesh, device=par.device)
+
+
+def _parallelize_pipeline(model: nn.Module, spec: ModelSpec, dims: ParallelDims, cfg: Config,
+                          device: torch.device, backend: str, task: Task) -> Parallelized:
+    """PP first (this rank's stages), then TP on each stage, then FSDP/DDP on each stage."""
+    from trainer.parallel.pipeline import (
+        PipelineParallelized,
+        PipelineRunner,
+        check_schedule,
+        pp_lines,
+        split_for_pipeline,
+        stage_blocks,
+        tied_groups,
+    )
+    from trainer.parallel.tensor_parallel import apply_tp
+
+    p, t = cfg.parallel, cfg.train
+    if task.kind not in ("causal_lm", "masked_lm"):
+        raise ConfigError(f"parallel.pp: pipeline parallelism supports language models, not {spec.family}")
+    sched = check_schedule(p.pp_schedule, p.pp, p.virtual_stages, t.microbatch_num * t.grad_acc_steps,
+                           spec.num_layers)
+    num_stages = p.pp * p.virtual_stages
+    parts, tied, _ = split_for_pipeline(model, sched, p.partition, dims.coord("pp"), p.pp, p.virtual_stages)
+    del model  # other ranks' layers are freed with it
+    par = PipelineParallelized([], task, dims, device, cfg.train.dtype)
+    for s, part in parts.items():
+        if dims.tp > 1:
+            apply_tp(part, dims.mesh["tp"], spec.hf_config)
+        if dims.dp > 1:
+            parts[s] = _apply_dp(par, part, stage_blocks(part), dims, cfg, backend)
+    pp_group = dims.mesh["pp"].get_group()
+    pgs = tied_groups(tied, sched, p.pp, num_stages, pp_lines(dims.mesh))
+    par.runner = PipelineRunner(parts, sched, num_stages, pp_group, device, tied=tied, tied_pgs=pgs)
+    par.model_parts = par.runner.model_parts
+    par.owns_loss = par.runner.has_last
+    par.pp_group = pp_group
+    log.info("PP %s over %d ranks, %d stages (%s on this rank), %d microbatches", sched.name, p.pp, num_stages,
+             ",".join(map(str, par.runner.stage_ids)), t.microbatch_num * t.grad_acc_steps)
     return par
