@@ -125,8 +125,13 @@ class DataStream:
     def _token_block(self, index: int, evaluation: bool) -> torch.Tensor:
         s = self.dcfg.seq_len + 1
         if self.blocks is None:
+            # Learnable synthetic text: a random start and stride per sample, tokens (start + k*stride) mod V.
+            # The loss can fall far below ln V, so runs show learning, yet every sample is fresh.
             hi = self.vocab_size - (1 if self.kind == "masked_lm" else 0)  # keep the synthetic [MASK] id out
-            return torch.randint(0, hi, (s,), generator=_gen(self.seed, index + (_EVAL_OFFSET if evaluation else 0)))
+            g = _gen(self.seed, index + (_EVAL_OFFSET if evaluation else 0))
+            start = int(torch.randint(0, hi, (1,), generator=g))
+            stride = int(torch.randint(1, 17, (1,), generator=g))
+            return (start + stride * torch.arange(s)) % hi
         blocks = self.eval_blocks if evaluation else self.blocks
         n = blocks.shape[0]
         epoch, pos = divmod(index, n)
