@@ -9,6 +9,7 @@ whatever the DP layout, and the only position to save for resume is c (`consumed
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,10 @@ import torch
 from trainer.config import ConfigError, DataConfig
 
 log = logging.getLogger("trainer")
+
+# Nothing downloads at run time; without these `datasets` waits on network timeouts even for local files.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 TEXT_EXT = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 SPECIAL_TOKENS = ["<|endoftext|>", "[MASK]", "[PAD]"]

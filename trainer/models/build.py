@@ -146,7 +146,7 @@ def build_model(spec: ModelSpec, mcfg: ModelConfig, seed: int) -> nn.Module:
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks (FSDP units, TP targets, pipeline split points)."""
     blocks: list[nn.Module] = []
-    for path in ("model.layers", "transformer.h", "bert.encoder.layer", "vit.encoder.layer",
+    for path in ("model.layers", "transformer.h", "bert.encoder.layer", "vit.encoder.layer", "vit.layers",
                  "decoder.decoder_layers"):
         obj: Any = model
         for part in path.split("."):

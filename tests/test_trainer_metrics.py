@@ -1,0 +1,63 @@
+"""metrics.jsonl fields and values, the console lines, the MFU formula and the LR schedule."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.trainer_run import read_metrics, run_trainer
+from trainer.config import Config
+from trainer.metrics import console_line, flops_per_token
+from trainer.optim import lr_at
+
+FIELDS = {"step", "loss", "lr", "grad_norm", "global_batch_samples", "global_batch_tokens", "tokens_per_s",
+          "tokens_per_s_per_device", "samples_per_s", "mfu", "memory_bytes", "step_time_s"}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("metrics")
+    proc = run_trainer(out, "--config", "configs/tiny.yaml", "--train.steps", "4", "--batch_size", "4",
+                       "--microbatch_num", "2", "--log-interval", "1")
+    return proc, read_metrics(out)
+
+
+def test_metrics_jsonl_fields_and_sane_values(run):
+    _, m = run
+    assert [r["step"] for r in m] == [1, 2, 3, 4]
+    for r in m:
+        assert FIELDS <= set(r)
+        assert r["global_batch_samples"] == 4 and r["global_batch_tokens"] == 4 * 32
+        assert r["tokens_per_s"] > 0 and r["tokens_per_s_per_device"] == r["tokens_per_s"]
+        assert math.isclose(r["samples_per_s"] * 32, r["tokens_per_s"], rel_tol=1e-9)
+        assert 0 < r["mfu"] < 1 and r["memory_bytes"] > 10 * 2**20 and r["step_time_s"] > 0
+        assert math.isfinite(r["loss"]) and r["grad_norm"] > 0 and r["lr"] > 0
+    assert [r["tokens"] for r in m] == [128, 256, 384, 512]
+
+
+def test_console_lines(run):
+    proc, m = run
+    lines = proc.stdout.splitlines()
+    assert any(ln.startswith("[rank0] Step: 1 ") and "| Loss: " in ln and "| Global batch size: " in ln
+               and "| Tokens/s/GPU: " in ln and "| MFU: " in ln and "| Memory usage: " in ln and "| LR: " in ln
+               for ln in lines)
+    assert f"[rank0] step 4 loss {m[-1]['loss']:.4f}" in lines
+    assert any("Number of parameters: 0.14M" in ln for ln in lines)
+    assert console_line(m[0]).startswith("Step: 1 ")
+
+
+def test_mfu_formula():
+    assert flops_per_token(1000, 2, 64, 32) == 6 * 1000 + 12 * 2 * 64 * 32
+
+
+def test_lr_warmup_then_cosine_to_min():
+    cfg = Config()
+    cfg.optim.lr, cfg.schedule.warmup_steps, cfg.schedule.min_lr = 1.0, 4, 0.1
+    lrs = [lr_at(s, cfg, 14) for s in range(16)]
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert all(a >= b for a, b in zip(lrs[3:], lrs[4:], strict=False))
+    assert math.isclose(lrs[9], 0.1 + 0.9 * 0.5, rel_tol=1e-9)  # halfway through the cosine
+    assert lrs[14] == lrs[15] == 0.1
+    cfg.schedule.warmup_ratio = 0.5  # ratio beats steps: 7 of 14
+    assert math.isclose(lr_at(0, cfg, 14), 1 / 7)
