@@ -151,3 +151,32 @@ def test_tp_divisibility_errors():
         check_tp(cfg, 2)
     with pytest.raises(TensorParallelError, match="GPT-2"):
         check_tp(tiny("gpt2").config, 2)
+
+
+def test_seed_000_config_resolves_to_the_guide_layout():
+    from pathlib import Path
+
+    import transformers
+
+    from trainer.config import resolve
+    from trainer.models.build import build_hf_config
+    from trainer.parallel.compose import check_supported
+    from trainer.parallel.partition import StageRange
+
+    path = Path(__file__).resolve().parents[1] / "configs" / "pi-qwen3-3stage.yaml"
+    cfg = resolve(str(path), [], environ={})
+    check_supported(cfg)
+    p, t = cfg.parallel, cfg.train
+    assert (p.pp, p.pp_schedule, t.batch_size, t.microbatch_num, cfg.data.seq_len, cfg.optim.lr) == \
+        (3, "1f1b", 16, 4, 128, 1e-4)
+    _, hf = build_hf_config(cfg.model)
+    assert (hf.num_hidden_layers, hf.hidden_size, hf.vocab_size) == (28, 1024, 151936)
+    ranges = partition_layers(p.partition, hf.num_hidden_layers, p.pp)
+    assert ranges == [StageRange(0, 0, 7), StageRange(1, 7, 21), StageRange(2, 21, 28)]
+    # Split the real architecture on the meta device: stage sizes as on the three Pis.
+    with torch.device("meta"):
+        model = transformers.Qwen3ForCausalLM(hf)
+    stages, tied = split_model(model, ranges)
+    sizes = [sum(q.numel() for q in stages[i].parameters()) / 1e6 for i in range(3)]
+    assert [round(s) for s in sizes] == [266, 220, 266]  # the tied 155.6M embedding is copied to stage 2
+    assert [s for s, _ in tied.groups[0]] == [0, 2]
