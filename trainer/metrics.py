@@ -78,7 +78,7 @@ def human(x: float, unit: str = "") -> str:
     for suffix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(x) >= scale:
             return f"{x / scale:.2f}{suffix}{unit}"
-    return f"{x:.2f}{unit}"
+    return f"{int(x)}{unit}" if float(x).is_integer() else f"{x:.2f}{unit}"
 
 
 @dataclass
