@@ -1,0 +1,90 @@
+"""Helpers for the runner's sandbox tests: run the CLI, write job files, look at nodes directly."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from runner.inventory import load_inventory
+from runner.plan import LABEL_RUN
+from runner.ssh import Remote
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Each rank records its env, its container's PID-1 start time (torchrun; host-kernel clock, so
+# comparable across sandbox nodes) and a 1 MB file, then sleeps SLEEP seconds.
+PROBE = r"""
+import hashlib, json, os, time
+def pid1_start():
+    ticks = int(open('/proc/1/stat').read().rsplit(')', 1)[1].split()[19])
+    btime = next(int(l.split()[1]) for l in open('/proc/stat') if l.startswith('btime'))
+    return btime + ticks / os.sysconf('SC_CLK_TCK')
+keys = ['RUN_ID','NODE_NAME','NODE_RANK','NNODES','MASTER_ADDR','MASTER_PORT','OUTPUT_DIR',
+        'GLOO_SOCKET_IFNAME','NCCL_SOCKET_IFNAME','RANK','WORLD_SIZE','OMP_NUM_THREADS']
+tok = os.environ.get('HF_TOKEN', '')
+doc = {'env': {k: os.environ.get(k) for k in keys}, 'pid1_start': pid1_start(),
+       'hf_token_sha256': hashlib.sha256(tok.encode()).hexdigest() if tok else None}
+out = os.environ['OUTPUT_DIR']
+json.dump(doc, open(f"{out}/probe-{os.environ['NODE_NAME']}.json", 'w'), indent=1)
+open(f"{out}/blob-{os.environ['NODE_NAME']}.bin", 'wb').write(os.urandom(1 << 20))
+print('probe', os.environ['NODE_NAME'], 'rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], flush=True)
+time.sleep(float(os.environ.get('SLEEP', '0')))
+print('done', os.environ['NODE_NAME'], flush=True)
+"""
+
+
+def runner_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "runner", *args]
+
+
+def runner(*args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(runner_cmd(*args), capture_output=True, text=True, cwd=REPO, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def write_job(tmp: Path, name: str = "job.yaml", sleep: float = 0, image: str = "runner-trainer:latest",
+              env_file: str | None = None, grace: float = 5, extra: dict | None = None) -> Path:
+    job = {"image": image, "command": ["python", "-c", PROBE], "master_port": "auto",
+           "env": {"SLEEP": str(sleep), "OMP_NUM_THREADS": "1"}, "grace_period": grace}
+    if env_file:
+        job["env_file"] = env_file
+    job.update(extra or {})
+    p = tmp / name
+    p.write_text(yaml.safe_dump({"job": job}))
+    return p
+
+
+def remotes(inventory: Path) -> dict[str, Remote]:
+    inv = load_inventory(inventory, with_job=False)
+    return {n.name: Remote(n).connect() for n in inv.nodes}
+
+
+def run_containers(inventory: Path, run_id: str | None = None, running_only: bool = False) -> dict[str, list[str]]:
+    """{node: [container names of the run]} straight from each node's engine (over SSH)."""
+    flt = f"label={LABEL_RUN}={run_id}" if run_id else f"label={LABEL_RUN}"
+    out = {}
+    for name, r in remotes(inventory).items():
+        with r:
+            res = r.run(["docker", "ps", "--format", "{{.Names}}", "--filter", flt] + ([] if running_only else ["-a"]))
+            out[name] = res.out.split()
+    return out
+
+
+def wait_for(pred, timeout: float, interval: float = 0.25):
+    end = time.time() + timeout
+    while time.time() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout}s")
+
+
+def node_workdir(inventory: Path, node: str) -> Path:
+    inv = load_inventory(inventory, with_job=False)
+    return Path(inv.node(node).workdir)

@@ -1,0 +1,295 @@
+"""The runner against the sandbox cluster: real sshd + dockerd per node, real containers.
+
+Order matters only for cost: the session fixture `pushed` brings the trainer image to the empty
+nodes once (that first push is itself asserted on); every other test reuses it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import re
+import signal
+import subprocess
+import tarfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from runner.images import HOST_DOCKER
+from runner.inventory import load_inventory
+from tests.runner_helpers import (
+    REPO,
+    node_workdir,
+    remotes,
+    run_containers,
+    runner,
+    runner_cmd,
+    wait_for,
+    write_job,
+)
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.docker]
+PUSH_RE = re.compile(r"^(\S+)\s+(\S+)\s+(skipped|layers|full)\s+layers (\d+)/(\d+)\s+([\d.]+) MB of ([\d.]+) MB", re.M)
+
+
+def parse_push(out: str) -> dict[str, dict]:
+    return {m[1]: {"tag": m[2], "action": m[3], "sent": int(m[4]), "total": int(m[5]), "mb": float(m[6]),
+                   "image_mb": float(m[7])} for m in PUSH_RE.finditer(out)}
+
+
+@pytest.fixture(scope="session")
+def pushed(sandbox, trainer_image, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("push")
+    job = write_job(tmp)
+    t0 = time.time()
+    proc = runner("push", "-i", str(sandbox), "--job", str(job), timeout=1200)
+    assert proc.returncode == 0, proc.stderr
+    return {"first": parse_push(proc.stdout), "seconds": time.time() - t0, "job": job}
+
+
+def node_image_id(inventory: Path, node: str, tag: str) -> str | None:
+    r = remotes(inventory)[node]
+    with r:
+        res = r.run(["docker", "image", "inspect", "--format", "{{.Id}}", tag])
+    return res.out.strip() if res.rc == 0 else None
+
+
+def host_image_id(tag: str) -> str:
+    import docker
+
+    return docker.DockerClient(base_url=HOST_DOCKER, version="auto").images.get(tag).id
+
+
+def build_derived(tag: str, content: bytes) -> str:
+    """FROM the trainer image + one small file: a 'code-only change' image."""
+    import docker
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        for name, data in (("Dockerfile", b"FROM runner-trainer:latest\nCOPY marker.txt /opt/marker.txt\n"),
+                           ("marker.txt", content)):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    buf.seek(0)
+    client = docker.DockerClient(base_url=HOST_DOCKER, version="auto")
+    img, _ = client.images.build(fileobj=buf, custom_context=True, tag=tag, network_mode="host", rm=True)
+    return img.id
+
+
+def test_push_missing_layers_and_skip(sandbox, pushed, tmp_path):
+    first = pushed["first"]
+    want = host_image_id("runner-trainer:latest")
+    assert set(first) == {"node-0", "node-1", "node-2"}
+    for node, r in first.items():
+        assert r["action"] == "layers" and r["sent"] == r["total"] > 1, r  # empty node: everything
+        assert node_image_id(sandbox, node, "runner-trainer:latest") == want
+    # Present everywhere: skipped, nothing moved.
+    again = runner("push", "-i", str(sandbox), "--job", str(pushed["job"]))
+    assert again.returncode == 0, again.stderr
+    for r in parse_push(again.stdout).values():
+        assert r["action"] == "skipped" and r["mb"] == 0.0
+    # A code-only change: only the one new layer travels.
+    for i, content in enumerate((b"version 1\n" * 1000, b"version 2\n" * 1000)):
+        tag = f"runner-test-derived:{i}"
+        want = build_derived(tag, content)
+        job = write_job(tmp_path, f"d{i}.yaml", image=tag)
+        proc = runner("push", "-i", str(sandbox), "--job", str(job))
+        assert proc.returncode == 0, proc.stderr
+        res = parse_push(proc.stdout)
+        for node, r in res.items():
+            assert r["action"] == "layers" and r["sent"] == 1 and r["total"] == first[node]["total"] + 1, r
+            assert r["mb"] < 0.01 * r["image_mb"], r   # bytes moved << image size
+            assert node_image_id(sandbox, node, tag) == want
+
+
+def _probe_docs(sandbox: Path, run_id: str) -> dict[str, dict]:
+    docs = {}
+    for node in ("node-0", "node-1", "node-2"):
+        p = node_workdir(sandbox, node) / "runs" / run_id / f"probe-{node}.json"
+        docs[node] = json.loads(p.read_text())
+    return docs
+
+
+@pytest.fixture(scope="session")
+def finished_run(sandbox, pushed, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("up")
+    job = write_job(tmp, sleep=0.5)
+    proc = runner("up", "-i", str(sandbox), "--job", str(job), "--logs-dir", str(tmp / "logs"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_id = re.search(r"run (\S+) started", proc.stdout)[1]
+    return {"proc": proc, "run_id": run_id, "tmp": tmp}
+
+
+def test_up_three_nodes_env_order_prefixed_logs(sandbox, finished_run):
+    proc, run_id = finished_run["proc"], finished_run["run_id"]
+    inv = load_inventory(sandbox, with_job=False)
+    docs = _probe_docs(sandbox, run_id)
+    port = docs["node-0"]["env"]["MASTER_PORT"]
+    assert port.isdigit() and 1024 <= int(port) <= 65535
+    for rank, node in enumerate(("node-0", "node-1", "node-2")):
+        assert docs[node]["env"] == {
+            "RUN_ID": run_id, "NODE_NAME": node, "NODE_RANK": str(rank), "NNODES": "3",
+            "MASTER_ADDR": inv.master.host, "MASTER_PORT": port, "OUTPUT_DIR": "/out",
+            "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo",  # `ip route get` on each node
+            "RANK": str(rank), "WORLD_SIZE": "3", "OMP_NUM_THREADS": "1"}
+        # Prefixed, in order per node.
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(f"[{node}/{rank}] ")]
+        assert lines == [f"[{node}/{rank}] probe {node} rank {rank} of 3", f"[{node}/{rank}] done {node}"]
+        kept = (finished_run["tmp"] / "logs" / run_id / node / "container.log").read_text().splitlines()
+        assert kept == [f"probe {node} rank {rank} of 3", f"done {node}"]
+    assert inv.master.name == "node-0"
+    # Master first: its container (torchrun = PID 1) started before any worker's.
+    t_master = docs["node-0"]["pid1_start"]
+    assert all(docs[n]["pid1_start"] > t_master for n in ("node-1", "node-2")), docs
+    # Finished runs leave no containers behind.
+    assert run_containers(sandbox, run_id) == {"node-0": [], "node-1": [], "node-2": []}
+
+
+def test_collect_checksums_and_incremental(sandbox, finished_run, tmp_path):
+    run_id = finished_run["run_id"]
+    dest = tmp_path / "artifacts"
+    first = runner("collect", run_id, "-i", str(sandbox), "--dest", str(dest), "--quiet")
+    assert first.returncode == 0, first.stderr
+    n_files = 0
+    for node in ("node-0", "node-1", "node-2"):
+        src = node_workdir(sandbox, node) / "runs" / run_id
+        files = sorted(p.relative_to(src) for p in src.rglob("*") if p.is_file())
+        assert Path(f"probe-{node}.json") in files and Path(f"blob-{node}.bin") in files
+        for rel in files:
+            got = dest / run_id / node / rel
+            assert hashlib.sha256(got.read_bytes()).digest() == hashlib.sha256((src / rel).read_bytes()).digest()
+            n_files += 1
+        assert re.search(rf"{node}\s+{len(files)} files: {len(files)} copied", first.stdout), first.stdout
+    assert n_files >= 9
+    mtimes = {p: p.stat().st_mtime_ns for p in dest.rglob("*") if p.is_file()}
+    second = runner("collect", run_id, "-i", str(sandbox), "--dest", str(dest), "--quiet")
+    assert second.returncode == 0, second.stderr
+    assert second.stdout.count(" 0 copied (0.00 MB") == 3, second.stdout
+    assert {p: p.stat().st_mtime_ns for p in dest.rglob("*") if p.is_file() and p.name != ".collect-manifest.json"} == \
+        {p: t for p, t in mtimes.items() if p.name != ".collect-manifest.json"}
+
+
+def _start_up(sandbox: Path, job: Path, tmp: Path) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(runner_cmd("up", "-i", str(sandbox), "--job", str(job), "--logs-dir", str(tmp / "logs")),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    run_id = None
+    for line in proc.stdout:
+        m = re.search(r"run (\S+) started", line)
+        if m:
+            run_id = m[1]
+            break
+    assert run_id, proc.stderr.read() if proc.poll() is not None else "no run id"
+    wait_for(lambda: all(len(v) == 1 for v in run_containers(sandbox, run_id, running_only=True).values()), 30)
+    return proc, run_id
+
+
+def test_killed_worker_stops_everything(sandbox, pushed, tmp_path):
+    proc, run_id = _start_up(sandbox, write_job(tmp_path, sleep=120, grace=30), tmp_path)
+    r = remotes(sandbox)["node-2"]
+    with r:
+        assert r.run(["docker", "kill", f"runner-{run_id}-node-2"]).rc == 0
+    t_kill = time.time()
+    wait_for(lambda: not any(run_containers(sandbox, run_id).values()), 10)  # zero containers, any state
+    gone = time.time() - t_kill
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode != 0
+    assert "node node-2 (rank 2) failed" in err and "exited with code 137" in err, err
+    assert gone <= 10
+
+
+def test_sigint_leaves_nothing_and_down_twice(sandbox, pushed, tmp_path):
+    proc, run_id = _start_up(sandbox, write_job(tmp_path, sleep=120, grace=5), tmp_path)
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert run_containers(sandbox, run_id) == {"node-0": [], "node-1": [], "node-2": []}
+    # Detached run, then down twice: both succeed, the second finds nothing.
+    job = write_job(tmp_path, "d.yaml", sleep=120, grace=5)
+    up = runner("up", "-i", str(sandbox), "--job", str(job), "--detach")
+    assert up.returncode == 0, up.stderr
+    run_id = re.search(r"run (\S+) started", up.stdout)[1]
+    assert all(len(v) == 1 for v in run_containers(sandbox, run_id, running_only=True).values())
+    st = runner("status", run_id, "-i", str(sandbox), "--json")
+    assert st.returncode == 0, st.stderr
+    assert [(n["node"], n["rank"], n["state"]) for n in json.loads(st.stdout)["nodes"]] == [
+        ("node-0", 0, "running"), ("node-1", 1, "running"), ("node-2", 2, "running")]
+    ls = runner("ls", "-i", str(sandbox), "--json")
+    assert run_id in [r["run_id"] for r in json.loads(ls.stdout)]
+    logs = wait_for(lambda: (lambda p: p if "probe node-2" in p.stdout else None)(
+        runner("logs", run_id, "-i", str(sandbox), "--node", "node-2")), 30)
+    assert "[node-2/2] probe node-2 rank 2 of 3" in logs.stdout
+    d1 = runner("down", run_id, "-i", str(sandbox))
+    assert d1.returncode == 0 and "stopped and removed on node-0, node-1, node-2" in d1.stdout, d1.stdout + d1.stderr
+    d2 = runner("down", run_id, "-i", str(sandbox))
+    assert d2.returncode == 0 and "already down" in d2.stdout
+    assert run_containers(sandbox, run_id) == {"node-0": [], "node-1": [], "node-2": []}
+
+
+def test_secret_never_leaks(sandbox, pushed, tmp_path):
+    secret = "hf_" + hashlib.sha256(str(time.time()).encode()).hexdigest()[:24]
+    envf = tmp_path / ".env"
+    envf.write_text(f"HF_TOKEN={secret}\n")
+    job = write_job(tmp_path, sleep=4, env_file=str(envf))
+    dry = runner("up", "-i", str(sandbox), "--job", str(job), "--dry-run")
+    assert dry.returncode == 0 and "HF_TOKEN=******" in dry.stdout
+    proc, run_id = _start_up(sandbox, job, tmp_path)
+    # While it runs: no process on this machine (every sandbox node lives here) has it in argv,
+    # and no container's config (docker inspect) holds it.
+    for p in psutil.process_iter(["cmdline"]):
+        assert secret not in " ".join(p.info["cmdline"] or [])
+    for name, r in remotes(sandbox).items():
+        with r:
+            insp = r.run(["docker", "inspect", f"runner-{run_id}-{name}"])
+            assert insp.rc == 0 and secret not in insp.out
+            mode = r.run(["stat", "-c", "%a", f"{node_workdir(sandbox, name)}/secrets/{run_id}.env"]).out.strip()
+            assert mode == "600"
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    want = hashlib.sha256(secret.encode()).hexdigest()
+    docs = _probe_docs(sandbox, run_id)
+    assert all(d["hf_token_sha256"] == want for d in docs.values())  # it did reach every rank
+    assert secret not in out + err + dry.stdout + dry.stderr
+    for f in (tmp_path / "logs").rglob("*"):
+        if f.is_file():
+            assert secret not in f.read_text(errors="replace")
+    dest = tmp_path / "art"
+    assert runner("collect", run_id, "-i", str(sandbox), "--dest", str(dest), "--quiet").returncode == 0
+    for f in dest.rglob("*"):
+        if f.is_file():
+            assert secret.encode() not in f.read_bytes()
+
+
+def test_host_keys_refused_unless_known_or_pinned(sandbox, tmp_path):
+    text = Path(sandbox).read_text()
+    inv = load_inventory(sandbox, with_job=False)
+    empty = tmp_path / "known_hosts"
+    empty.write_text("")
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text(re.sub(r"known_hosts: [^,}]+", f"known_hosts: {empty}", text))
+    proc = runner("ls", "-i", str(unknown))
+    assert proc.returncode == 2 and "unknown host key" in proc.stderr and "--accept-new-host-keys" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    # Opt-in records the keys, after which they are known.
+    proc = runner("ls", "-i", str(unknown), "--accept-new-host-keys")
+    assert proc.returncode == 0, proc.stderr
+    assert len(empty.read_text().splitlines()) == 3
+    assert runner("ls", "-i", str(unknown)).returncode == 0
+    # Pinned fingerprints: a wrong one is refused, the right one accepted (known_hosts not used).
+    r = remotes(sandbox)["node-1"]
+    with r:
+        right = r.host_key_fp
+    wrong = "SHA256:" + "A" * 43
+    for fp, ok in ((wrong, False), (right, True)):
+        pinned = tmp_path / "pinned.yaml"
+        h = inv.node("node-1").host
+        pinned.write_text(text.replace(f"host: {h},", f"host: {h}, host_key: '{fp}',"))
+        proc = runner("down", "-i", str(pinned))
+        if ok:
+            assert proc.returncode == 0, proc.stderr
+        else:
+            assert proc.returncode == 2 and "node node-1: host key mismatch" in proc.stderr, proc.stderr
