@@ -30,9 +30,11 @@ def test_pp2_interleaved_two_virtual_stages(tmp_path):
     assert "stage 2 (pp rank 0): layer 2 (1 layers" in log
 
 
-def test_pp2_zbv_with_tied_embeddings(tmp_path):
-    # V placement puts the first and last stage (embedding and its tied head) on rank 0.
-    m = run_layout(tmp_path, "qwen3", 2, "--parallel.pp", "2", "--parallel.pp_schedule", "zbv",
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev", "interleaved_zb"])
+def test_pp2_zero_bubble_with_tied_embeddings(tmp_path, schedule):
+    # zbv/dualpipev place the first and last stage (embedding and its tied head) both on rank 0;
+    # interleaved_zb on different ranks. Weight gradients are computed in separate W steps.
+    m = run_layout(tmp_path, "qwen3", 2, "--parallel.pp", "2", "--parallel.pp_schedule", schedule,
                    "--parallel.virtual_stages", "2")
     assert_equivalent(m, "qwen3")
 
