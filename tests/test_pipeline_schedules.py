@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tests.parallel_equiv import MODELS, assert_equivalent, common, run_layout
-from tests.trainer_run import run_trainer
+from tests.trainer_run import read_metrics, run_trainer
 
 pytestmark = pytest.mark.multiproc
 
@@ -86,3 +86,18 @@ def test_cli_reports_a_pipeline_error_in_one_line(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert err == ["error: parallel.partition: custom:0,2,4 has 3 boundaries but 3 stages need 4 "
                    "(first 0, last 4: custom:0,...,4)"]
+
+
+def test_pp2_text_data_with_eval_equals_single_process(tmp_path):
+    # Tied GPT-2 on the shipped corpus (trained BPE), evaluation every 2 steps through the pipeline:
+    # evaluation must not disturb the next training step.
+    args = ("--config", "configs/tiny-text.yaml", "--model.num_hidden_layers", "4", "--train.steps", "4",
+            "--train.microbatch_num", "2", "--train.eval_interval", "2")
+    run_trainer(tmp_path / "ref", *args)
+    run_trainer(tmp_path / "pp", *args, "--parallel.pp", "2", "--parallel.pp_schedule", "1f1b", nproc=2)
+    ref, pp = read_metrics(tmp_path / "ref"), read_metrics(tmp_path / "pp")
+    for key in ("loss", "eval_loss"):
+        a = [r[key] for r in ref if key in r]
+        b = [r[key] for r in pp if key in r]
+        assert len(a) == len(b) == (4 if key == "loss" else 2)
+        assert all(abs(x - y) <= 1e-5 * abs(x) for x, y in zip(a, b, strict=True)), (key, a, b)

@@ -172,6 +172,8 @@ class PipelineRunner:
         self.tied_local = [(ps, key) for ps, key in self.tied_local if ps]
         self.tied_copy_ids = {id(named[s][n]) for g in self.tied.groups for s, n in g[1:] if s in parts}
         self.stages = [PipelineStage(parts[s], s, num_stages, device, group=pp_group) for s in self.stage_ids]
+        self.pp_group, self.device = pp_group, device
+        self.pp_rank, self.pp_size = dist.get_rank(pp_group), dist.get_world_size(pp_group)
         self.has_first = 0 in parts
         self.has_last = num_stages - 1 in parts
         self._state: dict = {"n_tokens": 1}
@@ -208,20 +210,35 @@ class PipelineRunner:
             return torch.stack([loss.detach() for loss in losses]).sum()
         return None
 
+    @torch.no_grad()
     def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, n_micro: int) -> torch.Tensor | None:
-        """Forward only through the pipeline (no gradients); loss on the last stage."""
-        from torch.distributed.pipelining import ScheduleGPipe
+        """Forward only, stage after stage with plain send/recv; loss on the rank of the last stage.
 
-        if self.spec.multi:
-            return None  # forward-only multi-stage evaluation is not wired; callers skip eval
-        self._state["n_tokens"] = max(int((labels != IGNORE_INDEX).sum()), 1)
-        sched = ScheduleGPipe(self.stages[0], n_microbatches=n_micro, loss_fn=make_loss_fn(self._state),
-                              scale_grads=False)
-        losses: list[torch.Tensor] = []
-        with torch.no_grad():
-            sched.eval(*((input_ids,) if self.has_first else ()), target=labels if self.has_last else None,
-                       losses=losses if self.has_last else None)
-        return torch.stack(losses).sum() if self.has_last else None
+        Not a torch schedule: running a second schedule object over the training stages left
+        their state changed and the next training step's gradients slightly off.
+        """
+        n_tokens = max(int((labels != IGNORE_INDEX).sum()), 1)
+        hidden = getattr(self.parts[self.stage_ids[0]], "config", None)
+        hidden = getattr(hidden, "hidden_size", None) or getattr(hidden, "n_embd", None)
+        total = torch.zeros((), device=self.device)
+        for x, y in zip(input_ids.tensor_split(n_micro), labels.tensor_split(n_micro), strict=True):
+            h = x
+            for s in range(self.num_stages):
+                here = self.rank_of(s)
+                if here != self.pp_rank:
+                    continue
+                if s > 0 and self.rank_of(s - 1) != self.pp_rank:
+                    h = torch.empty(x.shape[0], x.shape[1], hidden, device=self.device)
+                    dist.recv(h, group=self.pp_group, group_src=self.rank_of(s - 1))
+                h = self.parts[s](h)
+                if s + 1 < self.num_stages and self.rank_of(s + 1) != self.pp_rank:
+                    dist.send(h.float().contiguous(), group=self.pp_group, group_dst=self.rank_of(s + 1))
+            if self.has_last:
+                total += make_loss_fn({"n_tokens": n_tokens})(h, y)
+        return total if self.has_last else None
+
+    def rank_of(self, stage: int) -> int:
+        return stage_to_rank(stage, self.pp_size, self.num_stages, self.spec.style)
 
 
 def pp_lines(mesh) -> list[list[int]]:
@@ -259,14 +276,12 @@ class PipelineParallelized(Parallelized):
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, n_micro: int) -> torch.Tensor | None:
         self.n_micro = n_micro
-        return self.runner.forward_backward(inputs.to(self.device), labels.to(self.device), n_micro)
+        with self._autocast():  # bf16 without FSDP (FSDP casts through its mixed-precision policy)
+            return self.runner.forward_backward(inputs.to(self.device), labels.to(self.device), n_micro)
 
-    @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
-        # Stage buffers were sized from training microbatches: evaluate with the same split.
-        if inputs.shape[0] % self.n_micro:
-            return None
-        return self.runner.eval_loss(inputs.to(self.device), labels.to(self.device), self.n_micro)
+        with self._autocast():  # the whole batch at once, as the single-process evaluation does
+            return self.runner.eval_loss(inputs.to(self.device), labels.to(self.device), 1)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         return clip_grad_norm(untied_params(self.runner), max_norm, self.pp_group, all_params=self.parameters())
