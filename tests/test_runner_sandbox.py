@@ -293,3 +293,49 @@ def test_host_keys_refused_unless_known_or_pinned(sandbox, tmp_path):
             assert proc.returncode == 0, proc.stderr
         else:
             assert proc.returncode == 2 and "node node-1: host key mismatch" in proc.stderr, proc.stderr
+
+
+PP3 = """model: {preset: tiny-llama, num_hidden_layers: 3}
+data: {source: synthetic, seq_len: 32}
+train: {steps: 3, seed: 1, batch_size: 8, microbatch_num: 4}
+parallel: {pp: 3, pp_schedule: 1f1b}
+"""
+
+
+def test_pipeline_trainer_job_three_nodes(sandbox, pushed, tmp_path):
+    """The real trainer: a 3-stage 1F1B pipeline, one stage per node, then collect's summary."""
+    cfg = tmp_path / "pp3.yaml"
+    cfg.write_text(PP3)
+    job = tmp_path / "job.yaml"
+    job.write_text(f"job:\n  image: runner-trainer:latest\n  config: {cfg}\n  env: {{OMP_NUM_THREADS: '1'}}\n"
+                   "  master_port: auto\n  grace_period: 10\n")
+    proc = runner("up", "-i", str(sandbox), "--job", str(job), "--logs-dir", str(tmp_path / "logs"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_id = re.search(r"run (\S+) started", proc.stdout)[1]
+    assert "[node-0/0] stage 0 (pp rank 0): embeddings + layer 0" in proc.stdout
+    col = runner("collect", run_id, "-i", str(sandbox), "--dest", str(tmp_path / "art"), "--quiet")
+    assert col.returncode == 0, col.stderr
+    metrics = [json.loads(x) for x in (tmp_path / "art" / run_id / "node-2" / "metrics.jsonl").read_text().splitlines()]
+    losses = [m["loss"] for m in metrics if "loss" in m]
+    assert len(losses) == 3 and all(0 < v < 20 for v in losses)
+    assert f"final loss {losses[-1]:.4f} at step 3" in col.stdout
+    for node, rank in (("node-0", 0), ("node-1", 1), ("node-2", 2)):
+        assert (tmp_path / "art" / run_id / node / "logs" / f"rank{rank}.log").is_file()
+
+
+def test_max_restarts_resumes_same_run(sandbox, pushed, tmp_path):
+    """node-1 fails on the first attempt only; --max-restarts 1 relaunches the same run (same run
+    dir, so checkpoints are found) with `--resume latest` and the job succeeds."""
+    flaky = ("import os, sys; p = '/out/attempted-' + os.environ['NODE_NAME']; first = not os.path.exists(p); "
+             "open(p, 'a').write('x'); print('args', sys.argv[1:], flush=True); "
+             "sys.exit(3 if first and os.environ['NODE_NAME'] == 'node-1' else 0)")
+    job = write_job(tmp_path, extra={"command": ["python", "-c", flaky]})
+    proc = runner("up", "-i", str(sandbox), "--job", str(job), "--max-restarts", "1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_id = re.search(r"run (\S+) started", proc.stdout)[1]
+    assert proc.stdout.count(f"run {run_id} started") == 2
+    assert "restart 1/1" in proc.stderr
+    assert "[node-1/1] args ['--resume', 'latest']" in proc.stdout
+    for node in ("node-0", "node-1", "node-2"):
+        assert (node_workdir(sandbox, node) / "runs" / run_id / f"attempted-{node}").read_text() == "xx"
+    assert run_containers(sandbox, run_id) == {"node-0": [], "node-1": [], "node-2": []}
