@@ -180,3 +180,9 @@ def test_seed_000_config_resolves_to_the_guide_layout():
     sizes = [sum(q.numel() for q in stages[i].parameters()) / 1e6 for i in range(3)]
     assert [round(s) for s in sizes] == [266, 220, 266]  # the tied 155.6M embedding is copied to stage 2
     assert [s for s, _ in tied.groups[0]] == [0, 2]
+    # `parameters` on the same model: the heavy embedding/head stages take fewer layers.
+    from trainer.parallel.pipeline import plan_ranges
+
+    with torch.device("meta"):
+        model = transformers.Qwen3ForCausalLM(hf)
+    assert bounds(plan_ranges(model, "parameters", 3)) == [0, 6, 22, 28]

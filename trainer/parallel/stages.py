@@ -56,10 +56,8 @@ def part_param_counts(model: nn.Module) -> tuple[int, int, int]:
     """(per-layer, embeddings, norm+head) parameter counts, for the `parameters` partition."""
     layer = sum(p.numel() for p in _layers(model)[0].parameters())
     embed = sum(p.numel() for p in _embed_modules(model).parameters())
+    # A tied head weight counts on both sides: the last stage holds (and computes with) a copy.
     head = sum(p.numel() for p in _head_modules(model).parameters())
-    out = model.get_output_embeddings()
-    if out is not None and out.weight is model.get_input_embeddings().weight:
-        head += out.weight.numel()  # tied, but the head still computes over it
     return layer, embed, head
 
 
