@@ -35,3 +35,54 @@ def pytest_collection_modifyitems(config, items):
 def have_sshd() -> None:
     require("sshd", bool(shutil.which("sshd") or os.path.exists("/usr/sbin/sshd")),
             "openssh-server is not installed")
+
+
+REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
+HOST_DOCKER = "unix:///var/run/docker.sock"
+IMAGE = "runner-trainer:latest"
+
+
+def _docker_ok() -> bool:
+    import subprocess
+    return shutil.which("docker") is not None and subprocess.run(
+        ["docker", "-H", HOST_DOCKER, "version", "--format", "{{.Server.Version}}"],
+        capture_output=True).returncode == 0
+
+
+@pytest.fixture(scope="session")
+def host_docker() -> str:
+    """The host engine (started by scripts/setup.sh); its socket URL."""
+    require("Docker engine", _docker_ok(), f"no engine answers on {HOST_DOCKER}")
+    return HOST_DOCKER
+
+
+@pytest.fixture(scope="session")
+def trainer_image(host_docker) -> str:
+    """runner-trainer:latest on the host engine, built by the project's script (cached layers)."""
+    import subprocess
+    proc = subprocess.run([str(REPO / "scripts/build-image.sh"), IMAGE], capture_output=True, text=True,
+                          cwd=REPO, env={**os.environ, "DOCKER_HOST": host_docker})
+    assert proc.returncode == 0, f"image build failed:\n{proc.stderr[-3000:]}"
+    return IMAGE
+
+
+def _sandbox_cmd(*args: str) -> list[str]:
+    import sys
+    return [sys.executable, "-m", "runner", "sandbox", *args]
+
+
+@pytest.fixture(scope="session")
+def sandbox(tmp_path_factory, host_docker, have_sshd):
+    """A 3-node sandbox cluster of its own (own state dir, own addresses 127.0.2.11-13), torn down
+    at the end of the session. Yields the path of its inventory (hosts/local.yaml format)."""
+    import subprocess
+    state = tmp_path_factory.mktemp("sandbox")
+    inv = state / "local.yaml"
+    up = subprocess.run(_sandbox_cmd("--dir", str(state / "s"), "up", "--nodes", "3", "--base-addr",
+                                     "127.0.2.11", "--inventory", str(inv)), capture_output=True, text=True,
+                        cwd=REPO)
+    assert up.returncode == 0, up.stderr
+    try:
+        yield inv
+    finally:
+        subprocess.run(_sandbox_cmd("--dir", str(state / "s"), "down"), capture_output=True, cwd=REPO)

@@ -1,0 +1,388 @@
+"""The sandbox cluster: N "nodes" on this machine, each a real sshd on its own loopback address
+plus its own dockerd (own data root, exec root, socket, pidfile; no bridge).
+
+Node i listens on 127.0.0.(11+i):PORT. Its sshd sets DOCKER_HOST for every session, so
+`docker ...` run over SSH on node i (and the docker SDK's ssh dial-stdio) reaches node i's engine
+and no other: an image loaded on node 1 is absent on node 2. Each node has its own workdir.
+Host keys are generated per node and written to a known_hosts file, so clients verify them
+instead of auto-accepting.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import yaml
+
+from runner.errors import UserError
+
+log = logging.getLogger("runner.sandbox")
+
+DEFAULT_BASE_ADDR = "127.0.0.11"
+DEFAULT_PORT = 2222
+MAX_NODES = 16
+SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
+DOCKERD = shutil.which("dockerd") or "/usr/sbin/dockerd"
+
+
+@dataclass(frozen=True)
+class Node:
+    index: int
+    addr: str
+    port: int
+    root: Path  # <state>/node-i: keys, configs, data root, workdir
+    run: Path  # short path under /run for sockets (unix socket paths are limited to 108 bytes)
+
+    @property
+    def name(self) -> str:
+        return f"node-{self.index}"
+
+    @property
+    def host_key(self) -> Path:
+        return self.root / "ssh_host_ed25519_key"
+
+    @property
+    def sshd_config(self) -> Path:
+        return self.root / "sshd_config"
+
+    @property
+    def sshd_pid(self) -> Path:
+        return self.root / "sshd.pid"
+
+    @property
+    def docker_sock(self) -> Path:
+        return self.run / "docker.sock"
+
+    @property
+    def docker_pid(self) -> Path:
+        return self.run / "docker.pid"
+
+    @property
+    def data_root(self) -> Path:
+        return self.root / "docker"
+
+    @property
+    def exec_root(self) -> Path:
+        return self.run / "exec"
+
+    @property
+    def workdir(self) -> Path:
+        return self.root / "work"
+
+    @property
+    def docker_host(self) -> str:
+        return f"unix://{self.docker_sock}"
+
+
+class Sandbox:
+    """State lives in files under `state_dir`; every method can be re-run safely."""
+
+    def __init__(self, state_dir: Path | str = ".sandbox", base_addr: str = DEFAULT_BASE_ADDR,
+                 port: int = DEFAULT_PORT):
+        self.state = Path(state_dir).resolve()
+        self.base_addr = base_addr
+        self.port = port
+        tag = hashlib.sha1(str(self.state).encode()).hexdigest()[:8]
+        self.run_root = Path("/run/runner-sandbox") / tag
+
+    # ---- layout ---------------------------------------------------------------------------
+    @property
+    def user_key(self) -> Path:
+        return self.state / "id_ed25519"
+
+    @property
+    def known_hosts(self) -> Path:
+        return self.state / "known_hosts"
+
+    @property
+    def authorized_keys(self) -> Path:
+        return self.state / "authorized_keys"
+
+    def node(self, i: int) -> Node:
+        addr = str(ipaddress.IPv4Address(self.base_addr) + i)
+        return Node(i, addr, self.port, self.state / f"node-{i}", self.run_root / f"node-{i}")
+
+    def existing_nodes(self) -> list[Node]:
+        if not self.state.is_dir():
+            return []
+        idx = sorted(int(p.name.split("-")[1]) for p in self.state.glob("node-*") if p.name[5:].isdigit())
+        meta = self._read_meta()
+        base = meta.get("base_addr", self.base_addr)
+        port = meta.get("port", self.port)
+        sb = Sandbox(self.state, base, port)
+        return [sb.node(i) for i in idx]
+
+    def _read_meta(self) -> dict:
+        f = self.state / "sandbox.yaml"
+        return yaml.safe_load(f.read_text()) or {} if f.exists() else {}
+
+    # ---- up -------------------------------------------------------------------------------
+    def up(self, n: int, inventory: Path | None) -> list[Node]:
+        if n < 1 or n > MAX_NODES:
+            raise UserError(f"--nodes must be between 1 and {MAX_NODES} (got {n})")
+        try:
+            base = ipaddress.IPv4Address(self.base_addr)
+        except ValueError:
+            raise UserError(f"--base-addr {self.base_addr!r} is not an IPv4 address") from None
+        if base not in ipaddress.IPv4Network("127.0.0.0/8") or int(base) + n - 1 > int(
+                ipaddress.IPv4Address("127.255.255.254")):
+            raise UserError(f"--base-addr {self.base_addr} must leave {n} addresses inside 127.0.0.0/8 "
+                            "(sandbox traffic stays on loopback)")
+        if not 1 <= self.port <= 65535:
+            raise UserError(f"--port {self.port} is not a TCP port")
+        for tool in (SSHD, DOCKERD, "ssh-keygen"):
+            if not shutil.which(tool) and not os.path.exists(tool):
+                raise UserError(f"{tool} not found: run scripts/setup.sh (installs openssh-server, docker.io)")
+
+        meta = self._read_meta()
+        if meta and (meta.get("base_addr"), meta.get("port")) != (self.base_addr, self.port):
+            if any(self._node_running(nd) for nd in self.existing_nodes()):
+                raise UserError(f"sandbox in {self.state} is running on {meta.get('base_addr')}:"
+                                f"{meta.get('port')}; run 'runner sandbox down' before changing address/port")
+        nodes = [self.node(i) for i in range(n)]
+        # Check every address before starting anything, so a taken one leaves nothing running.
+        for nd in nodes:
+            if not self._sshd_alive(nd) and not _port_free(nd.addr, nd.port):
+                raise UserError(f"{nd.addr}:{nd.port} ({nd.name}) is already in use by another process; "
+                                "pick another --base-addr or --port")
+        self.state.mkdir(parents=True, exist_ok=True)
+        (self.state / "sandbox.yaml").write_text(yaml.safe_dump(
+            {"base_addr": self.base_addr, "port": self.port}))
+        self._ensure_user_key()
+        started: list[Node] = []
+        try:
+            for nd in nodes:
+                if self._start_node(nd):
+                    started.append(nd)
+            for nd in nodes:
+                self._wait_ready(nd)
+        except BaseException:
+            for nd in started:
+                self._stop_node(nd)
+            raise
+        # Nodes beyond N from an earlier, larger sandbox are stopped (their data is kept).
+        for nd in self.existing_nodes():
+            if nd.index >= n:
+                self._stop_node(nd)
+        self._write_known_hosts(nodes)
+        if inventory is not None:
+            write_inventory(Path(inventory), nodes, self)
+        return nodes
+
+    def _ensure_user_key(self) -> None:
+        if not self.user_key.exists():
+            _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "runner-sandbox-user",
+                  "-f", str(self.user_key)])
+        self.authorized_keys.write_text(Path(f"{self.user_key}.pub").read_text())
+        os.chmod(self.authorized_keys, 0o600)
+
+    def _start_node(self, nd: Node) -> bool:
+        """Start what is not running; True if anything was started."""
+        for d in (nd.root, nd.workdir, nd.data_root, nd.run, nd.exec_root):
+            d.mkdir(parents=True, exist_ok=True)
+        if not nd.host_key.exists():
+            _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"runner-sandbox-{nd.name}",
+                  "-f", str(nd.host_key)])
+        started = False
+        if not self._docker_alive(nd):
+            _remove_stale_pid(nd.docker_pid)
+            logf = open(nd.root / "dockerd.log", "ab")
+            subprocess.Popen(
+                [DOCKERD, "--host", nd.docker_host, "--data-root", str(nd.data_root),
+                 "--exec-root", str(nd.exec_root), "--pidfile", str(nd.docker_pid),
+                 "--bridge", "none", "--iptables=false", "--ip-masq=false",
+                 "--containerd-namespace", f"sandbox-{nd.name}",
+                 "--containerd-plugins-namespace", f"sandbox-{nd.name}-plugins"],
+                stdout=logf, stderr=logf, stdin=subprocess.DEVNULL, start_new_session=True)
+            started = True
+        if not self._sshd_alive(nd):
+            _remove_stale_pid(nd.sshd_pid)
+            nd.sshd_config.write_text(_sshd_config(nd, self.authorized_keys))
+            Path("/run/sshd").mkdir(exist_ok=True)  # privilege separation dir sshd insists on
+            _run([SSHD, "-f", str(nd.sshd_config), "-E", str(nd.root / "sshd.log")])
+            started = True
+        return started
+
+    def _wait_ready(self, nd: Node, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._sshd_alive(nd) and not _port_free(nd.addr, nd.port) and self._docker_alive(nd):
+                return
+            time.sleep(0.25)
+        raise UserError(f"{nd.name} did not come up within {timeout:.0f} s "
+                        f"(see {nd.root}/sshd.log and {nd.root}/dockerd.log)")
+
+    def _write_known_hosts(self, nodes: list[Node]) -> None:
+        lines = []
+        for nd in nodes:
+            kind, key = Path(f"{nd.host_key}.pub").read_text().split()[:2]
+            lines.append(f"[{nd.addr}]:{nd.port} {kind} {key}\n")
+        self.known_hosts.write_text("".join(lines))
+
+    # ---- down -----------------------------------------------------------------------------
+    def down(self) -> list[str]:
+        stopped = []
+        for nd in self.existing_nodes():
+            if self._stop_node(nd):
+                stopped.append(nd.name)
+        return stopped
+
+    def _stop_node(self, nd: Node) -> bool:
+        did = False
+        if self._docker_alive(nd):
+            # Containers first: a stopped engine would leave their shims behind.
+            ids = subprocess.run(["docker", "-H", nd.docker_host, "ps", "-aq"], capture_output=True,
+                                 text=True).stdout.split()
+            if ids:
+                subprocess.run(["docker", "-H", nd.docker_host, "rm", "-f", *ids], capture_output=True)
+        for pidfile in (nd.sshd_pid, nd.docker_pid):
+            pid = _read_pid(pidfile)
+            if pid and psutil.pid_exists(pid):
+                did = True
+                _terminate(pid)
+            _remove_stale_pid(pidfile)
+        # Anything still holding the node's files (containerd, shims, session children).
+        for proc in _processes_mentioning(str(nd.root), str(nd.run)):
+            did = True
+            _terminate(proc.pid)
+        return did
+
+    # ---- status ---------------------------------------------------------------------------
+    def status(self) -> list[dict]:
+        rows = []
+        for nd in self.existing_nodes():
+            row = {"node": nd.name, "address": f"{nd.addr}:{nd.port}", "sshd": self._sshd_alive(nd),
+                   "dockerd": self._docker_alive(nd), "images": None, "containers": None,
+                   "workdir": str(nd.workdir)}
+            if row["dockerd"]:
+                out = subprocess.run(["docker", "-H", nd.docker_host, "info", "--format",
+                                      "{{.Images}} {{.ContainersRunning}}"], capture_output=True, text=True)
+                if out.returncode == 0 and out.stdout.split():
+                    row["images"], row["containers"] = (int(x) for x in out.stdout.split()[:2])
+            rows.append(row)
+        return rows
+
+    # ---- liveness -------------------------------------------------------------------------
+    def _node_running(self, nd: Node) -> bool:
+        return self._sshd_alive(nd) or self._docker_alive(nd)
+
+    @staticmethod
+    def _sshd_alive(nd: Node) -> bool:
+        pid = _read_pid(nd.sshd_pid)
+        return bool(pid and psutil.pid_exists(pid) and _is_proc(pid, "sshd"))
+
+    @staticmethod
+    def _docker_alive(nd: Node) -> bool:
+        pid = _read_pid(nd.docker_pid)
+        if not (pid and psutil.pid_exists(pid) and _is_proc(pid, "dockerd")):
+            return False
+        return subprocess.run(["docker", "-H", nd.docker_host, "version", "--format", "{{.Server.Version}}"],
+                              capture_output=True).returncode == 0
+
+
+def write_inventory(path: Path, nodes: list[Node], sb: Sandbox) -> None:
+    """The inventory `runner` consumes for the sandbox: real SSH, verified host keys."""
+    doc = {
+        "defaults": {"user": "root", "port": sb.port, "identity_file": str(sb.user_key),
+                     "known_hosts": str(sb.known_hosts)},
+        "nodes": [{"name": nd.name, "host": nd.addr, "arch": "amd64", "workdir": str(nd.workdir),
+                   **({"role": "master"} if nd.index == 0 else {})} for nd in nodes],
+        "job": {"image": "runner-trainer:latest", "config": "configs/pi-qwen3-3stage-tiny.yaml",
+                "env": {"OMP_NUM_THREADS": "1"}, "master_port": "auto"},
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = ("# Sandbox cluster inventory, written by `runner sandbox up`: each node is an sshd on its\n"
+              "# own loopback address with its own dockerd. Re-running `runner sandbox up` rewrites it.\n")
+    path.write_text(header + yaml.safe_dump(doc, sort_keys=False, default_flow_style=None, width=120))
+
+
+def _sshd_config(nd: Node, authorized_keys: Path) -> str:
+    return f"""# sandbox {nd.name}: written by runner sandbox
+ListenAddress {nd.addr}:{nd.port}
+HostKey {nd.host_key}
+PidFile {nd.sshd_pid}
+AuthorizedKeysFile {authorized_keys}
+PermitRootLogin prohibit-password
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+UsePAM no
+StrictModes no
+AllowTcpForwarding yes
+AllowStreamLocalForwarding yes
+StreamLocalBindUnlink yes
+MaxSessions 64
+MaxStartups 64:30:128
+SetEnv DOCKER_HOST={nd.docker_host} SANDBOX_NODE={nd.name}
+Subsystem sftp internal-sftp
+"""
+
+
+def _port_free(addr: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((addr, port))
+        except OSError:
+            return False
+    return True
+
+
+def _run(cmd: list[str]) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise UserError(f"{' '.join(cmd[:2])} failed: {(proc.stderr or proc.stdout).strip().splitlines()[-1:]}")
+
+
+def _read_pid(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _remove_stale_pid(path: Path) -> None:
+    pid = _read_pid(path)
+    if pid is None or not psutil.pid_exists(pid):
+        path.unlink(missing_ok=True)
+
+
+def _is_proc(pid: int, name: str) -> bool:
+    try:
+        return name in psutil.Process(pid).name()
+    except psutil.Error:
+        return False
+
+
+def _processes_mentioning(*needles: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(proc.info.get("cmdline") or [])
+        if proc.pid != os.getpid() and any(n in cmd for n in needles):
+            found.append(proc)
+    return found
+
+
+def _terminate(pid: int, grace: float = 10.0) -> None:
+    try:
+        proc = psutil.Process(pid)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(grace)
+    except psutil.TimeoutExpired:
+        try:
+            proc.kill()
+            proc.wait(5)
+        except psutil.Error:
+            pass
+    except psutil.Error:
+        pass

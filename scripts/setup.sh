@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One-time, idempotent set-up of this machine for the runner, the trainer and the tests:
+# Debian packages, the project's virtualenv, and a running host Docker engine.
+# Safe to re-run: every step checks before it acts.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+VENV=${VENV:-$ROOT/.venv}
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+# --- Debian packages -------------------------------------------------------------------
+PKGS=(docker.io openssh-server openssh-client debootstrap docker-compose iproute2 ca-certificates
+      rsync procps)
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  log "installing Debian packages: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# --- virtualenv with the project (torch pinned: pip takes the local CPU wheel) ---------
+if [[ ! -x $VENV/bin/python ]]; then
+  log "creating virtualenv $VENV"
+  python3 -m venv "$VENV"
+fi
+stamp=$VENV/.installed-$(sha256sum pyproject.toml | cut -c1-16)
+if [[ ! -f $stamp ]]; then
+  log "installing the project into $VENV (torch==2.13.0 CPU, transformers, docker SDK, paramiko, ...)"
+  "$VENV/bin/pip" install -q --upgrade pip >/dev/null
+  "$VENV/bin/pip" install -q -e ".[trainer,dev]"
+  rm -f "$VENV"/.installed-*
+  touch "$stamp"
+fi
+
+# --- host Docker engine (the "laptop's" engine, where images are built) ------------------
+# No bridge: starting sandbox engines with --bridge none would delete a default bridge anyway,
+# so everything builds and runs with host networking.
+"$ROOT/scripts/host-dockerd.sh" start
+log "ready: $("$VENV/bin/python" -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__)')"

@@ -1,0 +1,60 @@
+"""The amd64 trainer image builds here from the local debootstrap base and the CPU torch wheel,
+and holds the trainer package with its entry point."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.docker
+
+
+def docker(host, *args, **kw):
+    return subprocess.run(["docker", "-H", host, *args], capture_output=True, text=True, timeout=600, **kw)
+
+
+def test_image_has_cpu_torch_and_trainer(host_docker, trainer_image):
+    r = docker(host_docker, "run", "--rm", "--network", "host", trainer_image, "python", "-c",
+               "import torch, trainer, transformers; print(torch.__version__, torch.cuda.is_available())")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["2.13.0+cpu", "False"]
+
+
+def test_image_entry_points(host_docker, trainer_image):
+    r = docker(host_docker, "run", "--rm", "--network", "host", trainer_image, "trainer", "--help")
+    assert r.returncode == 0, r.stderr
+    assert "usage:" in r.stdout.lower()
+    r = docker(host_docker, "run", "--rm", "--network", "host", trainer_image, "torchrun", "--help")
+    assert r.returncode == 0, r.stderr
+
+
+def test_image_layers_put_code_last(host_docker, trainer_image):
+    """A code-only change must re-push one small layer: the last layers hold only the project."""
+    r = docker(host_docker, "history", "--no-trunc", "--format", "{{.Size}}\t{{.CreatedBy}}", trainer_image)
+    assert r.returncode == 0, r.stderr
+    rows = [line.split("\t", 1) for line in r.stdout.splitlines() if "#(nop)  CMD" not in line]
+    # newest first: the pip install of the project, then the COPYs of the sources
+    assert "pip install --no-deps ." in rows[0][1]
+    assert any("torch==2.13.0" in cmd for _, cmd in rows[5:]), "torch layer must come before the code layers"
+    # The torch wheel is served during the build, not copied into a layer of its own.
+    assert not any("wheels" in cmd and "COPY" in cmd for _, cmd in rows)
+
+
+def test_base_image_is_local_bookworm(host_docker, trainer_image):
+    r = docker(host_docker, "run", "--rm", "--network", "host", "runner-base:bookworm", "sh", "-c",
+               ". /etc/os-release; echo $VERSION_CODENAME; python3 -c 'import sys; print(sys.version_info[:2])'")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[:2] == ["bookworm", "(3, 11)"]
+
+
+@pytest.mark.slow
+def test_arm64_image_builds_and_runs_under_emulation(host_docker):
+    r = subprocess.run([str(REPO / "scripts/build-image-arm64.sh")], capture_output=True, text=True, cwd=REPO,
+                       timeout=3600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = docker(host_docker, "run", "--rm", "--platform", "linux/arm64", "--network", "host",
+               "runner-trainer:arm64", "trainer", "--help")
+    assert r.returncode == 0, r.stderr
