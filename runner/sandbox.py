@@ -298,7 +298,10 @@ def write_inventory(path: Path, nodes: list[Node], sb: Sandbox) -> None:
                      "known_hosts": str(sb.known_hosts)},
         "nodes": [{"name": nd.name, "host": nd.addr, "arch": "amd64", "workdir": str(nd.workdir),
                    **({"role": "master"} if nd.index == 0 else {})} for nd in nodes],
+        # The Pi experiment at sandbox size, with the guide's own flags.
         "job": {"image": "runner-trainer:latest", "config": "configs/pi-qwen3-3stage-tiny.yaml",
+                "args": ["--train_steps", "5", "--batch_size", "16", "--microbatch_num", "4",
+                         "--profile_batch", "1"],
                 "env": {"OMP_NUM_THREADS": "1"}, "master_port": "auto"},
     }
     path.parent.mkdir(parents=True, exist_ok=True)

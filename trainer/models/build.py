@@ -100,6 +100,10 @@ def build_hf_config(mcfg: ModelConfig, vocab_size: int | None = None) -> tuple[s
         cfg.vocab_size = mcfg.vocab_size
     for key, value in mcfg.hf_overrides.items():
         setattr(cfg, key, value)
+    # Configs that precompute a per-layer list (Qwen2/3 `layer_types`) must follow a depth override.
+    types = getattr(cfg, "layer_types", None)
+    if isinstance(types, list) and types and len(types) != cfg.num_hidden_layers:
+        cfg.layer_types = [types[i % len(types)] for i in range(cfg.num_hidden_layers)]
     heads = getattr(cfg, "num_attention_heads", None)
     if heads and cfg.hidden_size % heads and getattr(cfg, "head_dim", None) is None:
         raise ConfigError(f"model.hidden_size {cfg.hidden_size} is not divisible by num_attention_heads {heads}")
