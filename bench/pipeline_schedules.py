@@ -125,6 +125,7 @@ def worker(a: argparse.Namespace) -> None:
     dist.all_gather_object(gathered, result)
     if rank == 0:
         Path(a.json).write_text(json.dumps(gathered))
+    dist.barrier()
     dist.destroy_process_group()
 
 
