@@ -106,9 +106,13 @@ class CheckpointConfig:
     format: str = "dcp"                 # dcp | full (also the FSDP stub's *_state_dict.pt files)
     prefix: str = ""                    # FSDP stub naming <prefix>.<timestamp>[.preempt]
     preempt_interval: int = 0
-    dir: str | None = None              # default OUTPUT_DIR/checkpoints
+    dir: str | None = None              # default OUTPUT_DIR/checkpoints (relative: under OUTPUT_DIR)
     resume: str | None = None           # latest | PATH
-    enabled: bool = False
+    enabled: bool = False               # save at the end (also implied by interval/preempt_interval > 0)
+    name: str = "step-{step}"           # directory name; "checkpoint-{step}" = minimal-3d naming
+    async_save: bool = False            # dcp.async_save: write in the background, finalize next step
+    on_signal: bool = True              # SIGTERM/SIGUSR1 -> .preempt checkpoint and exit 143
+    verify: bool = True                 # check sizes + crc32 of every file before loading
 
 
 @dataclass
@@ -298,6 +302,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"schedule.decay: '{cfg.schedule.decay}' (cosine or constant)")
     if cfg.model.attn_implementation not in ("sdpa", "eager"):
         raise ConfigError(f"model.attn_implementation: '{cfg.model.attn_implementation}' (sdpa or eager)")
+    if cfg.checkpoint.format not in ("dcp", "full"):
+        raise ConfigError(f"checkpoint.format: '{cfg.checkpoint.format}' (dcp or full)")
+    if "{step}" not in cfg.checkpoint.name or "/" in cfg.checkpoint.name:
+        raise ConfigError(f"checkpoint.name: '{cfg.checkpoint.name}' must contain {{step}} and no '/'")
     if cfg.data.source != "synthetic" and not Path(cfg.data.source).exists():
         raise ConfigError(f"data.source: '{cfg.data.source}' does not exist (a file or directory, or 'synthetic')")
 
