@@ -62,6 +62,7 @@ class Trainer:
         self.step = 0                    # optimizer steps completed
         self.tokens_seen = 0
         self.stop_requested = False      # a callback (e.g. preemption) may end the run after a step
+        self.exit_code = 0               # ... and set the process exit code (trainer/preempt.py)
         t, d = cfg.train, cfg.data
 
         tokenizer, texts, self._tmp = None, None, None
@@ -214,7 +215,7 @@ def run(cfg: Config, env: dist_env.DistEnv) -> int:
         if trainer is not None:
             trainer.close()
         dist_env.destroy_process_group()
-    return 0
+    return trainer.exit_code if trainer is not None else 0
 
 
 def main(argv: list[str]) -> int:
