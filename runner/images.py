@@ -139,8 +139,13 @@ class _IterReader:
 
 
 def node_image_id(remote: Remote, tag: str) -> str | None:
-    res = remote.run(["docker", "image", "inspect", "--format", "{{.Id}}", tag], timeout=30)
-    return res.out.strip() if res.rc == 0 else None
+    """Through the node's Docker API (the connection is reused; an exec would cost a shell)."""
+    import docker
+
+    try:
+        return remote.docker().images.get(tag).id
+    except docker.errors.ImageNotFound:
+        return None
 
 
 def node_chains(remote: Remote) -> set[str]:

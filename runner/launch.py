@@ -85,12 +85,16 @@ class Launcher:
         self.inv, self.args, self.secret_vals = inv, args, secret_vals
 
     def run(self) -> int:
+        t0 = time.time()
         with Cluster(self.inv, self.args.accept_new_host_keys) as cl:
+            log.debug("connected to %d node(s) in %.2fs", len(cl.remotes), time.time() - t0)
             probes = self.preflight(cl)
+            log.debug("preflight done at %.2fs", time.time() - t0)
             if not self.args.no_push:
                 from runner.push import push_to_nodes
 
                 push_to_nodes(cl, {n: p.arch for n, p in probes.items()}, quiet=False)
+                log.debug("images checked at %.2fs", time.time() - t0)
             run_id = self._run_id(cl)
             attempt = 0
             while True:
@@ -115,7 +119,13 @@ class Launcher:
         return rid
 
     def preflight(self, cl: Cluster) -> dict[str, Probe]:
-        probes = cl.each(lambda r: probe(r, self.inv.master.host))
+        def one(r: Remote) -> Probe:
+            p = probe(r, self.inv.master.host, clock=False)
+            if not p.docker_error:
+                r.docker()  # open the API connection now, off the launch's critical path
+            return p
+
+        probes = cl.each(one)
         bad = []
         for name, p in probes.items():
             node = self.inv.node(name)
@@ -167,20 +177,28 @@ class Launcher:
                 raise UserError(f"node {np_.node}: staging files in {np_.run_dir} failed: {err}")
 
     def launch_once(self, cl: Cluster, probes: dict[str, Probe], run_id: str, resume: bool) -> int:
+        t0 = time.time()
         plan = self.make_plan(probes, run_id, resume)
         self.stage_files(cl, plan)
+        log.debug("files staged in %.2fs", time.time() - t0)
         log_dir = Path(self.args.logs_dir) / run_id
         master = plan.nodes[0]
         watcher: Watcher | None = None
         try:
-            t0 = time.time()
-            start_container(cl[master.node], master)
-            wait_listening(cl[master.node], master, int(plan.master_port), self.args.rendezvous_timeout)
+            create_container(cl[master.node], master).start()
+            log.debug("master container started at %.2fs", time.time() - t0)
+            # Workers are created (not started) while the master's torchrun comes up.
+            made = parallel(plan.nodes[1:], lambda np: create_container(cl[np.node], np))
+            for np_, _, err in made:
+                if err:
+                    raise UserError(f"node {np_.node}: creating container failed: {err}")
+            if plan.nnodes > 1:  # nobody to hold back on a single node
+                wait_listening(cl[master.node], master, int(plan.master_port), self.args.rendezvous_timeout)
             log.info("[%s/0] master listening on %s:%s after %.1fs", master.node, plan.master_addr,
                      plan.master_port, time.time() - t0)
-            for np_, _, err in parallel(plan.nodes[1:], lambda np: start_container(cl[np.node], np)):
+            for np_, _, err in parallel([c for _, c, _ in made], lambda c: c.start()):
                 if err:
-                    raise UserError(f"node {np_.node}: starting container failed: {err}")
+                    raise UserError(f"starting container {np_.name} failed: {err}")
             log.info("run %s: %d node(s) running after %.1fs", run_id, plan.nnodes, time.time() - t0)
             print(f"run {run_id} started on {', '.join(n.node for n in plan.nodes)}", flush=True)
             if self.args.detach:
@@ -209,7 +227,7 @@ class Launcher:
         return failed.exit_code if failed.exit_code and 0 < failed.exit_code < 126 else 1
 
 
-def start_container(remote: Remote, np: NodePlan):
+def create_container(remote: Remote, np: NodePlan):
     import docker
 
     d = remote.docker()
@@ -219,9 +237,8 @@ def start_container(remote: Remote, np: NodePlan):
         count = -1 if np.gpus == "all" else int(np.gpus)
         kwargs["device_requests"] = [docker.types.DeviceRequest(count=count, capabilities=[["gpu"]])]
     try:
-        return d.containers.run(np.image, np.command, name=np.container, labels=np.labels, environment=np.env,
-                                network_mode="host", ipc_mode="host", volumes=volumes, detach=True,
-                                **kwargs)
+        return d.containers.create(np.image, np.command, name=np.container, labels=np.labels, environment=np.env,
+                                   network_mode="host", ipc_mode="host", volumes=volumes, **kwargs)
     except docker.errors.ImageNotFound:
         raise UserError(f"node {np.node}: image {np.image} not present; run `runner push`") from None
     except docker.errors.APIError as exc:
@@ -232,15 +249,16 @@ def wait_listening(remote: Remote, np: NodePlan, port: int, timeout: float) -> N
     """Poll the master node until something listens on the rendezvous port (torchrun's TCPStore)."""
     deadline = time.time() + timeout
     c = remote.docker().containers.get(np.container)
-    check = f"ss -ltnH 'sport = :{port}' 2>/dev/null | head -1"
     i = 0
     while time.time() < deadline:
-        if remote.run(["sh", "-c", check], timeout=10).out.strip():
+        if port in remote.listening_ports():
             return
         i += 1
         if i % 5 == 0:
             c.reload()
             if c.status not in ("running", "created"):
+                if c.attrs["State"].get("ExitCode") == 0:
+                    return  # a job this short (one node) may finish before we look
                 tail = c.logs(tail=10).decode(errors="replace").strip().splitlines()
                 raise UserError(f"node {np.node}: master container exited ({c.attrs['State'].get('ExitCode')}) "
                                 f"before its port {port} listened; last line: {tail[-1] if tail else '(no output)'}")

@@ -103,7 +103,7 @@ class Probe:
 UNAME_ARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
 
 
-def probe(remote: Remote, master_host: str) -> Probe:
+def probe(remote: Remote, master_host: str, clock: bool = True) -> Probe:
     """One round trip of plain shell (no python needed on the node)."""
     wd = remote.node.workdir
     wd_sh = '"$HOME"' + shlex.quote(wd[1:]) if wd.startswith("~") else shlex.quote(wd)
@@ -121,7 +121,6 @@ echo "mem_kb=$(awk '/MemTotal/{{print $2}}' /proc/meminfo)"
 d={wd_sh}; while [ ! -e "$d" ]; do d=$(dirname "$d"); done
 echo "disk_kb=$(df -Pk "$d" | awk 'NR==2{{print $4}}')"
 echo "gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')"
-echo "listen=$(ss -ltnH 2>/dev/null | awk '{{n=split($4,a,":"); printf "%s ", a[n]}}')"
 V=$(docker version --format '{{{{.Server.Version}}}}' 2>&1 | tr '\\n' ' ')
 echo "docker_rc=$?"
 echo "docker=$V"
@@ -153,8 +152,8 @@ echo "docker=$V"
         p.docker = v.strip()
     else:
         p.docker_error = v.strip()[:160] or "docker not found"
-    p.clock_offset_s = clock_offset(remote)
-    p.listening = {int(x) for x in kv.get("listen", "").split() if x.isdigit()}
+    p.clock_offset_s = clock_offset(remote) if clock else None
+    p.listening = remote.listening_ports()
     return p
 
 

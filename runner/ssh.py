@@ -235,7 +235,43 @@ class Remote:
             return self._sftp
 
     def makedirs(self, path: str, mode: int = 0o755) -> None:
-        self.run(["mkdir", "-p", "-m", oct(mode)[2:], path], check=True)
+        """mkdir -p over SFTP (no shell: an exec costs a login shell on the node)."""
+        missing = []
+        p = path.rstrip("/")
+        while p and self.stat(p) is None:
+            missing.append(p)
+            p = os.path.dirname(p)
+        for d in reversed(missing):
+            try:
+                self.sftp.mkdir(d, mode)
+                self.sftp.chmod(d, mode)  # mkdir's mode is filtered by the server's umask
+            except OSError:
+                if self.stat(d) is None:
+                    raise UserError(f"node {self.node.name}: cannot create {d}") from None
+
+    def read_text(self, path: str) -> str | None:
+        try:
+            with self.sftp.open(path, "r") as fh:
+                return fh.read().decode(errors="replace")
+        except OSError:
+            return None
+
+    def listening_ports(self) -> set[int]:
+        """TCP ports in LISTEN state on the node, from /proc/net/tcp{,6} over SFTP (no shell)."""
+        ports: set[int] = set()
+        for f in ("/proc/net/tcp", "/proc/net/tcp6"):
+            for line in (self.read_text(f) or "").splitlines()[1:]:
+                parts = line.split()
+                if len(parts) > 3 and parts[3] == "0A":
+                    ports.add(int(parts[1].rsplit(":", 1)[1], 16))
+        return ports
+
+    def ping(self, timeout: float = 6.0) -> None:
+        """Round trip over a dedicated SFTP session (cheap: no shell), raising if the node is gone."""
+        if not hasattr(self, "_ping_sftp"):
+            self._ping_sftp = self.client.open_sftp()
+            self._ping_sftp.get_channel().settimeout(timeout)
+        self._ping_sftp.stat(".")
 
     def put_bytes(self, path: str, data: bytes, mode: int = 0o644) -> None:
         """Write a file on the node; mode is set BEFORE data is written (secrets are never 0644)."""

@@ -99,7 +99,7 @@ class Watcher:
             try:
                 if not r.alive:
                     raise ConnectionError("SSH connection closed")
-                r.run("true", timeout=HEARTBEAT_TIMEOUT_S)
+                r.ping(HEARTBEAT_TIMEOUT_S)
             except Exception as exc:  # noqa: BLE001
                 if not self.stop.is_set():
                     self.events.put(Outcome(np.node, np.rank, error=f"node unreachable ({exc})"))

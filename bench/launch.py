@@ -1,0 +1,104 @@
+"""`runner up` time until every rank runs (image already on the nodes) for 1..4 sandbox nodes,
+beside a naive launcher that starts one container per node, one node at a time, over ssh.
+
+    .venv/bin/python bench/launch.py [--nodes 4] [--repeat 2]
+
+Target (issue 7): 3 nodes <= 1.3 x one node. Results: bench/results/launch.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+from sandbox_bench import REPO, STATE, runner, sandbox, subset
+
+IMAGE = "runner-trainer:latest"
+PAYLOAD = ("import os, time; open('/out/started-' + os.environ['NODE_NAME'], 'w').write(repr(time.time()))")
+
+
+def started(inv: Path, run_id: str) -> list[float]:
+    doc = yaml.safe_load(inv.read_text())
+    out = []
+    for n in doc["nodes"]:
+        p = Path(n["workdir"]) / "runs" / run_id / f"started-{n['name']}"
+        out.append(float(p.read_text()) if p.exists() else float("nan"))
+    return out
+
+
+def time_runner(inv: Path) -> float:
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-m", "runner", "up", "-i", str(inv)], capture_output=True, text=True,
+                          cwd=REPO)
+    if proc.returncode != 0:
+        raise SystemExit(proc.stderr[-2000:])
+    run_id = proc.stdout.split("run ", 1)[1].split()[0]
+    return max(started(inv, run_id)) - t0
+
+
+def ssh_argv(doc: dict, node: dict) -> list[str]:
+    d = doc["defaults"]
+    return ["ssh", "-p", str(d["port"]), "-i", d["identity_file"], "-o", f"UserKnownHostsFile={d['known_hosts']}",
+            "-o", "StrictHostKeyChecking=yes", "-o", "BatchMode=yes", f"{d['user']}@{node['host']}"]
+
+
+def time_naive(inv: Path, port: int) -> float:
+    """What a user scripts by hand: for each node in turn, ssh in and `docker run -d` torchrun."""
+    doc = yaml.safe_load(inv.read_text())
+    nodes = doc["nodes"]
+    run_id = f"naive-{int(time.time() * 1000)}"
+    master = nodes[0]["host"]
+    t0 = time.time()
+    for rank, n in enumerate(nodes):
+        rd = f"{n['workdir']}/runs/{run_id}"
+        cmd = (f"mkdir -p {rd} && docker run -d --name {run_id}-{n['name']} --network host -v {rd}:/out "
+               f"-e NODE_NAME={n['name']} -e OUTPUT_DIR=/out {IMAGE} torchrun --nnodes {len(nodes)} "
+               f"--node-rank {rank} --nproc-per-node 1 --master-addr {master} --master-port {port} "
+               f"--no-python python -c {shlex.quote(PAYLOAD)}")
+        subprocess.run([*ssh_argv(doc, n), cmd], check=True, capture_output=True)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        ts = started(inv, run_id)
+        if all(t == t for t in ts):  # no NaN
+            break
+        time.sleep(0.05)
+    for n in nodes:
+        subprocess.run([*ssh_argv(doc, n), f"docker rm -f {run_id}-{n['name']}"], capture_output=True)
+    return max(ts) - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--nodes", type=int, default=4)
+    ap.add_argument("--repeat", type=int, default=2)
+    args = ap.parse_args()
+    base = sandbox(args.nodes)
+    job = {"image": IMAGE, "command": ["python", "-c", PAYLOAD], "master_port": "auto", "grace_period": 5}
+    runner("push", "-i", str(subset(base, args.nodes, job)))
+    rows = []
+    for n in range(1, args.nodes + 1):
+        inv = subset(base, n, job)
+        r = min(time_runner(inv) for _ in range(args.repeat))
+        nv = min(time_naive(inv, 29400 + 10 * n + i) for i in range(args.repeat))
+        rows.append({"nodes": n, "runner_s": round(r, 2), "naive_s": round(nv, 2)})
+        print(f"{n} node(s): runner up {r:6.2f}s   naive one-node-at-a-time {nv:6.2f}s", flush=True)
+    for row in rows:
+        row["runner_vs_1_node"] = round(row["runner_s"] / rows[0]["runner_s"], 2)
+        row["naive_vs_1_node"] = round(row["naive_s"] / rows[0]["naive_s"], 2)
+    out = REPO / "bench/results/launch.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"what": "seconds from command start until every rank's process runs",
+                               "sandbox": str(STATE), "rows": rows}, indent=2))
+    print("| nodes | runner up (s) | x 1 node | naive (s) | x 1 node |\n|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['nodes']} | {r['runner_s']} | {r['runner_vs_1_node']} | {r['naive_s']} | {r['naive_vs_1_node']} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""Shared set-up for the runner benchmarks: a sandbox cluster of its own, CLI calls, timings."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+STATE = Path(os.environ.get("BENCH_SANDBOX", "/tmp/runner-bench-sandbox"))
+BASE_ADDR = os.environ.get("BENCH_BASE_ADDR", "127.0.3.11")
+
+
+def sh(*cmd: str, check: bool = True, **kw) -> subprocess.CompletedProcess:
+    proc = subprocess.run(list(cmd), capture_output=True, text=True, cwd=REPO, **kw)
+    if check and proc.returncode != 0:
+        raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    return proc
+
+
+def runner(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return sh(sys.executable, "-m", "runner", *args, check=check)
+
+
+def sandbox(nodes: int, fresh: bool = False) -> Path:
+    inv = STATE / "local.yaml"
+    if fresh:
+        runner("sandbox", "--dir", str(STATE / "s"), "down", "--purge", check=False)
+    runner("sandbox", "--dir", str(STATE / "s"), "up", "--nodes", str(nodes), "--base-addr", BASE_ADDR,
+           "--inventory", str(inv))
+    return inv
+
+
+def teardown() -> None:
+    runner("sandbox", "--dir", str(STATE / "s"), "down", "--purge", check=False)
+
+
+def subset(inv: Path, n: int, job: dict) -> Path:
+    """Inventory with the first n nodes and the given job section."""
+    doc = yaml.safe_load(inv.read_text())
+    doc["nodes"] = doc["nodes"][:n]
+    doc["job"] = job
+    p = STATE / f"inv-{n}.yaml"
+    p.write_text(yaml.safe_dump(doc))
+    return p
+
+
+class Timer:
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.s = time.perf_counter() - self.t0
