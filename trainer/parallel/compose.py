@@ -132,7 +132,7 @@ def parallelize(model: nn.Module, spec: ModelSpec, dims: ParallelDims, cfg: Conf
 
 
 def _apply_dp(par: Parallelized, model: nn.Module, blocks: list[nn.Module], dims: ParallelDims, cfg: Config,
-              backend: str) -> nn.Module:
+              backend: str, pipeline: bool = False) -> nn.Module:
     """FSDP2 (zero2/zero3/hybrid) or DDP on one model or pipeline stage; returns what to run."""
     if dims.fsdp:
         param_dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else None
@@ -144,6 +144,13 @@ def _apply_dp(par: Parallelized, model: nn.Module, blocks: list[nn.Module], dims
         return model
     if dims.tp > 1:
         raise ConfigError("parallel.sharding: ddp with tensor parallelism is not supported; use zero2 or zero3")
+    if pipeline:
+        # DDP's reducer cannot take several microbatch forwards before a backward; the
+        # FSDP2-based replicate (which PipelineStage drives like FSDP) can.
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        log.info("DDP (replicate) over %d ranks on each pipeline stage", dims.dp)
+        return replicate(model, mesh=dims.fsdp_mesh)
     log.info("DDP over %d ranks", dims.dp)
     return apply_ddp(model, dims.fsdp_mesh, device=par.device)
 
@@ -175,7 +182,7 @@ def _parallelize_pipeline(model: nn.Module, spec: ModelSpec, dims: ParallelDims,
         if dims.tp > 1:
             apply_tp(part, dims.mesh["tp"], spec.hf_config)
         if dims.dp > 1:
-            parts[s] = _apply_dp(par, part, stage_blocks(part), dims, cfg, backend)
+            parts[s] = _apply_dp(par, part, stage_blocks(part), dims, cfg, backend, pipeline=True)
     pp_group = dims.mesh["pp"].get_group()
     pgs = tied_groups(tied, sched, p.pp, num_stages, pp_lines(dims.mesh))
     par.runner = PipelineRunner(parts, sched, num_stages, pp_group, device, tied=tied, tied_pgs=pgs)
