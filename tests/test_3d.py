@@ -9,8 +9,9 @@ from tests.parallel_equiv import assert_equivalent, run_layout
 pytestmark = pytest.mark.multiproc
 
 
-def test_pp2_x_dp2_zero3(tmp_path):
-    m = run_layout(tmp_path, "llama", 4, "--parallel.pp", "2", "--parallel.sharding", "zero3", dp=2, micro=2)
+@pytest.mark.parametrize("sharding", ["zero3", "ddp"])
+def test_pp2_x_dp2(tmp_path, sharding):
+    m = run_layout(tmp_path, "llama", 4, "--parallel.pp", "2", "--parallel.sharding", sharding, dp=2, micro=2)
     assert_equivalent(m, "llama")
 
 
