@@ -9,6 +9,7 @@ layer.tar files are enough, and an unchanged base is never sent again.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -24,7 +25,7 @@ from runner.ssh import Remote
 
 log = logging.getLogger("runner.images")
 HOST_DOCKER = os.environ.get("RUNNER_HOST_DOCKER", "unix:///var/run/docker.sock")
-CACHE = Path(os.environ.get("RUNNER_IMAGE_CACHE", ".build/push-cache"))
+CACHE = Path(os.environ.get("RUNNER_IMAGE_CACHE", os.path.expanduser("~/.cache/runner/images")))
 
 
 def chain_ids(diff_ids: list[str]) -> list[str]:
@@ -78,32 +79,42 @@ def export(tag: str, cache: Path = CACHE) -> Exported:
                         "(scripts/build-image.sh) or fix job.image") from None
     image_id = img.id
     d = cache / image_id.split(":", 1)[1]
-    done = d / ".complete"
-    if not done.exists():
-        tmp = d.with_name(d.name + ".tmp")
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / f"{d.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent pushes of one image export it once
+        if not (d / ".complete").exists():
+            _export_into(img, tag, image_id, d, cache)
+    return _load_export(tag, image_id, d)
+
+
+def _export_into(img, tag: str, image_id: str, d: Path, cache: Path) -> None:
+    tmp = d.with_name(f"{d.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    log.info("exporting %s (%s) from the host engine", tag, image_id[:19])
+    if shutil.which("docker") and shutil.which("tar"):
+        # The CLI piped into tar runs at disk speed (4x the SDK's chunked stream + tarfile).
+        save = subprocess.Popen(["docker", "-H", HOST_DOCKER, "save", tag], stdout=subprocess.PIPE)
+        untar = subprocess.run(["tar", "-x", "-C", str(tmp)], stdin=save.stdout, capture_output=True)
+        save.stdout.close()
+        if save.wait() != 0 or untar.returncode != 0:
+            raise UserError(f"docker save {tag} failed: {untar.stderr.decode(errors='replace')[-200:]}")
+    else:
+        stream = _IterReader(img.save(chunk_size=1 << 20, named=True))
+        with tarfile.open(fileobj=stream, mode="r|") as tf:
+            tf.extractall(tmp, filter="tar") if hasattr(tarfile, "data_filter") else tf.extractall(tmp)  # noqa: S202
+    cfg_name = json.loads((tmp / "manifest.json").read_text())[0]["Config"]
+    got = "sha256:" + hashlib.sha256((tmp / cfg_name).read_bytes()).hexdigest()
+    if got != image_id:  # the tag moved between inspect and save (a concurrent rebuild)
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        log.info("exporting %s (%s) from the host engine", tag, image_id[:19])
-        if shutil.which("docker") and shutil.which("tar"):
-            # The CLI piped into tar runs at disk speed (4x the SDK's chunked stream + tarfile).
-            save = subprocess.Popen(["docker", "-H", HOST_DOCKER, "save", tag], stdout=subprocess.PIPE)
-            untar = subprocess.run(["tar", "-x", "-C", str(tmp)], stdin=save.stdout, capture_output=True)
-            save.stdout.close()
-            if save.wait() != 0 or untar.returncode != 0:
-                raise UserError(f"docker save {tag} failed: {untar.stderr.decode(errors='replace')[-200:]}")
-        else:
-            stream = _IterReader(img.save(chunk_size=1 << 20, named=True))
-            with tarfile.open(fileobj=stream, mode="r|") as tf:
-                tf.extractall(tmp, filter="tar") if hasattr(tarfile, "data_filter") else tf.extractall(tmp)  # noqa: S202
-        cfg_name = json.loads((tmp / "manifest.json").read_text())[0]["Config"]
-        got = "sha256:" + hashlib.sha256((tmp / cfg_name).read_bytes()).hexdigest()
-        if got != image_id:  # the tag moved between inspect and save (a concurrent rebuild)
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise UserError(f"image {tag} changed while exporting ({image_id[:19]} -> {got[:19]}); retry")
-        (tmp / ".complete").write_text(image_id)
-        shutil.rmtree(d, ignore_errors=True)
-        tmp.rename(d)
-        _prune(cache, keep=d)
+        raise UserError(f"image {tag} changed while exporting ({image_id[:19]} -> {got[:19]}); retry")
+    (tmp / ".complete").write_text(image_id)
+    shutil.rmtree(d, ignore_errors=True)
+    tmp.rename(d)
+    _prune(cache, keep=d)
+
+
+def _load_export(tag: str, image_id: str, d: Path) -> Exported:
     manifest = json.loads((d / "manifest.json").read_text())[0]
     config = json.loads((d / manifest["Config"]).read_text())
     diff_ids = config["rootfs"]["diff_ids"]
@@ -112,9 +123,10 @@ def export(tag: str, cache: Path = CACHE) -> Exported:
     return Exported(tag, image_id, d, manifest["Config"], layers, diff_ids, sizes)
 
 
-def _prune(cache: Path, keep: Path, max_entries: int = 4) -> None:
+def _prune(cache: Path, keep: Path, max_entries: int = 3) -> None:
     """Keep the cache bounded: the newest few exports survive."""
-    entries = sorted((p for p in cache.iterdir() if p.is_dir() and p != keep), key=lambda p: p.stat().st_mtime)
+    entries = sorted((p for p in cache.iterdir() if p.is_dir() and p != keep and ".tmp" not in p.name),
+                     key=lambda p: p.stat().st_mtime)
     for p in entries[: max(0, len(entries) - (max_entries - 1))]:
         shutil.rmtree(p, ignore_errors=True)
 
