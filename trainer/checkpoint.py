@@ -1,0 +1,383 @@
+"""Sharded checkpoints (torch.distributed.checkpoint), resume, preemption and the `latest` pointer.
+
+Layout under checkpoint.dir (default OUTPUT_DIR/checkpoints; see docs/checkpoints.md):
+
+    step-6/                      a complete checkpoint (name from checkpoint.name / prefix)
+      .metadata, __<rank>_<i>.distcp   DCP shards: model + optimizer, full-model FQNs
+      trainer_state.json         step, tokens, epoch, data position, LR schedule, layout, model
+      rank<r>.pt                 per-rank RNG (torch, python, numpy, cuda) and data position
+      manifest.rank<r>.json      size + crc32 of every file rank r wrote (verified on load)
+      config.yaml, tokenizer.json, [*_state_dict.pt with format: full]
+    step-8.preempt/              written on SIGTERM/SIGUSR1 or every preempt_interval steps
+    latest                       the name of the newest complete checkpoint
+
+Atomic: everything is written to `.tmp-<name>/`; only after every rank has finished (barrier)
+does rank 0 rename it to `<name>` and then rewrite `latest` (write + os.replace). A crash at any
+point leaves `latest` naming the previous complete checkpoint. Requires checkpoint.dir on a
+filesystem every rank sees (one node, or shared storage).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from trainer.checkpoint_state import ModelOptimState, merged_model, model_signature, rng_state, set_rng_state
+from trainer.config import ConfigError
+from trainer.preempt import EXIT_PREEMPTED, Preemption
+
+log = logging.getLogger("trainer")
+
+STATE_FILE = "trainer_state.json"
+LATEST = "latest"
+TMP_PREFIX = ".tmp-"
+PREEMPT_SUFFIX = ".preempt"
+# Tests only: "STEP:SECONDS" sleeps before the rename of checkpoint STEP (to kill -9 mid-save).
+TEST_DELAY_ENV = "TRAINER_TEST_SAVE_DELAY"
+
+
+def _dist() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _rank() -> int:
+    return dist.get_rank() if _dist() else 0
+
+
+def _barrier() -> None:
+    if _dist():
+        dist.barrier()
+
+
+def _broadcast(obj: Any) -> Any:
+    if not _dist():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _agree_error(error: str | None) -> None:
+    """Raise the same ConfigError on every rank if any rank found one (no rank left waiting)."""
+    errors = [error]
+    if _dist():
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e), None)
+    if first:
+        raise ConfigError(first)
+
+
+def crc32(path: Path) -> int:
+    crc = 0
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def checkpoint_root(cfg: Any) -> Path:
+    out = Path(cfg.output_dir)
+    d = cfg.checkpoint.dir
+    return out / "checkpoints" if not d else (Path(d) if Path(d).is_absolute() else out / d)
+
+
+def read_state(path: Path) -> dict:
+    f = path / STATE_FILE
+    if not f.is_file():
+        raise ConfigError(f"{f}: missing; '{path}' is not a complete trainer checkpoint")
+    try:
+        return json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{f}: corrupt ({e})") from None
+
+
+def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, dir) of the complete checkpoints under root, oldest first."""
+    out = []
+    for d in root.iterdir() if root.is_dir() else []:
+        if d.is_dir() and not d.name.startswith(TMP_PREFIX) and (d / STATE_FILE).is_file():
+            try:
+                out.append((int(json.loads((d / STATE_FILE).read_text())["step"]), d))
+            except (ValueError, KeyError, json.JSONDecodeError):
+                continue
+    return sorted(out, key=lambda t: (t[0], t[1].stat().st_mtime))
+
+
+def resolve_resume(value: str, root: Path) -> Path | None:
+    """`latest` -> the pointed-at checkpoint (None when there is none yet: start fresh);
+    a path -> that checkpoint, or a checkpoints root's latest."""
+    if value == "latest":
+        pointer = root / LATEST
+        if not pointer.is_file():
+            return None
+        name = pointer.read_text().strip()
+        if not (root / name).is_dir():
+            raise ConfigError(f"{pointer}: points at '{name}', which does not exist under {root}")
+        return root / name
+    p = Path(value)
+    if not p.exists() and (root / value).exists():
+        p = root / value
+    if p.is_dir() and (p / LATEST).is_file() and not (p / STATE_FILE).exists():
+        return resolve_resume("latest", p)
+    if not p.is_dir():
+        raise ConfigError(f"checkpoint.resume: '{value}' is not a checkpoint directory")
+    return p
+
+
+def verify_manifests(path: Path, world_size: int, rank: int, nranks: int) -> str | None:
+    """Check the files listed by manifests j = rank, rank + nranks, ... (each rank checks a share)."""
+    for j in range(rank, world_size, nranks):
+        m = path / f"manifest.rank{j}.json"
+        if not m.is_file():
+            return f"{m}: missing (the checkpoint lacks rank {j}'s shard set)"
+        try:
+            files = json.loads(m.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return f"{m}: corrupt"
+        for name, (size, crc) in files.items():
+            f = path / name
+            if not f.is_file():
+                return f"{f}: missing (listed in {m.name})"
+            if f.stat().st_size != size:
+                return f"{f}: size {f.stat().st_size} != {size} recorded at save time (truncated or corrupt)"
+            if crc is not None and crc32(f) != crc:
+                return f"{f}: checksum mismatch (corrupt)"
+    return None
+
+
+class Checkpointer:
+    """The trainer callback: periodic/final/preempt saves, resume at start (see module doc)."""
+
+    def __init__(self, trainer: Any):
+        self.cfg = trainer.cfg.checkpoint
+        self.root = checkpoint_root(trainer.cfg)
+        self.active = self.cfg.enabled or self.cfg.interval > 0 or self.cfg.preempt_interval > 0
+        self.preemption = Preemption() if self.cfg.on_signal else None
+        self.model = merged_model(trainer.par.model_parts)
+        self.app = ModelOptimState(self.model, trainer.optimizer)
+        self.loss_min = math.inf
+        self.saved_step = -1
+        self.preempted = False
+        self.pending: Any = None          # async save waiting to be finalized
+        self.async_pg = None
+        if self.cfg.async_save and _dist():
+            self.async_pg = dist.new_group(backend="gloo")  # background writes never share the training pg
+
+    # ------------------------------------------------------------------ trainer hooks
+    def on_train_start(self, trainer: Any) -> None:
+        if self.preemption is not None:
+            self.preemption.install()
+        if self.cfg.resume:
+            path = resolve_resume(self.cfg.resume, self.root)
+            if path is None:
+                log.warning("checkpoint.resume latest: no checkpoint under %s yet; starting from step 0", self.root)
+            else:
+                self.load(trainer, path)
+
+    def on_step_end(self, trainer: Any, record: dict | None) -> None:
+        if record is not None:
+            self.loss_min = min(self.loss_min, float(record["loss"]))
+        self._finish_pending()
+        step = trainer.step
+        if self.preemption is not None and self.preemption.agree():
+            path = self.save(trainer, preempt=True)
+            log.warning("%s received: stopped after step %d, preempt checkpoint %s; exiting with %d "
+                        "(continue with --resume latest)", self.preemption.signal_name, step, path, EXIT_PREEMPTED)
+            self.preempted = True
+            trainer.stop_requested = True
+            trainer.exit_code = EXIT_PREEMPTED
+            return
+        if self.cfg.interval > 0 and step % self.cfg.interval == 0 and step < trainer.total_steps:
+            self.save(trainer)
+        elif self.cfg.preempt_interval > 0 and step % self.cfg.preempt_interval == 0 and step < trainer.total_steps:
+            self.save(trainer, preempt=True)
+
+    def on_train_end(self, trainer: Any) -> None:
+        if not self.preempted and self.active and self.saved_step != trainer.step:
+            self.save(trainer)
+        self._finish_pending()
+        if self.preemption is not None:
+            self.preemption.uninstall()
+
+    # ------------------------------------------------------------------ save
+    def _name(self, step: int, preempt: bool) -> str:
+        if self.cfg.prefix:  # FSDP stub: <prefix>.<timestamp>, one timestamp for all ranks
+            name = f"{self.cfg.prefix}.{_broadcast(time.strftime('%Y_%m%d_%H%M_%S'))}"
+        else:
+            name = self.cfg.name.format(step=step)
+        return name + (PREEMPT_SUFFIX if preempt else "")
+
+    def _train_state(self, trainer: Any) -> dict:
+        data = trainer.data
+        blocks = data.blocks.shape[0] if data.blocks is not None else None
+        loss_min = torch.tensor([self.loss_min], dtype=torch.float64)
+        if _dist():  # only the loss-owning ranks saw losses
+            dist.all_reduce(loss_min, op=dist.ReduceOp.MIN)
+        d = trainer.dims
+        return {
+            "step": trainer.step, "tokens_seen": trainer.tokens_seen, "total_steps": trainer.total_steps,
+            "epoch": data.consumed // blocks if blocks else 0,
+            "data": data.state_dict(), "scheduler": trainer.scheduler.state_dict(),
+            "loss_min": float(loss_min.item()) if math.isfinite(loss_min.item()) else None,
+            "world_size": trainer.env.world_size,
+            "layout": {"dp": d.dp, "tp": d.tp, "pp": d.pp, "sharding": trainer.cfg.parallel.sharding},
+            "model": model_signature(trainer.spec), "format": self.cfg.format,
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+
+    def save(self, trainer: Any, preempt: bool = False) -> Path:
+        self._finish_pending()
+        rank, step = _rank(), trainer.step
+        name = self._name(step, preempt)
+        tmp, final = self.root / (TMP_PREFIX + name), self.root / name
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
+            tmp.mkdir(parents=True)
+        state = self._train_state(trainer)  # collective (loss_min)
+        _barrier()
+        t0 = time.perf_counter()
+        if self.cfg.async_save and _dist():
+            future = dcp.async_save({"app": self.app}, checkpoint_id=str(tmp), process_group=self.async_pg)
+        else:
+            dcp.save({"app": self.app}, checkpoint_id=str(tmp))
+            future = None
+        torch.save({"rng": rng_state(), "data": trainer.data.state_dict(),
+                    "coords": {k: trainer.dims.coord(k) for k in ("dp", "tp", "pp")}}, tmp / f"rank{rank}.pt")
+        if self.cfg.format == "full":
+            from trainer.checkpoint_full import write_full
+
+            write_full(trainer, self.model, tmp, state, rank)
+        if rank == 0:
+            (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
+            (tmp / "config.yaml").write_text(trainer.cfg.to_yaml())
+            tok = trainer.output_dir / "tokenizer.json"
+            if tok.is_file():
+                shutil.copyfile(tok, tmp / "tokenizer.json")
+        self.saved_step = step
+        self.pending = (future, tmp, final, preempt, step, t0)
+        if future is None:
+            self._finish_pending()
+        return final
+
+    def _write_manifest(self, tmp: Path, rank: int) -> None:
+        mine = [p for p in tmp.iterdir() if p.is_file() and (p.name.startswith(f"__{rank}_") or p.name == f"rank{rank}.pt")]
+        if rank == 0:
+            mine += [p for p in tmp.iterdir() if p.is_file() and not p.name.startswith(("__", "rank", "manifest."))]
+        files = {p.name: (p.stat().st_size, crc32(p) if self.cfg.verify else None) for p in sorted(mine)}
+        (tmp / f"manifest.rank{rank}.json").write_text(json.dumps(files, indent=1))
+
+    def _finish_pending(self) -> None:
+        if self.pending is None:
+            return
+        future, tmp, final, preempt, step, t0 = self.pending
+        self.pending = None
+        if future is not None:
+            future.result()
+        rank = _rank()
+        self._write_manifest(tmp, rank)
+        delay = os.environ.get(TEST_DELAY_ENV, "")
+        if delay and int(delay.split(":")[0]) == step:
+            time.sleep(float(delay.split(":")[1]))
+        _barrier()  # every rank's files are on disk
+        if rank == 0:
+            old = final.with_name(final.name + ".old")
+            if final.exists():  # an overwritten name (preempt at the same step): swap, then drop
+                shutil.rmtree(old, ignore_errors=True)
+                final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+            pointer = self.root / (LATEST + ".tmp")
+            pointer.write_text(final.name + "\n")
+            os.replace(pointer, self.root / LATEST)
+            self._prune(final, preempt)
+        _barrier()
+        log.info("checkpoint step %d -> %s (%.2fs)", step, final, time.perf_counter() - t0)
+
+    def _prune(self, newest: Path, preempt: bool) -> None:
+        ckpts = list_checkpoints(self.root)
+        if preempt:  # one preempt checkpoint at a time: the new one replaces the others
+            for _, d in ckpts:
+                if d.name.endswith(PREEMPT_SUFFIX) and d != newest:
+                    shutil.rmtree(d, ignore_errors=True)
+            return
+        regular = [d for _, d in ckpts if not d.name.endswith(PREEMPT_SUFFIX)]
+        if self.cfg.keep_last > 0:
+            for d in regular[: max(len(regular) - self.cfg.keep_last, 0)]:
+                if d != newest:
+                    shutil.rmtree(d, ignore_errors=True)
+
+    # ------------------------------------------------------------------ load
+    def _check(self, trainer: Any, path: Path) -> tuple[dict | None, str | None]:
+        try:
+            state = read_state(path)
+        except ConfigError as e:
+            return None, str(e)
+        mine, theirs = model_signature(trainer.spec), state.get("model", {})
+        for key in sorted(set(mine) | set(theirs)):
+            if key != "num_params" and mine.get(key) != theirs.get(key):
+                return None, (f"{path / STATE_FILE}: model key '{key}' is {theirs.get(key)!r} in the checkpoint "
+                              f"but {mine.get(key)!r} in this run's model config")
+        data, g_new = state["data"], trainer.data.global_batch
+        if data.get("seed", trainer.data.seed) != trainer.data.seed:
+            return None, (f"{path / STATE_FILE}: data seed {data['seed']} differs from train.seed "
+                          f"{trainer.data.seed}; use the run's seed to resume")
+        if data["global_batch"] != g_new and data["consumed"] % g_new != 0:
+            return None, (f"{path / STATE_FILE}: {data['consumed']} samples consumed is not a multiple of this run's "
+                          f"global batch {g_new} (was {data['global_batch']}); choose train.batch_size x "
+                          f"grad_acc_steps x dp dividing {data['consumed']}")
+        if self.cfg.verify:
+            n = dist.get_world_size() if _dist() else 1
+            err = verify_manifests(path, int(state["world_size"]), _rank(), n)
+            if err:
+                return None, err
+        return state, None
+
+    def load(self, trainer: Any, path: Path) -> None:
+        t0 = time.perf_counter()
+        state, err = self._check(trainer, path)
+        _agree_error(err)
+        assert state is not None
+        try:
+            dcp.load({"app": self.app}, checkpoint_id=str(path))
+        except Exception as e:  # noqa: BLE001 - DCP wraps per-rank failures; report one line
+            msg = " ".join(str(e).split())[:400]
+            raise ConfigError(f"{path}: cannot load model/optimizer shards: {msg}") from None
+        trainer.scheduler.load_state_dict(state["scheduler"])
+        trainer.step = int(state["step"])
+        trainer.tokens_seen = int(state["tokens_seen"])
+        trainer.data.load_state_dict(state["data"])
+        self.loss_min = state.get("loss_min") or math.inf
+        self.saved_step = trainer.step
+        rank_file = path / f"rank{_rank()}.pt"
+        same_layout = int(state["world_size"]) == trainer.env.world_size
+        if same_layout and rank_file.is_file():
+            set_rng_state(torch.load(rank_file, weights_only=False)["rng"])
+        else:
+            log.warning("checkpoint written by %s ranks, %d now: RNG states not restored (model, optimizer, "
+                        "LR schedule and data position are)", state["world_size"], trainer.env.world_size)
+        if state["data"]["global_batch"] != trainer.data.global_batch:
+            log.warning("global batch %d -> %d: data continues at sample %d", state["data"]["global_batch"],
+                        trainer.data.global_batch, trainer.data.consumed)
+        log.info("resumed from %s at step %d (%.2fs)", path, trainer.step, time.perf_counter() - t0)
+
+
+def make_callback(trainer: Any) -> Checkpointer:
+    return Checkpointer(trainer)
+
+
+def export_main(argv: list[str]) -> int:
+    from trainer.checkpoint_export import export
+
+    return export(argv)
