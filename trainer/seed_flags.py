@@ -85,7 +85,7 @@ FLAGS: dict[str, Alias] = {
                        is_switch=True),
     # Perseus/Merak (seed 004)
     "--partition_method": Alias("parallel.partition", MERAK),
-    "--export_timing_csv": Alias("profile.export_timing_csv", MERAK),
+    "--export_timing_csv": Alias("profile.export_timing_csv", MERAK, is_switch=True),
     "--num_prof_steps": Alias("profile.num_prof_steps", MERAK),
     # ours
     "--resume": Alias("checkpoint.resume", OURS),

@@ -1,0 +1,178 @@
+"""Profiling through the real trainer under torchrun on gloo: merged timelines, causality after
+clock-offset correction (also with one rank's clock skewed by 5 s), bubble summary, CSVs."""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.trainer_run import run_trainer
+
+pytestmark = pytest.mark.multiproc
+
+MODEL = ("--model.preset", "tiny-llama", "--model.num_hidden_layers", "4", "--data.seq_len", "16",
+         "--train.seed", "0", "--optim.lr", "0.001")
+COMPUTE = {"forward", "backward", "backward_input", "backward_weight"}
+
+
+def slices(trace: dict) -> list[dict]:
+    return [e for e in trace["traceEvents"] if e["ph"] == "X"]
+
+
+def action(e: dict) -> str:
+    return e["name"].split(" ")[0]
+
+
+def by_key(trace: dict) -> dict[tuple[str, int, int], dict]:
+    """(action, stage, microbatch) -> slice, for compute slices."""
+    out = {}
+    for e in slices(trace):
+        if action(e) in COMPUTE:
+            key = (action(e), e["args"]["stage"], e["args"]["microbatch"])
+            assert key not in out, f"duplicate slice {key}"
+            out[key] = e
+    return out
+
+
+def assert_causal(trace: dict, stages: int, micro: int) -> None:
+    """Stage s's forward of j starts after stage s-1's forward of j ends; backward the other way.
+
+    Allowed slack: the offset estimates' stated error bounds (half the best ping-pong round trip).
+    """
+    err = trace["otherData"]["clock_error_ns"]
+    rank_of = {e["args"]["stage"]: e["pid"] for e in slices(trace) if e["args"]["stage"] is not None}
+    k = by_key(trace)
+    for s in range(1, stages):
+        slack = (err[str(rank_of[s])] + err[str(rank_of[s - 1])]) / 1e3
+        for j in range(micro):
+            f0, f1 = k[("forward", s - 1, j)], k[("forward", s, j)]
+            assert f1["ts"] + slack >= f0["ts"] + f0["dur"], f"forward mb{j}: stage {s} before stage {s - 1} ended"
+            b1, b0 = k[("backward", s, j)], k[("backward", s - 1, j)]
+            assert b0["ts"] + slack >= b1["ts"] + b1["dur"], f"backward mb{j}: stage {s - 1} before stage {s} ended"
+
+
+def assert_no_overlap(trace: dict) -> None:
+    per: dict[int, list[dict]] = {}
+    for e in slices(trace):
+        per.setdefault(e["pid"], []).append(e)
+    for pid, evs in per.items():
+        evs.sort(key=lambda e: e["ts"])
+        for a, b in zip(evs, evs[1:], strict=False):
+            assert b["ts"] >= a["ts"] + a["dur"] - 1e-3, f"rank {pid}: {a['name']} overlaps {b['name']}"
+
+
+@pytest.fixture(scope="module")
+def pp2(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("pp2")
+    run_trainer(out, *MODEL, "--train.steps", "3", "--train.batch_size", "8", "--train.microbatch_num", "4",
+                "--parallel.pp", "2", "--parallel.pp_schedule", "1f1b", "--profile_batch", "1",
+                "--export_timing_csv", "--num_prof_steps", "2", nproc=2)
+    return out
+
+
+def test_pp2_1f1b_trace(pp2):
+    trace = json.loads((pp2 / "timeline_batch1_all.json").read_text())
+    assert set(trace) >= {"traceEvents", "displayTimeUnit"}
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert sorted(names) == [0, 1] and names[0].endswith("/rank0/stage0") and names[1].endswith("/rank1/stage1")
+    for e in slices(trace):
+        assert {"stage", "microbatch", "peer", "bytes"} <= set(e["args"]), e
+        assert e["dur"] >= 0 and isinstance(e["ts"], (int, float))
+    counts = Counter((e["pid"], action(e)) for e in slices(trace))
+    for rank in (0, 1):
+        assert counts[(rank, "forward")] == 4 and counts[(rank, "backward")] == 4, counts
+        assert counts[(rank, "optimizer")] == 1 and counts[(rank, "batch_input")] == 1
+    # Each microbatch crosses once each way: 4 activations 0->1, 4 gradients 1->0, with their sizes.
+    assert counts[(0, "send_F")] == counts[(1, "recv_F")] == 4
+    assert counts[(1, "send_B")] == counts[(0, "recv_B")] == 4
+    p2p = [e for e in slices(trace) if action(e) in ("send_F", "recv_F", "send_B", "recv_B")]
+    assert all(e["args"]["peer"] == 1 - e["pid"] for e in p2p)
+    assert all(e["args"]["bytes"] == 2 * 16 * 64 * 4 for e in p2p)  # 2 samples x 16 tokens x hidden 64 x fp32
+    assert_no_overlap(trace)
+    assert_causal(trace, 2, 4)
+
+
+def test_pp2_bubble_summary(pp2):
+    s = json.loads((pp2 / "timeline_batch1_summary.json").read_text())
+    assert s["theoretical_bubble"] == pytest.approx(1 / 5, abs=1e-12)  # (p-1)/(m+p-1), p=2, m=4
+    assert (s["pp"], s["microbatches"], s["schedule"]) == (2, 4, "1f1b")
+    assert 0.0 < s["measured_bubble"] < 1.0
+    for r in s["ranks"]:
+        assert 0.0 < r["bubble_fraction"] < 1.0
+        assert r["busy_ms"] + r["idle_ms"] == pytest.approx(s["window_ms"], rel=1e-9)
+        assert r["busy_ms"] == pytest.approx(r["action_ms"]["forward"] + r["action_ms"]["backward"], rel=1e-9)
+    log = (pp2 / "logs" / "rank0.log").read_text()
+    assert "bubble measured" in log and "vs theory 0.200" in log
+
+
+def test_pp2_timing_csvs(pp2):
+    for rank in (0, 1):
+        rows = list(csv.DictReader((pp2 / f"instructions-{rank}.csv").open()))
+        assert list(rows[0]) == ["instruction", "start", "end", "stage", "microbatch"]
+        c = Counter(r["instruction"] for r in rows)
+        # batches 1 and 2 recorded (profile batch 1, num_prof_steps 2)
+        assert c["batch_input"] == 2 and c["forward_microstep"] == 8 and c["backward_microstep"] == 8
+        assert c["send_activation" if rank == 0 else "recv_activation"] == 8
+        assert c["recv_grad" if rank == 0 else "send_grad"] == 8
+        assert c["optimizer_step"] == 2
+        assert all(float(r["end"]) >= float(r["start"]) for r in rows)
+        assert {r["stage"] for r in rows} == {str(rank)}
+        fwd_mbs = [r["microbatch"] for r in rows if r["instruction"] == "forward_microstep"]
+        assert fwd_mbs == ["0", "1", "2", "3"] * 2
+    prof = list(csv.DictReader((pp2 / "profile.csv").open()))
+    assert list(prof[0]) == ["stage", "instruction", "time", "energy"]
+    assert [(r["stage"], r["instruction"]) for r in prof] == [
+        ("0", "load"), ("0", "forward"), ("0", "backward"), ("1", "load"), ("1", "forward"), ("1", "backward")]
+    assert all(float(r["time"]) > 0 for r in prof)
+
+
+def test_pp2_energy_file_is_honest(pp2):
+    from trainer.profiling.energy import probe
+
+    reader, why = probe(0, use_cuda=False)
+    text = (pp2 / "time-energy-0.csv").read_text()
+    prof = list(csv.DictReader((pp2 / "profile.csv").open()))
+    if reader is None:  # this machine: no readable RAPL -> a comment, no numbers; profile energy empty
+        assert text == f"# no energy sensor: {why}\n"
+        assert all(r["energy"] == "" for r in prof)
+        assert "no energy sensor" in (pp2 / "logs" / "rank0.log").read_text()
+    else:
+        lines = text.splitlines()
+        assert lines[0] == "time,energy"
+        energies = [float(line.split(",")[1]) for line in lines[1:]]
+        assert energies == sorted(energies) and energies[-1] > 0
+
+
+def test_pp3_skewed_clock_still_causal(tmp_path):
+    # Rank 1's clock runs 5 s ahead; the start-up ping-pong must find and remove that.
+    skew = 5_000_000_000
+    run_trainer(tmp_path, *MODEL, "--train.steps", "2", "--train.batch_size", "6", "--train.microbatch_num", "3",
+                "--parallel.pp", "3", "--parallel.pp_schedule", "1f1b", "--parallel.partition", "custom:0,1,3,4",
+                "--profile_batch", "1", "--profile.format", "seed", nproc=3,
+                env={"TRAINER_TEST_CLOCK_SKEW_NS": f"1:{skew}"})
+    trace = json.loads((tmp_path / "timeline_batch1_all.trace.json").read_text())
+    offsets = trace["otherData"]["clock_offsets_ns"]
+    assert abs(offsets["1"] + skew) < 50_000_000, offsets  # found within 50 ms
+    assert abs(offsets["2"]) < 50_000_000
+    assert_no_overlap(trace)
+    assert_causal(trace, 3, 3)
+    s = json.loads((tmp_path / "timeline_batch1_summary.json").read_text())
+    assert s["theoretical_bubble"] == pytest.approx(2 / 5, abs=1e-12)  # p=3, m=3
+    assert 0.0 < s["measured_bubble"] < 1.0
+    # The Pi guide's flat format, under its own file name.
+    seed = json.loads((tmp_path / "timeline_batch1_all.json").read_text())
+    assert isinstance(seed, list)
+    assert all(list(r) == ["rank", "action", "stage_idx", "mb_idx", "start_ns", "end_ns", "net_series"] for r in seed)
+    assert [r["rank"] for r in seed] == sorted(r["rank"] for r in seed)  # concatenated in rank order
+    c = Counter((r["rank"], r["action"]) for r in seed)
+    for rank in range(3):
+        assert c[(rank, "F")] == c[(rank, "B")] == 3
+    assert c[(0, "SEND_F")] == c[(1, "RECV_F")] == c[(1, "SEND_F")] == c[(2, "RECV_F")] == 3
+    for r in seed:
+        assert isinstance(r["start_ns"], int) and r["end_ns"] >= r["start_ns"]
+        for point in r["net_series"]:
+            assert len(point) == 3 and r["start_ns"] <= point[0] <= r["end_ns"] and point[1] >= 0

@@ -1,0 +1,125 @@
+"""Cumulative energy from a real sensor, sampled in a background thread; never invented.
+
+Sensors, in order: NVML total energy of this rank's GPU (pynvml, if importable and a GPU is
+present; the counter Perseus reads), then RAPL through powercap (sum of the top-level
+/sys/class/powercap/intel-rapl:N packages, wrap-around handled) where readable. Neither on a
+Raspberry Pi, nor in most containers (powercap is absent or root-only since CVE-2020-8694):
+then `probe()` returns None and a reason, and time-energy-{rank}.csv says so in a comment line.
+"""
+
+from __future__ import annotations
+
+import glob
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from trainer.profiling.clocks import RankClock
+
+POWERCAP = "/sys/class/powercap"
+
+
+def _nvml_reader(local_rank: int) -> tuple[Callable[[], float] | None, str]:
+    try:
+        import pynvml
+    except ImportError:
+        return None, "pynvml not installed"
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None, "no CUDA GPU"
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(local_rank)
+        pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
+    except Exception as e:  # noqa: BLE001 - any NVML failure means: no usable sensor
+        return None, f"NVML unusable ({e})"
+    return (lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1e3), "NVML"  # mJ -> J
+
+
+def _rapl_reader(root: str = POWERCAP) -> tuple[Callable[[], float] | None, str]:
+    zones = sorted(p for p in glob.glob(f"{root}/intel-rapl:*") if p.count(":") == 1)
+    if not Path(root).exists():
+        return None, f"{root} does not exist"
+    if not zones:
+        return None, f"no intel-rapl package zones under {root}"
+    files, ranges = [], []
+    for z in zones:
+        try:
+            int(Path(z, "energy_uj").read_text())
+            files.append(Path(z, "energy_uj"))
+            ranges.append(int(Path(z, "max_energy_range_uj").read_text()))
+        except (OSError, ValueError) as e:
+            return None, f"{z}/energy_uj not readable ({e.__class__.__name__}; needs root since CVE-2020-8694)"
+    last = [int(f.read_text()) for f in files]
+    total = [0.0]
+
+    def read() -> float:
+        for i, f in enumerate(files):
+            v = int(f.read_text())
+            total[0] += ((v - last[i]) % (ranges[i] + 1)) / 1e6  # counter wraps at max_energy_range_uj
+            last[i] = v
+        return total[0]
+
+    return read, "RAPL " + ",".join(Path(z).name for z in zones)
+
+
+def probe(local_rank: int, use_cuda: bool) -> tuple[Callable[[], float] | None, str]:
+    """(reader of cumulative Joules, sensor name) or (None, why there is none)."""
+    reasons = []
+    if use_cuda:
+        reader, why = _nvml_reader(local_rank)
+        if reader is not None:
+            return reader, why
+        reasons.append(why)
+    reader, why = _rapl_reader()
+    if reader is not None:
+        return reader, why
+    reasons.append(why)
+    return None, "; ".join(reasons)
+
+
+class EnergySampler:
+    """Rows (local clock ns, Joules since the first reading), one each time the counter moves."""
+
+    def __init__(self, clock: RankClock, reader: Callable[[], float], interval: float = 0.01):
+        self.clock, self.reader, self.interval = clock, reader, interval
+        self.rows: list[tuple[int, float]] = []
+        self._base: float | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _sample(self, force: bool = False) -> None:
+        v = self.reader()
+        if self._base is None:
+            self._base = v
+        e = v - self._base
+        if force or not self.rows or e != self.rows[-1][1]:
+            self.rows.append((self.clock.now(), e))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def start(self) -> None:
+        self._stop.clear()
+        self._sample()
+        self._thread = threading.Thread(target=self._run, name="energy-sampler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+            self._sample(force=True)  # closes the interval, so every instruction inside it interpolates
+
+    def energy_at(self, t_ns: int) -> float | None:
+        """Cumulative Joules at t (linear interpolation, as Perseus' post-processing does)."""
+        rows = self.rows
+        if not rows or t_ns < rows[0][0] or t_ns > rows[-1][0]:
+            return None
+        for (ta, ea), (tb, eb) in zip(rows, rows[1:], strict=False):
+            if ta <= t_ns <= tb:
+                return ea + (eb - ea) * (t_ns - ta) / max(tb - ta, 1)
+        return rows[-1][1]
