@@ -199,6 +199,8 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
             raise ConfigError(f"config key '{key}': expected a number, got {value!r}")
         return float(value)
     if tp is str:
+        if key == "profile.batch" and isinstance(value, list):  # YAML list of batch indices
+            return ",".join(map(str, value))
         if isinstance(value, (dict, list)):
             raise ConfigError(f"config key '{key}': expected a string, got {value!r}")
         return str(value)
@@ -306,6 +308,13 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"checkpoint.format: '{cfg.checkpoint.format}' (dcp or full)")
     if "{step}" not in cfg.checkpoint.name or "/" in cfg.checkpoint.name:
         raise ConfigError(f"checkpoint.name: '{cfg.checkpoint.name}' must contain {{step}} and no '/'")
+    from trainer.profiling.batches import parse_batches
+
+    parse_batches(cfg.profile.batch)  # "1" | "1,3" | "2-4" | "none": one-line error otherwise
+    if cfg.profile.format not in ("chrome", "seed"):
+        raise ConfigError(f"profile.format: '{cfg.profile.format}' (chrome or seed)")
+    if cfg.profile.num_prof_steps < 0:
+        raise ConfigError(f"profile.num_prof_steps must be >= 0, got {cfg.profile.num_prof_steps}")
     if cfg.data.source != "synthetic" and not Path(cfg.data.source).exists():
         raise ConfigError(f"data.source: '{cfg.data.source}' does not exist (a file or directory, or 'synthetic')")
 

@@ -1,0 +1,153 @@
+"""The profiling callback: records the batches named by profile.batch (`--profile_batch`, env
+PROFILE_BATCH) and writes timelines, bubble summaries and the Perseus/Merak CSVs.
+
+Found by train.py through CALLBACKS ("trainer.profiling:make_callback"). Every rank records;
+rank 0 merges. See docs/profiling.md for the files and what each number means.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from trainer.config import ConfigError
+from trainer.profiling import bubble, timing_csv, trace
+from trainer.profiling.batches import parse_batches
+from trainer.profiling.clocks import RankClock, estimate_offsets
+from trainer.profiling.energy import EnergySampler, probe
+from trainer.profiling.recorder import Recorder
+
+log = logging.getLogger("trainer")
+
+
+class ProfilingCallback:
+    def __init__(self, trainer: Any, timelines: list[int], prof_steps: list[int]):
+        self.cfg = trainer.cfg
+        self.rank = trainer.env.rank
+        self.world = trainer.env.world_size if dist.is_initialized() else 1
+        self.out: Path = trainer.output_dir
+        self.timelines, self.prof_steps = set(timelines), prof_steps
+        self.record = self.timelines | set(prof_steps)
+        self.last_recorded = max(self.record)
+        self.clock = RankClock.start(self.rank)
+        # Clock sync and merges go over gloo with CPU objects, whatever the training backend.
+        self.group = dist.new_group(backend="gloo") if self.world > 1 else None
+        self.rec = Recorder(self.clock, self.rank)
+        self.rec.install_trainer(trainer)
+        runner = getattr(trainer.par, "runner", None)
+        self.stages = list(runner.stage_ids) if runner is not None else [0]
+        self.csv = self.cfg.profile.export_timing_csv
+        self.energy: EnergySampler | None = None
+        self.energy_reason = ""
+        if self.csv:
+            reader, why = probe(trainer.env.local_rank, trainer.device.type == "cuda")
+            if reader is None:
+                self.energy_reason = why
+                log.warning("no energy sensor: %s; time-energy-%d.csv says so instead of energies", why, self.rank)
+            else:
+                self.energy = EnergySampler(self.clock, reader)
+                log.info("energy sensor: %s", why)
+        self._csv_done = False
+
+    # ---------------------------------------------------------------- hooks
+
+    def on_train_start(self, trainer: Any) -> None:
+        estimate_offsets(self.clock, self.group)
+
+    def on_step_start(self, trainer: Any, step: int) -> None:
+        if step in self.record:
+            if self.energy is not None:
+                self.energy.start()
+            self.rec.begin(step)
+
+    def on_step_end(self, trainer: Any, record: dict | None) -> None:
+        batch = self.rec.active
+        if batch is None:
+            return
+        self.rec.end()
+        if self.energy is not None:
+            self.energy.stop()
+        if batch in self.timelines:
+            self._write_timeline(batch)
+        if batch == self.last_recorded:
+            self._write_csvs()
+
+    def on_train_end(self, trainer: Any) -> None:
+        if self.rec.active is not None:
+            self.rec.end()
+        if not self._csv_done and self.rec.events:
+            log.warning("profiling: training ended before batch %d; CSVs hold the batches recorded so far",
+                        self.last_recorded)
+            self._write_csvs()
+        elif not self.rec.events and self.rank == 0:
+            log.warning("profiling: no batch recorded (profile.batch %s is beyond the %d steps run)",
+                        self.cfg.profile.batch, trainer.step)
+
+    # ---------------------------------------------------------------- outputs
+
+    def _gather(self, obj: Any) -> list[Any] | None:
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self.group)
+        return out
+
+    def _schedule(self) -> tuple[str, int, int, int]:
+        p, t = self.cfg.parallel, self.cfg.train
+        name = "none"
+        if p.pp > 1:
+            from trainer.parallel.pipeline import schedule_spec
+
+            name = schedule_spec(p.pp_schedule).name
+        return name, p.pp, t.microbatch_num * t.grad_acc_steps, p.virtual_stages
+
+    def _write_timeline(self, batch: int) -> None:
+        payload = trace.rank_payload(self.rank, self.stages, self.rec.batch_events(batch),
+                                     self.rec.net_series.get(batch, []), self.clock.to_ref,
+                                     self.clock.offset_ns, self.clock.error_ns)
+        payloads = self._gather(payload)
+        if self.rank != 0:
+            return
+        name, p, m, v = self._schedule()
+        meta = {"schedule": name, "pp": p, "microbatches": m, "virtual_stages": v, "world_size": self.world}
+        path = trace.write_timeline(self.out, batch, payloads, self.cfg.profile.format, meta)
+        summary = bubble.summarize(payloads, batch, name, p, m, v)
+        bubble.write_summary(self.out, summary)
+        log.info("timeline of batch %d: %s\n%s", batch, path, bubble.format_summary(summary))
+
+    def _write_csvs(self) -> None:
+        self._csv_done = True
+        if not self.csv:
+            return
+        events = self.rec.events
+        n = timing_csv.write_instructions(self.out / f"instructions-{self.rank}.csv", events, self.clock.to_ref)
+        timing_csv.write_time_energy(self.out / f"time-energy-{self.rank}.csv", self.energy, self.energy_reason,
+                                     self.clock.to_ref)
+        log.info("instructions-%d.csv: %d rows over batches %s", self.rank, n, sorted(self.record))
+        if not self.prof_steps:
+            return
+        steps = set(self.prof_steps)
+        rows = timing_csv.profile_rows([e for e in events if e.batch in steps], self.energy)
+        gathered = self._gather(rows)
+        if self.rank == 0:
+            timing_csv.write_profile(self.out / "profile.csv", [r for rs in gathered for r in rs])
+            log.info("profile.csv: %d profiled steps (%d..%d)", len(steps), min(steps), max(steps))
+
+
+def make_callback(trainer: Any) -> ProfilingCallback | None:
+    prof = trainer.cfg.profile
+    if prof.format not in ("chrome", "seed"):
+        raise ConfigError(f"profile.format: '{prof.format}' (chrome or seed)")
+    if prof.num_prof_steps < 0:
+        raise ConfigError(f"profile.num_prof_steps must be >= 0, got {prof.num_prof_steps}")
+    timelines = parse_batches(prof.batch)
+    prof_steps: list[int] = []
+    if prof.num_prof_steps:
+        first = timelines[0] if timelines else 0
+        prof_steps = list(range(first, first + prof.num_prof_steps))
+    if not timelines and not prof_steps:
+        return None
+    return ProfilingCallback(trainer, timelines, prof_steps)
