@@ -176,3 +176,13 @@ def test_pp3_skewed_clock_still_causal(tmp_path):
         assert isinstance(r["start_ns"], int) and r["end_ns"] >= r["start_ns"]
         for point in r["net_series"]:
             assert len(point) == 3 and r["start_ns"] <= point[0] <= r["end_ns"] and point[1] >= 0
+
+
+def test_pp2_plots(pp2):
+    from trainer.plots import plot_dir
+
+    made = {p.name for p in plot_dir(pp2)}
+    assert made == {"timeline_batch1_gantt.png", "metrics.png"}
+    for name in made:
+        data = (pp2 / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000

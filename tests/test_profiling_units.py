@@ -1,0 +1,159 @@
+"""Profiling pieces without a process group: batch specs, bubble formulas and sums, trace merge,
+energy sensors (a fake powercap tree and this machine's real one), plus a one-process run."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.trainer_run import run_trainer
+from trainer.config import ConfigError
+from trainer.profiling import bubble, energy, trace
+from trainer.profiling.batches import parse_batches
+from trainer.profiling.clocks import RankClock, injected_skew_ns
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("spec,want", [("0", [0]), ("1,3", [1, 3]), ("2-4", [2, 3, 4]), ("2:5", [2, 3, 4]),
+                                       ("[1, 2]", [1, 2]), ([5, 1], [1, 5]), ("none", []), ("-1", []),
+                                       ("1, 4-5", [1, 4, 5])])
+def test_parse_batches(spec, want):
+    assert parse_batches(spec) == want
+
+
+@pytest.mark.parametrize("spec", ["x", "3-1", "1;2"])
+def test_parse_batches_errors_are_one_line(spec):
+    with pytest.raises(ConfigError) as e:
+        parse_batches(spec)
+    assert str(e.value).startswith("profile.batch:") and "\n" not in str(e.value)
+
+
+def test_theoretical_bubble():
+    assert bubble.theoretical_bubble("1f1b", 2, 4) == 1 / 5
+    assert bubble.theoretical_bubble("gpipe", 4, 8) == 3 / 11
+    assert bubble.theoretical_bubble("interleaved1f1b", 2, 4, 2) == 1 / 9  # (p-1)/(v*m+p-1)
+    assert bubble.theoretical_bubble("1f1b", 1, 4) == 0.0
+    assert bubble.theoretical_bubble("zbv", 2, 4, 2) is None
+
+
+def _ev(action, s, e, stage=0, mb=0):
+    return {"action": action, "start_ns": s, "end_ns": e, "stage": stage, "mb": mb, "peer": None, "bytes": 0}
+
+
+def payloads():
+    # Two ranks, window 0..100 ns of pipeline actions; optimizer outside the window is ignored.
+    r0 = [_ev("forward", 0, 30), _ev("send_F", 30, 35), _ev("recv_B", 35, 70), _ev("backward", 70, 100),
+          _ev("optimizer", 100, 150, mb=None)]
+    r1 = [_ev("recv_F", 0, 35, 1), _ev("forward", 35, 55, 1), _ev("backward", 55, 70, 1)]
+    return [{"rank": 0, "node": "n0", "stages": [0], "events": r0, "net": [(0, 0, 0), (50, 1000, 500)],
+             "offset_ns": 0, "error_ns": 0},
+            {"rank": 1, "node": "n1", "stages": [1], "events": r1, "net": [], "offset_ns": -7, "error_ns": 2}]
+
+
+def test_bubble_summary_numbers():
+    s = bubble.summarize(payloads(), 3, "1f1b", 2, 1, 1)
+    assert s["window_ms"] == pytest.approx(100e-6)
+    r0, r1 = s["ranks"]
+    assert r0["busy_ms"] == pytest.approx(60e-6) and r0["idle_ms"] == pytest.approx(40e-6)
+    assert r0["comm_wait_ms"] == pytest.approx(40e-6)
+    assert r1["bubble_fraction"] == pytest.approx(0.65)
+    assert s["measured_bubble"] == pytest.approx((0.4 + 0.65) / 2)
+    assert s["theoretical_bubble"] == 0.5
+    assert "bubble measured 0.525 vs theory 0.500" in bubble.format_summary(s)
+
+
+def test_chrome_trace_and_seed_records():
+    t = trace.chrome_trace(payloads(), 3, {"schedule": "1f1b"})
+    names = {e["pid"]: e["args"]["name"] for e in t["traceEvents"] if e["name"] == "process_name"}
+    assert names == {0: "n0/rank0/stage0", 1: "n1/rank1/stage1"}
+    xs = [e for e in t["traceEvents"] if e["ph"] == "X"]
+    assert len(xs) == 8 and min(e["ts"] for e in xs) == 0.0
+    fwd1 = next(e for e in xs if e["pid"] == 1 and e["name"] == "forward mb0")
+    assert (fwd1["ts"], fwd1["dur"]) == (0.035, 0.02)
+    assert t["otherData"]["clock_offsets_ns"] == {"0": 0, "1": -7}
+    counters = [e for e in t["traceEvents"] if e["ph"] == "C"]
+    assert counters[0]["args"] == {"up": pytest.approx(1000 * 8 / 1e6 / 50e-9), "down": pytest.approx(500 * 8 / 1e6 / 50e-9)}
+    seed = trace.seed_records(payloads())
+    assert [r["action"] for r in seed[:4]] == ["F", "SEND_F", "RECV_B", "B"]
+    assert seed[0] == {"rank": 0, "action": "F", "stage_idx": 0, "mb_idx": 0, "start_ns": 0, "end_ns": 30,
+                       "net_series": []}
+    assert seed[2]["net_series"] == [[50, pytest.approx(160000.0), pytest.approx(80000.0)]]
+
+
+def test_clock_skew_hook():
+    assert injected_skew_ns(1, {"TRAINER_TEST_CLOCK_SKEW_NS": "1:5000000000"}) == 5_000_000_000
+    assert injected_skew_ns(2, {"TRAINER_TEST_CLOCK_SKEW_NS": "1:5,2:-3"}) == -3
+    assert injected_skew_ns(0, {}) == 0
+    c = RankClock(epoch_ns=1000, perf0=0, offset_ns=-400)
+    assert c.to_ref(1500) == 1100
+
+
+def _powercap(root: Path, values: list[int], max_range: int = 1000) -> None:
+    for i, v in enumerate(values):
+        z = root / f"intel-rapl:{i}"
+        z.mkdir(parents=True, exist_ok=True)
+        (z / "energy_uj").write_text(f"{v}\n")
+        (z / "max_energy_range_uj").write_text(f"{max_range}\n")
+    (root / "intel-rapl:0:0").mkdir(exist_ok=True)  # a sub-zone: must not be counted twice
+
+
+def test_rapl_reader_sums_packages_and_handles_wraparound(tmp_path):
+    _powercap(tmp_path, [900, 100])
+    read, name = energy._rapl_reader(str(tmp_path))
+    assert name == "RAPL intel-rapl:0,intel-rapl:1"
+    assert read() == 0.0
+    _powercap(tmp_path, [50, 300])  # package 0 wrapped at 1000: +151 uJ; package 1 +200 uJ
+    assert read() == pytest.approx(351e-6)
+
+
+def test_rapl_reader_reports_missing_or_unreadable(tmp_path):
+    read, why = energy._rapl_reader(str(tmp_path / "absent"))
+    assert read is None and "does not exist" in why
+    _powercap(tmp_path, [1])
+    # A read that fails (as a root-only energy_uj does for a user; root would bypass a chmod here).
+    (tmp_path / "intel-rapl:0" / "energy_uj").unlink()
+    (tmp_path / "intel-rapl:0" / "energy_uj").mkdir()
+    read, why = energy._rapl_reader(str(tmp_path))
+    assert read is None and "not readable" in why
+
+
+def test_energy_probe_matches_this_machine():
+    rapl = sorted(Path(energy.POWERCAP).glob("intel-rapl:*/energy_uj"))
+    readable = bool(rapl) and all(os.access(p, os.R_OK) for p in rapl)
+    reader, why = energy.probe(0, use_cuda=False)
+    assert (reader is not None) == readable, why
+    if reader is None:
+        assert why  # the reason that goes into time-energy-{rank}.csv and the log
+
+
+def test_energy_interpolation():
+    s = energy.EnergySampler(RankClock(0, 0), reader=lambda: 0.0)
+    s.rows = [(0, 0.0), (100, 10.0), (200, 30.0)]
+    assert s.energy_at(50) == 5.0 and s.energy_at(150) == 20.0 and s.energy_at(250) is None
+
+
+@pytest.mark.multiproc
+def test_single_process_seed_format_and_plots(tmp_path):
+    run_trainer(tmp_path, "--model.preset", "tiny-llama", "--train.steps", "3", "--data.seq_len", "16",
+                "--train.batch_size", "4", "--train.microbatch_num", "2", "--profile_batch", "1",
+                "--profile.format", "seed", "--export_timing_csv")
+    seed = json.loads((tmp_path / "timeline_batch1_rank0.json").read_text())  # the guide's world-1 name
+    assert [r["action"] for r in seed if r["action"] in ("F", "B")] == ["F", "B", "F", "B"]
+    assert [r["mb_idx"] for r in seed if r["action"] == "F"] == [0, 1]
+    chrome = json.loads((tmp_path / "timeline_batch1_all.json").read_text())
+    assert "traceEvents" in chrome
+    rows = list(csv.reader((tmp_path / "instructions-0.csv").open()))
+    assert rows[0] == ["instruction", "start", "end", "stage", "microbatch"]
+    assert [r[0] for r in rows[1:]] == ["batch_input", "forward_microstep", "backward_microstep",
+                                        "forward_microstep", "backward_microstep", "grad_norm", "optimizer_step"]
+    from trainer.cli import main
+
+    assert main(["plot", str(tmp_path)]) == 0
+    for name in ("timeline_batch1_gantt.png", "metrics.png"):
+        data = (tmp_path / name).read_bytes()
+        assert data[:8] == PNG and len(data) > 5000
