@@ -19,6 +19,20 @@ from typing import Any
 
 from trainer.config import ConfigError
 
+USAGE = """usage: trainer [train] [--config X.yaml | X.yaml] [--section.key VALUE ...] [seed flags]
+       trainer COMMAND ...
+
+Train (the default command) with a YAML config plus overrides. Precedence: CLI flag > env var >
+YAML > default. Any key: --section.key VALUE (sections model, data, train, optim, schedule,
+parallel, checkpoint, profile, logging; plus --output-dir). Seed flags such as --train_steps,
+--batch_size, --max-steps, --mbs, --dp/--tp/--pp are accepted as-is: see docs/flags.md.
+Works as one process, under torchrun, srun (Slurm) or mpirun (Open MPI; MASTER_ADDR required).
+
+examples:
+  trainer --config configs/tiny.yaml
+  torchrun --nproc-per-node 2 -m trainer --config configs/tiny.yaml --parallel.sharding zero3
+  trainer configs/stub-zero3.yaml          (FSDP stub form: positional YAML with its dist.* keys)"""
+
 COMMANDS: dict[str, str] = {
     "train": "trainer.train:main",
     "export": "trainer.checkpoint:export_main",
@@ -80,13 +94,13 @@ def _load(target: str):
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("-h", "--help"):
-        print(__doc__.strip())
-        print("\ncommands: " + ", ".join(sorted(COMMANDS)))
-        return 0
     command = "train"
     if argv and not argv[0].startswith("-") and argv[0] in COMMANDS:
         command = argv.pop(0)
+    if command == "train" and any(a in ("-h", "--help") for a in argv):
+        print(USAGE)
+        print("\ncommands: " + ", ".join(sorted(COMMANDS)))
+        return 0
     try:
         fn = _load(COMMANDS[command])
     except (ImportError, AttributeError):
