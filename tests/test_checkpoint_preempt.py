@@ -1,0 +1,123 @@
+"""Preemption and crash safety with real 2-process gloo runs.
+
+- SIGTERM to one worker: every rank stops after the same step, writes `step-N.preempt` (both
+  ranks' shards), exits 143; `--resume latest` continues with the losses of a straight run.
+- kill -9 while a checkpoint is being written (TRAINER_TEST_SAVE_DELAY holds it before the
+  rename): `latest` still names the previous checkpoint, which loads and continues exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.trainer_run import REPO, losses, read_metrics, run_trainer, trainer_env
+from trainer.preempt import EXIT_PREEMPTED
+
+pytestmark = pytest.mark.multiproc
+
+TINY = ("configs/tiny.yaml", "--parallel.sharding", "ddp")
+
+
+def _launch(out: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "trainer",
+           *args, "--output-dir", str(out)]
+    return subprocess.Popen(cmd, cwd=REPO, env=trainer_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def _wait_for(cond, proc: subprocess.Popen, timeout: float = 300) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"trainer exited {proc.returncode} early\n{out[-3000:]}\n{err[-3000:]}")
+        if time.monotonic() > end:
+            _kill_all(proc)
+            raise AssertionError("timed out")
+        time.sleep(0.05)
+
+
+def _worker(torchrun_pid: int, rank: int) -> int:
+    """PID of torchrun's worker with RANK=rank (read from /proc)."""
+    children = Path(f"/proc/{torchrun_pid}/task/{torchrun_pid}/children").read_text().split()
+    for pid in children:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        if f"RANK={rank}".encode() in env:
+            return int(pid)
+    raise AssertionError(f"no worker with RANK={rank} among {children}")
+
+
+def _kill_all(proc: subprocess.Popen) -> None:
+    """SIGKILL torchrun and its workers (which live in sessions of their own)."""
+    pids = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split() if proc.poll() is None else []
+    for pid in [*map(int, pids), proc.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _steps_logged(out: Path) -> int:
+    p = out / "metrics.jsonl"
+    return len(p.read_text().splitlines()) if p.is_file() else 0
+
+
+def test_sigterm_writes_preempt_checkpoint_and_resume_continues(tmp_path):
+    steps = ("--train.steps", "12")
+    straight = tmp_path / "straight"
+    run_trainer(straight, *TINY, *steps, nproc=2)
+    expected = losses(straight)
+
+    out = tmp_path / "run"
+    proc = _launch(out, *TINY, *steps)
+    _wait_for(lambda: _steps_logged(out) >= 1, proc)
+    os.kill(_worker(proc.pid, 1), signal.SIGTERM)  # one rank only: the ranks must agree
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert f"exitcode  : {EXIT_PREEMPTED}" in err  # torchrun's report of each worker
+
+    ckpts = out / "checkpoints"
+    name = (ckpts / "latest").read_text().strip()
+    stopped = len(read_metrics(out))
+    assert name == f"step-{stopped}.preempt" and 1 <= stopped < 12
+    ck = ckpts / name
+    for r in range(2):
+        assert (ck / f"rank{r}.pt").is_file() and (ck / f"manifest.rank{r}.json").is_file()
+        assert list(ck.glob(f"__{r}_*.distcp"))
+    assert json.loads((ck / "trainer_state.json").read_text())["step"] == stopped
+    assert "SIGTERM received: stopped after step" in (out / "logs" / "rank1.log").read_text()
+    assert losses(out) == expected[:stopped]
+
+    run_trainer(out, *TINY, *steps, "--resume", "latest", nproc=2)
+    assert losses(out) == expected  # steps 1..k from the first run, k+1..12 resumed
+
+
+def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    args = (*TINY, "--train.steps", "6", "--checkpoint.interval", "2")
+    proc = _launch(out, *args, env={"TRAINER_TEST_SAVE_DELAY": "4:120"})
+    tmp4 = out / "checkpoints" / ".tmp-step-4"
+    # Both ranks finished writing step 4 (their manifests exist); the rename has not happened.
+    _wait_for(lambda: all((tmp4 / f"manifest.rank{r}.json").is_file() for r in range(2)), proc)
+    _kill_all(proc)
+    proc.communicate(timeout=60)
+
+    ckpts = out / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step-2"
+    assert not (ckpts / "step-4").exists() and tmp4.is_dir()
+    before = losses(out)
+    assert len(before) == 4  # steps 1-4 ran before the kill
+
+    run_trainer(out, *args, "--resume", "latest", nproc=2)
+    after = losses(out)[4:]
+    assert len(after) == 4 and after[:2] == before[2:4]  # steps 3, 4 again, bit for bit
+    assert (ckpts / "latest").read_text().strip() == "step-6"
+    assert not tmp4.exists()  # the next save of step 4 replaced the leftover
