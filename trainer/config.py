@@ -126,6 +126,7 @@ class ProfileConfig:
 @dataclass
 class LoggingConfig:
     log_interval: int = 1
+    line: str = "picotron"              # console line: picotron (tokens/s, MFU, memory) | minimal-3d (samples/s)
     seed_line: bool = True              # also print the Pi guide's `[rank0] step N loss X.XXXX`
     peak_flops: float | None = None     # per-device peak for MFU; default GPU table / CPU matmul probe
 
@@ -151,6 +152,7 @@ class Config:
 
 
 SHARDING = ("ddp", "zero0", "zero2", "zero3", "zero2_hybrid", "zero3_hybrid")
+LOG_LINES = ("picotron", "minimal-3d")
 DTYPES = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
 
 
@@ -302,6 +304,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"schedule.warmup_ratio must be in [0, 1), got {cfg.schedule.warmup_ratio}")
     if cfg.schedule.decay not in ("cosine", "constant"):
         raise ConfigError(f"schedule.decay: '{cfg.schedule.decay}' (cosine or constant)")
+    if cfg.logging.line not in LOG_LINES:
+        raise ConfigError(f"logging.line: '{cfg.logging.line}' ({' or '.join(LOG_LINES)})")
     if cfg.model.attn_implementation not in ("sdpa", "eager"):
         raise ConfigError(f"model.attn_implementation: '{cfg.model.attn_implementation}' (sdpa or eager)")
     if cfg.checkpoint.format not in ("dcp", "full"):

@@ -118,6 +118,17 @@ def console_line(r: dict[str, Any]) -> str:
             f"Memory usage: {human(r['memory_bytes'], 'B'):>8s} | LR: {r['lr']:.2e}")
 
 
+def minimal3d_line(r: dict[str, Any]) -> str:
+    """The minimal 3D pretrain's line (seed 002), digit for digit."""
+    return (f"Step {r['step']} | Loss: {r['loss']:.4f} | LR: {r['lr']:.2e} | "
+            f"Throughput: {r['samples_per_s']:.2f} samples/s")
+
+
+def format_line(r: dict[str, Any], style: str = "picotron") -> str:
+    """logging.line: which seed system's console line a run prints."""
+    return minimal3d_line(r) if style == "minimal-3d" else console_line(r)
+
+
 class MetricsWriter:
     """Appends one JSON object per line to OUTPUT_DIR/metrics.jsonl (only on the logging rank)."""
 

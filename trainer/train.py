@@ -27,7 +27,7 @@ import torch.distributed as dist
 from trainer import dist_env
 from trainer.config import Config, ConfigError, resolve
 from trainer.data import DataStream, build_data, load_texts, load_tokenizer
-from trainer.metrics import MetricsWriter, StepStats, console_line, flops_per_token, memory_bytes, peak_flops
+from trainer.metrics import MetricsWriter, StepStats, flops_per_token, format_line, memory_bytes, peak_flops
 from trainer.models.build import build_model, model_spec
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.parallel.compose import Parallelized, check_supported, parallelize
@@ -176,7 +176,7 @@ class Trainer:
             if record is not None and self.is_logger and (self.step % cfg.logging.log_interval == 0
                                                           or self.step == self.total_steps):
                 self.metrics.write(record)
-                log.info(console_line(record))
+                log.info(format_line(record, cfg.logging.line))
                 if cfg.logging.seed_line:
                     log.info("step %d loss %.4f", self.step, record["loss"])
                 if "eval_loss" in record:

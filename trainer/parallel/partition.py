@@ -122,9 +122,25 @@ def _parse_ints(text: str, what: str, method: str, key: str, cast=int) -> list:
         raise PartitionError(f"{key}: {method}:{text} must be comma-separated {what}") from None
 
 
+def merak_items_to_layers(bounds: list[int], num_layers: int) -> list[int] | None:
+    """Merak's custom boundaries count graph items, not transformer layers: item 0 is the
+    embeddings, items 1..L the layers, then the head as one item (BERT: L+2 in all, Perseus'
+    bert-huge `custom:0,8,14,20,26`) or final norm + LM head as two (GPT: L+3, Perseus' gpt3-xl
+    `custom:0,8,14,21,27`). Stage s then starts at layer bounds[s] - 1. None: not that counting."""
+    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] not in (num_layers + 2, num_layers + 3):
+        return None
+    inner = [b - 1 for b in bounds[1:-1]]
+    if any(not 0 < b < num_layers for b in inner):
+        return None
+    return [0, *inner, num_layers]
+
+
 def _custom_bounds(text: str, num_layers: int, num_stages: int, key: str) -> list[int]:
     bounds = _parse_ints(text, "integers", "custom", key)
     want = f"custom:0,...,{num_layers}"
+    merak = merak_items_to_layers(bounds, num_layers)
+    if merak is not None and len(bounds) == num_stages + 1:
+        bounds = merak
     if len(bounds) != num_stages + 1:
         raise PartitionError(f"{key}: custom:{text} has {len(bounds)} boundaries but {num_stages} stages need "
                              f"{num_stages + 1} (first 0, last {num_layers}: {want})")
