@@ -1,0 +1,198 @@
+"""The five reproduced experiments at reduced size (docs/experiments.md has the full-size commands).
+
+Each test keeps what makes the experiment itself (layout, schedule, partition, flags, log line,
+file names) and shrinks only widths, depth where the layout allows, and step counts.
+smollm-3d runs through compose's CPU profile: tests/test_compose.py.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.runner_helpers import runner
+from tests.trainer_run import REPO, read_metrics, run_trainer, trainer_env
+
+TINY_LM = ("--model.hidden_size", "32", "--model.num_attention_heads", "4", "--model.intermediate_size", "64",
+           "--model.vocab_size", "256", "--data.seq_len", "16")
+
+
+# ------------------------------------------------------------------ pi-qwen3-3stage (seed 000)
+
+
+@pytest.mark.sandbox
+@pytest.mark.docker
+def test_pi_qwen3_3stage_on_three_sandbox_nodes(sandbox, trainer_image, tmp_path):
+    """The sandbox inventory's own job: configs/pi-qwen3-3stage-tiny.yaml (7 layers, the seed's
+    7:14:7 split at a quarter depth) with the guide's flags, one stage per node; the merged
+    timeline of batch 1 comes back with collect."""
+    job = yaml.safe_load(Path(sandbox).read_text())["job"]
+    assert job["args"] == ["--train_steps", "5", "--batch_size", "16", "--microbatch_num", "4", "--profile_batch", "1"]
+    assert job["config"] == "configs/pi-qwen3-3stage-tiny.yaml"
+    proc = runner("up", "-i", str(sandbox), "--logs-dir", str(tmp_path / "logs"), timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_id = re.search(r"run (\S+) started", proc.stdout)[1]
+    for line in ("[node-0/0] stage 0 (pp rank 0): embeddings + layers 0-1 (2 layers",
+                 "[node-0/0] stage 1 (pp rank 1): layers 2-4 (3 layers",
+                 "[node-0/0] stage 2 (pp rank 2): layers 5-6 + norm + head (2 layers"):
+        assert line in proc.stdout
+    col = runner("collect", run_id, "-i", str(sandbox), "--dest", str(tmp_path / "art"), "--quiet")
+    assert col.returncode == 0, col.stderr
+    art = tmp_path / "art" / run_id
+    losses = [m["loss"] for m in read_metrics(art / "node-2")]
+    assert len(losses) == 5 and all(0 < v < 10 for v in losses)
+    # Guide semantics: batch 16 per rank in 4 microbatches of 128-token blocks.
+    assert read_metrics(art / "node-2")[0]["global_batch_tokens"] == 16 * 128
+    # The Pi guide's per-step line, on the last stage's rank.
+    assert re.search(r"\[rank2\] INFO step 5 loss \d+\.\d{4}", (art / "node-2" / "logs" / "rank2.log").read_text())
+    timeline = art / "node-0" / "timeline_batch1_all.json"
+    assert timeline.is_file(), sorted(p.name for p in (art / "node-0").iterdir())
+    doc = json.loads(timeline.read_text())
+    events = doc["traceEvents"] if isinstance(doc, dict) else doc
+    slices = [e for e in events if e.get("ph") == "X"]
+    # 3 stages x 4 microbatches: a forward and a backward per (stage, microbatch), on every node.
+    fwd = {(e["args"]["stage"], e["args"]["microbatch"]) for e in slices if e["name"].startswith("forward")}
+    bwd = {(e["args"]["stage"], e["args"]["microbatch"]) for e in slices if e["name"].startswith("backward")}
+    assert fwd == bwd == {(s, m) for s in range(3) for m in range(4)}
+    assert len({e["pid"] for e in slices}) == 3
+
+
+# ------------------------------------------------------------------ stub-zero3 (seed 001)
+
+STUB_TINY = ("--model.hf_overrides", "{hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 4, "
+             "intermediate_size: 64, image_size: 64, patch_size: 16, decoder_hidden_size: 32, "
+             "decoder_num_hidden_layers: 1, decoder_num_attention_heads: 4, decoder_intermediate_size: 64}",
+             "--train.batch_size", "2", "--parallel.device", "cpu")
+
+
+def _lr(step: int, base: float = 3e-4, warmup: int = 10, total: int = 1_000_000, min_lr: float = 0.0) -> float:
+    """The stub's schedule: linear warmup base*it/warmup, then cosine to min_lr (iteration = step - 1)."""
+    import math
+
+    it = step - 1
+    if it < warmup:
+        return base * it / warmup
+    return min_lr + 0.5 * (base - min_lr) * (1 + math.cos(math.pi * (it - warmup) / (total - warmup)))
+
+
+@pytest.mark.multiproc
+def test_stub_zero3_preempt_checkpoint_and_resume(tmp_path):
+    """Two ranks, ZeRO-3, the stub's own YAML and naming: SIGTERM mid-run writes
+    `<prefix>.<timestamp>.preempt` and exits 143; `--resume latest` continues at the next step with
+    the same LR schedule and losses that keep going down."""
+    out = tmp_path / "out"
+    args = ["configs/stub-zero3.yaml", *STUB_TINY, "--train.steps", "400", "--output-dir", str(out)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "trainer", *args]
+    log = (tmp_path / "first.log").open("w")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=trainer_env(), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, (tmp_path / "first.log").read_text()[-4000:]
+    os.kill(proc.pid, signal.SIGTERM)  # torchrun forwards it to both ranks, as `docker stop` does
+    rc = proc.wait(timeout=300)
+    text = (tmp_path / "first.log").read_text()
+    assert rc != 0 and "exiting with 143" in text, text[-4000:]
+    first = read_metrics(out)
+    stopped = first[-1]["step"]
+    assert 3 <= stopped < 400
+    ckpts = out / "checkpoints"
+    preempt = [p for p in ckpts.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    assert len(preempt) == 1 and re.fullmatch(r"dummy-0\.1\.\d{4}_\d{4}_\d{4}_\d\d\.preempt", preempt[0].name)
+    assert (ckpts / "latest").read_text().strip() == preempt[0].name
+    state = json.loads((preempt[0] / "trainer_state.json").read_text())
+    assert state["step"] == stopped
+
+    run_trainer(out, *args[:-2], "--train.steps", str(stopped + 3), "--resume", "latest", nproc=2)
+    resumed = read_metrics(out)
+    assert [m["step"] for m in resumed] == list(range(1, stopped + 4))
+    assert resumed[:stopped] == first  # appended, not rewritten
+    for m in resumed:
+        assert m["lr"] == pytest.approx(_lr(m["step"]), rel=1e-6, abs=1e-12)
+    assert all(0 < m["loss"] < 10 for m in resumed)
+
+
+# ------------------------------------------------------------------ minimal-3d (seed 002)
+
+MINIMAL3D_LINE = re.compile(r"Step (\d+) \| Loss: (\d+\.\d{4}) \| LR: (\d\.\d{2}e[-+]\d\d) \| "
+                            r"Throughput: (\d+\.\d{2}) samples/s$", re.M)
+
+
+@pytest.mark.multiproc
+def test_minimal_3d_eight_processes(tmp_path):
+    """2 DP x 2 TP x 2 PP, 8 microbatches, 1F1B, through the original's own flags; its log line
+    and its checkpoint-N naming."""
+    out = tmp_path / "out"
+    run_trainer(out, "--config", "configs/minimal-3d.yaml", "--max-steps", "3", "--save-interval", "2",
+                "--log-interval", "1", "--hidden-size", "32", "--num-layers", "4", "--num-attention-heads", "4",
+                "--micro-batch-size", "8", "--model.intermediate_size", "64", "--model.vocab_size", "256",
+                "--data.seq_len", "16", nproc=8, timeout=900)
+    cfg = yaml.safe_load((out / "config.yaml").read_text())
+    assert (cfg["parallel"]["tp"], cfg["parallel"]["pp"], cfg["parallel"]["pp_schedule"],
+            cfg["train"]["microbatch_num"]) == (2, 2, "1f1b", 8)
+    metrics = read_metrics(out)
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert all(m["global_batch_samples"] == 16 for m in metrics)  # mbs 8 x dp 2
+    lines = [m for p in sorted((out / "logs").iterdir()) for m in MINIMAL3D_LINE.finditer(p.read_text())]
+    assert [int(m[1]) for m in lines] == [1, 2, 3]
+    for m, rec in zip(lines, metrics, strict=True):
+        assert float(m[2]) == pytest.approx(rec["loss"], abs=5e-5)
+        assert m[3] == f"{rec['lr']:.2e}"
+        assert float(m[4]) == pytest.approx(rec["samples_per_s"], abs=0.006)
+        assert rec["samples_per_s"] == pytest.approx(16 / rec["step_time_s"])
+    # warmup_ratio 0.1 of 3 steps rounds to no warmup here; cosine from 3e-4 towards 3e-5
+    assert metrics[0]["lr"] == pytest.approx(3e-4) and metrics[2]["lr"] < metrics[1]["lr"] < 3e-4
+    ckpts = out / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["checkpoint-2", "checkpoint-3"]
+    assert (ckpts / "latest").read_text().strip() == "checkpoint-3"
+
+
+# ------------------------------------------------------------------ perseus-gpt3-xl (seed 004)
+
+
+@pytest.mark.multiproc
+def test_perseus_gpt3_xl_four_stages_timing_csvs(tmp_path):
+    """4 stages with Perseus' own partition string (Merak item counting over all 24 GPT-3 XL
+    blocks, narrowed to width 32), --export_timing_csv true --num_prof_steps 4: per-rank
+    instruction and energy CSVs and profile.csv."""
+    out = tmp_path / "out"
+    proc = run_trainer(out, "--config", "configs/perseus-gpt3-xl.yaml", *TINY_LM, "--train.batch_size", "8",
+                       "--train.microbatch_num", "8", "--train.steps", "5", "--train.dtype", "fp32",
+                       "--partition_method", "custom:0,8,14,21,27", "--export_timing_csv", "true",
+                       "--num_prof_steps", "4", nproc=4, timeout=900)
+    for line in ("stage 0 (pp rank 0): embeddings + layers 0-6 (7 layers", "stage 1 (pp rank 1): layers 7-12 (6 layers",
+                 "stage 2 (pp rank 2): layers 13-19 (7 layers",
+                 "stage 3 (pp rank 3): layers 20-23 + norm + head (4 layers"):
+        assert line in proc.stdout
+    assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4, 5]
+    for rank in range(4):
+        with (out / f"instructions-{rank}.csv").open() as f:
+            rows = list(csv.DictReader(f))
+        assert list(rows[0])[:3] == ["instruction", "start", "end"]
+        kinds = [r["instruction"] for r in rows]
+        # 8 microbatches x 4 profiled steps, a forward and a backward each
+        assert kinds.count("forward_microstep") == 32 and kinds.count("backward_microstep") == 32
+        assert all(float(r["end"]) >= float(r["start"]) for r in rows)
+        assert {int(r["stage"]) for r in rows if r["stage"]} == {rank}
+        energy = (out / f"time-energy-{rank}.csv").read_text()
+        assert energy.startswith(("time,energy", "#"))
+    with (out / "profile.csv").open() as f:
+        prof = list(csv.DictReader(f))
+    assert list(prof[0])[:5] == ["stage", "instruction", "frequency", "time", "energy"]
+    got = {(int(r["stage"]), r["instruction"]) for r in prof}
+    assert {(s, k) for s in range(4) for k in ("forward", "backward")} <= got
+    assert all(float(r["time"]) > 0 for r in prof)
