@@ -186,3 +186,19 @@ def test_pp2_plots(pp2):
     for name in made:
         data = (pp2 / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_pp2_zbv_split_backward_slices(tmp_path):
+    # ZBV: two stages per rank in a V (rank 0 holds 0 and 3); backward split into input (I) and weight (W).
+    run_trainer(tmp_path, *MODEL, "--train.steps", "2", "--train.batch_size", "8", "--train.microbatch_num", "4",
+                "--parallel.pp", "2", "--parallel.pp_schedule", "zbv", "--parallel.virtual_stages", "2",
+                "--profile_batch", "1", nproc=2)
+    trace = json.loads((tmp_path / "timeline_batch1_all.json").read_text())
+    counts = Counter((action(e), e["args"]["stage"]) for e in slices(trace))
+    for stage in range(4):
+        for act in ("forward", "backward_input", "backward_weight"):
+            assert counts[(act, stage)] == 4, (act, stage, counts)
+    assert counts[("send_F", 0)] == counts[("recv_F", 1)] == counts[("send_B", 1)] == counts[("recv_B", 0)] == 4
+    assert_no_overlap(trace)
+    s = json.loads((tmp_path / "timeline_batch1_summary.json").read_text())
+    assert s["theoretical_bubble"] is None and 0.0 < s["measured_bubble"] < 1.0

@@ -54,6 +54,12 @@ def gantt(trace: dict, path: Path, title: str) -> Path:
     pids = sorted({e["pid"] for e in xs} | set(names))
     fig, ax = plt.subplots(figsize=(12, 1.0 + 0.8 * len(pids)), dpi=110)
     seen: set[str] = set()
+    stages: dict[int, set] = {}
+    for e in xs:
+        if e["args"].get("stage") is not None:
+            stages.setdefault(e["pid"], set()).add(e["args"]["stage"])
+    multi = {pid: len(s) > 1 for pid, s in stages.items()}
+    span = max((e["ts"] + e["dur"] for e in xs), default=1.0) / 1e3
     for row, pid in enumerate(pids):
         y = len(pids) - 1 - row
         for e in (e for e in xs if e["pid"] == pid):
@@ -67,8 +73,12 @@ def gantt(trace: dict, path: Path, title: str) -> Path:
                            linewidth=0.4, label=label)
             mb = e["args"].get("microbatch")
             if compute and mb is not None:
-                ax.text(ms0 + ms / 2, y, ("F" if act == "forward" else "B" if act == "backward" else act[9].upper())
-                        + str(mb), ha="center", va="center", fontsize=7, color="white", clip_on=True)
+                text = ("F" if act == "forward" else "B" if act == "backward" else act[9].upper()) + str(mb)
+                if multi.get(pid):  # several stages on this rank (interleaved, V): say which
+                    text += f"/s{e['args']['stage']}"
+                if ms < span * 0.0055 * len(text):  # too narrow for its label at this width
+                    continue
+                ax.text(ms0 + ms / 2, y, text, ha="center", va="center", fontsize=7, color="white", clip_on=True)
     ax.set_yticks(range(len(pids)))
     ax.set_yticklabels([names.get(pid, f"rank{pid}") for pid in reversed(pids)], fontsize=8)
     ax.set_xlabel("time since the batch's first action (ms, rank 0's clock)")
