@@ -7,6 +7,7 @@ rank 0 merges. See docs/profiling.md for the files and what each number means.
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,12 @@ class ProfilingCallback:
         self.clock = RankClock.start(self.rank)
         # Clock sync and merges go over gloo with CPU objects, whatever the training backend.
         self.group = dist.new_group(backend="gloo") if self.world > 1 else None
-        self.rec = Recorder(self.clock, self.rank)
+        sync = None
+        if trainer.device.type == "cuda":
+            import torch
+
+            sync = functools.partial(torch.cuda.synchronize, trainer.device)
+        self.rec = Recorder(self.clock, self.rank, sync)
         self.rec.install_trainer(trainer)
         runner = getattr(trainer.par, "runner", None)
         self.stages = list(runner.stage_ids) if runner is not None else [0]

@@ -93,6 +93,8 @@ class TimedWork:
     def wait(self, *args: Any, **kwargs: Any) -> Any:
         t0 = self._rec.clock.now()
         out = self._work.wait(*args, **kwargs)
+        if self._rec.sync is not None:  # NCCL's wait() only orders streams; the transfer ends on the GPU
+            self._rec.sync()
         t1 = self._rec.clock.now()
         if self._rec.active is not None:
             for m in self._metas:
@@ -137,8 +139,11 @@ def _install_p2p_patch() -> None:
 class Recorder:
     """Per-rank event store; `begin(batch)` / `end()` bracket a recorded batch."""
 
-    def __init__(self, clock: RankClock, rank: int):
+    def __init__(self, clock: RankClock, rank: int, sync: Any = None):
         self.clock, self.rank = clock, rank
+        # On GPUs, a device sync around each recorded action (as Merak does) so that a slice is the
+        # kernels' time, not their launch; it serialises the recorded batch a little.
+        self.sync = sync
         self.active: int | None = None      # batch index being recorded
         self.events: list[Event] = []
         self.net = NetSampler(clock)
@@ -173,10 +178,19 @@ class Recorder:
         """Run fn() and record it as one Event when a batch is being recorded."""
         if self.active is None:
             return fn()
+        if self.sync is not None:
+            self.sync()
         t0 = self.clock.now()
         out = fn()
+        if self.sync is not None:
+            self.sync()
         self.add(Event(action, t0, self.clock.now(), stage=stage, mb=mb))
         return out
+
+    def _synced_now(self) -> int:
+        if self.sync is not None:
+            self.sync()
+        return self.clock.now()
 
     def _wrap(self, fn: Any, action: str, stage: int | None) -> Any:
         @functools.wraps(fn)
@@ -243,7 +257,7 @@ class Recorder:
         def pre_hook(module: Any, args: Any) -> None:
             if self.active is None:
                 return
-            now = self.clock.now()
+            now = self._synced_now()
             if self._last_fwd_end is not None:
                 self.add(Event("backward", self._last_fwd_end, now, stage=0, mb=self._mb_fwd - 1))
             self._fwd_start = now
@@ -251,7 +265,7 @@ class Recorder:
         def post_hook(module: Any, args: Any, output: Any) -> None:
             if self.active is None or not model.training:
                 return
-            self._last_fwd_end = self.clock.now()
+            self._last_fwd_end = self._synced_now()
             self.add(Event("forward", self._fwd_start, self._last_fwd_end, stage=0, mb=self._mb_fwd))
             self._mb_fwd += 1
 
@@ -259,7 +273,7 @@ class Recorder:
             self._mb_fwd, self._last_fwd_end = 0, None
             out = fb(*args, **kwargs)
             if self.active is not None and self._last_fwd_end is not None:
-                self.add(Event("backward", self._last_fwd_end, self.clock.now(), stage=0, mb=self._mb_fwd - 1))
+                self.add(Event("backward", self._last_fwd_end, self._synced_now(), stage=0, mb=self._mb_fwd - 1))
             self._last_fwd_end = None
             return out
 
