@@ -18,8 +18,6 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
     get_state_dict,
     set_state_dict,
 )
@@ -76,16 +74,6 @@ class ModelOptimState(Stateful):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"], options=OPTIONS)
-
-
-def full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """Unsharded CPU copies (collective over the ranks sharing a stage); for format: full."""
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_sd = get_model_state_dict(model, options=opts)
-    optim_sd = get_optimizer_state_dict(model, optimizer,
-                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True,
-                                                                 flatten_optimizer_state_dict=True))
-    return model_sd, optim_sd
 
 
 def rng_state() -> dict[str, Any]:
