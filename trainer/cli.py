@@ -34,7 +34,7 @@ examples:
   trainer configs/stub-zero3.yaml          (FSDP stub form: positional YAML with its dist.* keys)"""
 
 COMMANDS: dict[str, str] = {
-    "train": "trainer.train:main",
+    "train": "trainer.cli:train_main",
     "export": "trainer.checkpoint:export_main",
     "plot": "trainer.plots:main",
 }
@@ -85,6 +85,23 @@ def parse_train_args(argv: list[str]) -> tuple[str | None, list[tuple[str, Any]]
         else:
             raise ConfigError(f"unknown option '{name}' (see docs/flags.md or use --section.key VALUE)")
     return config_path, overrides
+
+
+def train_main(argv: list[str]) -> int:
+    """Resolve and check everything that needs no torch first, so a bad config or launcher env
+    fails in a fraction of a second; then import the loop."""
+    from trainer.config import resolve
+    from trainer.dist_env import from_environ
+    from trainer.parallel.mesh import ParallelDims
+
+    config_path, overrides = parse_train_args(argv)
+    cfg = resolve(config_path, overrides)
+    env = from_environ()
+    ParallelDims.from_config(cfg.parallel, env.world_size, env.local_world_size)
+    from trainer.train import check_supported, run
+
+    check_supported(cfg)
+    return run(cfg, env)
 
 
 def _load(target: str):

@@ -1,6 +1,21 @@
-"""Model presets and builders (transformers families)."""
+"""Model presets and builders (transformers families).
 
-from trainer.models.build import ModelSpec, Task, build_model, model_spec, transformer_blocks
-from trainer.models.presets import PRESETS
+Names are imported lazily so that `trainer.models.presets` (used by config validation) does not
+pull in torch: a bad config fails in a fraction of a second.
+"""
 
-__all__ = ["PRESETS", "ModelSpec", "Task", "build_model", "model_spec", "transformer_blocks"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {"ModelSpec": "build", "Task": "build", "build_model": "build", "model_spec": "build",
+         "transformer_blocks": "build", "PRESETS": "presets"}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"trainer.models.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'trainer.models' has no attribute {name!r}")
