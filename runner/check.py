@@ -117,5 +117,6 @@ def main(args) -> int:
     if failing:
         raise UserError("check failed on " + "; ".join(f"{c.node}: {', '.join(c.problems)}" for c in failing),
                         exit_code=1)
-    print(f"all {len(checks)} node(s) ok")
+    if not args.json:
+        print(f"all {len(checks)} node(s) ok")
     return 0

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import posixpath
 
 from runner.errors import UserError
-from runner.plan import LABEL_GRACE, LABEL_NODE, LABEL_RUN
+from runner.plan import LABEL_GRACE, LABEL_NODE, LABEL_RUN, LABEL_RUN_DIR
 from runner.session import Cluster, add_inventory_args, load, parallel
 from runner.ssh import Remote
 
@@ -23,7 +24,8 @@ def run_containers(remote: Remote, run_id: str | None, all_: bool = True) -> lis
 def stop_node(remote: Remote, run_id: str, grace: float | None, remove: bool = True) -> list[str]:
     """Stop (SIGTERM, then SIGKILL after grace) and remove this node's containers of the run."""
     gone = []
-    for c in run_containers(remote, run_id):
+    containers = run_containers(remote, run_id)
+    for c in containers:
         g = grace if grace is not None else float(c.labels.get(LABEL_GRACE, "30"))
         try:
             if c.status in ("running", "restarting", "paused"):
@@ -35,6 +37,15 @@ def stop_node(remote: Remote, run_id: str, grace: float | None, remove: bool = T
         except Exception as exc:  # noqa: BLE001 - already gone is fine (idempotent)
             if "No such container" not in str(exc) and "404" not in str(exc):
                 raise
+    if remove:
+        for c in containers:  # the run's secrets file has no use once its containers are gone
+            run_dir = c.labels.get(LABEL_RUN_DIR, "")
+            if run_dir:
+                secrets = f"{posixpath.dirname(posixpath.dirname(run_dir))}/secrets/{run_id}.env"
+                try:
+                    remote.sftp.remove(secrets)
+                except OSError:
+                    pass
     return gone
 
 

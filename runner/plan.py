@@ -143,6 +143,8 @@ def make_plan(inv: Inventory, run_id: str, facts: dict[str, Facts] | None = None
     master = nodes[0]
     job = inv.job
     port: int | str = master_port if master_port is not None else job.master_port
+    if port == "auto":
+        port = "<auto>"  # a free port on the master, picked at launch
     if strict and not isinstance(port, int):
         raise UserError("master_port 'auto' was not resolved before launch (internal error)")
     secret_keys = sorted(secret_keys or [])

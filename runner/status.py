@@ -116,6 +116,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--node", action="append", help="only this node (repeatable)")
     p.add_argument("-f", "--follow", action="store_true")
     p.add_argument("--tail", default="all", help="lines from the end per node (default all)")
+    p.add_argument("--logs-dir", default="artifacts", help="where `runner up` kept logs (for finished runs)")
     p.set_defaults(func=cmd_logs)
 
 
@@ -180,8 +181,7 @@ def cmd_logs(args) -> int:
                 if c.labels.get(LABEL_RUN) == run_id:
                     targets.append((n.name, c))
         if not targets:
-            raise UserError(f"run {run_id}: no containers left (finished runs keep logs in artifacts/{run_id}/ "
-                            "and the run dir; use `runner collect`)")
+            return _kept_logs(run_id, args)
         lock = threading.Lock()
         tail = args.tail if args.tail == "all" else int(args.tail)
 
@@ -212,4 +212,20 @@ def cmd_logs(args) -> int:
         else:
             for t in targets:
                 show(t)
+    return 0
+
+
+def _kept_logs(run_id: str, args) -> int:
+    """Containers are gone (finished or downed): show what `runner up` kept per node, if here."""
+    from pathlib import Path
+
+    root = Path(args.logs_dir) / run_id
+    files = sorted(root.glob("*/container.log"))
+    files = [f for f in files if not args.node or f.parent.name in args.node]
+    if not files:
+        raise UserError(f"run {run_id}: no containers left and no kept logs under {root}/; "
+                        "per-rank logs are in the run dir: `runner collect`")
+    for f in files:
+        for line in f.read_text(errors="replace").splitlines():
+            sys.stdout.write(f"[{f.parent.name}] {line}\n")
     return 0

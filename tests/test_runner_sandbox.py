@@ -146,8 +146,10 @@ def test_up_three_nodes_env_order_prefixed_logs(sandbox, finished_run):
     # Master first: its container (torchrun = PID 1) started before any worker's.
     t_master = docs["node-0"]["pid1_start"]
     assert all(docs[n]["pid1_start"] > t_master for n in ("node-1", "node-2")), docs
-    # Finished runs leave no containers behind.
+    # Finished runs leave no containers behind; `runner logs` then shows the logs `up` kept.
     assert run_containers(sandbox, run_id) == {"node-0": [], "node-1": [], "node-2": []}
+    logs = runner("logs", run_id, "-i", str(sandbox), "--logs-dir", str(finished_run["tmp"] / "logs"))
+    assert logs.returncode == 0 and "[node-1] probe node-1 rank 1 of 3" in logs.stdout, logs.stderr
 
 
 def test_collect_checksums_and_incremental(sandbox, finished_run, tmp_path):
@@ -250,6 +252,8 @@ def test_secret_never_leaks(sandbox, pushed, tmp_path):
             assert mode == "600"
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
+    for name in ("node-0", "node-1", "node-2"):  # removed with the containers
+        assert not (node_workdir(sandbox, name) / "secrets" / f"{run_id}.env").exists()
     want = hashlib.sha256(secret.encode()).hexdigest()
     docs = _probe_docs(sandbox, run_id)
     assert all(d["hf_token_sha256"] == want for d in docs.values())  # it did reach every rank
@@ -339,3 +343,25 @@ def test_max_restarts_resumes_same_run(sandbox, pushed, tmp_path):
     for node in ("node-0", "node-1", "node-2"):
         assert (node_workdir(sandbox, node) / "runs" / run_id / f"attempted-{node}").read_text() == "xx"
     assert run_containers(sandbox, run_id) == {"node-0": [], "node-1": [], "node-2": []}
+
+
+def test_check_table_and_failing_node(sandbox, pushed, tmp_path):
+    ok = runner("check", "-i", str(sandbox), "--job", str(pushed["job"]), "--json")
+    assert ok.returncode == 0, ok.stderr
+    rows = json.loads(ok.stdout)
+    assert [r["node"] for r in rows] == ["node-0", "node-1", "node-2"]
+    for r in rows:
+        p = r["probe"]
+        assert r["ssh"] == "ok" and r["host_key"].startswith("known_hosts SHA256:")
+        assert p["docker"] and p["arch"] == "amd64" and p["cpus"] >= 1 and p["mem_gb"] > 0 and p["disk_free_gb"] > 0
+        assert p["ifname"] == "lo" and abs(p["clock_offset_s"]) < 1.0
+        assert r["image_present"] is True and r["problems"] == []
+    assert rows[0]["master_port"] == "auto"
+    # A node nobody answers for (free loopback address): non-zero exit naming it, others still checked.
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(Path(sandbox).read_text().replace("nodes:\n", "nodes:\n- {name: ghost, host: 127.0.2.99, port: 2299}\n", 1))
+    proc = runner("check", "-i", str(bad), "--job", str(pushed["job"]))
+    assert proc.returncode == 1
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and "check failed on ghost: cannot connect to 127.0.2.99:2299" in err[0], proc.stderr
+    assert "node-0" not in err[0] and "all 4" not in proc.stdout
