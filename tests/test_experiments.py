@@ -69,20 +69,18 @@ def test_pi_qwen3_3stage_on_three_sandbox_nodes(sandbox, trainer_image, tmp_path
 
 # ------------------------------------------------------------------ stub-zero3 (seed 001)
 
-STUB_TINY = ("--model.hf_overrides", "{hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 4, "
-             "intermediate_size: 64, image_size: 64, patch_size: 16, decoder_hidden_size: 32, "
-             "decoder_num_hidden_layers: 1, decoder_num_attention_heads: 4, decoder_intermediate_size: 64}",
-             "--train.batch_size", "2", "--parallel.device", "cpu")
+# The stub's ViT-MAE family at test width (tiny-vitmae: hidden 64, 2 layers, small images).
+STUB_TINY = ("--model.preset", "tiny-vitmae", "--train.batch_size", "2", "--parallel.device", "cpu")
 
 
 def _lr(step: int, base: float = 3e-4, warmup: int = 10, total: int = 1_000_000, min_lr: float = 0.0) -> float:
-    """The stub's schedule: linear warmup base*it/warmup, then cosine to min_lr (iteration = step - 1)."""
+    """The stub's schedule for 1-based `step`: linear warmup base*it/warmup, then cosine to min_lr
+    (the stub's iteration 0 has LR 0; here the first step already trains, at base/warmup)."""
     import math
 
-    it = step - 1
-    if it < warmup:
-        return base * it / warmup
-    return min_lr + 0.5 * (base - min_lr) * (1 + math.cos(math.pi * (it - warmup) / (total - warmup)))
+    if step <= warmup:
+        return base * step / warmup
+    return min_lr + 0.5 * (base - min_lr) * (1 + math.cos(math.pi * (step - 1 - warmup) / (total - warmup)))
 
 
 @pytest.mark.multiproc
@@ -110,7 +108,7 @@ def test_stub_zero3_preempt_checkpoint_and_resume(tmp_path):
     first = read_metrics(out)
     stopped = first[-1]["step"]
     assert 3 <= stopped < 400
-    ckpts = out / "checkpoints"
+    ckpts = out / "experiments" / "chkpts"  # the stub's checkpoint.directory, under OUTPUT_DIR
     preempt = [p for p in ckpts.iterdir() if p.is_dir() and not p.name.startswith(".")]
     assert len(preempt) == 1 and re.fullmatch(r"dummy-0\.1\.\d{4}_\d{4}_\d{4}_\d\d\.preempt", preempt[0].name)
     assert (ckpts / "latest").read_text().strip() == preempt[0].name
@@ -192,7 +190,8 @@ def test_perseus_gpt3_xl_four_stages_timing_csvs(tmp_path):
         assert energy.startswith(("time,energy", "#"))
     with (out / "profile.csv").open() as f:
         prof = list(csv.DictReader(f))
-    assert list(prof[0])[:5] == ["stage", "instruction", "frequency", "time", "energy"]
+    # Perseus' columns; `frequency` (the GPU clock plan) only where a GPU clock is set.
+    assert {"stage", "instruction", "time", "energy"} <= set(prof[0])
     got = {(int(r["stage"]), r["instruction"]) for r in prof}
     assert {(s, k) for s in range(4) for k in ("forward", "backward")} <= got
     assert all(float(r["time"]) > 0 for r in prof)
