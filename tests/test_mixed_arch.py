@@ -87,3 +87,23 @@ def test_missing_image_for_an_arch_is_one_line(mixed, no_network):  # noqa: F811
         make_plan(inv, "r1", facts, master_port=29500, strict=True)
     msg = str(e.value)
     assert "\n" not in msg and "no image for arch arm64 (node pi-1)" in msg and "add `arm64: <tag>`" in msg
+
+
+def _steps(dockerfile: str) -> list[str]:
+    """Instruction keywords + first word, in order: the layer layout of a Dockerfile."""
+    text = (REPO / dockerfile).read_text().replace("\\\n", " ")
+    return [" ".join(line.split()[:2]) for line in text.splitlines()
+            if line.strip() and not line.lstrip().startswith("#")]
+
+
+def test_arm64_dockerfile_layers_like_amd64():
+    """Same order (base, torch, dependencies, code) so a code change re-pushes one small layer to a
+    Pi; torch pinned to 2.13.0 from PyPI's aarch64 wheels (the CPU build), no index override."""
+    arm = (REPO / "Dockerfile.arm64").read_text()
+    assert "pip install torch==2.13.0" in arm and "index-url" not in arm and "+cpu" not in arm
+    assert "ARG BASE_IMAGE=python:3.11-slim-bookworm" in arm
+    order = [s for s in _steps("Dockerfile.arm64") if s.split()[0] in ("FROM", "COPY", "RUN")]
+    assert order == [s for s in _steps("Dockerfile") if s.split()[0] in ("FROM", "COPY", "RUN")]
+    torch_at = next(i for i, s in enumerate(arm.splitlines()) if "torch==2.13.0" in s and "pip install" in s)
+    code_at = arm.splitlines().index("COPY trainer ./trainer")
+    assert torch_at < arm.splitlines().index("COPY docker/requirements-trainer.txt /tmp/requirements-trainer.txt") < code_at
