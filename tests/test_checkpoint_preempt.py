@@ -1,7 +1,8 @@
 """Preemption and crash safety with real 2-process gloo runs.
 
 - SIGTERM to one worker: every rank stops after the same step, writes `step-N.preempt` (both
-  ranks' shards), exits 143; `--resume latest` continues with the losses of a straight run.
+  ranks' shards), exits 143; `--resume latest` continues with the losses of a straight run
+  (the interrupted run also writes async periodic checkpoints).
 - kill -9 while a checkpoint is being written (TRAINER_TEST_SAVE_DELAY holds it before the
   rename): `latest` still names the previous checkpoint, which loads and continues exactly.
 """
@@ -77,6 +78,8 @@ def test_sigterm_writes_preempt_checkpoint_and_resume_continues(tmp_path):
     expected = losses(straight)
 
     out = tmp_path / "run"
+    # Periodic checkpoints written in the background (async_save) must not disturb the run either.
+    steps = (*steps, "--checkpoint.interval", "2", "--checkpoint.async_save", "true")
     proc = _launch(out, *TINY, *steps)
     _wait_for(lambda: _steps_logged(out) >= 1, proc)
     os.kill(_worker(proc.pid, 1), signal.SIGTERM)  # one rank only: the ranks must agree
