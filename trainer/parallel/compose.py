@@ -33,6 +33,8 @@ def check_supported(cfg: Config) -> None:
     """Pipeline and tensor-parallel constraints, checked from the config before any process group
     exists (the vocabulary, known only once the tokenizer is built, is checked again in apply_tp)."""
     p, t = cfg.parallel, cfg.train
+    if p.pp == 1 and p.virtual_stages != 1:
+        raise ConfigError(f"parallel.virtual_stages {p.virtual_stages} needs pipeline parallelism (parallel.pp > 1)")
     if p.pp == 1 and p.tp == 1:
         return
     from trainer.models.build import build_hf_config
