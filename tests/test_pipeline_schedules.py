@@ -64,6 +64,7 @@ def test_pp2_bert_masked_lm(tmp_path):
       "--train.microbatch_num", "2"), "zbv needs at least as many microbatches as stages (2 < 4"),
     (("--parallel.pp", "8", "--parallel.pp_schedule", "gpipe"), "4 layers cannot fill 8 stages"),
     (("--parallel.pp", "2", "--parallel.pp_schedule", "pipedream"), "unknown schedule 'pipedream'"),
+    (("--parallel.virtual_stages", "2"), "virtual_stages 2 needs pipeline parallelism"),
     (("--parallel.tp", "3"), "num_attention_heads=4 is not divisible by tp=3"),
     (("--parallel.tp", "4"), "num_key_value_heads=2 is not divisible by tp=4"),
 ])
