@@ -77,6 +77,8 @@ class ProfilingCallback:
         if self.energy is not None:
             self.energy.stop()
         if batch in self.timelines:
+            # Re-measured right after the batch, so slow drift since start-up does not enter it.
+            estimate_offsets(self.clock, self.group)
             self._write_timeline(batch)
         if batch == self.last_recorded:
             self._write_csvs()
