@@ -135,7 +135,7 @@ def test_minimal_3d_eight_processes(tmp_path):
     """2 DP x 2 TP x 2 PP, 8 microbatches, 1F1B, through the original's own flags; its log line
     and its checkpoint-N naming."""
     out = tmp_path / "out"
-    run_trainer(out, "--config", "configs/minimal-3d.yaml", "--max-steps", "3", "--save-interval", "2",
+    proc = run_trainer(out, "--config", "configs/minimal-3d.yaml", "--max-steps", "3", "--save-interval", "2",
                 "--log-interval", "1", "--hidden-size", "32", "--num-layers", "4", "--num-attention-heads", "4",
                 "--micro-batch-size", "8", "--model.intermediate_size", "64", "--model.vocab_size", "256",
                 "--data.seq_len", "16", nproc=8, timeout=900)
@@ -147,6 +147,9 @@ def test_minimal_3d_eight_processes(tmp_path):
     assert all(m["global_batch_samples"] == 16 for m in metrics)  # mbs 8 x dp 2
     lines = [m for p in sorted((out / "logs").iterdir()) for m in MINIMAL3D_LINE.finditer(p.read_text())]
     assert [int(m[1]) for m in lines] == [1, 2, 3]
+    # On the console too, from the last pipeline stage's first rank (which holds the loss).
+    console = re.findall(r"^\[rank(\d)\] (Step \d+ \| .*)$", proc.stdout, re.M)
+    assert [(int(r), line) for r, line in console] == [(4, m[0]) for m in lines]
     for m, rec in zip(lines, metrics, strict=True):
         assert float(m[2]) == pytest.approx(rec["loss"], abs=5e-5)
         assert m[3] == f"{rec['lr']:.2e}"

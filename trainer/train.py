@@ -97,6 +97,12 @@ class Trainer:
         log.info("global batch %d samples x %d tokens; %d steps; peak %.3g FLOP/s per device from %s",
                  self.global_samples, self.tokens_per_sample, self.total_steps, self.peak, peak_src)
         self.is_logger = self.par.owns_loss and dims.coord("dp") == 0 and dims.coord("tp") == 0
+        if self.is_logger:
+            # With pipeline stages the loss lives on the last stage's rank: its step lines go to the
+            # console too (as picotron and the minimal 3D script print them), not only to its log file.
+            for h in log.handlers:
+                if type(h) is logging.StreamHandler:
+                    h.setLevel(logging.INFO)
         self.metrics = MetricsWriter(self.output_dir, self.is_logger, resume=bool(cfg.checkpoint.resume))
         self.callbacks = self._load_callbacks()
 
