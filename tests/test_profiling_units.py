@@ -157,3 +157,13 @@ def test_single_process_seed_format_and_plots(tmp_path):
     for name in ("timeline_batch1_gantt.png", "metrics.png"):
         data = (tmp_path / name).read_bytes()
         assert data[:8] == PNG and len(data) > 5000
+
+
+def test_plot_errors_are_one_line(tmp_path, capsys):
+    from trainer.cli import main
+
+    assert main(["plot", str(tmp_path / "nope")]) == 2
+    assert main(["plot", str(tmp_path)]) == 2  # exists, but holds nothing to plot
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: plot: '{tmp_path / 'nope'}' is not a directory (give the run's OUTPUT_DIR)",
+                   f"error: plot: nothing to plot in '{tmp_path}' (no timeline_batch*_all.json, no metrics.jsonl)"]

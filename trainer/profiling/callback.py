@@ -62,6 +62,14 @@ class ProfilingCallback:
 
     def on_train_start(self, trainer: Any) -> None:
         estimate_offsets(self.clock, self.group)
+        if self.world > 1:
+            # Every recorded batch ends in a collective merge: ranks that disagree would hang there.
+            plans = [None] * self.world
+            dist.all_gather_object(plans, (sorted(self.timelines), self.prof_steps, self.csv), group=self.group)
+            if any(p != plans[0] for p in plans):
+                raise ConfigError(f"profile.batch / num_prof_steps / export_timing_csv differ between ranks "
+                                  f"({plans[0]} on rank 0, {next(p for p in plans if p != plans[0])} elsewhere); "
+                                  f"set the same PROFILE_BATCH on every node")
 
     def on_step_start(self, trainer: Any, step: int) -> None:
         if step in self.record:
