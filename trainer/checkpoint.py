@@ -370,7 +370,26 @@ class Checkpointer:
         if state["data"]["global_batch"] != trainer.data.global_batch:
             log.warning("global batch %d -> %d: data continues at sample %d", state["data"]["global_batch"],
                         trainer.data.global_batch, trainer.data.consumed)
+        if trainer.is_logger:
+            _truncate_metrics(trainer.output_dir / "metrics.jsonl", trainer.step)
         log.info("resumed from %s at step %d (%.2fs)", path, trainer.step, time.perf_counter() - t0)
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop records of steps after the checkpoint (written before a crash; they are redone), so
+    metrics.jsonl holds one record per step after a resume."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if int(json.loads(line).get("step", 0)) <= step:
+                keep.append(line)
+        except (json.JSONDecodeError, ValueError, AttributeError):
+            continue  # a line cut by the crash
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(ln + "\n" for ln in keep))
+    os.replace(tmp, path)
 
 
 def make_callback(trainer: Any) -> Checkpointer:
