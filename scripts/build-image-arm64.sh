@@ -3,7 +3,7 @@
 #   1. qemu-user-static + binfmt-support (apt, if missing) and a binfmt entry for aarch64 with the
 #      F flag (interpreter opened at registration, so it works inside chroots and containers);
 #   2. an arm64 Debian base: scripts/build-base-image.sh runner-base:bookworm-arm64 arm64;
-#   3. docker build -f Dockerfile.arm64 --platform linux/arm64 (torch's aarch64 CPU wheel from PyPI).
+#   3. docker build -f Dockerfile.arm64 (--platform linux/arm64 where the engine takes it).
 # Idempotent; slow the first time (pip under emulation).   usage: scripts/build-image-arm64.sh [TAG]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -69,7 +69,11 @@ if ! docker build --help 2>/dev/null | grep -q -- '--platform' \
   PLATFORM=()
 fi
 say "building $TAG from $BASE (emulated: slow the first time)"
+# Only PyPI is reachable here (TORCH_INDEX_URL empty): its aarch64 torch brings CUDA libraries along,
+# harmless for an emulated `trainer --help`. On a network that reaches PyTorch's CPU index, set
+# TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu for the small image a Pi should get.
 DOCKER_BUILDKIT=0 docker build --network host "${PLATFORM[@]}" --build-arg BASE_IMAGE="$BASE" \
+  --build-arg TORCH_INDEX_URL="${TORCH_INDEX_URL:-}" \
   -f Dockerfile.arm64 -t "$TAG" . >.build/image-build-arm64.log 2>&1 || { tail -n 30 .build/image-build-arm64.log >&2; exit 1; }
 docker run --rm --network host "$TAG" python -c \
   "import platform, torch, trainer; print('[image-arm64] ok:', platform.machine(), 'torch', torch.__version__)"
