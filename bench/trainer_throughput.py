@@ -110,6 +110,15 @@ def main(argv: list[str] | None = None) -> int:
                                      "mfu_vs_matmul_peak": tokens / step * fpt / peak, "steps_timed": len(times)}
                 logging.getLogger("trainer").handlers.clear()
 
+    # The probe is the best of a few matmuls; on a shared machine take the best of before and after.
+    from trainer import metrics
+
+    metrics._PROBE_CACHE.clear()
+    peak2 = measure_cpu_peak(torch.float32)
+    if peak2 > peak:
+        for r in results.values():
+            r["mfu_vs_matmul_peak"] *= peak / peak2
+        peak = peak2
     base = results["plain transformers loop"]["tokens_per_s"]
     print(f"\n{args.preset}: {spec.num_params / 1e6:.1f}M params, batch {args.batch_size} x seq {args.seq_len}, "
           f"{args.threads} threads, fp32 matmul peak {peak / 1e9:.1f} GFLOP/s\n")
