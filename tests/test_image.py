@@ -51,6 +51,7 @@ def test_base_image_is_local_bookworm(host_docker, trainer_image):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(7200)  # qemu emulation of an arm64 image build and a torch import
 def test_arm64_image_builds_and_runs_under_emulation(host_docker):
     r = subprocess.run([str(REPO / "scripts/build-image-arm64.sh")], capture_output=True, text=True, cwd=REPO,
                        timeout=3600)
