@@ -12,3 +12,10 @@ scripts/build-image.sh runner-trainer:latest
 .venv/bin/runner sandbox up --nodes "$NODES" --inventory "$INV"
 .venv/bin/runner up --inventory "$INV" "$@"
 .venv/bin/runner collect --inventory "$INV"
+
+# Plots of what came back: the pipeline Gantt chart from the merged timeline (master node) and
+# loss / tokens-per-second from metrics.jsonl (the node that owns the loss).
+run=$(ls -td artifacts/*/ | head -n 1)
+for d in "$run"*/; do .venv/bin/trainer plot "$d" >/dev/null 2>&1 || true; done
+echo "[demo] collected run: $run"
+find "$run" \( -name 'timeline_batch*_all.json' -o -name '*.png' -o -name metrics.jsonl \) | sort | sed 's/^/[demo]   /'
