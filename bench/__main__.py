@@ -1,0 +1,33 @@
+"""`python -m bench [NAME ...]`: run the side-by-side benchmarks one after another.
+
+Each prints a Markdown table and writes bench/results/<name>.json. Without names, all run.
+The sandbox ones (launch, push) need `runner sandbox up` and the trainer image.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+BENCHES = ["trainer_throughput", "pipeline_schedules", "launch", "push"]
+
+
+def main(argv: list[str]) -> int:
+    names = argv or BENCHES
+    unknown = [n for n in names if n not in BENCHES]
+    if unknown:
+        print(f"bench: unknown benchmark {unknown[0]!r}; choose from {', '.join(BENCHES)}", file=sys.stderr)
+        return 2
+    failed = []
+    for name in names:
+        print(f"\n## {name}\n", flush=True)
+        # One process per bench: each sets its own thread counts and process groups.
+        if subprocess.run([sys.executable, "-m", f"bench.{name}"]).returncode != 0:
+            failed.append(name)
+    if failed:
+        print(f"bench: failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
