@@ -125,7 +125,7 @@ class Sandbox:
 
     def _read_meta(self) -> dict:
         f = self.state / "sandbox.yaml"
-        return yaml.safe_load(f.read_text()) or {} if f.exists() else {}
+        return (yaml.safe_load(f.read_text()) or {}) if f.exists() else {}
 
     # ---- up -------------------------------------------------------------------------------
     def up(self, n: int, inventory: Path | None) -> list[Node]:

@@ -118,7 +118,7 @@ def test_down_leaves_nothing_running(tmp_path, host_docker, have_sshd):
         assert load.returncode == 0, load.stderr
         run = ssh(inv, inv["nodes"][1], "docker run -d --network host runner-base:bookworm sleep 6061")
         assert run.returncode == 0, run.stderr
-        assert any("sleep" in c for c in [" ".join(p.info.get("cmdline") or []) for p in psutil.process_iter(["cmdline"])])
+        assert [p for p in psutil.process_iter(["cmdline"]) if p.info.get("cmdline") == ["sleep", "6061"]]
         assert len(leftovers(state)) >= 4  # 2 sshd + 2 dockerd at least
         down = sandbox(state, "down")
         assert down.returncode == 0, down.stderr
