@@ -13,7 +13,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 STATE = Path(os.environ.get("BENCH_SANDBOX", "/tmp/runner-bench-sandbox"))
-BASE_ADDR = os.environ.get("BENCH_BASE_ADDR", "127.0.3.11")
+BASE_ADDR = os.environ.get("BENCH_BASE_ADDR", "127.0.9.11")
 
 
 def sh(*cmd: str, check: bool = True, **kw) -> subprocess.CompletedProcess:

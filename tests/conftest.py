@@ -12,6 +12,14 @@ import shutil
 import pytest
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+# First two octets of every loopback address the tests give sandbox nodes. Two pytest sessions on
+# one machine (two checkouts, or a developer beside CI) each set their own, e.g. RUNNER_TEST_NET=127.1.
+TEST_NET = os.environ.get("RUNNER_TEST_NET", "127.0")
+
+
+def net_addr(third: int, fourth: int) -> str:
+    """A loopback address in this session's test net: net_addr(2, 11) -> 127.0.2.11 by default."""
+    return f"{TEST_NET}.{third}.{fourth}"
 
 
 def require(what: str, ok: bool, reason: str) -> None:
@@ -73,16 +81,33 @@ def _sandbox_cmd(*args: str) -> list[str]:
 
 @pytest.fixture(scope="session")
 def sandbox(tmp_path_factory, host_docker, have_sshd):
-    """A 3-node sandbox cluster of its own (own state dir, own addresses 127.0.2.11-13), torn down
+    """A 3-node sandbox cluster of its own (own state dir, own addresses <TEST_NET>.2.11-13), torn down
     at the end of the session. Yields the path of its inventory (hosts/local.yaml format)."""
     import subprocess
     state = tmp_path_factory.mktemp("sandbox")
     inv = state / "local.yaml"
     up = subprocess.run(_sandbox_cmd("--dir", str(state / "s"), "up", "--nodes", "3", "--base-addr",
-                                     "127.0.2.11", "--inventory", str(inv)), capture_output=True, text=True,
+                                     net_addr(2, 11), "--inventory", str(inv)), capture_output=True, text=True,
                         cwd=REPO)
     assert up.returncode == 0, up.stderr
     try:
         yield inv
     finally:
         subprocess.run(_sandbox_cmd("--dir", str(state / "s"), "down"), capture_output=True, cwd=REPO)
+
+
+@pytest.fixture(scope="session")
+def pushed(sandbox, trainer_image, tmp_path_factory):
+    """The first push of the trainer image onto the session sandbox's empty nodes. Every test that
+    pushes to (or runs `up` on) the session sandbox asks for this first, so the push recorded
+    here is always onto empty nodes, whatever order the tests run in."""
+    import time
+
+    from tests.runner_helpers import parse_push, runner, write_job
+
+    tmp = tmp_path_factory.mktemp("push")
+    job = write_job(tmp)
+    t0 = time.time()
+    proc = runner("push", "-i", str(sandbox), "--job", str(job), timeout=1200)
+    assert proc.returncode == 0, proc.stderr
+    return {"first": parse_push(proc.stdout), "seconds": time.time() - t0, "job": job}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -36,6 +37,15 @@ print('probe', os.environ['NODE_NAME'], 'rank', os.environ['RANK'], 'of', os.env
 time.sleep(float(os.environ.get('SLEEP', '0')))
 print('done', os.environ['NODE_NAME'], flush=True)
 """
+
+
+PUSH_RE = re.compile(r"^(\S+)\s+(\S+)\s+(skipped|layers|full)\s+layers (\d+)/(\d+)\s+([\d.]+) MB of ([\d.]+) MB", re.M)
+
+
+def parse_push(out: str) -> dict[str, dict]:
+    """`runner push` table rows -> {node: {tag, action, sent, total, mb, image_mb}}."""
+    return {m[1]: {"tag": m[2], "action": m[3], "sent": int(m[4]), "total": int(m[5]), "mb": float(m[6]),
+                   "image_mb": float(m[7])} for m in PUSH_RE.finditer(out)}
 
 
 def runner_cmd(*args: str) -> list[str]:

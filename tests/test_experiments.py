@@ -32,7 +32,7 @@ TINY_LM = ("--model.hidden_size", "32", "--model.num_attention_heads", "4", "--m
 
 @pytest.mark.sandbox
 @pytest.mark.docker
-def test_pi_qwen3_3stage_on_three_sandbox_nodes(sandbox, trainer_image, tmp_path):
+def test_pi_qwen3_3stage_on_three_sandbox_nodes(sandbox, pushed, tmp_path):
     """The sandbox inventory's own job: configs/pi-qwen3-3stage-tiny.yaml (7 layers, the seed's
     7:14:7 split at a quarter depth) with the guide's flags, one stage per node; the merged
     timeline of batch 1 comes back with collect."""

@@ -1,7 +1,8 @@
 """The runner against the sandbox cluster: real sshd + dockerd per node, real containers.
 
-Order matters only for cost: the session fixture `pushed` brings the trainer image to the empty
-nodes once (that first push is itself asserted on); every other test reuses it.
+Order matters only for cost: the session fixture `pushed` (tests/conftest.py) brings the trainer
+image to the empty nodes once, before any other test pushes there (that first push is itself
+asserted on); every other test reuses it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from runner.inventory import load_inventory
 from tests.runner_helpers import (
     REPO,
     node_workdir,
+    parse_push,
     remotes,
     run_containers,
     runner,
@@ -33,23 +35,6 @@ from tests.runner_helpers import (
 )
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.docker]
-PUSH_RE = re.compile(r"^(\S+)\s+(\S+)\s+(skipped|layers|full)\s+layers (\d+)/(\d+)\s+([\d.]+) MB of ([\d.]+) MB", re.M)
-
-
-def parse_push(out: str) -> dict[str, dict]:
-    return {m[1]: {"tag": m[2], "action": m[3], "sent": int(m[4]), "total": int(m[5]), "mb": float(m[6]),
-                   "image_mb": float(m[7])} for m in PUSH_RE.finditer(out)}
-
-
-@pytest.fixture(scope="session")
-def pushed(sandbox, trainer_image, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("push")
-    job = write_job(tmp)
-    t0 = time.time()
-    proc = runner("push", "-i", str(sandbox), "--job", str(job), timeout=1200)
-    assert proc.returncode == 0, proc.stderr
-    return {"first": parse_push(proc.stdout), "seconds": time.time() - t0, "job": job}
-
 
 def node_image_id(inventory: Path, node: str, tag: str) -> str | None:
     r = remotes(inventory)[node]

@@ -12,7 +12,7 @@ import psutil
 import pytest
 import yaml
 
-from tests.conftest import REPO
+from tests.conftest import REPO, net_addr
 
 pytestmark = pytest.mark.sandbox
 
@@ -44,7 +44,7 @@ def leftovers(state) -> list[str]:
 def two_nodes(tmp_path_factory, host_docker, have_sshd):
     tmp = tmp_path_factory.mktemp("sb2")
     state, inv_path = tmp / "state", tmp / "local.yaml"
-    up = sandbox(state, "up", "--nodes", "2", "--base-addr", "127.0.3.11", "--inventory", str(inv_path))
+    up = sandbox(state, "up", "--nodes", "2", "--base-addr", net_addr(3, 11), "--inventory", str(inv_path))
     assert up.returncode == 0, up.stderr
     yield state, yaml.safe_load(inv_path.read_text())
     sandbox(state, "down")
@@ -52,7 +52,7 @@ def two_nodes(tmp_path_factory, host_docker, have_sshd):
 
 def test_ssh_reaches_each_node_with_verified_host_key(two_nodes):
     state, inv = two_nodes
-    assert [n["host"] for n in inv["nodes"]] == ["127.0.3.11", "127.0.3.12"]
+    assert [n["host"] for n in inv["nodes"]] == [net_addr(3, 11), net_addr(3, 12)]
     assert inv["nodes"][0]["role"] == "master" and "role" not in inv["nodes"][1]
     for i, node in enumerate(inv["nodes"]):
         r = ssh(inv, node, "echo $SANDBOX_NODE; docker info --format '{{.DockerRootDir}}'")
@@ -93,7 +93,7 @@ def test_nodes_have_separate_image_stores_and_workdirs(two_nodes):
 def test_up_is_idempotent(two_nodes):
     state, _ = two_nodes
     before = sorted(p.read_text() for p in state.glob("node-*/sshd.pid"))
-    again = sandbox(state, "up", "--nodes", "2", "--base-addr", "127.0.3.11",
+    again = sandbox(state, "up", "--nodes", "2", "--base-addr", net_addr(3, 11),
                     "--inventory", str(state.parent / "local.yaml"))
     assert again.returncode == 0, again.stderr
     assert sorted(p.read_text() for p in state.glob("node-*/sshd.pid")) == before
@@ -104,7 +104,7 @@ def test_up_is_idempotent(two_nodes):
 
 def test_down_leaves_nothing_running(tmp_path, host_docker, have_sshd):
     state, inv_path = tmp_path / "state", tmp_path / "inv.yaml"
-    assert sandbox(state, "up", "--nodes", "2", "--base-addr", "127.0.4.11",
+    assert sandbox(state, "up", "--nodes", "2", "--base-addr", net_addr(4, 11),
                    "--inventory", str(inv_path)).returncode == 0
     try:
         inv = yaml.safe_load(inv_path.read_text())
@@ -143,12 +143,12 @@ def test_zero_nodes_is_one_clear_line(tmp_path):
 def test_taken_address_is_refused_and_nothing_starts(tmp_path, have_sshd):
     state = tmp_path / "state"
     with socket.socket() as blocker:
-        blocker.bind(("127.0.5.12", 2222))
+        blocker.bind((net_addr(5, 12), 2222))
         blocker.listen()
-        r = sandbox(state, "up", "--nodes", "2", "--base-addr", "127.0.5.11",
+        r = sandbox(state, "up", "--nodes", "2", "--base-addr", net_addr(5, 11),
                     "--inventory", str(tmp_path / "i.yaml"))
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0
-    assert "127.0.5.12:2222 (node-1) is already in use" in r.stderr
+    assert f"{net_addr(5, 12)}:2222 (node-1) is already in use" in r.stderr
     assert leftovers(state) == []
     assert not (tmp_path / "i.yaml").exists()
