@@ -137,6 +137,152 @@ def test_energy_interpolation():
     assert s.energy_at(50) == 5.0 and s.energy_at(150) == 20.0 and s.energy_at(250) is None
 
 
+class FakeNVML:
+    """Stands in for pynvml: no NVIDIA GPU (hence no libnvidia-ml) exists on the test machine.
+
+    Mimics NVML's behaviour that matters here: devices numbered in PCI order whatever
+    CUDA_VISIBLE_DEVICES says, lookups by index/UUID/PCI address, and a cumulative energy counter
+    in millijoules that advances by `step_mj` each time it is read.
+    """
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, uuids: list[str], step_mj: int = 1500):
+        self.uuids, self.step_mj = uuids, step_mj
+        self.energy_mj = {u: 1_000_000 * (i + 1) for i, u in enumerate(uuids)}  # counters start anywhere
+        self.inits = 0
+
+    def nvmlInit(self) -> None:
+        self.inits += 1
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.uuids)
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> str:
+        if not 0 <= i < len(self.uuids):
+            raise self.NVMLError("Invalid Argument")
+        return self.uuids[i]
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> str:
+        if uuid not in self.uuids:
+            raise self.NVMLError("Not Found")
+        return uuid
+
+    def nvmlDeviceGetHandleByPciBusId(self, bus_id: str) -> str:
+        return self.nvmlDeviceGetHandleByIndex(int(bus_id.split(":")[1], 16) - 0x10)  # bus 0x10 + index
+
+    def nvmlDeviceGetUUID(self, handle: str) -> str:
+        return handle
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle: str) -> int:
+        self.energy_mj[handle] += self.step_mj
+        return self.energy_mj[handle]
+
+
+GPU = [f"GPU-{i}{i}{i}{i}aaaa-bbbb-cccc-dddd-eeeeeeeeeee{i}" for i in range(4)]
+
+
+def _ident(index, uuid=None, pci=None):
+    from trainer.profiling.nvml import CudaIdentity
+
+    return CudaIdentity(index, uuid, pci)
+
+
+@pytest.mark.parametrize("visible,index,want", [
+    (None, 1, GPU[1]),                          # all GPUs visible: cuda:i is NVML i
+    ("2,3", 0, GPU[2]), ("2,3", 1, GPU[3]),     # a subset: cuda:0 is the first listed, not NVML 0
+    ("3, 1", 0, GPU[3]),
+    (f"{GPU[3]},{GPU[0]}", 1, GPU[0]),          # full UUIDs
+    ("GPU-2222,GPU-1111", 0, GPU[2]),           # unique UUID prefixes, as CUDA accepts them
+])
+def test_nvml_handle_follows_cuda_visible_devices(visible, index, want):
+    from trainer.profiling.nvml import nvml_handle
+
+    handle, how = nvml_handle(FakeNVML(GPU), _ident(index), visible)
+    assert handle == want, how
+
+
+def test_nvml_handle_prefers_what_cuda_reports():
+    from trainer.profiling.nvml import nvml_handle
+
+    nvml = FakeNVML(GPU)
+    # CUDA's own UUID of the device wins over a CUDA_VISIBLE_DEVICES index (whose order may differ).
+    assert nvml_handle(nvml, _ident(0, uuid=GPU[3]), "1,3")[0] == GPU[3]
+    assert nvml_handle(nvml, _ident(0, pci="0000:12:00.0"), "1")[0] == GPU[2]
+    # A UUID NVML does not know falls through to the PCI address, then to the env.
+    handle, how = nvml_handle(nvml, _ident(1, uuid="GPU-99999999-0000-0000-0000-000000000000"), "0,2")
+    assert handle == GPU[2] and "CUDA_VISIBLE_DEVICES entry 2" in how
+
+
+@pytest.mark.parametrize("visible,err", [("MIG-1234-5678", "MIG instance"), ("GPU-", "matches 4"),
+                                         ("GPU-7", "matches 0"), ("gpu0", "neither an index"),
+                                         ("", "lists 0")])
+def test_nvml_handle_errors_say_why(visible, err):
+    from trainer.profiling.nvml import nvml_handle
+
+    with pytest.raises(ValueError, match=err):
+        nvml_handle(FakeNVML(GPU), _ident(0), visible)
+
+
+def test_cuda_identity_in_nvml_spelling():
+    from types import SimpleNamespace
+
+    from trainer.profiling.nvml import identity_from_props
+
+    # Stand-in for torch.cuda.get_device_properties(i) (no CUDA device here), with the fields it has.
+    props = SimpleNamespace(uuid="58d1b6a3-1f2e-4c5d-8e9f-0a1b2c3d4e5f", pci_domain_id=0, pci_bus_id=0x3B,
+                            pci_device_id=0)
+    ident = identity_from_props(2, props)
+    assert (ident.index, ident.uuid, ident.pci_bus_id) == (2, "GPU-58d1b6a3-1f2e-4c5d-8e9f-0a1b2c3d4e5f",
+                                                           "0000:3b:00.0")
+    ident = identity_from_props(0, SimpleNamespace(uuid="", name="older torch"))
+    assert (ident.uuid, ident.pci_bus_id) == (None, None)
+
+
+def test_nvml_reader_counts_joules_of_the_mapped_gpu():
+    from trainer.profiling.nvml import nvml_reader
+
+    nvml = FakeNVML(GPU, step_mj=250)
+    read, name = nvml_reader(1, nvml=nvml, ident=_ident(1), environ={"CUDA_VISIBLE_DEVICES": "0,3"})
+    assert name == f"NVML {GPU[3]} (by CUDA_VISIBLE_DEVICES entry 3 (NVML index))"
+    before = nvml.energy_mj[GPU[3]]
+    assert read() == pytest.approx((before + 250) / 1e3)  # mJ -> J, from GPU 3's counter only
+    assert nvml.energy_mj[GPU[0]] == 1_000_000 and nvml.inits == 1
+    # A device NVML cannot find is "no sensor", with the reason, not a crash.
+    read, why = nvml_reader(2, nvml=nvml, ident=_ident(2), environ={"CUDA_VISIBLE_DEVICES": "0,3"})
+    assert read is None and why.startswith("NVML unusable for cuda:2") and "lists 2" in why
+
+
+def test_energy_sampler_csv_from_nvml(tmp_path):
+    """The sampler thread over an NVML counter writes Perseus' `time,energy`: cumulative Joules
+    from 0, one row per counter change, times and energies increasing."""
+    import time
+
+    from trainer.profiling.nvml import nvml_reader
+    from trainer.profiling.timing_csv import write_time_energy
+
+    nvml = FakeNVML(GPU, step_mj=1500)
+    read, _ = nvml_reader(0, nvml=nvml, ident=_ident(0, uuid=GPU[0]), environ={})
+    clock = RankClock(epoch_ns=10**18, perf0=time.perf_counter_ns(), offset_ns=-10**9)
+    s = energy.EnergySampler(clock, read, interval=0.005)
+    s.start()
+    time.sleep(0.08)
+    s.stop()
+    path = tmp_path / "time-energy-0.csv"
+    write_time_energy(path, s, "", clock.to_ref)
+    lines = path.read_text().splitlines()
+    assert lines[0] == "time,energy"
+    rows = [tuple(map(float, line.split(","))) for line in lines[1:]]
+    assert len(rows) >= 5 and rows[0][1] == 0.0
+    times, joules = [t for t, _ in rows], [e for _, e in rows]
+    assert times == sorted(times) and all(b > a for a, b in zip(joules, joules[1:], strict=False))
+    # every read advances the counter by 1.5 J, and every change is a row: row k holds k reads' worth
+    assert joules == pytest.approx([1.5 * k for k in range(len(rows))])
+    # times are on rank 0's clock: epoch 1e9 s shifted by the -1 s offset
+    assert 10**9 - 1 <= times[0] < times[-1] < 10**9 + 60
+
+
 @pytest.mark.multiproc
 def test_single_process_seed_format_and_plots(tmp_path):
     run_trainer(tmp_path, "--model.preset", "tiny-llama", "--train.steps", "3", "--data.seq_len", "16",

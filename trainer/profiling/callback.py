@@ -36,11 +36,13 @@ class ProfilingCallback:
         self.clock = RankClock.start(self.rank)
         # Clock sync and merges go over gloo with CPU objects, whatever the training backend.
         self.group = dist.new_group(backend="gloo") if self.world > 1 else None
-        sync = None
+        sync, cuda_index = None, 0
         if trainer.device.type == "cuda":
             import torch
 
             sync = functools.partial(torch.cuda.synchronize, trainer.device)
+            # torch's numbering (cuda:i among the visible devices); energy.probe maps it to NVML's.
+            cuda_index = trainer.device.index if trainer.device.index is not None else torch.cuda.current_device()
         self.rec = Recorder(self.clock, self.rank, sync)
         self.rec.install_trainer(trainer)
         runner = getattr(trainer.par, "runner", None)
@@ -49,7 +51,7 @@ class ProfilingCallback:
         self.energy: EnergySampler | None = None
         self.energy_reason = ""
         if self.csv:
-            reader, why = probe(trainer.env.local_rank, trainer.device.type == "cuda")
+            reader, why = probe(cuda_index, trainer.device.type == "cuda")
             if reader is None:
                 self.energy_reason = why
                 log.warning("no energy sensor: %s; time-energy-%d.csv says so instead of energies", why, self.rank)

@@ -1,8 +1,8 @@
 """Cumulative energy from a real sensor, sampled in a background thread; never invented.
 
-Sensors, in order: NVML total energy of this rank's GPU (pynvml, if importable and a GPU is
-present; the counter Perseus reads), then RAPL through powercap (sum of the top-level
-/sys/class/powercap/intel-rapl:N packages, wrap-around handled) where readable. Neither on a
+Sensors, in order: NVML total energy of this rank's GPU (the counter Perseus reads; pynvml from
+nvidia-ml-py; nvml.py finds the NVML device behind `cuda:i`), then RAPL through powercap (sum
+of the top-level /sys/class/powercap/intel-rapl:N packages, wrap-around handled) where readable. Neither on a
 Raspberry Pi, nor in most containers (powercap is absent or root-only since CVE-2020-8694):
 then `probe()` returns None and a reason, and time-energy-{rank}.csv says so in a comment line.
 """
@@ -15,26 +15,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 from trainer.profiling.clocks import RankClock
+from trainer.profiling.nvml import nvml_reader
 
 POWERCAP = "/sys/class/powercap"
 
 
-def _nvml_reader(local_rank: int) -> tuple[Callable[[], float] | None, str]:
-    try:
-        import pynvml
-    except ImportError:
-        return None, "pynvml not installed"
-    try:
-        import torch
+def _nvml_reader(cuda_index: int) -> tuple[Callable[[], float] | None, str]:
+    import torch
 
-        if not torch.cuda.is_available():
-            return None, "no CUDA GPU"
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(local_rank)
-        pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
-    except Exception as e:  # noqa: BLE001 - any NVML failure means: no usable sensor
-        return None, f"NVML unusable ({e})"
-    return (lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1e3), "NVML"  # mJ -> J
+    if not torch.cuda.is_available():
+        return None, "no CUDA GPU"
+    return nvml_reader(cuda_index)
 
 
 def _rapl_reader(root: str = POWERCAP) -> tuple[Callable[[], float] | None, str]:
@@ -64,11 +55,14 @@ def _rapl_reader(root: str = POWERCAP) -> tuple[Callable[[], float] | None, str]
     return read, "RAPL " + ",".join(Path(z).name for z in zones)
 
 
-def probe(local_rank: int, use_cuda: bool) -> tuple[Callable[[], float] | None, str]:
-    """(reader of cumulative Joules, sensor name) or (None, why there is none)."""
+def probe(cuda_index: int, use_cuda: bool) -> tuple[Callable[[], float] | None, str]:
+    """(reader of cumulative Joules, sensor name) or (None, why there is none).
+
+    cuda_index: this rank's device as torch numbers it (cuda:i), not an NVML index.
+    """
     reasons = []
     if use_cuda:
-        reader, why = _nvml_reader(local_rank)
+        reader, why = _nvml_reader(cuda_index)
         if reader is not None:
             return reader, why
         reasons.append(why)
