@@ -74,7 +74,9 @@ def test_masked_lm_masks_some_tokens():
 def test_text_run_learns_and_evaluates(tmp_path):
     run_trainer(tmp_path, "--config", "configs/tiny-text.yaml", "--train.steps", "20", "--train.eval_interval", "10")
     m = read_metrics(tmp_path)
-    assert len(m) == 20 and m[-1]["loss"] < m[0]["loss"] - 1.0, [r["loss"] for r in m]
+    # Real prose (Bierce): 20 steps take ~0.8 nats off the start (6.25 -> 5.42 measured); a run that
+    # does not learn moves by noise (< 0.1).
+    assert len(m) == 20 and m[-1]["loss"] < m[0]["loss"] - 0.5, [r["loss"] for r in m]
     assert "eval_loss" in m[9] and "eval_loss" in m[19] and m[19]["eval_loss"] < m[9]["eval_loss"]
     assert (Path(tmp_path) / "tokenizer.json").is_file()
 
