@@ -33,6 +33,32 @@ def test_parse_batches_errors_are_one_line(spec):
     assert str(e.value).startswith("profile.batch:") and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("timelines,n,want", [([0], 4, [1, 2, 3, 4]), ([], 2, [1, 2]), ([1], 4, [1, 2, 3, 4]),
+                                            ([3, 7], 2, [3, 4]), ([0], 0, []), ([], 0, [])])
+def test_profile_csv_window_skips_warmup_batch(timelines, n, want):
+    from trainer.profiling.callback import aggregated_steps
+
+    assert aggregated_steps(timelines, n) == want
+
+
+def test_timing_csv_with_nothing_to_record_warns_once(caplog):
+    from types import SimpleNamespace
+
+    from trainer.config import Config
+    from trainer.profiling.callback import make_callback
+
+    cfg = Config()
+    cfg.profile.batch, cfg.profile.export_timing_csv = "none", True
+    with caplog.at_level("WARNING", logger="trainer"):
+        assert make_callback(SimpleNamespace(cfg=cfg, env=SimpleNamespace(rank=0))) is None
+        assert make_callback(SimpleNamespace(cfg=cfg, env=SimpleNamespace(rank=1))) is None  # rank 0 speaks
+        cfg.profile.export_timing_csv = False
+        assert make_callback(SimpleNamespace(cfg=cfg, env=SimpleNamespace(rank=0))) is None  # asked for nothing
+    msgs = [r.getMessage() for r in caplog.records]
+    assert msgs == ["profiling: --export_timing_csv with nothing to record (profile.batch none, num_prof_steps 0): "
+                    "no CSV is written; set --num_prof_steps N or --profile_batch K"]
+
+
 def test_theoretical_bubble():
     assert bubble.theoretical_bubble("1f1b", 2, 4) == 1 / 5
     assert bubble.theoretical_bubble("gpipe", 4, 8) == 3 / 11

@@ -23,6 +23,8 @@ from trainer.profiling.recorder import Recorder
 
 log = logging.getLogger("trainer")
 
+WARMUP_STEPS = 1  # batches at the start of a run that profile.csv never averages in
+
 
 class ProfilingCallback:
     def __init__(self, trainer: Any, timelines: list[int], prof_steps: list[int]):
@@ -162,10 +164,23 @@ def make_callback(trainer: Any) -> ProfilingCallback | None:
     if prof.num_prof_steps < 0:
         raise ConfigError(f"profile.num_prof_steps must be >= 0, got {prof.num_prof_steps}")
     timelines = parse_batches(prof.batch)
-    prof_steps: list[int] = []
-    if prof.num_prof_steps:
-        first = timelines[0] if timelines else 0
-        prof_steps = list(range(first, first + prof.num_prof_steps))
+    prof_steps = aggregated_steps(timelines, prof.num_prof_steps)
     if not timelines and not prof_steps:
+        if prof.export_timing_csv and trainer.env.rank == 0:
+            log.warning("profiling: --export_timing_csv with nothing to record (profile.batch %s, num_prof_steps 0): "
+                        "no CSV is written; set --num_prof_steps N or --profile_batch K", prof.batch)
         return None
     return ProfilingCallback(trainer, timelines, prof_steps)
+
+
+def aggregated_steps(timelines: list[int], num_prof_steps: int) -> list[int]:
+    """The batches profile.csv averages: num_prof_steps from the first timeline batch, never batch 0.
+
+    Batch 0 is warm-up (allocator growth, first gloo/NCCL connections, pipeline shape inference)
+    and would inflate every mean; Perseus likewise drops the first iteration(s) of each profiling
+    window. Batch 0 can still get a timeline of its own.
+    """
+    if num_prof_steps <= 0:
+        return []
+    first = max(timelines[0] if timelines else 1, WARMUP_STEPS)
+    return list(range(first, first + num_prof_steps))
