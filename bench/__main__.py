@@ -1,7 +1,8 @@
 """`python -m bench [NAME ...]`: run the side-by-side benchmarks one after another.
 
 Each prints a Markdown table and writes bench/results/<name>.json. Without names, all run.
-The sandbox ones (launch, push) need `runner sandbox up` and the trainer image.
+The sandbox ones (launch, push, collect) start a sandbox cluster of their own (127.0.9.x,
+BENCH_BASE_ADDR) and need the trainer image on this host (scripts/build-image.sh).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-BENCHES = ["trainer_throughput", "pipeline_schedules", "launch", "push"]
+BENCHES = ["trainer_throughput", "pipeline_schedules", "launch", "push", "collect"]
 
 
 def main(argv: list[str]) -> int:

@@ -1,7 +1,7 @@
 """`runner up` time until every rank runs (image already on the nodes) for 1..4 sandbox nodes,
 beside a naive launcher that starts one container per node, one node at a time, over ssh.
 
-    .venv/bin/python bench/launch.py [--nodes 4] [--repeat 2]
+    .venv/bin/python -m bench.launch [--nodes 4] [--repeat 2]
 
 Target (issue 7): 3 nodes <= 1.3 x one node. Results: bench/results/launch.json.
 """
@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 
 import yaml
-from sandbox_bench import REPO, STATE, runner, sandbox, subset
+
+from bench.sandbox_bench import REPO, STATE, runner, sandbox, subset
 
 IMAGE = "runner-trainer:latest"
 PAYLOAD = ("import os, time; open('/out/started-' + os.environ['NODE_NAME'], 'w').write(repr(time.time()))")

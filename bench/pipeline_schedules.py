@@ -10,8 +10,9 @@ activations saved for backward per stage, counted by a saved-tensors hook (tenso
 autograd, released when their graph is freed), which is what 1F1B bounds at p microbatches
 where GPipe holds all m.
 
-Part 2, tokens/s of tp=2 and pp=2 relative to dp=2 (DDP), each through the real `trainer`
-entry point (metrics.jsonl), same model, global batch and steps.
+Part 2, tokens/s of dp=2 (DDP), tp=2 and pp=2 (2 processes x 1 thread) relative to one process
+with 2 threads (the same two cores), each through the real `trainer` entry point (metrics.jsonl),
+same model, global batch and steps.
 
 Prints a Markdown table and writes JSON. Numbers are this machine's (2 CPU cores, gloo).
 """
@@ -139,9 +140,10 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _torchrun(nproc: int, *args: str) -> None:
+def _torchrun(nproc: int, *args: str, threads: int = 1) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=REPO)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**_env(), "OMP_NUM_THREADS": str(threads)},
+                          cwd=REPO)
     if proc.returncode != 0:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stderr[-3000:]}")
 
@@ -168,7 +170,10 @@ def layout_row(a: argparse.Namespace, name: str, args: list[str], tmp: Path) -> 
               "--train.steps", str(a.steps + 1), "--data.seq_len", str(a.seq),
               "--train.microbatch_num", str(n_micro), "--train.grad_clip", "1.0", "--output-dir", str(out)]
     per_rank_batch = a.batch // 2 if name == "dp=2" else a.batch
-    _torchrun(2, "-m", "trainer", *common, "--train.batch_size", str(per_rank_batch), *args)
+    if name.startswith("1 process"):  # the baseline: one process using both cores' threads
+        _torchrun(1, "-m", "trainer", *common, "--train.batch_size", str(a.batch), *args, threads=2)
+    else:
+        _torchrun(2, "-m", "trainer", *common, "--train.batch_size", str(per_rank_batch), *args)
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     tps = statistics.median(r["tokens_per_s"] for r in recs[1:])
     return {"layout": name, "tokens_per_s": tps, "step_time_s": statistics.median(r["step_time_s"] for r in recs[1:]),
@@ -186,8 +191,9 @@ def markdown(rows: list[dict], layouts: list[dict], a: argparse.Namespace) -> st
         lines.append(f"| {name} | {r['microbatches']} | {r['step_time_s']:.3f} | {r['bubble_measured']:.1%} | "
                      f"{r['bubble_theory']:.1%} | {mem} |")
     if layouts:
-        base = next(x["tokens_per_s"] for x in layouts if x["layout"] == "dp=2")
-        lines += ["", "| layout (2 processes) | tokens/s | relative to dp=2 |", "|---|---|---|"]
+        base = layouts[0]["tokens_per_s"]
+        lines += ["", f"| layout (same global batch) | tokens/s | relative to {layouts[0]['layout']} |",
+                  "|---|---|---|"]
         for x in layouts:
             lines.append(f"| {x['layout']} | {x['tokens_per_s']:.0f} | {x['tokens_per_s'] / base:.2f}x |")
     return "\n".join(lines)
@@ -220,7 +226,8 @@ def main() -> None:
                 print(f"  {schedule} m={m}: {rows[-1]['step_time_s']:.3f} s", file=sys.stderr, flush=True)
         layouts = []
         if not a.skip_layouts:
-            for name, args in [("dp=2", ["--parallel.sharding", "ddp"]), ("tp=2", ["--parallel.tp", "2"]),
+            for name, args in [("1 process (2 threads)", []),
+                               ("dp=2", ["--parallel.sharding", "ddp"]), ("tp=2", ["--parallel.tp", "2"]),
                                ("pp=2 (1f1b, m=4)", ["--parallel.pp", "2"])]:
                 layouts.append(layout_row(a, name, args, tmp))
                 print(f"  {name}: {layouts[-1]['tokens_per_s']:.0f} tokens/s", file=sys.stderr, flush=True)

@@ -1,7 +1,7 @@
 """Image distribution: bytes and time of a first push to 1 and to 3 empty sandbox nodes, and of a
 re-push after a code-only change, beside the naive `docker save | ssh docker load`.
 
-    .venv/bin/python bench/push.py
+    .venv/bin/python -m bench.push
 
 Targets (issue 7): re-push <= 5% of the image's bytes; first push to 3 nodes <= 1.5 x one node.
 Results: bench/results/push.json.
@@ -17,7 +17,8 @@ import tarfile
 import time
 
 import yaml
-from sandbox_bench import REPO, runner, sandbox, subset
+
+from bench.sandbox_bench import REPO, runner, sandbox, ssh_argv, subset
 
 IMAGE = "runner-trainer:latest"
 CODE_TAG = "runner-trainer:bench-code"
@@ -34,12 +35,6 @@ def push(inv) -> tuple[float, float, float]:
     return wall, sum(float(r[5]) for r in rows), float(rows[0][6])
 
 
-def ssh_argv(doc: dict, node: dict) -> list[str]:
-    d = doc["defaults"]
-    return ["ssh", "-p", str(d["port"]), "-i", d["identity_file"], "-o", f"UserKnownHostsFile={d['known_hosts']}",
-            "-o", "StrictHostKeyChecking=yes", "-o", "BatchMode=yes", f"{d['user']}@{node['host']}"]
-
-
 def wipe(inv) -> None:
     doc = yaml.safe_load(inv.read_text())
     for n in doc["nodes"]:
@@ -48,14 +43,14 @@ def wipe(inv) -> None:
 
 
 def naive(inv, tag: str) -> tuple[float, int]:
-    """docker save | ssh node docker load, every node at once (what a user scripts by hand)."""
+    """docker save | ssh node docker load, one node after the other (the hand-written loop)."""
     doc = yaml.safe_load(inv.read_text())
     size = int(subprocess.run(f"docker -H {HOST} save {tag} | wc -c", shell=True, capture_output=True,
                               text=True, check=True).stdout)
     t0 = time.perf_counter()
-    procs = [subprocess.Popen(f"docker -H {HOST} save {tag} | {' '.join(ssh_argv(doc, n))} docker load -q",
-                              shell=True, stdout=subprocess.DEVNULL) for n in doc["nodes"]]
-    assert all(p.wait() == 0 for p in procs)
+    for n in doc["nodes"]:
+        subprocess.run(f"docker -H {HOST} save {tag} | {' '.join(ssh_argv(doc, n))} docker load -q",
+                       shell=True, stdout=subprocess.DEVNULL, check=True)
     return time.perf_counter() - t0, size * len(doc["nodes"])
 
 

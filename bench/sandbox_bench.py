@@ -57,3 +57,11 @@ class Timer:
 
     def __exit__(self, *exc):
         self.s = time.perf_counter() - self.t0
+
+
+def ssh_argv(doc: dict, node: dict) -> list[str]:
+    """Plain OpenSSH to a sandbox node of inventory `doc`, host key checked (for the naive scripts)."""
+    d = doc["defaults"]
+    return ["ssh", "-p", str(d["port"]), "-i", d["identity_file"], "-o", f"UserKnownHostsFile={d['known_hosts']}",
+            "-o", "StrictHostKeyChecking=yes", "-o", "BatchMode=yes", f"{d['user']}@{node['host']}"]
+

@@ -8,7 +8,7 @@ the trainer's step is `Trainer.train_step` (data, forward/backward, clip, AdamW,
 per-step log line is excluded). Wall and CPU time per step are both reported: CPU time is the
 fairer comparison on a loaded machine. Tokens/s is taken over the steps after `--warmup`; MFU = tokens/s x (6N + 12 L d S) / peak,
 with the peak measured by the same matmul probe the trainer uses. Prints a Markdown table and
-writes JSON (default outputs/bench/trainer_throughput.json).
+writes JSON (default bench/results/trainer_throughput.json).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--json", default="outputs/bench/trainer_throughput.json")
+    ap.add_argument("--json", default=str(Path(__file__).resolve().parents[1] / "bench" / "results" / "trainer_throughput.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
