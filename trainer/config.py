@@ -197,6 +197,12 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
             raise ConfigError(f"config key '{key}': expected an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str):
+            # YAML 1.1 reads `3e-4` and `1e9` (no dot) as strings; users write them all the time.
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"config key '{key}': expected a number, got {value!r}")
         return float(value)
