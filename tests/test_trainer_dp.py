@@ -68,7 +68,7 @@ def test_hybrid_2x2_matches_single(tmp_path, reference):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("sharding", ["ddp", "zero2"])
+@pytest.mark.parametrize("sharding", ["ddp", "zero2", "zero3"])
 def test_two_process_accumulation_matches_single(tmp_path, reference, sharding):
     # 2 ranks x 2 accumulated batches of 1 = the single process's batch of 4 (exercises no-sync paths)
     run_trainer(tmp_path, *COMMON, "--train.batch_size", "1", "--train.microbatch_num", "1",
@@ -76,6 +76,58 @@ def test_two_process_accumulation_matches_single(tmp_path, reference, sharding):
     losses, norms = _series(tmp_path)
     _assert_close(losses, reference[0], f"{sharding}+accumulation loss")
     _assert_close(norms, reference[1], f"{sharding}+accumulation grad_norm")
+
+
+@pytest.fixture(scope="module")
+def reference8(tmp_path_factory):
+    """Global batch 8: what 4 ranks x 2 accumulated batches of 1 add up to."""
+    out = tmp_path_factory.mktemp("single8")
+    run_trainer(out, *COMMON, "--train.batch_size", "8", "--train.microbatch_num", "1")
+    return _series(out)
+
+
+@pytest.mark.multiproc
+def test_hybrid_2x2_accumulation_matches_single(tmp_path, reference8):
+    run_trainer(tmp_path, *COMMON, "--train.batch_size", "1", "--train.microbatch_num", "1",
+                "--train.grad_acc_steps", "2", "--parallel.sharding", "zero3_hybrid", "--parallel.dp_shard", "2",
+                nproc=4)
+    losses, norms = _series(tmp_path)
+    _assert_close(losses, reference8[0], "zero3_hybrid+accumulation loss")
+    _assert_close(norms, reference8[1], "zero3_hybrid+accumulation grad_norm")
+
+
+# Masked LM: ranks and microbatches hold DIFFERENT numbers of target tokens, so the loss must be
+# the sum over the global batch divided by the global count, not an average of per-rank means.
+BERT = ("--model.preset", "tiny-bert")
+
+
+def test_bert_ranks_hold_unequal_target_counts():
+    """The premise of the BERT tests below: otherwise they could not catch per-rank averaging."""
+    from trainer.config import DataConfig
+    from trainer.data import DataStream
+
+    def counts(rank: int) -> list[int]:
+        stream = DataStream("masked_lm", DataConfig(seq_len=32), 1234, 2, rank, 2, vocab_size=512, mask_id=511)
+        return [int((stream.next_batch()[1] != -100).sum()) for _ in range(6)]
+
+    assert counts(0) != counts(1)
+
+
+@pytest.fixture(scope="module")
+def bert_reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bert-single")
+    run_trainer(out, *COMMON, *BERT, "--train.batch_size", "4", "--train.microbatch_num", "1")
+    return _series(out)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("sharding,acc", [("ddp", 1), ("zero3", 1), ("zero3", 2)])
+def test_bert_two_process_matches_single(tmp_path, bert_reference, sharding, acc):
+    run_trainer(tmp_path, *COMMON, *BERT, "--train.batch_size", str(2 // acc), "--train.microbatch_num", "1",
+                "--train.grad_acc_steps", str(acc), "--parallel.sharding", sharding, nproc=2)
+    losses, norms = _series(tmp_path)
+    _assert_close(losses, bert_reference[0], f"bert {sharding} x{acc} loss")
+    _assert_close(norms, bert_reference[1], f"bert {sharding} x{acc} grad_norm")
 
 
 @pytest.mark.parametrize("args", [("--train.batch_size", "2", "--train.grad_acc_steps", "2", "--train.microbatch_num", "1"),

@@ -6,8 +6,12 @@ PP: trainer/parallel/pipeline.py (+ stages.py, partition.py); TP: trainer/parall
 `parallelize()` returns a `Parallelized`: the model parts this rank holds plus
 `forward_backward(inputs, labels, n_micro)`, which runs one batch split into n_micro
 microbatches and returns the batch's mean loss (None on ranks that do not compute the loss,
-e.g. non-last pipeline stages). Gradients equal those of the mean loss over the whole batch,
-however it is split: each microbatch contributes loss_sum / total_weight.
+e.g. non-last pipeline stages). Gradients equal those of the mean loss over the GLOBAL batch,
+however it is split over DP ranks and microbatches: each microbatch contributes
+loss_sum / (global_weight / dp), and DDP/FSDP then average over the dp ranks. global_weight
+(target tokens of the whole global batch) is an all-reduce of the local counts, known before
+the forward. Per-rank means averaged over DP would be wrong whenever ranks hold different
+counts (masked LM: 11/8/10 vs 9/8/11 masked tokens).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from trainer.config import Config, ConfigError
@@ -79,10 +84,26 @@ class Parallelized:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    def loss_denominator(self, inputs: torch.Tensor, labels: torch.Tensor) -> float:
+        """What this rank divides its summed loss by: (targets in the global batch) / dp.
+
+        DDP/FSDP average gradients (and Trainer._dp_mean averages the reported loss) over the dp
+        ranks, so dividing by global/dp yields sum over all ranks / global: the global-batch mean.
+        With equal counts (causal LM on packed blocks, images) global/dp is exactly the local
+        count, so those runs compute the very same numbers as before. Call with CPU tensors
+        (no device sync); every rank of the DP group must call it (one scalar all-reduce).
+        """
+        local = self.task.weight(inputs, labels)
+        if self.task.kind == "mae" or self.dims.mesh is None or self.dims.dp == 1:
+            return float(max(local, 1))  # images: one weight per sample, equal on every rank
+        count = torch.tensor([local], dtype=torch.int64, device=self.device)
+        dist.all_reduce(count, group=self.dims.dp_mesh.get_group())  # SUM (gloo's AVG is unreliable)
+        return max(int(count), 1) / self.dims.dp
+
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, n_micro: int) -> torch.Tensor | None:
         model = self.model_parts[0]
+        total = self.loss_denominator(inputs, labels)
         inputs, labels = inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
-        total = self.task.weight(inputs, labels)
         chunks = list(zip(inputs.tensor_split(n_micro), labels.tensor_split(n_micro), strict=True))
         loss_sum = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(chunks):
@@ -90,16 +111,17 @@ class Parallelized:
             if self.dims.mesh is not None:
                 set_grad_sync(model, last or self.sync_every_microbatch)
             with self._autocast():
-                loss = self.task.loss_sum(model, x, y) / max(total, 1)
+                loss = self.task.loss_sum(model, x, y) / total
             loss.backward()
             loss_sum += loss.detach()
         return loss_sum
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+        total = self.loss_denominator(inputs, labels)
         inputs, labels = inputs.to(self.device), labels.to(self.device)
         with self._autocast():
-            return self.task.loss_sum(self.model_parts[0], inputs, labels) / max(self.task.weight(inputs, labels), 1)
+            return self.task.loss_sum(self.model_parts[0], inputs, labels) / total
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Total grad norm over all ranks' shards (clipped when max_norm > 0)."""

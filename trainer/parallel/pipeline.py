@@ -6,10 +6,11 @@ Three steps, so that compose.py can put TP and FSDP between them:
 3. `PipelineRunner` wraps the (possibly TP/FSDP-wrapped) stage modules in `PipelineStage`s and a
    schedule, and exposes `forward_backward(input_ids, labels, n_micro)` like `Parallelized`.
 
-Loss: each microbatch's loss is its token-summed cross entropy divided by the number of
-labelled tokens in the whole local batch, and the schedule does not rescale gradients. Summed
-over microbatches this is exactly the full-batch mean the single-process loop computes, also
-when microbatches hold different numbers of labelled tokens (BERT masking).
+Loss: each microbatch's loss is its token-summed cross entropy divided by (labelled tokens of
+the whole global batch) / dp (`Parallelized.loss_denominator`), and the schedule does not
+rescale gradients (scale_grads=False). Summed over microbatches, then averaged over DP by
+FSDP/replicate, this is exactly the global-batch mean the single-process loop computes, also
+when microbatches and DP ranks hold different numbers of labelled tokens (BERT masking).
 """
 
 from __future__ import annotations
@@ -193,12 +194,13 @@ class PipelineRunner:
                                            loss_fn=make_loss_fn(self._state), scale_grads=False)
         return self._schedules[n_micro]
 
-    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor, n_micro: int
-                         ) -> torch.Tensor | None:
+    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor, n_micro: int,
+                         denominator: float | None = None) -> torch.Tensor | None:
+        """`denominator` defaults to the local batch's labelled tokens (no DP)."""
         if input_ids.shape[0] % n_micro:
             raise PipelineError(f"train.batch_size {input_ids.shape[0]} is not divisible by "
                                 f"train.microbatch_num {n_micro}")
-        self._state["n_tokens"] = max(int((labels != IGNORE_INDEX).sum()), 1)
+        self._state["n_tokens"] = denominator or max(int((labels != IGNORE_INDEX).sum()), 1)
         sched = self._schedule(n_micro)
         losses: list[torch.Tensor] = []
         args = (input_ids,) if self.has_first else ()
@@ -211,13 +213,14 @@ class PipelineRunner:
         return None
 
     @torch.no_grad()
-    def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, n_micro: int) -> torch.Tensor | None:
+    def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, n_micro: int,
+                  denominator: float | None = None) -> torch.Tensor | None:
         """Forward only, stage after stage with plain send/recv; loss on the rank of the last stage.
 
         Not a torch schedule: running a second schedule object over the training stages left
         their state changed and the next training step's gradients slightly off.
         """
-        n_tokens = max(int((labels != IGNORE_INDEX).sum()), 1)
+        n_tokens = denominator or max(int((labels != IGNORE_INDEX).sum()), 1)
         hidden = getattr(self.parts[self.stage_ids[0]], "config", None)
         hidden = getattr(hidden, "hidden_size", None) or getattr(hidden, "n_embd", None)
         total = torch.zeros((), device=self.device)
@@ -276,12 +279,14 @@ class PipelineParallelized(Parallelized):
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, n_micro: int) -> torch.Tensor | None:
         self.n_micro = n_micro
+        total = self.loss_denominator(inputs, labels)
         with self._autocast():  # bf16 without FSDP (FSDP casts through its mixed-precision policy)
-            return self.runner.forward_backward(inputs.to(self.device), labels.to(self.device), n_micro)
+            return self.runner.forward_backward(inputs.to(self.device), labels.to(self.device), n_micro, total)
 
     def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+        total = self.loss_denominator(inputs, labels)
         with self._autocast():  # the whole batch at once, as the single-process evaluation does
-            return self.runner.eval_loss(inputs.to(self.device), labels.to(self.device), 1)
+            return self.runner.eval_loss(inputs.to(self.device), labels.to(self.device), 1, total)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         return clip_grad_norm(untied_params(self.runner), max_norm, self.pp_group, all_params=self.parameters())
