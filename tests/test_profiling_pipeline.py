@@ -56,26 +56,31 @@ def assert_causal(trace: dict, stages: int, micro: int) -> None:
 
 
 def assert_no_overlap(trace: dict) -> None:
-    per: dict[int, list[dict]] = {}
+    """Per rank and track: the rank's actions (tid 0) never overlap; nor do overlapping-comm slices (tid 1)."""
+    per: dict[tuple[int, int], list[dict]] = {}
     for e in slices(trace):
-        per.setdefault(e["pid"], []).append(e)
-    for pid, evs in per.items():
+        per.setdefault((e["pid"], e["tid"]), []).append(e)
+    for (pid, tid), evs in per.items():
         evs.sort(key=lambda e: e["ts"])
         for a, b in zip(evs, evs[1:], strict=False):
-            assert b["ts"] >= a["ts"] + a["dur"] - 1e-3, f"rank {pid}: {a['name']} overlaps {b['name']}"
+            assert b["ts"] >= a["ts"] + a["dur"] - 1e-3, f"rank {pid} tid {tid}: {a['name']} overlaps {b['name']}"
+    assert {tid for _, tid in per} <= {0, 1}
 
 
 @pytest.fixture(scope="module")
 def pp2(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("pp2")
-    run_trainer(out, *MODEL, "--train.steps", "3", "--train.batch_size", "8", "--train.microbatch_num", "4",
-                "--parallel.pp", "2", "--parallel.pp_schedule", "1f1b", "--profile_batch", "1",
+    # Timelines of batches 1 and 3 (a list), profile.csv over batches 1-2: batches 1, 2, 3 are recorded.
+    run_trainer(out, *MODEL, "--train.steps", "4", "--train.batch_size", "8", "--train.microbatch_num", "4",
+                "--parallel.pp", "2", "--parallel.pp_schedule", "1f1b", "--profile_batch", "1,3",
                 "--export_timing_csv", "--num_prof_steps", "2", nproc=2)
     return out
 
 
-def test_pp2_1f1b_trace(pp2):
-    trace = json.loads((pp2 / "timeline_batch1_all.json").read_text())
+@pytest.mark.parametrize("batch", [1, 3])
+def test_pp2_1f1b_trace(pp2, batch):
+    trace = json.loads((pp2 / f"timeline_batch{batch}_all.json").read_text())
+    assert trace["otherData"]["batch"] == batch
     assert set(trace) >= {"traceEvents", "displayTimeUnit"}
     names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
     assert sorted(names) == [0, 1] and names[0].endswith("/rank0/stage0") and names[1].endswith("/rank1/stage1")
@@ -96,8 +101,23 @@ def test_pp2_1f1b_trace(pp2):
     assert_causal(trace, 2, 4)
 
 
-def test_pp2_bubble_summary(pp2):
-    s = json.loads((pp2 / "timeline_batch1_summary.json").read_text())
+def test_pp2_timelines_only_for_listed_batches(pp2):
+    # Batch 2 is recorded (num_prof_steps) but not listed in --profile_batch: no timeline of its own.
+    assert sorted(p.name for p in pp2.glob("timeline_batch*")) == [
+        "timeline_batch1_all.json", "timeline_batch1_summary.json", "timeline_batch3_all.json",
+        "timeline_batch3_summary.json"]
+    t1, t3 = (json.loads((pp2 / f"timeline_batch{k}_all.json").read_text()) for k in (1, 3))
+    # Each file holds its own batch: batch 3 started after batch 1 ended (absolute origins, rank 0's clock).
+    end1 = t1["otherData"]["origin_ns"] + max(e["ts"] + e["dur"] for e in slices(t1)) * 1e3
+    assert t3["otherData"]["origin_ns"] > end1
+    log = (pp2 / "logs" / "rank0.log").read_text()
+    assert log.count("timeline of batch 1:") == 1 and log.count("timeline of batch 3:") == 1
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_pp2_bubble_summary(pp2, batch):
+    s = json.loads((pp2 / f"timeline_batch{batch}_summary.json").read_text())
+    assert s["batch"] == batch
     assert s["theoretical_bubble"] == pytest.approx(1 / 5, abs=1e-12)  # (p-1)/(m+p-1), p=2, m=4
     assert (s["pp"], s["microbatches"], s["schedule"]) == (2, 4, "1f1b")
     assert 0.0 < s["measured_bubble"] < 1.0
@@ -106,7 +126,7 @@ def test_pp2_bubble_summary(pp2):
         assert r["busy_ms"] + r["idle_ms"] == pytest.approx(s["window_ms"], rel=1e-9)
         assert r["busy_ms"] == pytest.approx(r["action_ms"]["forward"] + r["action_ms"]["backward"], rel=1e-9)
     log = (pp2 / "logs" / "rank0.log").read_text()
-    assert "bubble measured" in log and "vs theory 0.200" in log
+    assert log.count("vs theory 0.200") == 2  # both timelines' summaries are printed
 
 
 def test_pp2_timing_csvs(pp2):
@@ -114,15 +134,15 @@ def test_pp2_timing_csvs(pp2):
         rows = list(csv.DictReader((pp2 / f"instructions-{rank}.csv").open()))
         assert list(rows[0]) == ["instruction", "start", "end", "stage", "microbatch"]
         c = Counter(r["instruction"] for r in rows)
-        # batches 1 and 2 recorded (profile batch 1, num_prof_steps 2)
-        assert c["batch_input"] == 2 and c["forward_microstep"] == 8 and c["backward_microstep"] == 8
-        assert c["send_activation" if rank == 0 else "recv_activation"] == 8
-        assert c["recv_grad" if rank == 0 else "send_grad"] == 8
-        assert c["optimizer_step"] == 2
+        # batches 1, 2 (num_prof_steps 2 from batch 1) and 3 (second timeline) recorded
+        assert c["batch_input"] == 3 and c["forward_microstep"] == 12 and c["backward_microstep"] == 12
+        assert c["send_activation" if rank == 0 else "recv_activation"] == 12
+        assert c["recv_grad" if rank == 0 else "send_grad"] == 12
+        assert c["optimizer_step"] == 3
         assert all(float(r["end"]) >= float(r["start"]) for r in rows)
         assert {r["stage"] for r in rows} == {str(rank)}
         fwd_mbs = [r["microbatch"] for r in rows if r["instruction"] == "forward_microstep"]
-        assert fwd_mbs == ["0", "1", "2", "3"] * 2
+        assert fwd_mbs == ["0", "1", "2", "3"] * 3
     prof = list(csv.DictReader((pp2 / "profile.csv").open()))
     assert list(prof[0]) == ["stage", "instruction", "time", "energy"]
     assert [(r["stage"], r["instruction"]) for r in prof] == [
@@ -182,7 +202,7 @@ def test_pp2_plots(pp2):
     from trainer.plots import plot_dir
 
     made = {p.name for p in plot_dir(pp2)}
-    assert made == {"timeline_batch1_gantt.png", "metrics.png"}
+    assert made == {"timeline_batch1_gantt.png", "timeline_batch3_gantt.png", "metrics.png"}
     for name in made:
         data = (pp2 / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
@@ -202,3 +222,33 @@ def test_pp2_zbv_split_backward_slices(tmp_path):
     assert_no_overlap(trace)
     s = json.loads((tmp_path / "timeline_batch1_summary.json").read_text())
     assert s["theoretical_bubble"] is None and 0.0 < s["measured_bubble"] < 1.0
+
+
+def test_ddp_gradient_reduction_slices(tmp_path):
+    """Plain DDP (2 ranks, 2 microbatches): the bucket all-reduces, timed by a comm hook, show on the
+    rank's second track inside the last microbatch's backward (the first runs under no_sync) and
+    cover every gradient byte once."""
+    from trainer.config import ModelConfig
+    from trainer.models.build import build_model, model_spec
+
+    run_trainer(tmp_path, *MODEL, "--train.steps", "2", "--train.batch_size", "4", "--train.microbatch_num", "2",
+                "--parallel.sharding", "ddp", "--profile_batch", "1", nproc=2)
+    trace = json.loads((tmp_path / "timeline_batch1_all.json").read_text())
+    mcfg = ModelConfig(preset="tiny-llama", num_hidden_layers=4)
+    grad_bytes = 4 * sum(p.numel() for p in build_model(model_spec(mcfg), mcfg, 0).parameters())
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    for rank in (0, 1):
+        evs = [e for e in slices(trace) if e["pid"] == rank]
+        red = [e for e in evs if action(e) == "dp_reduce"]
+        assert red and {e["tid"] for e in red} == {1}, evs
+        assert threads[(rank, 1)] == "gradient reduction (overlaps backward)"
+        assert sum(e["args"]["bytes"] for e in red) == grad_bytes  # every gradient, in DDP's buckets
+        bwd = sorted((e for e in evs if action(e) == "backward"), key=lambda e: e["ts"])
+        assert [e["args"]["microbatch"] for e in bwd] == [0, 1]
+        opt = next(e for e in evs if action(e) == "optimizer")
+        for r in red:
+            assert r["dur"] > 0
+            assert r["ts"] >= bwd[1]["ts"], "reduced before the last microbatch's backward began"
+            assert r["ts"] + r["dur"] <= bwd[1]["ts"] + bwd[1]["dur"] + 1e-3, "outlived backward (DDP waits for it)"
+            assert r["ts"] + r["dur"] <= opt["ts"] + 1e-3
+    assert_no_overlap(trace)

@@ -15,13 +15,13 @@ from trainer.config import ConfigError
 
 COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "backward_input": "#C44E52", "backward_weight": "#8172B3",
           "send_F": "#9fb8d8", "recv_F": "#9fb8d8", "send_B": "#f2c6a4", "recv_B": "#f2c6a4", "send": "#cccccc",
-          "recv": "#cccccc", "dp_reduce": "#55A868", "grad_norm": "#55A868", "optimizer": "#937860",
+          "recv": "#cccccc", "dp_reduce": "#1B7837", "grad_norm": "#55A868", "optimizer": "#937860",
           "batch_input": "#8C8C8C"}
 COMPUTE = ("forward", "backward", "backward_input", "backward_weight")
 LEGEND = {"forward": "forward", "backward": "backward", "backward_input": "backward (input)",
           "backward_weight": "backward (weight)", "recv_F": "wait: activation send/recv",
-          "recv_B": "wait: gradient send/recv", "grad_norm": "grad norm / DP reduce", "optimizer": "optimizer step",
-          "batch_input": "batch input"}
+          "recv_B": "wait: gradient send/recv", "dp_reduce": "DP gradient reduction", "grad_norm": "grad norm",
+          "optimizer": "optimizer step", "batch_input": "batch input"}
 
 
 def _pyplot():
@@ -68,6 +68,9 @@ def gantt(trace: dict, path: Path, title: str) -> Path:
             compute = act in COMPUTE
             label = LEGEND.get(act) if act not in seen and act in LEGEND else None
             seen.add(act)
+            if e.get("tid", 0):  # overlaps the rank's own actions (DDP's bucket all-reduce): a strip below them
+                ax.broken_barh([(ms0, ms)], (y - 0.5, 0.1), facecolors=COLORS.get(act, "#cccccc"), label=label)
+                continue
             ax.broken_barh([(ms0, ms)], (y - (0.4 if compute else 0.2), 0.8 if compute else 0.4),
                            facecolors=COLORS.get(act, "#cccccc"), edgecolor="black" if compute else "none",
                            linewidth=0.4, label=label)

@@ -20,6 +20,7 @@ from trainer.profiling.batches import parse_batches
 from trainer.profiling.clocks import RankClock, estimate_offsets
 from trainer.profiling.energy import EnergySampler, probe
 from trainer.profiling.recorder import Recorder
+from trainer.profiling.reduce_timing import DDPReduceTimer
 
 log = logging.getLogger("trainer")
 
@@ -49,6 +50,8 @@ class ProfilingCallback:
         self.rec.install_trainer(trainer)
         runner = getattr(trainer.par, "runner", None)
         self.stages = list(runner.stage_ids) if runner is not None else [0]
+        self.ddp_timer = None if runner is not None else self._time_ddp(trainer.par.model_parts[0],
+                                                                         trainer.device.type == "cuda")
         self.csv = self.cfg.profile.export_timing_csv
         self.energy: EnergySampler | None = None
         self.energy_reason = ""
@@ -61,6 +64,17 @@ class ProfilingCallback:
                 self.energy = EnergySampler(self.clock, reader)
                 log.info("energy sensor: %s", why)
         self._csv_done = False
+
+    def _time_ddp(self, model: Any, cuda: bool) -> DDPReduceTimer | None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        if not isinstance(model, DistributedDataParallel):
+            return None
+        try:
+            return DDPReduceTimer(self.rec, model, cuda=cuda)
+        except RuntimeError as e:  # DDP takes one comm hook: someone else's is already in place
+            log.warning("profiling: DDP gradient reduction not timed (%s)", e)
+            return None
 
     # ---------------------------------------------------------------- hooks
 
@@ -85,6 +99,8 @@ class ProfilingCallback:
         batch = self.rec.active
         if batch is None:
             return
+        if self.ddp_timer is not None:
+            self.ddp_timer.flush()  # CUDA event pairs -> events, while the batch is still active
         self.rec.end()
         if self.energy is not None:
             self.energy.stop()

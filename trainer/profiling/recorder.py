@@ -3,8 +3,8 @@
 Where the hooks sit (torch.distributed.pipelining, no torch file copied):
 - compute: this rank's `PipelineStage` instances get wrapped `forward_one_chunk`,
   `backward_one_chunk` (full backward, or backward-input when the schedule splits it),
-  `backward_weight_one_chunk` and `perform_reduce_grad` (the FSDP gradient reduction); the
-  chunk id the schedule passes is the microbatch index.
+  `backward_weight_one_chunk` and `perform_reduce_grad` (the FSDP2/replicate gradient
+  reduction of a DP x PP run); the chunk id the schedule passes is the microbatch index.
 - communication: the stage's `get_{fwd,bwd}_{send,recv}_ops` are wrapped to tag the P2POps
   they build with (direction, stage, microbatch); `schedules._batch_p2p`, through which every
   schedule posts its p2p ops, is wrapped to hand back works whose `wait()` is timed. A send or
@@ -14,6 +14,7 @@ Where the hooks sit (torch.distributed.pipelining, no torch file copied):
   `optimizer.step` (optimizer) are wrapped on their instances.
 - without pipeline parallelism: forward hooks on the model time each microbatch's forward;
   its backward is the gap to the next forward (or the end of `forward_backward`).
+  DDP's bucket all-reduces overlap that backward: reduce_timing.py times them on a second track.
 
 All wrappers cost one attribute test when no batch is being recorded.
 """
@@ -44,6 +45,7 @@ class Event:
     bytes: int = 0
     posted_ns: int | None = None
     batch: int = 0
+    tid: int = 0              # trace track: 0 = the rank's thread of actions; 1 = comm overlapping it
 
     def to_dict(self) -> dict:
         return asdict(self)

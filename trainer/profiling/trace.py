@@ -70,12 +70,16 @@ def chrome_trace(payloads: list[dict], batch: int, meta: dict) -> dict:
         out.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": process_name(p)}})
         out.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}})
         out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": 0, "args": {"name": "actions"}})
+        if any(e.get("tid", 0) for e in p["events"]):
+            out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": 1,
+                        "args": {"name": "gradient reduction (overlaps backward)"}})
         for e in sorted(p["events"], key=lambda e: e["start_ns"]):
             args = {"stage": e["stage"], "microbatch": e["mb"], "peer": e["peer"], "bytes": e["bytes"]}
             if e.get("posted_ns") is not None:
                 args["posted_us"] = round((e["posted_ns"] - origin) / 1e3, 3)
             name = e["action"] if e["mb"] is None else f"{e['action']} mb{e['mb']}"
-            out.append({"ph": "X", "name": name, "cat": CATEGORY.get(e["action"], "other"), "pid": pid, "tid": 0,
+            out.append({"ph": "X", "name": name, "cat": CATEGORY.get(e["action"], "other"), "pid": pid,
+                        "tid": e.get("tid", 0),
                         "ts": round((e["start_ns"] - origin) / 1e3, 3),
                         "dur": round((e["end_ns"] - e["start_ns"]) / 1e3, 3), "args": args})
         for t, up, down in net_rates(p["net"]):
