@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(message)s", stream=sys.stderr)
+    if args.verbose:
+        logging.getLogger("paramiko").setLevel(logging.WARNING)
     try:
         return int(args.func(args) or 0)
     except UserError as exc:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 import logging
 import posixpath
+import sys
 
-from runner.errors import UserError
 from runner.plan import LABEL_GRACE, LABEL_NODE, LABEL_RUN, LABEL_RUN_DIR
 from runner.session import Cluster, add_inventory_args, load, parallel
 from runner.ssh import Remote
@@ -56,7 +56,8 @@ def stop_run(remotes: dict[str, Remote], run_id: str, grace: float | None = None
     stopped, errors = [], []
     for r, val, err in res:
         if err is not None:
-            errors.append(f"{r.node.name}: {err}")
+            lines = str(err).strip().splitlines() or [type(err).__name__]
+            errors.append(f"{r.node.name}: {lines[0]}")
         elif val:
             stopped.append(r.node.name)
     return stopped, errors
@@ -83,14 +84,24 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def main(args) -> int:
     inv = load(args, with_job=False)
-    with Cluster(inv, args.accept_new_host_keys) as cl:
+    with Cluster(inv, args.accept_new_host_keys, partial=True) as cl:
         run_id = args.run or latest_run(cl.remotes)
         if not run_id:
-            print("nothing to stop: no runner containers on any node")
-            return 0
+            print("nothing to stop: no runner containers on any " + ("reachable " if cl.unreachable else "") + "node")
+            return _unreachable(cl, None, inv.path)
         stopped, errors = stop_run(cl.remotes, run_id, args.grace)
-        if errors:
-            raise UserError(f"run {run_id}: could not stop on " + "; ".join(errors))
         print(f"run {run_id}: " + (f"stopped and removed on {', '.join(stopped)}" if stopped
-                                   else "nothing running (already down)"))
-    return 0
+                                   else "nothing running (already down)")
+              + (f"; NOT reached: {', '.join(cl.unreachable)}" if cl.unreachable else ""))
+        for e in errors:
+            sys.stderr.write(f"runner: error: run {run_id}: could not stop on {e}\n")
+        code = _unreachable(cl, run_id, inv.path)
+        return code or (1 if errors else 0)
+
+
+def _unreachable(cl: Cluster, run_id: str | None, inv_path: str) -> int:
+    """One line per node `down` could not reach; non-zero so a script knows to run it again."""
+    again = f"runner down {run_id} -i {inv_path}" if run_id else f"runner down -i {inv_path}"
+    for msg in cl.unreachable.values():
+        sys.stderr.write(f"runner: error: {msg}; its containers were not stopped: `{again}` once it is reachable\n")
+    return 2 if cl.unreachable else 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -11,9 +12,9 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from runner.errors import UserError
-from runner.inventory import Inventory, load_inventory
+from runner.inventory import Inventory, Node, load_inventory
 from runner.plan import Facts
-from runner.ssh import Remote, connect_all
+from runner.ssh import Remote, connect_all, connect_each
 
 T = TypeVar("T")
 DEFAULT_INVENTORY = "hosts/local.yaml"
@@ -46,15 +47,27 @@ def parallel(items: list, fn: Callable[..., T], workers: int | None = None) -> l
 
 
 class Cluster:
-    """The inventory's nodes, connected (verified host keys), closed on exit."""
+    """The inventory's nodes, connected (verified host keys), closed on exit.
 
-    def __init__(self, inv: Inventory, accept_new_host_keys: bool = False):
+    partial=True (down, status, ls, logs) keeps going with the nodes that answer: one dead node
+    must not stop `down` from stopping the others (that is how orphans are made). The nodes that
+    could not be reached are in `unreachable` ({node: one-line reason}); if none answers at all,
+    it is one error as with partial=False."""
+
+    def __init__(self, inv: Inventory, accept_new_host_keys: bool = False, partial: bool = False):
         self.inv = inv
         self.accept_new = accept_new_host_keys
+        self.partial = partial
         self.remotes: dict[str, Remote] = {}
+        self.unreachable: dict[str, str] = {}
 
     def __enter__(self) -> Cluster:
-        self.remotes = connect_all(self.inv.nodes, self.accept_new)
+        if not self.partial:
+            self.remotes = connect_all(self.inv.nodes, self.accept_new)
+            return self
+        self.remotes, self.unreachable = connect_each(self.inv.nodes, self.accept_new)
+        if not self.remotes:
+            raise UserError("; ".join(self.unreachable.values()))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -64,9 +77,18 @@ class Cluster:
     def __getitem__(self, name: str) -> Remote:
         return self.remotes[name]
 
+    def reachable(self) -> list[Node]:
+        """Connected nodes, master first (node rank order)."""
+        return [n for n in self.inv.ordered() if n.name in self.remotes]
+
+    def warn_unreachable(self, consequence: str = "left out") -> None:
+        """One stderr line per node that did not answer, saying what that means for this command."""
+        for msg in self.unreachable.values():
+            sys.stderr.write(f"runner: warning: {msg} ({consequence})\n")
+
     def each(self, fn: Callable[[Remote], T]) -> dict[str, T]:
-        """Run fn on every node in parallel; one UserError naming every node that failed."""
-        res = parallel([self.remotes[n.name] for n in self.inv.nodes], fn)
+        """Run fn on every connected node in parallel; one UserError naming every node that failed."""
+        res = parallel([self.remotes[n.name] for n in self.inv.nodes if n.name in self.remotes], fn)
         errors = [f"{r.node.name}: {_short(e)}" for r, _, e in res if e is not None]
         if errors:
             raise UserError("; ".join(errors))

@@ -30,7 +30,9 @@ from runner.errors import UserError
 from runner.inventory import Node
 
 log = logging.getLogger(__name__)
-logging.getLogger("paramiko").setLevel(logging.WARNING)  # its INFO lines are noise per node
+# Its INFO lines are noise per node, and it logs a traceback at ERROR for every connection that
+# fails (a dead node): we report those as one line ourselves. `runner -v` shows them.
+logging.getLogger("paramiko").setLevel(logging.CRITICAL)
 CONNECT_TIMEOUT = 10.0
 
 
@@ -122,7 +124,11 @@ class Remote:
                             "check user and identity_file") from None
         except (OSError, paramiko.SSHException) as exc:
             client.close()
-            raise UserError(f"node {n.name}: cannot connect to {n.host}:{n.port}: {exc}") from None
+            why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            if isinstance(exc, paramiko.SSHException) and ("banner" in why or "No existing session" in why):
+                # TCP got through but sshd never spoke: a hung host or a partitioned network.
+                why = f"no SSH answer within {CONNECT_TIMEOUT:.0f}s (node hung or network partitioned)"
+            raise UserError(f"node {n.name}: cannot connect to {n.host}:{n.port}: {why}") from None
         transport = client.get_transport()
         assert transport is not None
         transport.set_keepalive(5)  # notice a node that vanished
@@ -134,6 +140,19 @@ class Remote:
     def alive(self) -> bool:
         t = self.client.get_transport() if self.client else None
         return bool(t and t.is_active())
+
+    def abandon(self) -> None:
+        """Drop a connection to a node that stopped answering: the socket is closed without the
+        polite goodbyes (SFTP/channel close messages) that would block on a dead peer."""
+        t = self.client.get_transport() if self.client else None
+        if t is not None:
+            try:
+                t.sock.close()
+            except OSError:
+                pass
+        self._docker = None
+        self._sftp = None
+        self.close()
 
     def close(self) -> None:
         if self._docker is not None:
@@ -383,12 +402,12 @@ def _pump(conn: socket.socket, chan: paramiko.Channel, up: bool) -> None:
             chan.close()
 
 
-def connect_all(nodes: list[Node], accept_new_host_keys: bool = False) -> dict[str, Remote]:
-    """Connect to every node in parallel; one UserError naming every node that failed."""
+def connect_each(nodes: list[Node], accept_new_host_keys: bool = False) -> tuple[dict[str, Remote], dict[str, str]]:
+    """Connect to every node in parallel: (connected remotes, {node: one-line reason} for the rest)."""
     from concurrent.futures import ThreadPoolExecutor
 
     remotes: dict[str, Remote] = {}
-    errors: list[str] = []
+    failed: dict[str, str] = {}
 
     def one(n: Node):
         return Remote(n, accept_new_host_keys).connect()
@@ -399,9 +418,17 @@ def connect_all(nodes: list[Node], accept_new_host_keys: bool = False) -> dict[s
             try:
                 remotes[name] = fut.result()
             except UserError as exc:
-                errors.append(str(exc))
-    if errors:
+                failed[name] = str(exc)
+            except Exception as exc:  # noqa: BLE001 - any other connect failure is this node's problem
+                failed[name] = f"node {name}: cannot connect: {exc}"
+    return remotes, failed
+
+
+def connect_all(nodes: list[Node], accept_new_host_keys: bool = False) -> dict[str, Remote]:
+    """Connect to every node in parallel; one UserError naming every node that failed."""
+    remotes, failed = connect_each(nodes, accept_new_host_keys)
+    if failed:
         for r in remotes.values():
             r.close()
-        raise UserError("; ".join(errors))
+        raise UserError("; ".join(failed.values()))
     return remotes

@@ -44,12 +44,16 @@ def node_runs(remote: Remote) -> tuple[list, dict[str, dict]]:
 
 
 def gather(cl: Cluster) -> dict[str, tuple[list, dict[str, dict]]]:
-    res = parallel([cl[n.name] for n in cl.inv.nodes], node_runs)
+    """{node: (containers, run dirs)} for every node that answered; the others are named on
+    stderr, one line each, and left out (a dead node must not hide the live ones)."""
+    cl.warn_unreachable("left out")
+    res = parallel([cl[n.name] for n in cl.reachable()], node_runs)
     out = {}
     for r, val, err in res:
         out[r.node.name] = val if err is None else ([], {})
         if err is not None:
-            print(f"warning: node {r.node.name}: {err}", file=sys.stderr)
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            print(f"runner: warning: node {r.node.name}: {first} (left out)", file=sys.stderr)
     return out
 
 
@@ -77,6 +81,10 @@ def _uptime(c) -> str:
 def status_rows(cl: Cluster, data, run_id: str) -> list[dict]:
     rows = []
     for n in cl.inv.ordered():
+        if n.name not in data:
+            rows.append({"node": n.name, "rank": None, "state": "unreachable", "exit_code": None, "uptime": "-",
+                         "last_metrics": None, "error": cl.unreachable.get(n.name)})
+            continue
         containers, dirs = data[n.name]
         cs = [c for c in containers if c.labels.get(LABEL_RUN) == run_id]
         row = {"node": n.name, "rank": None, "state": "absent", "exit_code": None, "uptime": "-", "last_metrics": None}
@@ -122,7 +130,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_status(args) -> int:
     inv = load(args, with_job=False)
-    with Cluster(inv, args.accept_new_host_keys) as cl:
+    with Cluster(inv, args.accept_new_host_keys, partial=True) as cl:
         data = gather(cl)
         run_id = resolve_run(data, args.run)
         rows = status_rows(cl, data, run_id)
@@ -141,7 +149,7 @@ def cmd_status(args) -> int:
 
 def cmd_ls(args) -> int:
     inv = load(args, with_job=False)
-    with Cluster(inv, args.accept_new_host_keys) as cl:
+    with Cluster(inv, args.accept_new_host_keys, partial=True) as cl:
         data = gather(cl)
     runs: dict[str, dict] = {}
     for node, (containers, dirs) in data.items():
@@ -170,24 +178,32 @@ def cmd_ls(args) -> int:
 
 def cmd_logs(args) -> int:
     inv = load(args, with_job=False)
-    with Cluster(inv, args.accept_new_host_keys) as cl:
+    with Cluster(inv, args.accept_new_host_keys, partial=True) as cl:
         data = gather(cl)
         run_id = resolve_run(data, args.run)
         targets = []
-        for n in inv.ordered():
+        for n in cl.reachable():
             if args.node and n.name not in args.node:
                 continue
             for c in data[n.name][0]:
                 if c.labels.get(LABEL_RUN) == run_id:
                     targets.append((n.name, c))
         if not targets:
-            return _kept_logs(run_id, args)
+            ranks = {node: doc[run_id].get("rank") for node, (_, doc) in data.items() if doc.get(run_id)}
+            return _kept_logs(run_id, args, ranks)
         lock = threading.Lock()
         tail = args.tail if args.tail == "all" else int(args.tail)
 
         def show(item) -> None:
             node, c = item
             prefix = f"[{node}/{c.labels.get(LABEL_RANK, '?')}]"
+            try:
+                _show(prefix, c)
+            except Exception as exc:  # noqa: BLE001 - a node lost mid-follow ends its stream, not the others
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                sys.stderr.write(f"runner: warning: {prefix} log stream ended: {first}\n")
+
+        def _show(prefix: str, c) -> None:
             buf = b""
             out = c.logs(stream=True, follow=args.follow, tail=tail)
             for chunk in out if args.follow else [out if isinstance(out, bytes) else b"".join(out)]:
@@ -215,8 +231,9 @@ def cmd_logs(args) -> int:
     return 0
 
 
-def _kept_logs(run_id: str, args) -> int:
-    """Containers are gone (finished or downed): show what `runner up` kept per node, if here."""
+def _kept_logs(run_id: str, args, ranks: dict[str, int | None]) -> int:
+    """Containers are gone (finished or downed): show what `runner up` kept per node, if here.
+    The node rank comes from the node's runner-status.json (or the kept/collected copy of it)."""
     from pathlib import Path
 
     root = Path(args.logs_dir) / run_id
@@ -226,6 +243,14 @@ def _kept_logs(run_id: str, args) -> int:
         raise UserError(f"run {run_id}: no containers left and no kept logs under {root}/; "
                         "per-rank logs are in the run dir: `runner collect`")
     for f in files:
+        node = f.parent.name
+        rank = ranks.get(node)
+        if rank is None:
+            try:
+                rank = json.loads((f.parent / "runner-status.json").read_text()).get("rank")
+            except (OSError, ValueError):
+                rank = None
+        prefix = f"[{node}/{rank if rank is not None else '?'}]"
         for line in f.read_text(errors="replace").splitlines():
-            sys.stdout.write(f"[{f.parent.name}] {line}\n")
+            sys.stdout.write(f"{prefix} {line}\n")
     return 0
