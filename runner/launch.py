@@ -7,9 +7,11 @@ master's rendezvous port listening -> workers (node ranks 1..N-1) -> watch -> th
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
+import re
 import secrets
 import shlex
 import sys
@@ -17,13 +19,13 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from runner.down import stop_run
+from runner.down import stop_node, stop_run
 from runner.errors import UserError
 from runner.inventory import ARCH_ALIASES, Inventory
 from runner.plan import Facts, NodePlan, Plan, make_plan, render_secrets_file
 from runner.session import Cluster, Probe, add_inventory_args, load, parallel, pick_master_port, probe
 from runner.ssh import Remote
-from runner.watch import Watcher
+from runner.watch import FAIL_STOP_GRACE_S, Watcher
 
 log = logging.getLogger("runner.up")
 RESUME_ARGS = ["--resume", "latest"]
@@ -50,6 +52,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-push", action="store_true", help="do not push images (fail if a node lacks one)")
     p.add_argument("--rendezvous-timeout", type=float, default=120.0,
                    help="seconds to wait for the master's port to listen (default 120)")
+    p.add_argument("--reclaim-timeout", type=float, default=60.0, metavar="S",
+                   help="after losing a node, keep trying S seconds to reach it and remove its container (default 60)")
     p.add_argument("--logs-dir", default="artifacts", help="where per-node logs are kept (artifacts/<run>/<node>/)")
     p.add_argument("trainer_args", nargs="*", help="extra trainer arguments (after --)")
     p.set_defaults(func=main)
@@ -83,6 +87,8 @@ def main(args) -> int:
 class Launcher:
     def __init__(self, inv: Inventory, args, secret_vals: dict[str, str]):
         self.inv, self.args, self.secret_vals = inv, args, secret_vals
+        self.lost: str | None = None          # node lost during the last attempt
+        self.lost_reclaimed = False           # ... and reached again, its container removed
 
     def run(self) -> int:
         t0 = time.time()
@@ -101,6 +107,8 @@ class Launcher:
                 code = self.launch_once(cl, probes, run_id, resume=bool(self.args.resume) or attempt > 0)
                 if code == 0 or code == 130 or attempt >= self.args.max_restarts:
                     return code
+                if self.lost and not self.lost_reclaimed:
+                    return code  # a relaunch needs every node
                 attempt += 1
                 log.warning("run %s: restart %d/%d from the latest checkpoint", run_id, attempt,
                             self.args.max_restarts)
@@ -108,15 +116,7 @@ class Launcher:
     def _run_id(self, cl: Cluster) -> str:
         if not self.args.resume:
             return new_run_id()
-        if self.args.resume != "latest":
-            return self.args.resume
-        master = cl[self.inv.master.name]
-        wd = self.inv.master.workdir.replace("~", "$HOME", 1)
-        res = master.run(["sh", "-c", f"ls -1 {wd}/runs 2>/dev/null | sort | tail -1"])
-        rid = res.out.strip()
-        if not rid:
-            raise UserError(f"--resume: no previous run in {self.inv.master.workdir}/runs on {self.inv.master.name}")
-        return rid
+        return resolve_resume_run(cl[self.inv.master.name], self.args.resume)
 
     def preflight(self, cl: Cluster) -> dict[str, Probe]:
         def one(r: Remote) -> Probe:
@@ -144,7 +144,7 @@ class Launcher:
         if job.master_port == "auto":
             # Derived from the run id so two concurrent launches on one master rarely collide.
             listening = probes[self.inv.master.name].listening or set()
-            port = pick_master_port(listening, start=29500 + int(run_id[-4:], 16) % 400)
+            port = pick_master_port(listening, start=29500 + port_offset(run_id))
         else:
             port = int(job.master_port)
             if port in (probes[self.inv.master.name].listening or set()):
@@ -178,7 +178,16 @@ class Launcher:
 
     def launch_once(self, cl: Cluster, probes: dict[str, Probe], run_id: str, resume: bool) -> int:
         t0 = time.time()
+        self.lost, self.lost_reclaimed = None, False
         plan = self.make_plan(probes, run_id, resume)
+        if resume:
+            # A node lost in an earlier attempt may have come back with that attempt's container
+            # (same name: the new one could not be created). Nothing of this run may run now.
+            stale, errors = stop_run(cl.remotes, run_id, grace=FAIL_STOP_GRACE_S)
+            if errors:
+                raise UserError(f"run {run_id}: could not remove earlier containers on " + "; ".join(errors))
+            if stale:
+                log.warning("run %s: removed containers left by an earlier attempt on %s", run_id, ", ".join(stale))
         self.stage_files(cl, plan)
         log.debug("files staged in %.2fs", time.time() - t0)
         log_dir = Path(self.args.logs_dir) / run_id
@@ -221,10 +230,84 @@ class Launcher:
         what = failed.error or f"container exited with code {failed.exit_code}"
         for line in failed.last_lines:
             sys.stderr.write(f"  [{failed.node}/{failed.rank}] {line}\n")
-        write_status(cl, plan, watcher, failed.exit_code or 1)
+        write_status(cl, plan, watcher, failed.exit_code or 1, skip={failed.node} if failed.lost else set())
+        where = "every node" if not failed.lost else f"the other nodes ({watcher.stopped_in or 0:.1f}s after the loss)"
         sys.stderr.write(f"runner: error: run {run_id}: node {failed.node} (rank {failed.rank}) failed: {what}; "
-                         f"stopped the run on every node\n")
+                         f"stopped the run on {where}\n")
+        if failed.lost:
+            self.lost = failed.node
+            self.lost_reclaimed = self.reclaim_lost(cl, failed.node, run_id)
         return failed.exit_code if failed.exit_code and 0 < failed.exit_code < 126 else 1
+
+    def reclaim_lost(self, cl: Cluster, node: str, run_id: str) -> bool:
+        """A lost node's container still runs on its engine (closing SSH stops nothing): keep
+        trying to reach the node and remove it, for --reclaim-timeout seconds, so it is not orphaned."""
+        again = f"runner down {run_id} -i {self.inv.path}"
+        sys.stderr.write(f"runner: node {node}: trying for {self.args.reclaim_timeout:.0f}s to reach it and stop its "
+                         f"container (Ctrl-C gives up; later: `{again}`)\n")
+        cl[node].abandon()
+        deadline = time.time() + self.args.reclaim_timeout
+        last = ""
+        try:
+            while time.time() < deadline:
+                try:
+                    r = Remote(self.inv.node(node), self.args.accept_new_host_keys).connect()
+                except UserError as exc:
+                    last = str(exc)
+                    time.sleep(1.0)
+                    continue
+                try:
+                    gone = stop_node(r, run_id, grace=FAIL_STOP_GRACE_S)
+                except Exception as exc:  # noqa: BLE001 - engine not answering yet: retry
+                    last = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                    r.close()
+                    time.sleep(1.0)
+                    continue
+                cl.remotes[node] = r
+                sys.stderr.write(f"runner: node {node} is reachable again: "
+                                 + ("stopped and removed its container\n" if gone else "no container of the run left\n"))
+                return True
+        except KeyboardInterrupt:
+            last = "gave up (interrupted)"
+        sys.stderr.write(f"runner: error: node {node} still unreachable ({last or 'no answer'}); its container of run "
+                         f"{run_id} may still be running: `{again}` once it is back\n")
+        return False
+
+
+def port_offset(run_id: str) -> int:
+    """0..399 from the run id (any string: `--resume myrun` too), so two concurrent launches on one
+    master rarely try the same port."""
+    return int.from_bytes(hashlib.sha256(run_id.encode()).digest()[:4], "big") % 400
+
+
+RUN_ID_RE = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{4}$")
+RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,100}$")
+
+
+def resolve_resume_run(master: Remote, wanted: str) -> str:
+    """The run dir on the master that `--resume` means: the newest run for "latest", else the
+    one whose id is `wanted` or starts with it (as `status` matches). One-line error otherwise."""
+    wd = master.node.workdir
+    runs_sh = ("$HOME" + shlex.quote(wd[1:]) if wd.startswith("~") else shlex.quote(wd)) + "/runs"
+    res = master.run(["sh", "-c", f"cd {runs_sh} 2>/dev/null && for d in */; do echo \"${{d%/}}\"; done"])
+    # Only names a container can carry (runner-<run>-<node>); anything else there is not a run.
+    runs = sorted(r for r in res.out.splitlines() if RUN_NAME_RE.match(r))
+    where = f"{wd}/runs on {master.node.name} (the master)"
+    if not runs:
+        raise UserError(f"--resume: no previous run in {where}")
+    if wanted == "latest":
+        # Runner-made ids sort by start time; other names (a hand-made dir) only if nothing else.
+        made = [r for r in runs if RUN_ID_RE.match(r)]
+        return (made or runs)[-1]
+    if wanted in runs:
+        return wanted
+    matches = [r for r in runs if r.startswith(wanted)]
+    if len(matches) == 1:
+        return matches[0]
+    if matches:
+        raise UserError(f"--resume {wanted}: ambiguous in {where}: {', '.join(matches[:5])}"
+                        + (" ..." if len(matches) > 5 else ""))
+    raise UserError(f"--resume {wanted}: no such run in {where} (latest: {runs[-1]}; see `runner ls`)")
 
 
 def create_container(remote: Remote, np: NodePlan):
@@ -267,9 +350,12 @@ def wait_listening(remote: Remote, np: NodePlan, port: int, timeout: float) -> N
                     f"(--rendezvous-timeout); check `runner logs --node {np.node}`")
 
 
-def write_status(cl: Cluster, plan: Plan, watcher: Watcher | None, code: int) -> None:
-    """runner-status.json in each node's run dir, so `status`/`ls` know how a finished run ended."""
+def write_status(cl: Cluster, plan: Plan, watcher: Watcher | None, code: int, skip: set[str] = frozenset()) -> None:
+    """runner-status.json in each node's run dir, so `status`/`ls` know how a finished run ended
+    (not on nodes in skip: a lost node would block the write)."""
     for np in plan.nodes:
+        if np.node in skip:
+            continue
         o = watcher.done.get(np.node) if watcher else None
         doc = {"run_id": plan.run_id, "node": np.node, "rank": np.rank, "result": code,
                "exit_code": o.exit_code if o else None, "error": o.error if o else None,

@@ -19,9 +19,15 @@ from runner.plan import Plan
 from runner.ssh import Remote
 
 log = logging.getLogger("runner.watch")
-HEARTBEAT_S = 2.0
-HEARTBEAT_TIMEOUT_S = 6.0
-FAIL_STOP_GRACE_S = 3  # after a failure the job is lost anyway: SIGTERM, then SIGKILL after 3 s
+# A failed or lost node must have every other container of the run stopped within STOP_BUDGET_S
+# (issue 7). A lost node is noticed at most HEARTBEAT_S + HEARTBEAT_TIMEOUT_S after its last answer;
+# what remains of the budget, less STOP_MARGIN_S for SIGKILL + remove over SSH, is the grace
+# between SIGTERM and SIGKILL (at most FAIL_STOP_GRACE_S: after a failure the job is lost anyway).
+STOP_BUDGET_S = 10.0
+STOP_MARGIN_S = 3.0
+HEARTBEAT_S = 1.0
+HEARTBEAT_TIMEOUT_S = 4.0  # an SFTP stat; a busy Pi still answers in well under a second
+FAIL_STOP_GRACE_S = 3
 
 
 @dataclass
@@ -31,6 +37,8 @@ class Outcome:
     exit_code: int | None = None
     error: str | None = None          # node unreachable / docker error
     last_lines: list[str] = field(default_factory=list)
+    since: float = field(default_factory=time.time)  # when it happened (a lost node: last answer)
+    lost: bool = False                # the node itself is unreachable (its container not stopped)
 
     @property
     def failed(self) -> bool:
@@ -48,6 +56,8 @@ class Watcher:
         self.done: dict[str, Outcome] = {}
         self._print_lock = threading.Lock()
         self._log_threads: dict[str, threading.Thread] = {}
+        self.last_ok: dict[str, float] = {}
+        self.stopped_in: float | None = None  # seconds from the failure to the others stopped
 
     # -- threads ---------------------------------------------------------------------------
     def _emit(self, prefix: str, node: str, line: str, fh) -> None:
@@ -89,10 +99,13 @@ class Watcher:
             self.events.put(Outcome(np.node, np.rank, exit_code=int(res.get("StatusCode", 1))))
         except Exception as exc:  # noqa: BLE001
             if not self.stop.is_set():
-                self.events.put(Outcome(np.node, np.rank, error=f"lost contact with the engine: {exc}"))
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                self.events.put(Outcome(np.node, np.rank, error=f"lost contact with the engine: {first}",
+                                        since=self.last_ok.get(np.node, time.time()), lost=True))
 
     def _heartbeat(self, np) -> None:
         r = self.remotes[np.node]
+        self.last_ok[np.node] = time.time()
         while not self.stop.wait(HEARTBEAT_S):
             if np.node in self.done:
                 return
@@ -100,9 +113,12 @@ class Watcher:
                 if not r.alive:
                     raise ConnectionError("SSH connection closed")
                 r.ping(HEARTBEAT_TIMEOUT_S)
+                self.last_ok[np.node] = time.time()
             except Exception as exc:  # noqa: BLE001
                 if not self.stop.is_set():
-                    self.events.put(Outcome(np.node, np.rank, error=f"node unreachable ({exc})"))
+                    why = str(exc).strip() or f"no answer within {HEARTBEAT_TIMEOUT_S:.0f}s"
+                    self.events.put(Outcome(np.node, np.rank, error=f"node unreachable ({why})",
+                                            since=self.last_ok[np.node], lost=True))
                 return
 
     # -- main loop -------------------------------------------------------------------------
@@ -145,12 +161,19 @@ class Watcher:
     def _fail(self, ev: Outcome) -> Outcome:
         self.stop.set()
         t0 = time.time()
-        reachable = {k: v for k, v in self.remotes.items() if k != ev.node or ev.error is None}
-        stopped, errors = stop_run(reachable, self.plan.run_id, grace=FAIL_STOP_GRACE_S)
-        log.info("run %s: stopped the other containers on %s in %.1fs", self.plan.run_id,
-                 ", ".join(stopped) or "no node", time.time() - t0)
+        reachable = {k: v for k, v in self.remotes.items() if k != ev.node or not ev.lost}
+        grace = fail_grace(t0 - ev.since)
+        stopped, errors = stop_run(reachable, self.plan.run_id, grace=grace)
+        self.stopped_in = time.time() - ev.since
+        log.info("run %s: stopped the other containers on %s in %.1fs (grace %.0fs; %.1fs after the failure)",
+                 self.plan.run_id, ", ".join(stopped) or "no node", time.time() - t0, grace, self.stopped_in)
         for e in errors:
             log.warning("could not stop: %s", e)
         self._drain(1.0)
         ev.last_lines = list(self.tail[ev.node])
         return ev
+
+
+def fail_grace(elapsed: float) -> float:
+    """SIGTERM-to-SIGKILL grace that still ends the stop within STOP_BUDGET_S of the failure."""
+    return float(max(0, min(FAIL_STOP_GRACE_S, int(STOP_BUDGET_S - STOP_MARGIN_S - elapsed))))
