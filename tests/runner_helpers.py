@@ -98,3 +98,71 @@ def wait_for(pred, timeout: float, interval: float = 0.25):
 def node_workdir(inventory: Path, node: str) -> Path:
     inv = load_inventory(inventory, with_job=False)
     return Path(inv.node(node).workdir)
+
+
+# --- the sandbox's processes, for failure tests (a node made unreachable, then brought back) ----
+
+def sandbox_node(inventory: Path, node: str):
+    """runner.sandbox.Node of an inventory written by `runner sandbox up` (its state dir holds the
+    identity file the inventory names)."""
+    from runner.sandbox import Sandbox
+
+    inv = load_inventory(inventory, with_job=False)
+    state = Path(inv.nodes[0].identity_file).parent
+    return next(nd for nd in Sandbox(state).existing_nodes() if nd.name == node)
+
+
+def sshd_procs(inventory: Path, node: str) -> list:
+    """The node's sshd listener and every session process it forked: stopping them all is a
+    network partition as the runner sees it (the node's dockerd and containers keep running)."""
+    import psutil
+
+    pid = int(sandbox_node(inventory, node).sshd_pid.read_text())
+    top = psutil.Process(pid)
+    return [top] + [p for p in top.children(recursive=True) if p.name().startswith("sshd")]
+
+
+def signal_sshd(inventory: Path, node: str, sig: int) -> int:
+    procs = sshd_procs(inventory, node)
+    for p in procs:
+        p.send_signal(sig)
+    return len(procs)
+
+
+def node_engine_containers(inventory: Path, node: str, run_id: str) -> list[str]:
+    """Container names of the run on the node's engine, asked through its socket on this machine
+    (not over SSH: works while the node's sshd is stopped)."""
+    nd = sandbox_node(inventory, node)
+    res = subprocess.run(["docker", "-H", nd.docker_host, "ps", "-a", "--format", "{{.Names}}",
+                          "--filter", f"label={LABEL_RUN}={run_id}"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    return res.stdout.split()
+
+
+def build_scratch_image(tag: str, layers: list[bytes]) -> str:
+    """A FROM-scratch image on the host engine with one COPY (= one layer) per blob; its id.
+    Random blobs make layers no node can have yet."""
+    import io
+    import tarfile
+
+    import docker
+    from runner.images import HOST_DOCKER
+
+    files = [("Dockerfile", ("FROM scratch\n" + "".join(f"COPY l{i} /l{i}\n" for i in range(len(layers)))).encode())]
+    files += [(f"l{i}", blob) for i, blob in enumerate(layers)]
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        for name, data in files:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    buf.seek(0)
+    client = docker.DockerClient(base_url=HOST_DOCKER, version="auto", timeout=600)
+    img, _ = client.images.build(fileobj=buf, custom_context=True, tag=tag, network_mode="host", rm=True)
+    return img.id
+
+
+def node_env(inventory: Path, node: str, var: str) -> str:
+    """An environment variable as the node's sshd sets it for sessions (e.g. DOCKER_HOST)."""
+    with remotes(inventory)[node] as r:
+        return r.run(f"echo ${var}").out.strip()

@@ -134,7 +134,7 @@ def test_up_three_nodes_env_order_prefixed_logs(sandbox, finished_run):
     # Finished runs leave no containers behind; `runner logs` then shows the logs `up` kept.
     assert run_containers(sandbox, run_id) == {"node-0": [], "node-1": [], "node-2": []}
     logs = runner("logs", run_id, "-i", str(sandbox), "--logs-dir", str(finished_run["tmp"] / "logs"))
-    assert logs.returncode == 0 and "[node-1] probe node-1 rank 1 of 3" in logs.stdout, logs.stderr
+    assert logs.returncode == 0 and "[node-1/1] probe node-1 rank 1 of 3" in logs.stdout, logs.stderr
 
 
 def test_collect_checksums_and_incremental(sandbox, finished_run, tmp_path):
