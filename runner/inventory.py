@@ -122,15 +122,21 @@ def _scalar(node: yaml.ScalarNode) -> Any:
         loader.dispose()
 
 
-def _convert(node: yaml.Node) -> _Val:
+def _convert(node: yaml.Node, path: str, where: str = "") -> _Val:
     line = node.start_mark.line + 1
     if isinstance(node, yaml.MappingNode):
         out: dict[str, tuple[int, _Val]] = {}
         for k, v in node.value:
-            out[str(_scalar(k)) if isinstance(k, yaml.ScalarNode) else str(k)] = (k.start_mark.line + 1, _convert(v))
+            key = str(_scalar(k)) if isinstance(k, yaml.ScalarNode) else str(k)
+            w = f"{where}.{key}" if where else key
+            kline = k.start_mark.line + 1
+            if key in out:
+                # YAML says keys are unique; PyYAML silently keeps the last, hiding a typo'd edit.
+                raise UserError(f"{path}:{kline}: {w}: duplicate key (first at line {out[key][0]}); keep one")
+            out[key] = (kline, _convert(v, path, w))
         return _Val(out, line)
     if isinstance(node, yaml.SequenceNode):
-        return _Val([_convert(v) for v in node.value], line)
+        return _Val([_convert(v, path, f"{where}[{i}]") for i, v in enumerate(node.value)], line)
     return _Val(_scalar(node), line)
 
 
@@ -312,7 +318,7 @@ def _compose(path: str, text: str) -> _Val | None:
     if node is None:
         return None
     try:
-        return _convert(node)
+        return _convert(node, path)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         raise UserError(f"{path}:{mark.line + 1 if mark else 1}: YAML error: {getattr(exc, 'problem', exc)}") from None

@@ -146,6 +146,12 @@ MALFORMED = [
     ("nproc_zero", N + "job: {nproc_per_node: 0}\n", ":3: job.nproc_per_node: must be an integer in 1..1024"),
     ("defaults_not_mapping", "defaults: [1]\n" + N, ":1: defaults: must be a mapping"),
     ("name_in_defaults", "defaults: {name: x}\n" + N, ":1: defaults.name: unknown field"),
+    # YAML keys are unique; PyYAML would silently keep the last one.
+    ("duplicate_node_field", "nodes:\n  - name: a\n    host: 127.0.0.1\n    port: 22\n    port: 2222\n",
+     ":5: nodes[0].port: duplicate key (first at line 4)"),
+    ("duplicate_top_key", N + "job: {image: x}\njob: {image: y}\n", ":4: job: duplicate key (first at line 3)"),
+    ("duplicate_env_key", N + "job:\n  env: {A: 1, B: 2, A: 3}\n", ":4: job.env.A: duplicate key (first at line 4)"),
+    ("duplicate_in_defaults", "defaults:\n  user: pi\n  user: root\n" + N, ":3: defaults.user: duplicate key (first at line 2)"),
 ]
 
 
