@@ -225,19 +225,26 @@ def test_pp2_zbv_split_backward_slices(tmp_path):
 
 
 def test_ddp_gradient_reduction_slices(tmp_path):
-    """Plain DDP (2 ranks, 2 microbatches): the bucket all-reduces, timed by a comm hook, show on the
+    """Plain DDP (3 ranks, 2 microbatches): the bucket all-reduces, timed by a comm hook, show on the
     rank's second track inside the last microbatch's backward (the first runs under no_sync) and
-    cover every gradient byte once."""
+    cover every gradient byte once; the hook leaves the numbers bit-identical to DDP without it
+    (3 ranks: 1/3 is where dividing and DDP's multiply-by-reciprocal part ways)."""
+    from tests.trainer_run import read_metrics
     from trainer.config import ModelConfig
     from trainer.models.build import build_model, model_spec
 
-    run_trainer(tmp_path, *MODEL, "--train.steps", "2", "--train.batch_size", "4", "--train.microbatch_num", "2",
-                "--parallel.sharding", "ddp", "--profile_batch", "1", nproc=2)
-    trace = json.loads((tmp_path / "timeline_batch1_all.json").read_text())
+    ddp = (*MODEL, "--train.steps", "2", "--train.batch_size", "4", "--train.microbatch_num", "2",
+           "--parallel.sharding", "ddp")
+    run_trainer(tmp_path / "prof", *ddp, "--profile_batch", "1", nproc=3)
+    run_trainer(tmp_path / "plain", *ddp, "--profile_batch", "none", nproc=3)
+    prof, plain = read_metrics(tmp_path / "prof"), read_metrics(tmp_path / "plain")
+    assert [(m["loss"], m["grad_norm"]) for m in prof] == [(m["loss"], m["grad_norm"]) for m in plain]
+    assert not list((tmp_path / "plain").glob("timeline_*"))
+    trace = json.loads((tmp_path / "prof" / "timeline_batch1_all.json").read_text())
     mcfg = ModelConfig(preset="tiny-llama", num_hidden_layers=4)
     grad_bytes = 4 * sum(p.numel() for p in build_model(model_spec(mcfg), mcfg, 0).parameters())
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
-    for rank in (0, 1):
+    for rank in (0, 1, 2):
         evs = [e for e in slices(trace) if e["pid"] == rank]
         red = [e for e in evs if action(e) == "dp_reduce"]
         assert red and {e["tid"] for e in red} == {1}, evs

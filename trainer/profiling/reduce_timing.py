@@ -3,8 +3,9 @@
 Without pipeline parallelism DDP all-reduces each gradient bucket as soon as autograd has filled
 it, while the backward is still running; the reduction overlaps the backward slices, so it is
 recorded on a second track of the rank (tid 1) instead of the rank's one thread of actions. The
-hook wraps DDP's own default (divide by the world size, all-reduce with SUM: the numbers DDP
-computes without a hook) and records one `dp_reduce` event per bucket: start = the bucket is
+hook does what DDP does without one — multiply each bucket by 1/world size, all-reduce with SUM
+(bit for bit: torch's `allreduce_hook` divides instead, which differs in the last bit for
+world sizes that are not powers of two) — and records one `dp_reduce` event per bucket: start = the bucket is
 handed to the process group, end = its all-reduce completes (the future's callback; DDP waits
 for it before backward returns, so the event closes inside the last backward).
 
@@ -24,9 +25,18 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch.distributed as dist
+
 from trainer.profiling.recorder import Event, Recorder
 
 ASYNC_TID = 1  # the trace track of communication that overlaps the rank's own actions
+
+
+def allreduce_mean(group: Any, bucket: Any) -> Any:
+    """DDP's built-in bucket reduction: bucket * (1/world), then SUM all-reduce; a future of the bucket."""
+    buf = bucket.buffer()
+    buf.mul_(1.0 / group.size())
+    return dist.all_reduce(buf, group=group, async_op=True).get_future().then(lambda f: f.value()[0])
 
 
 class DDPReduceTimer:
@@ -39,11 +49,9 @@ class DDPReduceTimer:
     # Unannotated on purpose: DDP inspects the signature and rejects any annotation of `bucket` or
     # of the result other than the real GradBucket / Future[Tensor] objects (strings included).
     def hook(self, _state, bucket):
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
         rec = self.rec
         if rec.active is None:
-            return allreduce_hook(self.group, bucket)
+            return allreduce_mean(self.group, bucket)
         buf = bucket.buffer()
         fields = {"stage": self.stage, "mb": None, "bytes": buf.numel() * buf.element_size(), "tid": ASYNC_TID}
         if self.cuda:
@@ -51,7 +59,7 @@ class DDPReduceTimer:
 
             start = torch.cuda.Event(enable_timing=True)
             start.record()
-            fut = allreduce_hook(self.group, bucket)
+            fut = allreduce_mean(self.group, bucket)
 
             def stamp_cuda(f: Any) -> Any:
                 end = torch.cuda.Event(enable_timing=True)
@@ -61,7 +69,7 @@ class DDPReduceTimer:
 
             return fut.then(stamp_cuda)
         t0 = rec.clock.now()
-        fut = allreduce_hook(self.group, bucket)
+        fut = allreduce_mean(self.group, bucket)
 
         def stamp(f: Any) -> Any:
             rec.add(Event("dp_reduce", t0, rec.clock.now(), **fields))
