@@ -163,8 +163,12 @@ class Sandbox:
         started: list[Node] = []
         try:
             for nd in nodes:
-                if self._start_node(nd):
+                # Counted as started BEFORE _start_node: if its sshd fails after its dockerd came
+                # up, the rollback must stop that dockerd too. A node that was already fully
+                # running before this call is left alone.
+                if not (self._sshd_alive(nd) and self._docker_alive(nd)):
                     started.append(nd)
+                self._start_node(nd)
             for nd in nodes:
                 self._wait_ready(nd)
         except BaseException:

@@ -152,3 +152,19 @@ def test_taken_address_is_refused_and_nothing_starts(tmp_path, have_sshd):
     assert f"{net_addr(5, 12)}:2222 (node-1) is already in use" in r.stderr
     assert leftovers(state) == []
     assert not (tmp_path / "i.yaml").exists()
+
+
+def test_failed_sshd_rolls_back_that_nodes_dockerd(tmp_path, host_docker, have_sshd):
+    """node-1's sshd cannot start (unreadable host key) after its dockerd did: `up` fails with one
+    line and nothing of either node is left running (node-1's dockerd included)."""
+    state = tmp_path / "state"
+    (state / "node-1").mkdir(parents=True)
+    (state / "node-1" / "ssh_host_ed25519_key").write_text("not a key\n")
+    try:
+        r = sandbox(state, "up", "--nodes", "2", "--base-addr", net_addr(6, 11), "--inventory", str(tmp_path / "i.yaml"))
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.strip().count("\n") == 0 and "sshd -f failed" in r.stderr, r.stderr
+        assert leftovers(state) == []
+        assert not (tmp_path / "i.yaml").exists()
+    finally:
+        sandbox(state, "down")
