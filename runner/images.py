@@ -82,7 +82,7 @@ def export(tag: str, cache: Path = CACHE) -> Exported:
     cache.mkdir(parents=True, exist_ok=True)
     with open(cache / f"{d.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent pushes of one image export it once
-        if not (d / ".complete").exists():
+        if not (d / ".complete").exists() or not _intact(d):
             _export_into(img, tag, image_id, d, cache)
     return _load_export(tag, image_id, d)
 
@@ -112,6 +112,16 @@ def _export_into(img, tag: str, image_id: str, d: Path, cache: Path) -> None:
     shutil.rmtree(d, ignore_errors=True)
     tmp.rename(d)
     _prune(cache, keep=d)
+
+
+def _intact(d: Path) -> bool:
+    """Every file the manifest names is there (a cache entry someone pruned by hand is re-exported
+    instead of failing every push of that image)."""
+    try:
+        m = json.loads((d / "manifest.json").read_text())[0]
+        return all((d / p).is_file() for p in [m["Config"], *m["Layers"]])
+    except (OSError, ValueError, KeyError, IndexError):
+        return False
 
 
 def _load_export(tag: str, image_id: str, d: Path) -> Exported:

@@ -9,6 +9,7 @@ import ipaddress
 import logging
 import subprocess
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 
@@ -50,44 +51,144 @@ def _loopback(host: str) -> bool:
         return host == "localhost"
 
 
+STALL_S = 300.0        # no byte accepted (or produced) for this long: the node or the source is stuck
+LOAD_WAIT_S = 1800.0   # docker load still busy this long after the last byte: give up on this node
+
+
 def stream_to_load(remote: Remote, exp: Exported, members: list[str], progress=None, task=None,
-                   gzip_: bool = False) -> int:
-    """tar (members of the cached export) | [gzip] | ssh node docker load. Returns bytes streamed."""
+                   gzip_: bool = False, stall_s: float = STALL_S) -> int:
+    """tar (members of the cached export) | [gzip] | ssh node docker load. Returns bytes streamed.
+
+    Every failure (load dying mid-stream, a stall, a timeout, a bad archive) ends as a UserError
+    naming the node with no child process left behind, so push_one can fall back."""
     # Compression only pays off on real links; on loopback it would just burn the 2 cores.
-    compress = not _loopback(remote.node.host)
-    tar = subprocess.Popen(["tar", "-C", str(exp.dir), "-cf", "-", "--", *members], stdout=subprocess.PIPE)
-    src = tar.stdout
-    gz = None
-    if gzip_:
-        gz = subprocess.Popen(["gzip", "-1", "-c"], stdin=tar.stdout, stdout=subprocess.PIPE)
-        tar.stdout.close()
-        src = gz.stdout
-    errf = tempfile.TemporaryFile()
-    ssh = subprocess.Popen([*remote.openssh_argv(compress=compress and not gzip_), "docker load -q"],
-                           stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=errf)
+    compress = not _loopback(remote.node.host) and not gzip_
+    name = remote.node.name
+    ssh_err, tar_err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+    procs: list[subprocess.Popen] = []
+    src = None
+    try:
+        src = _source(exp, members, gzip_, tar_err, procs)
+        ssh = subprocess.Popen([*remote.openssh_argv(compress=compress), "docker load -q"],
+                               stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=ssh_err)
+        procs.append(ssh)
+        dog = _Watchdog(procs, stall_s)
+        try:
+            sent, broken = _pump(src, ssh.stdin, dog, progress, task)
+        finally:
+            dog.stop()  # after the last byte the node may legitimately be busy for minutes
+        # Closing our read end first: a tar/gzip still writing (load died) gets EPIPE, not a hang.
+        _close(src, ssh.stdin)
+        try:
+            ssh.wait(timeout=LOAD_WAIT_S)
+        except subprocess.TimeoutExpired:
+            raise UserError(f"node {name}: docker load still running {LOAD_WAIT_S:.0f}s after the last "
+                            "byte; gave up") from None
+        if broken or ssh.returncode != 0:
+            _reap(procs)  # the source may still be blocked on its pipe
+        elif any(_wait(p, 60) is None for p in procs):
+            raise UserError(f"node {name}: tar/gzip of the image export did not exit after the stream ended")
+        if dog.fired:
+            raise UserError(f"node {name}: image stream stalled (nothing moved for {stall_s:.0f}s); stopped it")
+        if not broken and any(p.returncode != 0 for p in procs[:-1]):  # the root cause, if any
+            raise UserError(f"node {name}: reading the image export {exp.dir} failed: {_tail(tar_err) or 'gzip failed'}")
+        if ssh.returncode != 0 or broken:
+            raise UserError(f"node {name}: docker load failed (exit {ssh.returncode}"
+                            f"{', mid-stream' if broken else ''}): {_tail(ssh_err) or 'no output'}")
+        return sent
+    finally:
+        _close(src)
+        _reap(procs)
+        ssh_err.close()
+        tar_err.close()
+
+
+def _source(exp: Exported, members: list[str], gzip_: bool, err, procs: list[subprocess.Popen]):
+    """Start tar [| gzip -1] over the cached export; appends the processes to procs, returns the pipe."""
+    tar = subprocess.Popen(["tar", "-C", str(exp.dir), "-cf", "-", "--", *members], stdout=subprocess.PIPE,
+                           stderr=err)
+    procs.append(tar)
+    if not gzip_:
+        return tar.stdout
+    gz = subprocess.Popen(["gzip", "-1", "-c"], stdin=tar.stdout, stdout=subprocess.PIPE, stderr=err)
+    procs.append(gz)
+    tar.stdout.close()  # gzip holds the only read end: tar gets SIGPIPE if gzip dies
+    return gz.stdout
+
+
+def _wait(p: subprocess.Popen, timeout: float) -> int | None:
+    try:
+        return p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _pump(src, dst, dog: _Watchdog, progress, task) -> tuple[int, bool]:
+    """Copy src to dst; (bytes, True) when the reader went away mid-stream."""
     sent = 0
     try:
         while True:
             buf = src.read(CHUNK)
             if not buf:
-                break
-            ssh.stdin.write(buf)
+                return sent, False
+            dst.write(buf)
             sent += len(buf)
+            dog.last = time.monotonic()
             if progress is not None:
                 progress.update(task, advance=len(buf))
-        ssh.stdin.close()
     except BrokenPipeError:
-        pass
-    ssh.wait(timeout=1800)
-    tar.wait()
-    if gz:
-        gz.wait()
-    errf.seek(0)
-    err = errf.read().decode(errors="replace").strip()
-    errf.close()
-    if ssh.returncode != 0 or tar.returncode != 0:
-        raise UserError(f"node {remote.node.name}: docker load failed (exit {ssh.returncode}): {err[-300:]}")
-    return sent
+        return sent, True
+
+
+def _tail(f, n: int = 300) -> str:
+    f.seek(0)
+    lines = f.read().decode(errors="replace").strip().splitlines()
+    return " ".join(lines)[-n:]
+
+
+def _close(*files) -> None:
+    for f in files:
+        if f is not None:
+            try:
+                f.close()
+            except OSError:  # flushing into a pipe whose reader is gone: nothing left to save
+                pass
+
+
+def _reap(procs: list[subprocess.Popen]) -> None:
+    """Kill whatever still runs (a tar blocked on a pipe nobody reads, a stuck ssh) and wait for it."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # stuck in the kernel: do not hang the push on it
+            log.debug("pid %d did not exit after SIGKILL", p.pid)
+
+
+class _Watchdog:
+    """Kills the pipeline when no byte moved for stall_s: writing to a node whose `docker load`
+    stopped reading (or reading a stuck source) would otherwise block forever."""
+
+    def __init__(self, procs: list[subprocess.Popen], stall_s: float):
+        self.procs, self.stall_s = procs, stall_s
+        self.last = time.monotonic()
+        self.fired = False
+        self._done = threading.Event()
+        threading.Thread(target=self._run, daemon=True, name="push-watchdog").start()
+
+    def _run(self) -> None:
+        while not self._done.wait(min(5.0, self.stall_s / 4)):
+            if time.monotonic() - self.last > self.stall_s:
+                self.fired = True
+                for p in self.procs:
+                    if p.poll() is None:
+                        p.kill()
+                return
+
+    def stop(self) -> None:
+        self._done.set()
 
 
 def push_one(remote: Remote, exp: Exported, progress=None, force_full: bool = False) -> PushResult:
@@ -97,33 +198,47 @@ def push_one(remote: Remote, exp: Exported, progress=None, force_full: bool = Fa
     if not force_full and node_image_id(remote, exp.tag) == exp.image_id:
         res.seconds = time.time() - t0
         return res
-    task = None
-    try:
-        if force_full:
-            raise UserError("full push requested")
-        missing = missing_layers(exp, node_chains(remote))
-        members = partial_members(exp, missing)
-        size = sum(exp.sizes[i] for i in missing)
-        if progress is not None:
-            task = progress.add_task(f"{remote.node.name}: {len(missing)}/{len(exp.layers)} layers", total=size or 1)
-        res.bytes_sent = stream_to_load(remote, exp, members, progress, task)
-        res.action, res.layers_sent = "layers", len(missing)
-    except UserError as exc:
-        if not force_full:
+    if force_full:
+        _push_full(remote, exp, res, progress)
+    else:
+        try:
+            _push_layers(remote, exp, res, progress)
+        except UserError as exc:
             log.warning("node %s: partial load failed (%s); falling back to a full compressed save|load",
                         remote.node.name, exc)
-        if progress is not None:
-            if task is not None:
-                progress.remove_task(task)
-            task = progress.add_task(f"{remote.node.name}: full image (gzip)", total=exp.total_bytes)
-        members = ["manifest.json", exp.config, *exp.layers]
-        res.bytes_sent = stream_to_load(remote, exp, members, progress, task, gzip_=True)
-        res.action, res.layers_sent = "full", len(exp.layers)
+            _push_full(remote, exp, res, progress)
     got = node_image_id(remote, exp.tag)
     if got != exp.image_id:
         raise UserError(f"node {remote.node.name}: image id after load is {got}, expected {exp.image_id}")
     res.seconds = time.time() - t0
     return res
+
+
+def _push_layers(remote: Remote, exp: Exported, res: PushResult, progress) -> None:
+    missing = missing_layers(exp, node_chains(remote))
+    size = sum(exp.sizes[i] for i in missing)
+    task = None
+    if progress is not None:
+        task = progress.add_task(f"{remote.node.name}: {len(missing)}/{len(exp.layers)} layers", total=size or 1)
+    try:
+        res.bytes_sent = stream_to_load(remote, exp, partial_members(exp, missing), progress, task)
+    finally:
+        if task is not None:
+            progress.remove_task(task)
+    res.action, res.layers_sent = "layers", len(missing)
+
+
+def _push_full(remote: Remote, exp: Exported, res: PushResult, progress) -> None:
+    task = None
+    if progress is not None:  # counts compressed bytes: the bar ends short of the image size
+        task = progress.add_task(f"{remote.node.name}: full image (gzip)", total=exp.total_bytes)
+    try:
+        res.bytes_sent = stream_to_load(remote, exp, ["manifest.json", exp.config, *exp.layers], progress, task,
+                                        gzip_=True)
+    finally:
+        if task is not None:
+            progress.remove_task(task)
+    res.action, res.layers_sent = "full", len(exp.layers)
 
 
 def push_to_nodes(cl: Cluster, arches: dict[str, str | None], quiet: bool = False,
