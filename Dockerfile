@@ -30,6 +30,16 @@ COPY docker/requirements-trainer.txt /tmp/requirements-trainer.txt
 RUN set -e; [ -f /tmp/certs/ca.crt ] && export PIP_CERT=/tmp/certs/ca.crt; \
     pip install -r /tmp/requirements-trainer.txt
 
+# torchrun forwards only the signals it is told to handle and dies of any other: Slurm's
+# `--signal=USR1@60` or `docker kill -s USR1` would kill it and orphan the workers without a
+# checkpoint. torch's process layer reads TORCHELASTIC_SIGNALS_TO_HANDLE, but torch 2.13's torchrun
+# CLI overwrites it from --signals-to-handle (env PET_SIGNALS_TO_HANDLE, default without SIGUSR1):
+# setting only the former was verified not to work. Both are set (docs/checkpoints.md).
+# After a forwarded signal torchrun waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT (30 s) before SIGKILL.
+# Set here, after the heavy layers, so changing it keeps torch and requirements cached.
+ENV PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
+    TORCHELASTIC_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
+
 WORKDIR /workspace
 COPY pyproject.toml README.md ./
 COPY trainer ./trainer

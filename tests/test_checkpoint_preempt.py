@@ -3,6 +3,9 @@
 - SIGTERM to one worker: every rank stops after the same step, writes `step-N.preempt` (both
   ranks' shards), exits 143; `--resume latest` continues with the losses of a straight run
   (the interrupted run also writes async periodic checkpoints).
+- SIGUSR1 (Slurm `--signal`, `docker kill -s USR1`) and SIGTERM (`docker stop`) to torchrun
+  itself, with the signal list the images set (read from the Dockerfiles): torchrun forwards
+  it, every rank writes its shards of `step-N.preempt`, and the run resumes exactly.
 - kill -9 while a checkpoint is being written (TRAINER_TEST_SAVE_DELAY holds it before the
   rename): `latest` still names the previous checkpoint, which loads and continues exactly.
 """
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -71,11 +75,35 @@ def _steps_logged(out: Path) -> int:
     return len(p.read_text().splitlines()) if p.is_file() else 0
 
 
-def test_sigterm_writes_preempt_checkpoint_and_resume_continues(tmp_path):
-    steps = ("--train.steps", "12")
-    straight = tmp_path / "straight"
-    run_trainer(straight, *TINY, *steps, nproc=2)
-    expected = losses(straight)
+STEPS = ("--train.steps", "20")
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> list[float]:
+    """Per-step losses of the uninterrupted 20-step run the preempted runs must reproduce."""
+    out = tmp_path_factory.mktemp("straight")
+    run_trainer(out, *TINY, *STEPS, nproc=2)
+    return losses(out)
+
+
+def _assert_preempt_checkpoint(out: Path, total: int) -> int:
+    """`latest` names step-N.preempt holding every rank's files; returns N."""
+    ckpts = out / "checkpoints"
+    name = (ckpts / "latest").read_text().strip()
+    stopped = len(read_metrics(out))
+    assert name == f"step-{stopped}.preempt" and 1 <= stopped < total, (name, stopped)
+    ck = ckpts / name
+    for r in range(2):
+        assert (ck / f"rank{r}.pt").is_file() and (ck / f"manifest.rank{r}.json").is_file()
+        assert list(ck.glob(f"__{r}_*.distcp"))
+    assert (ck / ".metadata").is_file()
+    assert json.loads((ck / "trainer_state.json").read_text())["step"] == stopped
+    return stopped
+
+
+def test_sigterm_writes_preempt_checkpoint_and_resume_continues(tmp_path, straight):
+    steps = STEPS
+    expected = straight
 
     out = tmp_path / "run"
     # Periodic checkpoints written in the background (async_save) must not disturb the run either.
@@ -87,20 +115,65 @@ def test_sigterm_writes_preempt_checkpoint_and_resume_continues(tmp_path):
     assert proc.returncode != 0
     assert f"exitcode  : {EXIT_PREEMPTED}" in err  # torchrun's report of each worker
 
-    ckpts = out / "checkpoints"
-    name = (ckpts / "latest").read_text().strip()
-    stopped = len(read_metrics(out))
-    assert name == f"step-{stopped}.preempt" and 1 <= stopped < 12
-    ck = ckpts / name
-    for r in range(2):
-        assert (ck / f"rank{r}.pt").is_file() and (ck / f"manifest.rank{r}.json").is_file()
-        assert list(ck.glob(f"__{r}_*.distcp"))
-    assert json.loads((ck / "trainer_state.json").read_text())["step"] == stopped
+    stopped = _assert_preempt_checkpoint(out, 20)
     assert "SIGTERM received: stopped after step" in (out / "logs" / "rank1.log").read_text()
     assert losses(out) == expected[:stopped]
 
     run_trainer(out, *TINY, *steps, "--resume", "latest", nproc=2)
-    assert losses(out) == expected  # steps 1..k from the first run, k+1..12 resumed
+    assert losses(out) == expected  # steps 1..k from the first run, k+1..20 resumed
+
+
+SIGNAL_VARS = ("PET_SIGNALS_TO_HANDLE", "TORCHELASTIC_SIGNALS_TO_HANDLE")
+
+
+def _image_signal_env(dockerfile: str) -> dict[str, str]:
+    text = (REPO / dockerfile).read_text()
+    return dict(re.findall(rf"\b({'|'.join(SIGNAL_VARS)})=(\S+)", text))
+
+
+def test_images_make_torchrun_forward_sigusr1():
+    """Both images set the list (with SIGUSR1) after the torch and requirements layers and before
+    the code, so changing it re-uses the heavy cached layers."""
+    amd, arm = _image_signal_env("Dockerfile"), _image_signal_env("Dockerfile.arm64")
+    assert amd == arm and set(amd) == set(SIGNAL_VARS)
+    assert all("SIGUSR1" in v.split(",") and "SIGTERM" in v.split(",") for v in amd.values())
+    for name in ("Dockerfile", "Dockerfile.arm64"):
+        lines = (REPO / name).read_text().splitlines()
+        where = next(i for i, line in enumerate(lines) if line.startswith("ENV PET_SIGNALS_TO_HANDLE"))
+        reqs = next(i for i, line in enumerate(lines) if "pip install -r /tmp/requirements-trainer.txt" in line)
+        code = next(i for i, line in enumerate(lines) if line.startswith("COPY trainer"))
+        assert reqs < where < code, name
+
+
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=["SIGUSR1", "SIGTERM"])
+def test_signal_to_torchrun_is_forwarded_and_resume_continues(tmp_path, straight, sig):
+    """What Slurm `--signal` / `docker kill -s USR1` (SIGUSR1) and `docker stop` (SIGTERM) do to a
+    container whose PID 1 is torchrun. Without SIGUSR1 in the list torchrun dies of it at once
+    (exit 138) and its workers run on, orphaned, with no checkpoint."""
+    out = tmp_path / "run"
+    env = _image_signal_env("Dockerfile")
+    proc = _launch(out, *TINY, *STEPS, env=env)
+    _wait_for(lambda: _steps_logged(out) >= 1, proc)
+    t0 = time.monotonic()
+    os.kill(proc.pid, sig)
+    _, err = proc.communicate(timeout=120)
+    elapsed = time.monotonic() - t0
+    # torchrun forwards the signal, waits for its workers, then re-raises its own SignalException
+    # (exit 1); the workers exited 143 after the checkpoint. Well within torchrun's 30 s grace.
+    assert proc.returncode == 1, err[-3000:]
+    assert "Sending process" in err and f"closing signal {sig.name}" in err
+    assert "forcefully exiting" not in err  # no SIGKILL after the grace time
+    assert elapsed < 30, elapsed
+
+    stopped = _assert_preempt_checkpoint(out, 20)
+    for r in range(2):
+        log_text = (out / "logs" / f"rank{r}.log").read_text()
+        assert f"{sig.name} received: stopped after step {stopped}" in log_text
+        assert f"exiting with {EXIT_PREEMPTED}" in log_text
+    assert losses(out) == straight[:stopped]
+
+    run_trainer(out, *TINY, *STEPS, "--resume", "latest", nproc=2)
+    assert losses(out) == straight
 
 
 def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
