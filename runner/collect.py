@@ -1,8 +1,15 @@
 """`runner collect [RUN]`: mirror each node's run dir to artifacts/<run-id>/<node>/ over SFTP.
 
-Incremental: a file whose size and mtime match the local copy is skipped (mtimes are copied, and
-the local sha256 is kept in a manifest). Verified: each transferred file's sha256 is compared with
-`sha256sum` on the node. Ends with a summary of what the trainer wrote.
+Incremental: a file whose size and mtime match the manifest and the local copy is skipped (mtimes
+are copied). Verified: every transferred file's size and sha256 must equal what the node had
+(`sha256sum` on the node, names fed on stdin so no command line grows with the file count);
+a file that does not match fails the collect naming node and file, and never replaces a good
+local copy (downloads go to a temp file that is renamed only once verified).
+
+Then what spans nodes: per-rank timeline pieces (`timeline_batch{k}_rank{r}.json`, the Pi guide's
+seed format) spread over several nodes are merged into `artifacts/<run-id>/` when the trainer did
+not merge them itself, and plots are rendered (`trainer.plots`: Gantt per timeline, loss and
+tokens/s per metrics.jsonl). None of that imports torch: the host has none.
 """
 
 from __future__ import annotations
@@ -10,11 +17,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import os
+import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import paramiko
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
 from runner.errors import UserError
@@ -23,7 +33,11 @@ from runner.session import Cluster, add_inventory_args, load, parallel
 from runner.ssh import Remote
 from runner.status import gather, resolve_run
 
+log = logging.getLogger("runner.collect")
 MANIFEST = ".collect-manifest.json"
+HASH_BATCH = 1000        # names per sha256sum round trip: stdin and stdout stay far below SSH windows
+HASH_RATE = 20e6         # bytes/s a slow node (Pi, SD card) hashes at least: sets the command timeout
+MAX_ERRORS_SHOWN = 5
 
 
 @dataclass
@@ -32,6 +46,7 @@ class NodeCollect:
     files: int = 0
     copied: int = 0
     skipped: int = 0
+    vanished: int = 0
     bytes_copied: int = 0
     dest: str = ""
     errors: list[str] = field(default_factory=list)
@@ -52,65 +67,296 @@ def remote_run_dir(remote: Remote, run_id: str) -> str:
     return f"{resolve_workdir(remote.node, Facts(home=home))}/runs/{run_id}"
 
 
+# ---------------------------------------------------------------------------- hashing on the node
+
+def parse_sha256sum(out: str) -> dict[str, str]:
+    """GNU sha256sum lines; a leading backslash means the name has \\\\ and \\n escaped."""
+    sums = {}
+    for line in out.split("\n"):
+        escaped = line.startswith("\\")
+        if escaped:
+            line = line[1:]
+        if len(line) < 66 or not re.fullmatch(r"[0-9a-f]{64}", line[:64]):
+            continue
+        name = line[66:]
+        if escaped:
+            name = re.sub(r"\\(.)", lambda m: {"n": "\n", "r": "\r", "\\": "\\"}.get(m[1], m[1]), name)
+        sums[name] = line[:64]
+    return sums
+
+
+def remote_sha256(remote: Remote, root: str, names: list[str], total_bytes: int = 0) -> tuple[dict[str, str], dict[str, str]]:
+    """({name: sha256}, {name: why it could not be hashed}) for files under root on the node."""
+    sums: dict[str, str] = {}
+    failed: dict[str, str] = {}
+    timeout = 120 + total_bytes / HASH_RATE
+    for i in range(0, len(names), HASH_BATCH):
+        batch = names[i:i + HASH_BATCH]
+        res = remote.run(["sh", "-c", f"cd {shlex.quote(root)} && xargs -0 sha256sum --"],
+                         stdin=b"\0".join(n.encode() for n in batch), timeout=timeout)
+        got = parse_sha256sum(res.out)
+        if res.rc != 0 and not got:
+            why = res.err.strip().splitlines()[-1:] or [f"exit {res.rc}"]
+            raise UserError(f"node {remote.node.name}: sha256sum on the node failed (exit {res.rc}): {why[0][:200]}")
+        for n in batch:
+            if n in got:
+                sums[n] = got[n]
+            else:
+                why = [ln for ln in res.err.splitlines() if n in ln]
+                failed[n] = why[0].strip()[:200] if why else f"sha256sum gave no digest (exit {res.rc})"
+    return sums, failed
+
+
+# ---------------------------------------------------------------------------- transfer
+
+class _HashingWriter:
+    """File-like sink for SFTPClient.getfo: writes and hashes in one pass (no re-read)."""
+
+    def __init__(self, fh, progress=None, task=None):
+        self.fh, self.h, self.n = fh, hashlib.sha256(), 0
+        self.progress, self.task = progress, task
+
+    def write(self, data: bytes) -> int:
+        self.fh.write(data)
+        self.h.update(data)
+        self.n += len(data)
+        if self.progress is not None:
+            self.progress.update(self.task, advance=len(data))
+        return len(data)
+
+
+def fetch_verified(remote: Remote, src: str, local: Path, size: int, want: str, mtime: float | None,
+                   progress=None, task=None) -> None:
+    """Download src to local through a temp file; raise ValueError/OSError unless size and sha256
+    match. The temp file is removed on every failure, so an older good copy stays as it was."""
+    local.parent.mkdir(parents=True, exist_ok=True)
+    tmp = local.with_name(f".{local.name}.collect-part")
+    try:
+        with open(tmp, "wb") as fh:
+            w = _HashingWriter(fh, progress, task)
+            remote.sftp.getfo(src, w)
+        if w.n != size:
+            raise ValueError(f"size {w.n} bytes after transfer, {size} on the node (still being written? "
+                             "rerun collect when the run has finished)")
+        if w.h.hexdigest() != want:
+            raise ValueError("sha256 after transfer differs from the node's (changed during transfer? "
+                             "rerun collect when the run has finished)")
+        if mtime is not None:
+            os.utime(tmp, (mtime, mtime))
+        tmp.replace(local)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _unchanged(local: Path, m: dict | None, st: paramiko.SFTPAttributes) -> bool:
+    if not (m and local.exists() and m.get("size") == st.st_size and m.get("mtime") == st.st_mtime):
+        return False
+    ls = local.stat()
+    return ls.st_size == st.st_size and int(ls.st_mtime) == int(st.st_mtime or 0)
+
+
 def collect_node(remote: Remote, run_id: str, dest_root: Path, progress=None) -> NodeCollect:
     rd = remote_run_dir(remote, run_id)
     dest = dest_root / run_id / remote.node.name
     res = NodeCollect(remote.node.name, dest=str(dest))
     files = remote.walk(rd)
+    res.files = len(files)
     if not files:
         return res
     dest.mkdir(parents=True, exist_ok=True)
     man_path = dest / MANIFEST
     manifest: dict[str, dict] = json.loads(man_path.read_text()) if man_path.exists() else {}
-    todo = []
-    for rel, st in files:
-        local = dest / rel
-        m = manifest.get(rel)
-        if (local.exists() and m and m.get("size") == st.st_size and m.get("mtime") == st.st_mtime
-                and local.stat().st_size == st.st_size and int(local.stat().st_mtime) == int(st.st_mtime or 0)):
-            res.skipped += 1
-            continue
-        todo.append((rel, st))
-    res.files = len(files)
-    if todo:
-        # One command hashes every file to fetch (argv holds file names only).
-        names = " ".join(shlex.quote(r) for r, _ in todo)
-        out = remote.run(["sh", "-c", f"cd {shlex.quote(rd)} && sha256sum -- {names}"], timeout=600)
-        sums = {}
-        for line in out.out.splitlines():
-            digest, _, name = line.partition("  ")
-            sums[name.lstrip("*")] = digest
-        task = progress.add_task(f"{remote.node.name}", total=sum(st.st_size for _, st in todo) or 1) if progress else None
-        for rel, st in todo:
-            local = dest / rel
-            local.parent.mkdir(parents=True, exist_ok=True)
-            tmp = local.with_name(local.name + ".part")
-            remote.sftp.get(f"{rd}/{rel}", str(tmp),
-                            callback=(lambda done, total, t=task, last=[0]: (progress.update(t, advance=done - last[0]),
-                                                                             last.__setitem__(0, done)))
-                            if progress else None)
-            digest = sha256_file(tmp)
-            want = sums.get(rel)
-            if want and want != digest:
-                # The trainer may still be writing it: keep what we got but do not record it as done.
-                res.errors.append(f"{rel}: sha256 mismatch (file changed during transfer?)")
-                tmp.replace(local)
-                manifest.pop(rel, None)
-                continue
-            tmp.replace(local)
-            os.utime(local, (st.st_atime or st.st_mtime, st.st_mtime))
-            manifest[rel] = {"size": st.st_size, "mtime": st.st_mtime, "sha256": digest}
-            res.copied += 1
-            res.bytes_copied += st.st_size
-    man_path.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    todo = [(rel, st) for rel, st in files if not _unchanged(dest / rel, manifest.get(rel), st)]
+    res.skipped = len(files) - len(todo)
+    task = progress.add_task(remote.node.name, total=sum(st.st_size or 0 for _, st in todo) or 1) if progress else None
+    try:
+        for i in range(0, len(todo), HASH_BATCH):
+            _collect_batch(remote, rd, dest, todo[i:i + HASH_BATCH], manifest, res, progress, task)
+    finally:  # what was verified so far counts, even when a later batch failed
+        tmp = man_path.with_name(man_path.name + ".tmp")
+        tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        tmp.replace(man_path)
     return res
 
 
+def _collect_batch(remote: Remote, rd: str, dest: Path, batch: list, manifest: dict, res: NodeCollect,
+                   progress, task) -> None:
+    sums, failed = remote_sha256(remote, rd, [r for r, _ in batch], sum(st.st_size or 0 for _, st in batch))
+    for rel, st in batch:
+        if rel in failed:
+            if remote.stat(f"{rd}/{rel}") is None:  # deleted since the listing (e.g. checkpoint rotation)
+                log.warning("node %s: %s vanished during collect; not collected", remote.node.name, rel)
+                res.vanished += 1
+                manifest.pop(rel, None)
+            else:
+                res.errors.append(f"{rel}: cannot hash on the node: {failed[rel]}")
+            continue
+        try:
+            fetch_verified(remote, f"{rd}/{rel}", dest / rel, st.st_size or 0, sums[rel], st.st_mtime,
+                           progress, task)
+        except (OSError, ValueError) as exc:
+            manifest.pop(rel, None)
+            res.errors.append(f"{rel}: {exc}")
+            continue
+        manifest[rel] = {"size": st.st_size, "mtime": st.st_mtime, "sha256": sums[rel]}
+        res.copied += 1
+        res.bytes_copied += st.st_size or 0
+
+
+# ---------------------------------------------------------------------------- timelines and plots
+
+PIECE = re.compile(r"timeline_batch(\d+)_rank(\d+)\.json")
+MERGED = re.compile(r"timeline_batch(\d+)_all(\.trace)?\.json")
+# The seed format's action names -> the trainer's (trainer/profiling/trace.py SEED_ACTIONS, inverted).
+SEED_NAMES = {"F": "forward", "B": "backward", "I": "backward_input", "W": "backward_weight", "SEND_F": "send_F",
+              "RECV_F": "recv_F", "SEND_B": "send_B", "RECV_B": "recv_B", "ALL_REDUCE": "dp_reduce"}
+SEED_KEYS = {"rank", "action", "stage_idx", "mb_idx", "start_ns", "end_ns"}
+
+
+def merge_timelines(run_dir: Path) -> list[Path]:
+    """Merge per-rank seed pieces of a batch found on several nodes, unless a merged file exists.
+    Writes timeline_batch{k}_all.json (seed, as the trainer would) and its Chrome trace
+    timeline_batch{k}_all.trace.json into run_dir. Times are kept as the ranks wrote them."""
+    done = {int(m[1]) for p in run_dir.glob("*/timeline_batch*.json") if (m := MERGED.fullmatch(p.name))}
+    pieces: dict[int, dict[int, Path]] = {}
+    for p in sorted(run_dir.glob("*/timeline_batch*_rank*.json")):
+        m = PIECE.fullmatch(p.name)
+        if m and int(m[1]) not in done:
+            pieces.setdefault(int(m[1]), {}).setdefault(int(m[2]), p)
+    out = []
+    for k, ranks in sorted(pieces.items()):
+        if len({p.parent for p in ranks.values()}) < 2:
+            continue  # one node's own timeline (a single process writes _rank0.json): nothing spans nodes
+        seed = run_dir / f"timeline_batch{k}_all.json"
+        if seed.exists() and seed.stat().st_mtime >= max(p.stat().st_mtime for p in ranks.values()):
+            continue  # merged by an earlier collect from these very pieces
+        records, nodes = _read_pieces(ranks)
+        if not records:
+            continue
+        _write(seed, json.dumps(records, indent=2))
+        meta = {"merged_by": "runner collect", "sources": sorted(str(p.relative_to(run_dir)) for p in ranks.values())}
+        trace = seed_to_chrome(records, nodes, k, meta)
+        out += [seed, _write(run_dir / f"timeline_batch{k}_all.trace.json", json.dumps(trace))]
+    return out
+
+
+def _read_pieces(ranks: dict[int, Path]) -> tuple[list[dict], dict[int, str]]:
+    records, nodes = [], {}
+    for rank, p in sorted(ranks.items()):
+        try:
+            data = json.loads(p.read_text())
+            if not isinstance(data, list) or not all(isinstance(r, dict) and SEED_KEYS <= set(r) for r in data):
+                raise ValueError("not a list of seed-format records")
+        except ValueError as exc:
+            log.warning("timeline piece %s not merged: %s", p, exc)
+            return [], {}
+        nodes[rank] = p.parent.name
+        records += sorted(data, key=lambda r: (r["rank"], r["start_ns"]))
+    return records, nodes
+
+
+def seed_to_chrome(records: list[dict], nodes: dict[int, str], batch: int, meta: dict) -> dict:
+    """The seed flat records as a Chrome trace shaped like the trainer's (ts/dur in µs from the
+    first action); process names carry the node the piece came from."""
+    origin = min((r["start_ns"] for r in records), default=0)
+    events: list[dict] = []
+    for rank in sorted({r["rank"] for r in records}):
+        mine = sorted((r for r in records if r["rank"] == rank), key=lambda r: r["start_ns"])
+        stages = sorted({r["stage_idx"] for r in mine if r["stage_idx"] is not None})
+        name = f"{nodes.get(rank, '')}/rank{rank}/stage{'+'.join(map(str, stages)) or '-'}"
+        events += [{"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": name}},
+                   {"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}}]
+        for r in mine:
+            action = SEED_NAMES.get(r["action"], str(r["action"]).lower())
+            events.append({"ph": "X", "name": action if r["mb_idx"] is None else f"{action} mb{r['mb_idx']}",
+                           "pid": rank, "tid": 0, "ts": round((r["start_ns"] - origin) / 1e3, 3),
+                           "dur": round((r["end_ns"] - r["start_ns"]) / 1e3, 3),
+                           "args": {"stage": r["stage_idx"], "microbatch": r["mb_idx"], "peer": None, "bytes": 0}})
+            for t, up, down in r.get("net_series") or []:
+                events.append({"ph": "C", "name": "net Mbit/s", "pid": rank, "tid": 0,
+                               "ts": round((t - origin) / 1e3, 3), "args": {"up": up, "down": down}})
+    stages = {r["stage_idx"] for r in records if r["stage_idx"] is not None}
+    mbs = {r["mb_idx"] for r in records if r["mb_idx"] is not None}
+    other = dict(meta, batch=batch, origin_ns=origin, pp=len(stages) or "?", microbatches=len(mbs) or "?")
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
+
+
+def render_plots(run_dir: Path) -> list[Path]:
+    """Gantt per timeline (run dir and node dirs), metrics.png per metrics.jsonl. A plot newer than
+    its input is kept, so a second collect renders nothing. Problems are warnings: the files
+    themselves were collected and verified."""
+    try:
+        from trainer import plots
+    except ImportError as exc:
+        log.warning("plots skipped: %s (pip install matplotlib)", exc)
+        return []
+    made = []
+    merged_here = {int(m[1]) for p in run_dir.glob("timeline_batch*.json") if (m := MERGED.fullmatch(p.name))}
+    for d in [run_dir, *sorted(p for p in run_dir.iterdir() if p.is_dir())]:
+        for f in plots.timeline_files(d):
+            k = int(re.match(r"timeline_batch(\d+)", f.name)[1])
+            if d != run_dir and k in merged_here and PIECE.fullmatch(f.name):
+                continue  # one rank's piece: its Gantt is the merged one in run_dir
+            out = d / f"timeline_batch{k}_gantt.png"
+            made += _render(f, out, _gantt, plots, f, d, k, out)
+        mpath = d / "metrics.jsonl"
+        if mpath.is_file():
+            out = d / "metrics.png"
+            made += _render(mpath, out, _metrics_plot, plots, mpath, out)
+    return [p for p in made if p is not None]
+
+
+def _render(src: Path, out: Path, fn, *args) -> list[Path | None]:
+    if out.exists() and out.stat().st_mtime >= src.stat().st_mtime:
+        return []
+    try:
+        return [fn(*args)]
+    except Exception as exc:  # noqa: BLE001 - a bad plot input must not fail a verified collect
+        log.warning("plot %s not rendered from %s: %s", out.name, src, exc)
+        return []
+
+
+def _gantt(plots, f: Path, d: Path, k: int, out: Path) -> Path:
+    data = json.loads(f.read_text())
+    trace = data if isinstance(data, dict) else seed_to_chrome(data, {}, k, {})
+    o = trace.get("otherData", {})
+    title = (f"batch {k}: " + (f"{o['schedule']} " if o.get("schedule") else "")
+             + f"pp={o.get('pp', '?')} microbatches={o.get('microbatches', '?')}")
+    summary = d / f"timeline_batch{k}_summary.json"
+    if summary.is_file():  # as `trainer plot` titles it
+        s = json.loads(summary.read_text())
+        theory = s.get("theoretical_bubble")
+        title += f"; bubble {s['measured_bubble']:.2f} measured" + (f", {theory:.2f} theory" if theory is not None else "")
+    if o.get("merged_by"):
+        title += f" (merged by {o['merged_by']})"
+    return plots.gantt(trace, out, title)
+
+
+def _metrics_plot(plots, mpath: Path, out: Path) -> Path | None:
+    recs = []
+    for line in mpath.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line being written when the file was collected
+        if isinstance(r.get("loss"), (int, float)) and isinstance(r.get("step"), int):
+            recs.append(r)
+    return plots.metrics_plot(recs, out) if recs else None
+
+
+def _write(path: Path, text: str) -> Path:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+    return path
+
+
+# ---------------------------------------------------------------------------- summary and CLI
+
 def summarize(run_dir: Path) -> list[str]:
-    """Final loss, tokens/s, where the timeline and checkpoints are."""
+    """Final loss, tokens/s, where the timelines, plots and checkpoints are."""
     lines = []
-    metrics = sorted(run_dir.glob("*/metrics.jsonl"))
-    for mp in metrics:
+    for mp in sorted(run_dir.glob("*/metrics.jsonl")):
         recs = []
         for ln in mp.read_text().splitlines():
             try:
@@ -124,9 +370,16 @@ def summarize(run_dir: Path) -> list[str]:
             lines.append(f"final loss {last['loss']:.4f} at step {last.get('step', '?')}"
                          + (f", tokens/s mean {sum(tps) / len(tps):.1f}" if tps else "")
                          + f"  ({mp.relative_to(run_dir.parent)})")
-    for pattern, what in (("*/timeline*.json", "timeline"), ("*/*.png", "plot"), ("*/profile.csv", "profile")):
-        for p in sorted(run_dir.glob(pattern)):
-            lines.append(f"{what}: {p}")
+    def found(pattern: str) -> list[Path]:
+        return sorted([*run_dir.glob(pattern), *run_dir.glob(f"*/{pattern}")])
+
+    for p in found("timeline_batch*.json"):
+        if MERGED.fullmatch(p.name):
+            lines.append(f"timeline: {p}" + ("  (merged here from the nodes' pieces)" if p.parent == run_dir else ""))
+    for p in found("*.png"):
+        lines.append(f"plot: {p}")
+    for p in found("profile.csv"):
+        lines.append(f"profile: {p}")
     ckpts = sorted({p.parent for p in run_dir.glob("*/checkpoints/**/*") if p.is_file()})
     if ckpts:
         lines.append(f"checkpoints: {len(ckpts)} dir(s), e.g. {ckpts[-1]}")
@@ -139,6 +392,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("run", nargs="?", help="run id or prefix (default: latest)")
     p.add_argument("--dest", default="artifacts", help="local root (default artifacts/)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--no-plots", action="store_true", help="do not merge timelines or render plots")
     p.set_defaults(func=main)
 
 
@@ -149,12 +403,13 @@ def collect(cl: Cluster, run_id: str, dest: Path, quiet: bool = False) -> list[N
     out, errors = [], []
     for r, val, err in res:
         if err is not None:
-            errors.append(f"{r.node.name}: {err}")
+            errors.append(f"{r.node.name}: {str(err).removeprefix(f'node {r.node.name}: ')}")
         else:
             out.append(val)
             errors += [f"{val.node}: {e}" for e in val.errors]
     if errors:
-        raise UserError(f"collect {run_id}: " + "; ".join(errors))
+        more = f" (+{len(errors) - MAX_ERRORS_SHOWN} more)" if len(errors) > MAX_ERRORS_SHOWN else ""
+        raise UserError(f"collect {run_id}: " + "; ".join(errors[:MAX_ERRORS_SHOWN]) + more)
     return out
 
 
@@ -164,8 +419,12 @@ def main(args) -> int:
         run_id = resolve_run(gather(cl), args.run)
         results = collect(cl, run_id, Path(args.dest), args.quiet)
     for r in results:
-        print(f"{r.node:12s} {r.files:5d} files: {r.copied} copied ({r.bytes_copied / 1e6:.2f} MB, sha256 verified), "
-              f"{r.skipped} unchanged  -> {r.dest}")
-    for line in summarize(Path(args.dest) / run_id):
+        print(f"{r.node:12s} {r.files:5d} files: {r.copied} copied ({r.bytes_copied / 1e6:.2f} MB, size and sha256 "
+              f"verified), {r.skipped} unchanged" + (f", {r.vanished} vanished" if r.vanished else "") + f"  -> {r.dest}")
+    run_dir = Path(args.dest) / run_id
+    if not args.no_plots and run_dir.is_dir():
+        merge_timelines(run_dir)
+        render_plots(run_dir)
+    for line in summarize(run_dir):
         print(line)
     return 0

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -32,7 +33,6 @@ from tests.runner_helpers import (
     parse_push,
     remotes,
     runner,
-    runner_cmd,
     write_job,
 )
 
@@ -211,3 +211,209 @@ def test_export_cache_with_a_missing_layer_is_redone(host_docker, tmp_path):
     gone.unlink()
     again = export(tag, cache=tmp_path)
     assert again.image_id == want and (again.dir / again.layers[1]).read_bytes() == data
+
+
+# ---------------------------------------------------------------------------- collect
+
+# Each rank writes what a Pi-guide style trainer leaves behind when nobody merges: its own seed
+# timeline piece (1F1B over 3 stages, 4 microbatches, 2 ms per action); the last stage writes
+# metrics.jsonl; node-1 also writes 700 files with 230-character names (one command line naming
+# them all would exceed the kernel's 128 KiB limit per argument).
+WRITER = r"""
+import json, os, time
+out, rank = os.environ['OUTPUT_DIR'], int(os.environ['RANK'])
+t0, ms = 1_000_000_000, 2_000_000
+recs = []
+for kind, offset in (('F', 0), ('B', 8)):
+    for mb in range(4):
+        start = t0 + (rank + mb + (offset + 2 * (2 - rank) if kind == 'B' else 0)) * ms
+        recs.append({'rank': rank, 'action': kind, 'stage_idx': rank, 'mb_idx': mb, 'start_ns': start,
+                     'end_ns': start + ms, 'net_series': [[start + ms // 2, 1.5, 0.5]]})
+json.dump(recs, open(f'{out}/timeline_batch1_rank{rank}.json', 'w'), indent=2)
+if rank == 2:
+    with open(f'{out}/metrics.jsonl', 'w') as f:
+        for step in range(1, 6):
+            f.write(json.dumps({'step': step, 'loss': 6.0 - 0.5 * step, 'tokens_per_s': 1000.0 + step}) + '\n')
+if rank == 1:
+    os.makedirs(f'{out}/many', exist_ok=True)
+    for i in range(700):
+        open(f'{out}/many/f{i:04d}' + 'x' * 225, 'w').write(f'file {i}\n' * (i % 7))
+open(f'{out}/grow-{os.environ["NODE_NAME"]}.log', 'w').write('start\n')
+print('wrote', rank, flush=True)
+"""
+
+
+def runner_no_torch(*args: str) -> subprocess.CompletedProcess:
+    """The runner CLI in a process where `import torch` fails, as on a host without torch."""
+    code = ("import sys; sys.modules['torch'] = None; from runner.cli import main; "
+            f"sys.exit(main({list(args)!r}))")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=600)
+
+
+def one_error(stderr: str) -> str:
+    """The CLI's one error line (its text after 'runner: error: '); nothing else but warnings.
+    (paramiko's transport thread may print 'Exception in thread ' at interpreter exit, a race
+    in runner/ssh.py's close, reported; it is cut off here so it cannot hide a second error.)"""
+    lines = [ln.split("runner: error: ", 1)[1] for ln in stderr.splitlines() if "runner: error: " in ln]
+    assert len(lines) == 1, stderr
+    return lines[0]
+
+
+def node_files(sandbox: Path, node: str, run_id: str) -> dict[str, bytes]:
+    src = node_workdir(sandbox, node) / "runs" / run_id
+    return {str(p.relative_to(src)): p.read_bytes() for p in src.rglob("*") if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def pieces_run(sandbox, pushed, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pieces")
+    job = write_job(tmp, extra={"command": ["python", "-c", WRITER]})
+    proc = runner("up", "-i", str(sandbox), "--job", str(job))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return re.search(r"run (\S+) started", proc.stdout)[1]
+
+
+def test_collect_verified_many_files_merge_and_plots(sandbox, pieces_run, tmp_path):
+    run_id, dest = pieces_run, tmp_path / "art"
+    t0 = time.time()
+    first = runner_no_torch("collect", run_id, "-i", str(sandbox), "--dest", str(dest), "--quiet")
+    took = time.time() - t0
+    assert first.returncode == 0, first.stderr
+    run_dir = dest / run_id
+    for node in NODES:
+        want = node_files(sandbox, node, run_id)
+        got = {str(p.relative_to(run_dir / node)): p.read_bytes() for p in (run_dir / node).rglob("*")
+               if p.is_file() and p.name != ".collect-manifest.json" and not p.name.endswith(".png")}
+        assert got == want  # every file, byte for byte
+        assert re.search(rf"{node}\s+{len(want)} files: {len(want)} copied \(", first.stdout), first.stdout
+    assert sum(k.startswith("many/f") for k in node_files(sandbox, "node-1", run_id)) == 700
+    assert not list(dest.rglob("*.collect-part"))
+    # Merged on the host: the three ranks' pieces, rank after rank, as the trainer's seed format.
+    merged = json.loads((run_dir / "timeline_batch1_all.json").read_text())
+    pieces = [json.loads((run_dir / n / f"timeline_batch1_rank{r}.json").read_text()) for r, n in enumerate(NODES)]
+    assert merged == [rec for p in pieces for rec in sorted(p, key=lambda r: r["start_ns"])]
+    assert [r["rank"] for r in merged] == [0] * 8 + [1] * 8 + [2] * 8
+    # Its Chrome trace matches what the trainer's own converter makes of the merged seed file.
+    from trainer.profiling.trace import load_trace
+
+    ours = json.loads((run_dir / "timeline_batch1_all.trace.json").read_text())
+    theirs = load_trace(run_dir / "timeline_batch1_all.json")
+    slices = lambda t: sorted((e["pid"], e["name"], e["ts"], e["dur"], e["args"]["stage"], e["args"]["microbatch"])  # noqa: E731
+                              for e in t["traceEvents"] if e["ph"] == "X")
+    assert slices(ours) == slices(theirs) and len(slices(ours)) == 24
+    names = {e["pid"]: e["args"]["name"] for e in ours["traceEvents"] if e.get("name") == "process_name"}
+    assert names == {0: "node-0/rank0/stage0", 1: "node-1/rank1/stage1", 2: "node-2/rank2/stage2"}
+    assert ours["otherData"]["sources"] == [f"{n}/timeline_batch1_rank{r}.json" for r, n in enumerate(NODES)]
+    # Plots: the merged Gantt and node-2's loss/tokens-per-s, real PNGs, listed in the summary.
+    gantt, metrics = run_dir / "timeline_batch1_gantt.png", run_dir / "node-2" / "metrics.png"
+    for png in (gantt, metrics):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+        assert f"plot: {png}" in first.stdout
+    assert sorted(p.name for p in run_dir.rglob("*.png")) == ["metrics.png", "timeline_batch1_gantt.png"]
+    assert f"timeline: {run_dir / 'timeline_batch1_all.json'}  (merged here" in first.stdout
+    assert "final loss 3.5000 at step 5, tokens/s mean 1003.0" in first.stdout
+    # Second collect: nothing moves, nothing is re-rendered.
+    stamps = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file() and p.name != ".collect-manifest.json"}
+    second = runner_no_torch("collect", run_id, "-i", str(sandbox), "--dest", str(dest), "--quiet")
+    assert second.returncode == 0, second.stderr
+    for node in NODES:
+        n = len(node_files(sandbox, node, run_id))
+        assert re.search(rf"{node}\s+{n} files: 0 copied \(0\.00 MB, size and sha256 verified\), {n} unchanged",
+                         second.stdout), second.stdout
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+    print(f"\n[collect] first {took:.1f}s for {sum(len(node_files(sandbox, n, run_id)) for n in NODES)} files")
+
+
+def test_collect_file_changing_during_transfer_fails_and_keeps_good_copy(sandbox, pieces_run, tmp_path):
+    run_id, dest = pieces_run, tmp_path / "art"
+    assert runner("collect", run_id, "-i", str(sandbox), "--dest", str(dest), "--quiet").returncode == 0
+    good = (dest / run_id / "node-1" / "grow-node-1.log").read_bytes()
+    # The 700 long names are fetched again in the same collect: one sha256sum command line naming
+    # them all would fail (E2BIG), which the old code took as "nothing to compare" and let the
+    # changing file through as verified.
+    shutil.rmtree(dest / run_id / "node-1" / "many")
+    path = node_workdir(sandbox, "node-1") / "runs" / run_id / "grow-node-1.log"
+    stop = threading.Event()
+
+    def append():  # a rank still logging: the file grows between hashing and transfer
+        with open(path, "a") as f:
+            while not stop.is_set():
+                f.write("more\n" * 100)
+                f.flush()
+                time.sleep(0.001)
+
+    t = threading.Thread(target=append)
+    t.start()
+    try:
+        proc = runner("collect", run_id, "-i", str(sandbox), "--dest", str(dest), "--quiet")
+    finally:
+        stop.set()
+        t.join()
+    assert proc.returncode == 2
+    err = one_error(proc.stderr)
+    assert err.startswith(f"collect {run_id}: node-1: grow-node-1.log: ") and "rerun collect" in err, err
+    assert (dest / run_id / "node-1" / "grow-node-1.log").read_bytes() == good  # not replaced by a bad copy
+    many = {k: v for k, v in node_files(sandbox, "node-1", run_id).items() if k.startswith("many/")}
+    assert {f"many/{p.name}": p.read_bytes() for p in (dest / run_id / "node-1" / "many").iterdir()} == many
+    assert not list(dest.rglob("*.collect-part"))
+    # Once it stops changing, a collect picks it up verified.
+    again = runner("collect", run_id, "-i", str(sandbox), "--dest", str(dest), "--quiet")
+    assert again.returncode == 0, again.stderr
+    assert (dest / run_id / "node-1" / "grow-node-1.log").read_bytes() == path.read_bytes() != good
+
+
+def test_remote_sha256_checks_the_exit_code(sandbox, pieces_run):
+    """A name sha256sum cannot read is reported as such (not silently accepted unverified); names
+    with spaces, backslashes and newlines come back right."""
+    rd = node_workdir(sandbox, "node-0") / "runs" / pieces_run
+    odd = ["a b.txt", "back\\slash", "new\nline"]
+    for name in odd:
+        (rd / name).write_bytes(name.encode())
+    from runner.collect import remote_sha256
+
+    try:
+        with connect(sandbox, "node-0") as remote:
+            sums, failed = remote_sha256(remote, str(rd), [*odd, "missing.bin"])
+            with pytest.raises(push_mod.UserError, match=r"^node node-0: sha256sum on the node failed \(exit 123\)"):
+                remote_sha256(remote, str(rd), ["missing.bin"])
+    finally:
+        for name in odd:
+            (rd / name).unlink()
+    assert sums == {n: hashlib.sha256(n.encode()).hexdigest() for n in odd}
+    assert list(failed) == ["missing.bin"] and "No such file" in failed["missing.bin"]
+
+
+PP3 = """model: {preset: tiny-llama, num_hidden_layers: 3}
+data: {source: synthetic, seq_len: 32}
+train: {steps: 3, seed: 1, batch_size: 8, microbatch_num: 4}
+parallel: {pp: 3, pp_schedule: 1f1b}
+profile: {batch: "2"}
+"""
+
+
+def test_collect_real_trainer_run_plots(sandbox, pushed, tmp_path):
+    """The real trainer (3-stage 1F1B, one stage per node) merges its timeline itself on rank 0:
+    collect merges nothing, renders the Gantt next to it and the loss plot next to metrics.jsonl,
+    on a host without torch."""
+    cfg = tmp_path / "pp3.yaml"
+    cfg.write_text(PP3)
+    job = tmp_path / "job.yaml"
+    job.write_text(f"job:\n  image: runner-trainer:latest\n  config: {cfg}\n  env: {{OMP_NUM_THREADS: '1'}}\n"
+                   "  master_port: auto\n  grace_period: 10\n")
+    proc = runner("up", "-i", str(sandbox), "--job", str(job))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_id = re.search(r"run (\S+) started", proc.stdout)[1]
+    dest = tmp_path / "art"
+    col = runner_no_torch("collect", run_id, "-i", str(sandbox), "--dest", str(dest), "--quiet")
+    assert col.returncode == 0, col.stderr
+    run_dir = dest / run_id
+    trace = json.loads((run_dir / "node-0" / "timeline_batch2_all.json").read_text())
+    assert len([e for e in trace["traceEvents"] if e["ph"] == "X" and e["name"].startswith("forward")]) == 12
+    assert not list(run_dir.glob("timeline*"))  # the trainer merged: nothing merged on the host
+    pngs = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*.png"))
+    assert pngs == ["node-0/timeline_batch2_gantt.png", "node-2/metrics.png"]
+    for p in pngs:
+        assert (run_dir / p).read_bytes()[:4] == b"\x89PNG" and f"plot: {run_dir / p}" in col.stdout
+    losses = [json.loads(x)["loss"] for x in (run_dir / "node-2" / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 3 and f"final loss {losses[-1]:.4f} at step 3" in col.stdout
+    assert f"timeline: {run_dir / 'node-0' / 'timeline_batch2_all.json'}" in col.stdout
