@@ -12,13 +12,16 @@ from rich.console import Console
 from rich.table import Table
 
 from runner.errors import UserError
-from runner.images import node_image_id
+from runner.images import host_image_ids, node_image_id
 from runner.inventory import Inventory, Node
 from runner.session import Probe, add_inventory_args, load, parallel, probe
 from runner.ssh import Remote
 
 CLOCK_TOLERANCE_S = 2.0
 MIN_DISK_GB = 5.0
+# master_port auto (runner/launch.py): the first free port from 29500 + (0..399, from the run id),
+# searching 500 ports (session.pick_master_port).
+AUTO_START, AUTO_OFFSETS, AUTO_SPAN = 29500, 400, 500
 
 
 @dataclass
@@ -29,12 +32,17 @@ class NodeCheck:
     host_key: str = "-"
     probe: Probe | None = None
     image: str | None = None
-    image_present: bool | None = None
-    master_port: str = "-"
+    image_present: bool | None = None   # the node has the tag (and, when comparable, the host's id)
+    image_state: str | None = None      # present | stale | absent | unverified (host lacks the tag)
+    image_id: str | None = None         # on the node
+    host_image_id: str | None = None    # on this host's engine, what push would bring
+    master_port: str = "-"               # "<port> free", "<port> IN USE" or "auto"
+    master_port_detail: str | None = None  # auto: where `up` will look and what is taken there
     problems: list[str] = field(default_factory=list)
 
 
-def check_node(inv: Inventory, node: Node, accept_new: bool, port: int | None) -> NodeCheck:
+def check_node(inv: Inventory, node: Node, accept_new: bool, port: int | None,
+               host_ids: dict[str, str | None] | None = None) -> NodeCheck:
     nc = NodeCheck(node.name, f"{node.host}:{node.port}")
     try:
         remote = Remote(node, accept_new).connect()
@@ -49,41 +57,81 @@ def check_node(inv: Inventory, node: Node, accept_new: bool, port: int | None) -
         nc.host_key = ("pinned " if node.host_key else "known_hosts ") + (remote.host_key_fp or "")[:20] + "…"
         p = probe(remote, inv.master.host)
         nc.probe = p
-        if p.docker_error:
-            nc.problems.append(f"docker engine: {p.docker_error}")
-        if not p.ifname:
-            nc.problems.append(f"no route to master {inv.master.host}")
-        if node.arch and p.arch and node.arch != p.arch:
-            nc.problems.append(f"inventory says {node.arch}, node is {p.arch}")
-        if p.clock_offset_s is not None and abs(p.clock_offset_s) > CLOCK_TOLERANCE_S:
-            nc.problems.append(f"clock off by {p.clock_offset_s:+.1f}s (timelines across nodes will not line up)")
-        if p.disk_free_gb is not None and p.disk_free_gb < MIN_DISK_GB:
-            nc.problems.append(f"only {p.disk_free_gb} GB free in workdir")
-        if node.gpus and not p.gpus:
-            nc.problems.append("inventory asks for GPUs, nvidia-smi sees none")
+        _node_problems(nc, node, p, inv.master.host)
         if node.is_master:
-            if port is None:
-                nc.master_port = "auto"
-            elif port in (p.listening or set()):
-                nc.master_port = f"{port} IN USE"
-                nc.problems.append(f"master port {port} is in use")
-            else:
-                nc.master_port = f"{port} free"
+            _master_port(nc, port, p.listening or set())
         nc.image = inv.job.image_for(node.arch or p.arch)
         if nc.image and not p.docker_error:
-            nc.image_present = node_image_id(remote, nc.image) is not None
+            nc.image_id = node_image_id(remote, nc.image)
+            nc.host_image_id = (host_ids or {}).get(nc.image)
+            nc.image_state = image_state(nc.image_id, nc.host_image_id)
+            nc.image_present = nc.image_state in ("present", "unverified")
     return nc
+
+
+def _node_problems(nc: NodeCheck, node: Node, p: Probe, master_host: str) -> None:
+    if p.docker_error:
+        nc.problems.append(f"docker engine: {p.docker_error}")
+    if not p.ifname:
+        nc.problems.append(f"no route to master {master_host}")
+    if node.arch and p.arch and node.arch != p.arch:
+        nc.problems.append(f"inventory says {node.arch}, node is {p.arch}")
+    if p.clock_offset_s is not None and abs(p.clock_offset_s) > CLOCK_TOLERANCE_S:
+        nc.problems.append(f"clock off by {p.clock_offset_s:+.1f}s (timelines across nodes will not line up)")
+    if p.disk_free_gb is not None and p.disk_free_gb < MIN_DISK_GB:
+        nc.problems.append(f"only {p.disk_free_gb} GB free in workdir")
+    if node.gpus and not p.gpus:
+        nc.problems.append("inventory asks for GPUs, nvidia-smi sees none")
+
+
+def _master_port(nc: NodeCheck, port: int | None, listening: set[int]) -> None:
+    if port is not None:
+        nc.master_port = f"{port} IN USE" if port in listening else f"{port} free"
+        if port in listening:
+            nc.problems.append(f"master port {port} is in use")
+        return
+    # The exact port exists only once the run id does: show where `up` will start looking.
+    nc.master_port = "auto"
+    lo, hi = AUTO_START, AUTO_START + AUTO_OFFSETS - 1
+    if any(all(q in listening for q in range(s, s + AUTO_SPAN)) for s in range(lo, hi + 1)):
+        nc.problems.append(f"master_port auto: no free port near {lo}-{hi + AUTO_SPAN}; set job.master_port")
+    busy = sorted(q for q in listening if lo <= q <= hi)
+    nc.master_port_detail = f"{lo}-{hi}: " + ("all free" if not busy else f"{len(busy)} in use ({_ports(busy)}), up skips them")
+
+
+def _ports(ports: list[int]) -> str:
+    return ",".join(map(str, ports[:4])) + (f",+{len(ports) - 4}" if len(ports) > 4 else "")
+
+
+def image_state(node_id: str | None, host_id: str | None) -> str:
+    """present: same id as this host's image (push skips it); stale: the tag is there but another
+    image (push replaces it); absent; unverified: node has it, this host has no such image."""
+    if node_id is None:
+        return "absent"
+    if host_id is None:
+        return "unverified"
+    return "present" if node_id == host_id else "stale"
 
 
 def run_checks(inv: Inventory, accept_new: bool) -> list[NodeCheck]:
     port = inv.job.master_port if isinstance(inv.job.master_port, int) else None
-    res = parallel(inv.ordered(), lambda n: check_node(inv, n, accept_new, port))
+    tags = {inv.job.image_for(n.arch or a) for n in inv.nodes for a in ("amd64", "arm64")} - {None}
+    host_ids = host_image_ids(sorted(tags))
+    res = parallel(inv.ordered(), lambda n: check_node(inv, n, accept_new, port, host_ids))
     out = []
     for n, val, err in res:
         if err is not None:
             val = NodeCheck(n.name, f"{n.host}:{n.port}", ssh="?", problems=[str(err)])
         out.append(val)
     return out
+
+
+def _image_cell(c: NodeCheck) -> str:
+    if c.image_state is None:
+        return "-"
+    if c.image_state == "stale":
+        return f"{c.image} stale (node {c.image_id[7:19]}, host {c.host_image_id[7:19]})"
+    return f"{c.image} {c.image_state}"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -110,8 +158,8 @@ def main(args) -> int:
             t.add_row(c.node, c.ssh, c.host_key, p.docker or ("FAIL" if c.probe else "-"), p.arch or "-",
                       str(p.cpus or "-"), str(p.mem_gb or "-"), str(p.disk_free_gb if p.disk_free_gb is not None else "-"),
                       str(p.gpus), f"{p.clock_offset_s:+.2f}s" if p.clock_offset_s is not None else "-",
-                      p.ifname or "-", c.master_port,
-                      "-" if c.image_present is None else (f"{c.image} present" if c.image_present else f"{c.image} missing"))
+                      p.ifname or "-", " ".join(filter(None, (c.master_port, c.master_port_detail))),
+                      _image_cell(c))
         Console(width=200).print(t)
     failing = [c for c in checks if c.problems]
     if failing:

@@ -67,6 +67,26 @@ def host_client():
                         "start it (scripts/setup.sh)") from None
 
 
+def host_image_ids(tags: list[str]) -> dict[str, str | None]:
+    """{tag: image id on this host's engine, or None}; all None when the engine does not answer
+    (check still reports what the nodes have, just not whether it is current)."""
+    import docker
+
+    try:
+        client = host_client()
+    except UserError as exc:
+        log.warning("%s; image ids not compared", exc)
+        return dict.fromkeys(tags)
+    out: dict[str, str | None] = {}
+    for t in tags:
+        try:
+            out[t] = client.images.get(t).id
+        except docker.errors.ImageNotFound:
+            out[t] = None
+    client.close()
+    return out
+
+
 def export(tag: str, cache: Path = CACHE) -> Exported:
     """`docker save` of tag from this host's engine into cache/<image id>/ (skipped when cached)."""
     import docker

@@ -417,3 +417,52 @@ def test_collect_real_trainer_run_plots(sandbox, pushed, tmp_path):
     losses = [json.loads(x)["loss"] for x in (run_dir / "node-2" / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 3 and f"final loss {losses[-1]:.4f} at step 3" in col.stdout
     assert f"timeline: {run_dir / 'node-0' / 'timeline_batch2_all.json'}" in col.stdout
+
+
+# ---------------------------------------------------------------------------- check
+
+def test_check_image_present_stale_absent_and_master_port(sandbox, pushed, tmp_path):
+    import socket
+
+    tag = f"runner-test-stale:{os.getpid()}"
+    a = build_scratch_image(tag, [os.urandom(1 << 16)])
+    job = write_job(tmp_path, image=tag)
+    env = {"RUNNER_IMAGE_CACHE": str(tmp_path / "cache")}
+    assert runner("push", "-i", str(sandbox), "--job", str(job), env=env).returncode == 0
+
+    def check(*extra: str) -> subprocess.CompletedProcess:
+        return runner("check", "-i", str(sandbox), "--job", str(job), *extra)
+
+    rows = json.loads(check("--json").stdout)
+    assert [(r["image_state"], r["image_id"], r["host_image_id"]) for r in rows] == [("present", a, a)] * 3
+    # The host's tag now names another image: every node's copy is stale (push would replace it).
+    b = build_scratch_image(tag, [os.urandom(1 << 16)])
+    with remotes(sandbox)["node-1"] as r:
+        assert r.run(["docker", "rmi", tag]).rc == 0
+    rows = json.loads(check("--json").stdout)
+    assert [(r["node"], r["image_state"], r["image_id"], r["host_image_id"], r["image_present"]) for r in rows] == [
+        ("node-0", "stale", a, b, False), ("node-1", "absent", None, b, False), ("node-2", "stale", a, b, False)]
+    # Master port: auto shows where up looks and what is taken there; a fixed port in use fails.
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", 29500))
+            s.listen()
+        except OSError:
+            pass  # someone else's master listens there: it is in use all the same
+        rows = json.loads(check("--json").stdout)
+        assert rows[0]["master_port"] == "auto"
+        assert re.fullmatch(r"29500-29899: \d+ in use \(29500[,)].*, up skips them", rows[0]["master_port_detail"]), rows[0]
+        assert [r["master_port"] for r in rows[1:]] == ["-", "-"]
+        table = check()
+        assert table.returncode == 0, table.stderr
+        cells = lambda node: next(ln for ln in table.stdout.splitlines() if f"│ {node} " in ln)  # noqa: E731
+        assert " stale" in cells("node-0") and " absent" in cells("node-1")  # (cells wrap: first line)
+        fixed = write_job(tmp_path, "fixed.yaml", image=tag, extra={"master_port": 29500})
+        proc = runner("check", "-i", str(sandbox), "--job", str(fixed))
+    assert proc.returncode == 1
+    assert one_error(proc.stderr) == "check failed on node-0: master port 29500 is in use"
+    # Pushed again: present everywhere.
+    assert runner("push", "-i", str(sandbox), "--job", str(job), env=env).returncode == 0
+    rows = json.loads(check("--json").stdout)
+    assert [(r["image_state"], r["image_id"]) for r in rows] == [("present", b)] * 3
