@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runner.errors import UserError
+from runner.inventory import BuildSpec
 from runner.ssh import Remote
 
 log = logging.getLogger("runner.images")
@@ -67,6 +68,32 @@ def host_client():
                         "start it (scripts/setup.sh)") from None
 
 
+def build_image(tag: str, spec: BuildSpec) -> str:
+    """Build tag on this host's engine from spec (classic builder, host network: base images and
+    wheels come from loopback, no registry needed); returns the image id."""
+    client = host_client()
+    log.info("building %s from %s (%s)", tag, spec.context, spec.dockerfile)
+    try:
+        for chunk in client.api.build(path=spec.context, dockerfile=spec.dockerfile, tag=tag, buildargs=spec.args,
+                                      platform=spec.platform, network_mode="host", rm=True, forcerm=True,
+                                      decode=True):
+            if "error" in chunk:
+                raise UserError(f"build of {tag} ({spec.context}/{spec.dockerfile}) failed: "
+                                f"{chunk['error'].strip()[-300:]}")
+            line = chunk.get("stream", "").strip()
+            if line.startswith("Step "):
+                log.info("build %s: %s", tag, line)
+        return client.images.get(tag).id
+    except UserError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - API errors (bad dockerfile path, engine gone) as one line
+        raise UserError(f"build of {tag} ({spec.context}/{spec.dockerfile}) failed: "
+                        f"{str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else type(exc).__name__}"
+                        ) from None
+    finally:
+        client.close()
+
+
 def host_image_ids(tags: list[str]) -> dict[str, str | None]:
     """{tag: image id on this host's engine, or None}; all None when the engine does not answer
     (check still reports what the nodes have, just not whether it is current)."""
@@ -96,7 +123,7 @@ def export(tag: str, cache: Path = CACHE) -> Exported:
         img = client.images.get(tag)
     except docker.errors.ImageNotFound:
         raise UserError(f"image {tag} is not on this host's engine; build it first "
-                        "(scripts/build-image.sh) or fix job.image") from None
+                        "(scripts/build-image.sh), say how in job.build, or fix job.image") from None
     image_id = img.id
     d = cache / image_id.split(":", 1)[1]
     cache.mkdir(parents=True, exist_ok=True)

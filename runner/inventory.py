@@ -31,7 +31,8 @@ NODE_FIELDS = {"name", "host", "port", "user", "identity_file", "known_hosts", "
                "slots", "role", "workdir", "gpus", "env"}
 DEFAULT_FIELDS = NODE_FIELDS - {"name", "host", "role", "host_key"}
 JOB_FIELDS = {"image", "config", "args", "env", "env_file", "master_port", "nproc_per_node",
-              "grace_period", "command"}
+              "grace_period", "command", "build"}
+BUILD_FIELDS = {"context", "dockerfile", "args", "platform"}
 TOP_FIELDS = {"defaults", "nodes", "job"}
 
 
@@ -58,6 +59,15 @@ class Node:
 
 
 @dataclass
+class BuildSpec:
+    """How `runner push` builds an image on this host's engine (job.build, per arch or for all)."""
+    context: str                      # directory sent to the engine (its .dockerignore applies)
+    dockerfile: str = "Dockerfile"    # relative to context
+    args: dict[str, str] = field(default_factory=dict)  # --build-arg
+    platform: str | None = None       # e.g. linux/arm64 (cross-build through qemu binfmt)
+
+
+@dataclass
 class Job:
     image: dict[str, str] | str = "runner-trainer:latest"  # one tag, or {arch: tag}
     config: str | None = None
@@ -68,6 +78,7 @@ class Job:
     nproc_per_node: int | None = None  # None: each node's slots
     grace_period: float = 30.0        # seconds between SIGTERM and SIGKILL on down
     command: list[str] | None = None  # replaces `-m trainer --config ...` (tests, custom entrypoints)
+    build: dict[str, BuildSpec] = field(default_factory=dict)  # {arch: spec}; one spec for all fills both
 
     def image_for(self, arch: str | None) -> str | None:
         if isinstance(self.image, str):
@@ -432,7 +443,43 @@ def _job(c: _Checker, v: _Val, base: Path) -> Job:
             if isinstance(x.value, bool) or not isinstance(x.value, (int, float)) or not 0 <= x.value <= 3600:
                 c.fail(x.line, w, f"must be seconds in 0..3600, got {_show(x.value)}")
             job.grace_period = float(x.value)
+        elif key == "build":
+            job.build = _build(c, x, w, base)
     return job
+
+
+def _build(c: _Checker, v: _Val, where: str, base: Path) -> dict[str, BuildSpec]:
+    """`build: {context, dockerfile, args, platform}` for every arch, or `build: {arm64: {...}, ...}`."""
+    if isinstance(v.value, dict) and v.value and not set(v.value) & BUILD_FIELDS:
+        out = {}
+        for arch, (aline, x) in v.value.items():
+            if arch not in ARCH_ALIASES:
+                c.fail(aline, f"{where}.{arch}", f"unknown arch (use {' or '.join(ARCHES)}) or build field "
+                       f"({', '.join(sorted(BUILD_FIELDS))})")
+            out[ARCH_ALIASES[arch]] = _build_spec(c, x, f"{where}.{arch}", base)
+        return out
+    spec = _build_spec(c, v, where, base)
+    return dict.fromkeys(ARCHES, spec)
+
+
+def _build_spec(c: _Checker, v: _Val, where: str, base: Path) -> BuildSpec:
+    m = c.mapping(v, where, BUILD_FIELDS)
+    if "context" not in m:
+        c.fail(v.line, where, "missing context (the directory to build from)")
+    line, x = m["context"]
+    ctx = _expand(c.str_(x, f"{where}.context"), base)
+    if not os.path.isdir(ctx):
+        c.fail(line, f"{where}.context", f"directory not found: {ctx}")
+    spec = BuildSpec(context=ctx)
+    if "dockerfile" in m:
+        spec.dockerfile = c.str_(m["dockerfile"][1], f"{where}.dockerfile")
+    if not os.path.isfile(os.path.join(ctx, spec.dockerfile)):
+        c.fail(m.get("dockerfile", (v.line,))[0], f"{where}.dockerfile", f"not found in {ctx}: {spec.dockerfile}")
+    if "args" in m:
+        spec.args = c.str_map(m["args"][1], f"{where}.args")
+    if "platform" in m:
+        spec.platform = c.str_(m["platform"][1], f"{where}.platform")
+    return spec
 
 
 def _job_file(job_path: str, base: Path) -> Job:

@@ -23,7 +23,17 @@ from rich.progress import (
 )
 
 from runner.errors import UserError
-from runner.images import Exported, export, missing_layers, node_chains, node_image_id, partial_members
+from runner.images import (
+    Exported,
+    build_image,
+    export,
+    host_image_ids,
+    missing_layers,
+    node_chains,
+    node_image_id,
+    partial_members,
+)
+from runner.inventory import BuildSpec, Inventory
 from runner.session import Cluster, add_inventory_args, load, parallel, probe
 from runner.ssh import Remote
 
@@ -242,15 +252,16 @@ def _push_full(remote: Remote, exp: Exported, res: PushResult, progress) -> None
 
 
 def push_to_nodes(cl: Cluster, arches: dict[str, str | None], quiet: bool = False,
-                  force_full: bool = False) -> list[PushResult]:
-    """Each node gets job.image for its arch; exports happen once per tag."""
-    tags: dict[str, str] = {}
-    for n in cl.inv.nodes:
-        arch = n.arch or arches.get(n.name)
-        tag = cl.inv.job.image_for(arch)
-        if not tag:
-            raise UserError(f"{cl.inv.path}: job.image: no image for arch {arch} (node {n.name})")
-        tags[n.name] = tag
+                  force_full: bool = False, build: bool = False) -> list[PushResult]:
+    """Each node gets job.image for its arch; images are built first where job.build says how
+    (when missing on this host, or always with build=True); exports happen once per tag."""
+    tags = node_tags(cl.inv, arches)
+    specs = build_specs(cl.inv, tags, arches)
+    if build and not any(specs.values()):
+        raise UserError(f"{cl.inv.path}: push --build: the job has no build section saying how to build "
+                        f"{', '.join(sorted(specs))} (job.build: {{context, dockerfile, args}})")
+    for tag, spec in specs.items():
+        ensure_built(tag, spec, build)
     exports = {t: export(t) for t in sorted(set(tags.values()))}
     with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                   TimeRemainingColumn(), disable=quiet, transient=True) as progress:
@@ -261,7 +272,7 @@ def push_to_nodes(cl: Cluster, arches: dict[str, str | None], quiet: bool = Fals
     out, errors = [], []
     for r, val, err in res:
         if err is not None:
-            errors.append(f"{r.node.name}: {err}")
+            errors.append(f"{r.node.name}: {str(err).removeprefix(f'node {r.node.name}: ')}")
         else:
             out.append(val)
             log.info("push %s: %s %s (%d/%d layers, %.1f MB, %.1fs)", val.node, val.tag, val.action,
@@ -271,11 +282,46 @@ def push_to_nodes(cl: Cluster, arches: dict[str, str | None], quiet: bool = Fals
     return out
 
 
+def node_tags(inv: Inventory, arches: dict[str, str | None]) -> dict[str, str]:
+    tags: dict[str, str] = {}
+    for n in inv.nodes:
+        arch = n.arch or arches.get(n.name)
+        tag = inv.job.image_for(arch)
+        if not tag:
+            raise UserError(f"{inv.path}: job.image: no image for arch {arch} (node {n.name})")
+        tags[n.name] = tag
+    return tags
+
+
+def build_specs(inv: Inventory, tags: dict[str, str], arches: dict[str, str | None]) -> dict[str, BuildSpec | None]:
+    """{tag: how to build it, or None}; one tag asked of two different build specs is an error."""
+    out: dict[str, BuildSpec | None] = {}
+    for n in inv.nodes:
+        tag, spec = tags[n.name], inv.job.build.get(n.arch or arches.get(n.name) or "")
+        if tag in out and out[tag] != spec:
+            raise UserError(f"{inv.path}: job.build: tag {tag} is built differently for the arches of its nodes; "
+                            "give each arch its own tag in job.image")
+        out[tag] = spec
+    return out
+
+
+def ensure_built(tag: str, spec: BuildSpec | None, force: bool) -> None:
+    """Build when asked to, or when this host lacks the tag and the job says how; else take it."""
+    if spec is None:
+        if force:
+            log.info("%s: no job.build for it; taking the image as it is", tag)
+        return
+    if force or host_image_ids([tag])[tag] is None:
+        image_id = build_image(tag, spec)
+        log.info("built %s: %s", tag, image_id[:19])
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("push", help="bring every node its image, moving only missing layers")
     add_inventory_args(p)
     p.add_argument("--job", help="YAML file with a job section, overriding the inventory's")
     p.add_argument("--full", action="store_true", help="always stream the whole image (compressed save|load)")
+    p.add_argument("--build", action="store_true", help="build every image job.build describes, even if present")
     p.set_defaults(func=main)
 
 
@@ -285,7 +331,7 @@ def main(args) -> int:
         arches: dict[str, str | None] = {}
         if any(n.arch is None for n in inv.nodes):
             arches = {k: p.arch for k, p in cl.each(lambda r: probe(r, inv.master.host)).items()}
-        results = push_to_nodes(cl, arches, force_full=args.full)
+        results = push_to_nodes(cl, arches, force_full=args.full, build=args.build)
     for r in results:
         print(f"{r.node:12s} {r.tag:28s} {r.action:8s} layers {r.layers_sent}/{r.layers_total}  "
               f"{r.bytes_sent / 1e6:9.1f} MB of {r.image_bytes / 1e6:.1f} MB  {r.seconds:.1f}s  id {r.image_id[7:19]}")

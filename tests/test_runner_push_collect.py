@@ -466,3 +466,70 @@ def test_check_image_present_stale_absent_and_master_port(sandbox, pushed, tmp_p
     assert runner("push", "-i", str(sandbox), "--job", str(job), env=env).returncode == 0
     rows = json.loads(check("--json").stdout)
     assert [(r["image_state"], r["image_id"]) for r in rows] == [("present", b)] * 3
+
+
+# ---------------------------------------------------------------------------- build
+
+def host_image(tag: str):
+    import docker
+    from runner.images import HOST_DOCKER
+
+    try:
+        return docker.DockerClient(base_url=HOST_DOCKER, version="auto").images.get(tag)
+    except docker.errors.ImageNotFound:
+        return None
+
+
+def test_push_builds_from_job_build(sandbox, pushed, tmp_path):
+    """job.build: built on the host when the tag is missing there (build args passed, host
+    network), taken as it is afterwards, rebuilt with --build (then only the changed layer moves);
+    a failing build and a bad build section are one line each."""
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "Dockerfile.test").write_text("FROM scratch\nARG MARK=none\nLABEL mark=$MARK\nCOPY base /base\n"
+                                         "COPY payload /payload\n")
+    (ctx / "base").write_bytes(os.urandom(1 << 20))
+    (ctx / "payload").write_text("one\n")
+    tag, mark = f"runner-test-build:{os.getpid()}", os.urandom(4).hex()
+    job = write_job(tmp_path, image=tag, extra={"build": {"context": str(ctx), "dockerfile": "Dockerfile.test",
+                                                          "args": {"MARK": mark}}})
+    env = {"RUNNER_IMAGE_CACHE": str(tmp_path / "cache")}
+    assert host_image(tag) is None
+    first = runner("push", "-i", str(sandbox), "--job", str(job), env=env)
+    assert first.returncode == 0, first.stderr
+    img = host_image(tag)
+    assert img.labels["mark"] == mark and f"building {tag} from {ctx}" in first.stderr
+    for node, r in parse_push(first.stdout).items():
+        assert r["action"] == "layers" and r["sent"] == r["total"] == 2
+        assert node_image_id(sandbox, node, tag) == img.id
+    # Present on the host: no build, and every node is skipped.
+    again = runner("push", "-i", str(sandbox), "--job", str(job), env=env)
+    assert again.returncode == 0 and "building" not in again.stderr, again.stderr
+    assert {r["action"] for r in parse_push(again.stdout).values()} == {"skipped"}
+    # --build rebuilds: a changed payload is one new layer on every node.
+    (ctx / "payload").write_text("two\n")
+    rebuilt = runner("push", "-i", str(sandbox), "--job", str(job), "--build", env=env)
+    assert rebuilt.returncode == 0, rebuilt.stderr
+    new = host_image(tag)
+    assert new.id != img.id and f"building {tag}" in rebuilt.stderr
+    for node, r in parse_push(rebuilt.stdout).items():
+        assert r["action"] == "layers" and r["sent"] == 1 and r["mb"] < 0.01, r
+        assert node_image_id(sandbox, node, tag) == new.id
+    # A failing build: one line naming the tag and the Dockerfile, nothing pushed.
+    (ctx / "Dockerfile.bad").write_text("FROM scratch\nCOPY missing-file /x\n")
+    bad = write_job(tmp_path, "bad.yaml", image=tag + "-bad", extra={"build": {"context": str(ctx),
+                                                                               "dockerfile": "Dockerfile.bad"}})
+    proc = runner("push", "-i", str(sandbox), "--job", str(bad), env=env)
+    assert proc.returncode == 2
+    err = one_error(proc.stderr)
+    assert err.startswith(f"build of {tag}-bad ({ctx}/Dockerfile.bad) failed: ") and "missing-file" in err, err
+    # A build section naming a missing directory: file, line and field.
+    wrong = write_job(tmp_path, "wrong.yaml", image=tag, extra={"build": {"amd64": {"context": str(ctx / "nope")}}})
+    proc = runner("push", "-i", str(sandbox), "--job", str(wrong))
+    assert proc.returncode == 2
+    assert re.fullmatch(rf"{wrong}:\d+: job\.build\.amd64\.context: directory not found: {ctx / 'nope'}",
+                        one_error(proc.stderr)), proc.stderr
+    # --build without a build section says so.
+    plain = write_job(tmp_path, "plain.yaml", image=tag)
+    proc = runner("push", "-i", str(sandbox), "--job", str(plain), "--build")
+    assert proc.returncode == 2 and "push --build: the job has no build section" in one_error(proc.stderr)
