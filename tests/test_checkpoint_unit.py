@@ -52,3 +52,44 @@ def test_truncate_metrics_keeps_steps_up_to_the_checkpoint(tmp_path):
     m.write_text("".join(json.dumps({"step": s, "loss": s / 10}) + "\n" for s in range(1, 6)) + '{"step": 6, "lo')
     _truncate_metrics(m, 3)
     assert [json.loads(x)["step"] for x in m.read_text().splitlines()] == [1, 2, 3]
+
+
+def test_per_node_verify_needs_every_rank_files_on_each_node(tmp_path):
+    """Per-node storage: a rank checks all manifests' files in its node's copy (DCP may read any)."""
+    from trainer.checkpoint_storage import MISSING_HINT
+
+    d = _ckpt(tmp_path, "step-1", 1)
+    for r in range(2):
+        (d / f"__{r}_0.distcp").write_bytes(b"xx")
+        (d / f"manifest.rank{r}.json").write_text(json.dumps({f"__{r}_0.distcp": [2, None]}))
+    assert verify_manifests(d, 2, 0, 1, all_present=True, hint=MISSING_HINT) is None
+    (d / "__1_0.distcp").unlink()
+    # Rank 0's own share (manifest 0) is complete; rank 1's shard missing here is still an error.
+    assert verify_manifests(d, 2, 0, 2) is None
+    err = verify_manifests(d, 2, 0, 2, all_present=True, hint=MISSING_HINT)
+    assert err == f"{d / '__1_0.distcp'}: missing (listed in manifest.rank1.json); {MISSING_HINT}"
+    assert "\n" not in err and "runner up --resume" in err
+
+
+def test_nodes_agree_on_latest(tmp_path):
+    from trainer.checkpoint_storage import agree_on_latest
+
+    pointer = tmp_path / "latest"
+    both = [(3, "step-3"), (6, "step-6")]
+    assert agree_on_latest([("step-6", both), ("step-6", both)], pointer) == ("step-6", None)
+    assert agree_on_latest([(None, []), (None, [])], pointer) == (None, None)  # first launch
+    # Node 1 crashed before renaming step-6 (pruning waits for every rename: step-3 is on both).
+    name, warning = agree_on_latest([("step-6", both), ("step-3", [(3, "step-3")])], pointer)
+    assert name == "step-3" and "rank 0: step-6, rank 1: step-3" in warning
+    with pytest.raises(ConfigError, match="none is complete on every node; .*runner up --resume"):
+        agree_on_latest([("step-6", [(6, "step-6")]), (None, [])], pointer)
+
+
+def test_storage_layout_groups():
+    from trainer.checkpoint_storage import StorageLayout
+
+    shared = StorageLayout((0, 0, 0, 0))
+    assert shared.shared and shared.is_leader(0) and not shared.is_leader(1)
+    nodes = StorageLayout((0, 0, 2, 2))  # two nodes of two ranks, each on its own disk
+    assert not nodes.shared and nodes.is_leader(2) and nodes.group(3) == [2, 3]
+    assert nodes.describe() == "ranks 0,1; ranks 2,3"

@@ -13,8 +13,12 @@ Layout under checkpoint.dir (default OUTPUT_DIR/checkpoints; see docs/checkpoint
 
 Atomic: everything is written to `.tmp-<name>/`; only after every rank has finished (barrier)
 does rank 0 rename it to `<name>` and then rewrite `latest` (write + os.replace). A crash at any
-point leaves `latest` naming the previous complete checkpoint. Requires checkpoint.dir on a
-filesystem every rank sees (one node, or shared storage).
+point leaves `latest` naming the previous complete checkpoint.
+
+Without shared storage (each node's OUTPUT_DIR on its own disk) the same happens per node: the
+first rank of each disk renames that node's directory and writes its `latest`, and rank 0's
+description files are copied to every node (trainer/checkpoint_storage.py). Resume then needs
+the union of all nodes' files on each node (`runner up --resume` syncs them).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from trainer.checkpoint_state import ModelOptimState, merged_model, model_signature, rng_state, set_rng_state
+from trainer.checkpoint_storage import MISSING_HINT, StorageLayout, agree_on_latest, probe, share_rank0_files
 from trainer.config import ConfigError
 from trainer.preempt import EXIT_PREEMPTED, Preemption
 
@@ -69,14 +74,15 @@ def _broadcast(obj: Any) -> Any:
 
 
 def _agree_error(error: str | None) -> None:
-    """Raise the same ConfigError on every rank if any rank found one (no rank left waiting)."""
+    """Raise a ConfigError on every rank if any rank found an error (no rank left waiting): a
+    rank's own error, else the first one (per-node storage: each node names its own file)."""
     errors = [error]
     if _dist():
         errors = [None] * dist.get_world_size()
         dist.all_gather_object(errors, error)
     first = next((e for e in errors if e), None)
     if first:
-        raise ConfigError(first)
+        raise ConfigError(error or first)
 
 
 def crc32(path: Path) -> int:
@@ -136,23 +142,49 @@ def resolve_resume(value: str, root: Path) -> Path | None:
     return p
 
 
-def verify_manifests(path: Path, world_size: int, rank: int, nranks: int) -> str | None:
-    """Check the files listed by manifests j = rank, rank + nranks, ... (each rank checks a share)."""
+def _read_manifest(path: Path, j: int, hint: str) -> tuple[dict, str | None]:
+    m = path / f"manifest.rank{j}.json"
+    if not m.is_file():
+        return {}, f"{m}: missing (the checkpoint lacks rank {j}'s shard set){hint}"
+    try:
+        return json.loads(m.read_text()), None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return {}, f"{m}: corrupt"
+
+
+def _check_file(f: Path, size: int, manifest: str, hint: str) -> str | None:
+    if not f.is_file():
+        return f"{f}: missing (listed in {manifest}){hint}"
+    if f.stat().st_size != size:
+        return f"{f}: size {f.stat().st_size} != {size} recorded at save time (truncated or corrupt)"
+    return None
+
+
+def verify_manifests(path: Path, world_size: int, rank: int, nranks: int, *, all_present: bool = False,
+                     crc: bool = True, hint: str = "") -> str | None:
+    """Check the files listed by manifests j = rank, rank + nranks, ... (each rank checks a share).
+
+    all_present (per-node storage): first check that every rank's manifest and every file they
+    list are in this node's copy, since DCP may read any shard on any rank; `hint` is appended
+    to "missing" errors (what to do about files that live on another node)."""
+    hint = f"; {hint}" if hint else ""
+    if all_present:
+        for j in range(world_size):
+            files, err = _read_manifest(path, j, hint)
+            for name, (size, _) in files.items():
+                err = err or _check_file(path / name, size, f"manifest.rank{j}.json", hint)
+            if err:
+                return err
     for j in range(rank, world_size, nranks):
-        m = path / f"manifest.rank{j}.json"
-        if not m.is_file():
-            return f"{m}: missing (the checkpoint lacks rank {j}'s shard set)"
-        try:
-            files = json.loads(m.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return f"{m}: corrupt"
-        for name, (size, crc) in files.items():
+        files, err = _read_manifest(path, j, hint)
+        if err:
+            return err
+        for name, (size, want) in files.items():
             f = path / name
-            if not f.is_file():
-                return f"{f}: missing (listed in {m.name})"
-            if f.stat().st_size != size:
-                return f"{f}: size {f.stat().st_size} != {size} recorded at save time (truncated or corrupt)"
-            if crc is not None and crc32(f) != crc:
+            err = _check_file(f, size, f"manifest.rank{j}.json", hint)
+            if err:
+                return err
+            if crc and want is not None and crc32(f) != want:
                 return f"{f}: checksum mismatch (corrupt)"
     return None
 
@@ -163,7 +195,8 @@ class Checkpointer:
     def __init__(self, trainer: Any):
         self.cfg = trainer.cfg.checkpoint
         self.root = checkpoint_root(trainer.cfg)
-        self.active = self.cfg.enabled or self.cfg.interval > 0 or self.cfg.preempt_interval > 0
+        self.active = (self.cfg.enabled or self.cfg.interval > 0 or self.cfg.preempt_interval > 0
+                       or trainer.cfg.train.exit_interval > 0)
         self.preemption = Preemption() if self.cfg.on_signal else None
         self.model = merged_model(trainer.par.model_parts)
         self.app = ModelOptimState(self.model, trainer.optimizer)
@@ -171,16 +204,48 @@ class Checkpointer:
         self.saved_step = -1
         self.preempted = False
         self.pending: Any = None          # async save waiting to be finalized
+        self._layout: StorageLayout | None = None
         self.async_pg = None
         if self.cfg.async_save and _dist():
             self.async_pg = dist.new_group(backend="gloo")  # background writes never share the training pg
+
+    def layout(self) -> StorageLayout:
+        """Who finalizes which directory (collective on first use; see checkpoint_storage.py)."""
+        if self._layout is None:
+            self._layout = probe(self.root) if _dist() else StorageLayout((0,))
+            if not self._layout.shared:
+                log.warning("checkpoint dir %s is not shared by all ranks (%s see the same files): each node "
+                            "keeps its own copy of every checkpoint, finalized by its first rank", self.root,
+                            self._layout.describe())
+        return self._layout
+
+    def _resume_path(self) -> Path | None:
+        error, path = None, None
+        try:
+            path = resolve_resume(self.cfg.resume, self.root)
+        except ConfigError as e:
+            error = str(e)
+        _agree_error(error)
+        if self.cfg.resume != "latest" or not _dist() or self.layout().shared:
+            return path
+        return self._agree_latest(path)
+
+    def _agree_latest(self, path: Path | None) -> Path | None:
+        """Per-node storage: every node has its own `latest`; see checkpoint_storage.agree_on_latest."""
+        mine = (None if path is None else path.name, [(s, d.name) for s, d in list_checkpoints(self.root)])
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        name, warning = agree_on_latest(everyone, self.root / LATEST)  # the same answer on every rank
+        if warning:
+            log.warning("%s", warning)
+        return None if name is None else self.root / name
 
     # ------------------------------------------------------------------ trainer hooks
     def on_train_start(self, trainer: Any) -> None:
         if self.preemption is not None:
             self.preemption.install()
         if self.cfg.resume:
-            path = resolve_resume(self.cfg.resume, self.root)
+            path = self._resume_path()
             if path is None:
                 log.warning("checkpoint.resume latest: no checkpoint under %s yet; starting from step 0", self.root)
             else:
@@ -242,7 +307,7 @@ class Checkpointer:
         rank, step = _rank(), trainer.step
         name = self._name(step, preempt)
         tmp, final = self.root / (TMP_PREFIX + name), self.root / name
-        if rank == 0:
+        if self.layout().is_leader(rank):  # rank 0, plus the first rank of every unshared disk
             shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
             tmp.mkdir(parents=True)
         state = self._train_state(trainer)  # collective (loss_min)
@@ -285,13 +350,14 @@ class Checkpointer:
         self.pending = None
         if future is not None:
             future.result()
-        rank = _rank()
+        rank, layout = _rank(), self.layout()
+        share_rank0_files(tmp, layout, rank)  # per-node storage: .metadata etc. on every node
         self._write_manifest(tmp, rank)
         delay = os.environ.get(TEST_DELAY_ENV, "")
         if delay and int(delay.split(":")[0]) == step:
             time.sleep(float(delay.split(":")[1]))
-        _barrier()  # every rank's files are on disk
-        if rank == 0:
+        _barrier()  # every rank's files are on disk, on every node
+        if layout.is_leader(rank):
             old = final.with_name(final.name + ".old")
             if final.exists():  # an overwritten name (preempt at the same step): swap, then drop
                 shutil.rmtree(old, ignore_errors=True)
@@ -301,8 +367,11 @@ class Checkpointer:
             pointer = self.root / (LATEST + ".tmp")
             pointer.write_text(final.name + "\n")
             os.replace(pointer, self.root / LATEST)
-            self._prune(final, preempt)
         _barrier()
+        # Pruned only once every node has renamed: a crash between two nodes' renames leaves the
+        # previous checkpoint on every node (what _agree_latest falls back to).
+        if layout.is_leader(rank):
+            self._prune(final, preempt)
         log.info("checkpoint step %d -> %s (%.2fs)", step, final, time.perf_counter() - t0)
 
     def _prune(self, newest: Path, preempt: bool) -> None:
@@ -337,11 +406,16 @@ class Checkpointer:
             return None, (f"{path / STATE_FILE}: {data['consumed']} samples consumed is not a multiple of this run's "
                           f"global batch {g_new} (was {data['global_batch']}); choose train.batch_size x "
                           f"grad_acc_steps x dp dividing {data['consumed']}")
-        if self.cfg.verify:
-            n = dist.get_world_size() if _dist() else 1
-            err = verify_manifests(path, int(state["world_size"]), _rank(), n)
-            if err:
-                return None, err
+        layout, rank, saved_world = self.layout() if _dist() else None, _rank(), int(state["world_size"])
+        err = None
+        if layout is not None and not layout.shared:
+            group = layout.group(rank)  # this node's ranks split the checksums of this node's copy
+            err = verify_manifests(path, saved_world, group.index(rank), len(group), all_present=True,
+                                   crc=self.cfg.verify, hint=MISSING_HINT)
+        elif self.cfg.verify:
+            err = verify_manifests(path, saved_world, rank, dist.get_world_size() if _dist() else 1)
+        if err:
+            return None, err
         return state, None
 
     def load(self, trainer: Any, path: Path) -> None:

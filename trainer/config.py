@@ -63,6 +63,8 @@ class TrainConfig:
     grad_clip: float = 1.0              # max grad norm; 0 = no clipping (the norm is logged anyway)
     eval_interval: int = 0              # evaluate every N steps (0 = never)
     eval_batches: int = 2
+    exit_interval: int = 0              # end the run after a step divisible by N, with a checkpoint
+                                        # (Megatron's --exit-interval: time-boxed jobs; --resume latest)
 
 
 @dataclass
@@ -300,6 +302,8 @@ def validate(cfg: Config) -> None:
                           f"{t.microbatch_num} (--batch_size % --microbatch_num must be 0)")
     if t.steps is not None and t.steps < 0:
         raise ConfigError(f"train.steps must be >= 0, got {t.steps}")
+    if t.exit_interval < 0:
+        raise ConfigError(f"train.exit_interval must be >= 0, got {t.exit_interval}")
     if cfg.data.source == "synthetic" and t.steps is None:
         raise ConfigError("train.steps: required with synthetic data (set --train.steps N or --train_steps N)")
     if p.device not in ("auto", "cpu", "cuda"):

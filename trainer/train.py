@@ -188,6 +188,11 @@ class Trainer:
                 if "eval_loss" in record:
                     log.info("eval step %d loss %.4f", self.step, record["eval_loss"])
             self._emit("on_step_end", record)
+            if cfg.train.exit_interval and self.step % cfg.train.exit_interval == 0 and not self.stop_requested \
+                    and self.step < self.total_steps:
+                # The checkpoint callback saves at train end; exit 0, `--resume latest` continues.
+                log.info("train.exit_interval %d: ending this run after step %d", cfg.train.exit_interval, self.step)
+                self.stop_requested = True
         self._emit("on_train_end")
 
     def close(self) -> None:

@@ -1,0 +1,125 @@
+"""Checkpoints of multi-node runs WITHOUT shared storage (Raspberry Pis: each node's OUTPUT_DIR is
+its own disk), on one machine: two torchrun "nodes" (--nnodes 2 --node-rank K, one process each)
+with different OUTPUT_DIRs.
+
+- Each node's directory is finalized on its own: `step-N` renamed, its own `latest`, DCP's
+  `.metadata` and rank 0's trainer_state.json present, no temporary directory left.
+- A run that ends after step 3 (train.exit_interval), resumed before the nodes' files are
+  synced: one line per rank naming a file it lacks and saying to run `runner up --resume`.
+- After copying the union of both nodes' files into each (what `runner up --resume` does), the
+  resumed run's losses equal the uninterrupted run's, bit for bit.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.trainer_run import REPO, losses, trainer_env
+
+pytestmark = pytest.mark.multiproc
+
+ARGS = ("--config", "configs/tiny.yaml", "--parallel.sharding", "ddp", "--train.steps", "6")
+HINT = "run `runner up --resume`, which syncs checkpoints across nodes"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_nodes(outs: list[Path], *args: str, check: bool = True) -> list[subprocess.CompletedProcess]:
+    """One torchrun per "node", each with its own OUTPUT_DIR, joined by a static rendezvous."""
+    port = _free_port()
+    procs = []
+    for k, out in enumerate(outs):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(outs)), "--node-rank", str(k),
+               "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+               "-m", "trainer", *args, "--output-dir", str(out)]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=trainer_env({"GLOO_SOCKET_IFNAME": "lo"}), text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    done = []
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    if check:
+        for k, d in enumerate(done):
+            assert d.returncode == 0, f"node {k} exited {d.returncode}\n{d.stdout[-3000:]}\n{d.stderr[-5000:]}"
+    return done
+
+
+def _assert_finalized(out: Path, name: str, rank: int) -> None:
+    ckpts = out / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == name
+    ck = ckpts / name
+    for f in (".metadata", "trainer_state.json", "config.yaml", f"rank{rank}.pt", f"manifest.rank{rank}.json"):
+        assert (ck / f).is_file(), ck / f
+    assert list(ck.glob(f"__{rank}_*.distcp"))
+    assert not list(ckpts.glob(".tmp-*")) and not list(ckpts.glob(".probe-*"))
+
+
+def _sync(nodes: list[Path], name: str, skip: str | None = None) -> None:
+    """Copy into each node's checkpoint the files only the other node has (runner up --resume)."""
+    dirs = [n / "checkpoints" / name for n in nodes]
+    union = {f.name: f for d in dirs for f in d.iterdir()}
+    for d in dirs:
+        for fname, src in union.items():
+            if not (d / fname).exists() and fname != skip:
+                shutil.copy2(src, d / fname)
+
+
+def _errors(proc: subprocess.CompletedProcess) -> list[str]:
+    return [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+
+
+def test_per_node_checkpoints_resume_after_sync(tmp_path):
+    # Uninterrupted, saving at steps 3 and 6: both nodes finalize their own directories.
+    straight = [tmp_path / "straight-node0", tmp_path / "straight-node1"]
+    procs = run_nodes(straight, *ARGS, "--checkpoint.interval", "3")
+    assert "is not shared by all ranks" in (straight[0] / "logs" / "rank0.log").read_text()
+    for rank, out in enumerate(straight):
+        _assert_finalized(out, "step-6", rank)
+        assert (out / "checkpoints" / "step-3" / ".metadata").is_file()
+    # Each node holds only its own rank's shards and RNG file.
+    assert not (straight[1] / "checkpoints" / "step-6" / "rank0.pt").exists()
+    assert not (straight[0] / "checkpoints" / "step-6" / "rank1.pt").exists()
+    expected = losses(straight[0])
+    assert len(expected) == 6, procs[0].stdout[-2000:]
+
+    # A separate run that ends after step 3 (same 6-step LR schedule), with a checkpoint; the
+    # resumes below are the same command plus --resume, as the runner relaunches it.
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    args = (*ARGS, "--train.exit_interval", "3")
+    run_nodes(nodes, *args)
+    for rank, out in enumerate(nodes):
+        _assert_finalized(out, "step-3", rank)
+    assert losses(nodes[0]) == expected[:3]
+
+    # Resumed before any sync: each rank lacks the other's manifest -> one line each, no hang.
+    procs = run_nodes(nodes, *args, "--resume", "latest", check=False)
+    for k, p in enumerate(procs):
+        assert p.returncode != 0
+        errs = _errors(p)
+        assert len(errs) == 1 and f"manifest.rank{1 - k}.json: missing" in errs[0] and HINT in errs[0], p.stderr[-3000:]
+        assert str(nodes[k]) in errs[0]  # each node names its own directory
+        assert not [ln for ln in p.stderr.splitlines() if ln.startswith("[rank") and "Traceback" in ln]
+
+    # Synced except rank 0's shard on node 1: node 1 names exactly that file.
+    _sync(nodes, "step-3", skip="__0_0.distcp")
+    procs = run_nodes(nodes, *args, "--resume", "latest", check=False)
+    missing = nodes[1] / "checkpoints" / "step-3" / "__0_0.distcp"
+    errs = _errors(procs[1])
+    assert len(errs) == 1 and errs[0].startswith(f"error: {missing}: missing") and HINT in errs[0], errs
+
+    # The union everywhere: the resumed run continues bit for bit.
+    _sync(nodes, "step-3")
+    run_nodes(nodes, *args, "--resume", "latest")
+    assert losses(nodes[0]) == expected
+    for rank, out in enumerate(nodes):
+        _assert_finalized(out, "step-6", rank)

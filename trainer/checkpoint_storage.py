@@ -1,0 +1,126 @@
+"""Which ranks share a checkpoint directory, for multi-node runs WITHOUT shared storage.
+
+On Raspberry Pis each node's OUTPUT_DIR is its own disk, so a checkpoint written by all ranks
+ends up spread over the nodes: every node holds its own ranks' shards. The trainer then keeps
+one complete-looking checkpoint directory per node instead of one in total:
+
+- `probe()` (collective, once per run and directory) finds out who sees whose files: every rank
+  writes `.probe-<token>-<rank>` under the checkpoint root and, after a barrier, looks for every
+  other rank's file by name. Ranks that see each other share a disk; the lowest rank of each
+  group is its *leader*. One node or NFS = one group led by rank 0 (nothing changes).
+- The leader of each disk creates the temporary directory, and after the barrier that confirms
+  every shard on every node is written, renames it and writes its own `latest`.
+- The files only rank 0 writes and that every rank reads on resume (DCP's `.metadata`,
+  `trainer_state.json`, `config.yaml`, `tokenizer.json`) are broadcast to every other leader
+  (`share_rank0_files`), so every node's directory describes the whole checkpoint.
+
+DCP dedups replicated tensors (a DDP model is written once, by rank 0), so a rank may need a
+shard file that lives on another node: resuming needs the union of all nodes' files in each
+node's directory, which `runner up --resume` copies before the relaunch. `MISSING_HINT` is what
+a rank says when a file is still missing.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from trainer.config import ConfigError
+
+# Written by rank 0 alone, read by every rank on resume (DCP reads .metadata on every rank).
+RANK0_FILES = (".metadata", "trainer_state.json", "config.yaml", "tokenizer.json")
+MISSING_HINT = ("checkpoints on nodes without shared storage hold only their own ranks' files: "
+                "run `runner up --resume`, which syncs checkpoints across nodes")
+_PROBE = ".probe-"
+
+
+@dataclass(frozen=True)
+class StorageLayout:
+    leaders: tuple[int, ...]  # leaders[r]: the rank that finalizes the directory rank r writes to
+
+    @property
+    def shared(self) -> bool:
+        return all(leader == 0 for leader in self.leaders)
+
+    def is_leader(self, rank: int) -> bool:
+        return self.leaders[rank] == rank
+
+    def group(self, rank: int) -> list[int]:
+        """The ranks writing to the same directory as `rank` (itself included), lowest first."""
+        return [r for r, leader in enumerate(self.leaders) if leader == self.leaders[rank]]
+
+    def describe(self) -> str:
+        groups = sorted({tuple(self.group(r)) for r in range(len(self.leaders))})
+        return "; ".join(f"ranks {','.join(map(str, g))}" for g in groups)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _seen(root: Path, token: str, world: int) -> list[int]:
+    return [r for r in range(world) if (root / f"{_PROBE}{token}-{r}").is_file()]
+
+
+def probe(root: Path, retries: int = 2, pause_s: float = 0.5) -> StorageLayout:
+    """Collective: which ranks see the same `root`. A new file of another NFS client can show
+    up late (attribute caching), so a rank that misses some probes looks again before deciding
+    they are on another disk."""
+    if not _distributed():
+        return StorageLayout((0,))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    root.mkdir(parents=True, exist_ok=True)
+    box = [secrets.token_hex(8)]
+    dist.broadcast_object_list(box, src=0)  # a fresh token: stale probes of a crashed run never match
+    token = box[0]
+    mine = root / f"{_PROBE}{token}-{rank}"
+    mine.write_text(token)
+    dist.barrier()
+    seen = _seen(root, token, world)
+    for _ in range(retries):
+        if len(seen) == world:
+            break
+        time.sleep(pause_s)
+        seen = _seen(root, token, world)
+    everyone: list[list[int] | None] = [None] * world
+    dist.all_gather_object(everyone, seen)
+    dist.barrier()  # nobody deletes its probe while another rank may still look for it
+    mine.unlink(missing_ok=True)
+    return StorageLayout(tuple(min(s or [r]) for r, s in enumerate(everyone)))
+
+
+def share_rank0_files(tmp: Path, layout: StorageLayout, rank: int) -> None:
+    """Collective: copy rank 0's RANK0_FILES into every other leader's temporary directory."""
+    if layout.shared or not _distributed():
+        return
+    payload = {n: (tmp / n).read_bytes() for n in RANK0_FILES if (tmp / n).is_file()} if rank == 0 else None
+    box = [payload]
+    dist.broadcast_object_list(box, src=0)
+    if rank != 0 and layout.is_leader(rank):
+        for name, data in (box[0] or {}).items():
+            (tmp / name).write_bytes(data)
+
+
+def agree_on_latest(everyone: list[Any], pointer: Path) -> tuple[str | None, str | None]:
+    """(checkpoint name to resume, warning) from every rank's (`latest` name or None,
+    [(step, name) of its complete checkpoints]).
+
+    All equal: that name (None = no checkpoint anywhere yet: start fresh). A crash between two
+    nodes' renames leaves them different; the previous checkpoint is then still on every node
+    (pruning waits for all renames), so take the newest checkpoint complete on every node."""
+    names = [name for name, _ in everyone]
+    if len(set(names)) == 1:
+        return names[0], None
+    common = set.intersection(*(set(map(tuple, ckpts)) for _, ckpts in everyone))
+    latest = ", ".join(f"rank {r}: {name or 'none'}" for r, name in enumerate(names))
+    if not common:
+        raise ConfigError(f"{pointer}: the nodes' latest checkpoints differ ({latest}) and none is complete "
+                          f"on every node; {MISSING_HINT}")
+    step, name = max(common)
+    return name, (f"nodes' latest checkpoints differ ({latest}): resuming from {name} (step {step}), "
+                  f"the newest on every node")
