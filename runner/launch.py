@@ -94,6 +94,7 @@ class Launcher:
         t0 = time.time()
         with Cluster(self.inv, self.args.accept_new_host_keys) as cl:
             log.debug("connected to %d node(s) in %.2fs", len(cl.remotes), time.time() - t0)
+            run_id = self._run_id(cl)  # a --resume naming no run fails before anything is pushed
             probes = self.preflight(cl)
             log.debug("preflight done at %.2fs", time.time() - t0)
             if not self.args.no_push:
@@ -101,7 +102,6 @@ class Launcher:
 
                 push_to_nodes(cl, {n: p.arch for n, p in probes.items()}, quiet=False)
                 log.debug("images checked at %.2fs", time.time() - t0)
-            run_id = self._run_id(cl)
             attempt = 0
             while True:
                 code = self.launch_once(cl, probes, run_id, resume=bool(self.args.resume) or attempt > 0)
@@ -294,7 +294,8 @@ def resolve_resume_run(master: Remote, wanted: str) -> str:
     runs = sorted(r for r in res.out.splitlines() if RUN_NAME_RE.match(r))
     where = f"{wd}/runs on {master.node.name} (the master)"
     if not runs:
-        raise UserError(f"--resume: no previous run in {where}")
+        what = "--resume" if wanted == "latest" else f"--resume {wanted}: no such run:"
+        raise UserError(f"{what} no previous run in {where}")
     if wanted == "latest":
         # Runner-made ids sort by start time; other names (a hand-made dir) only if nothing else.
         made = [r for r in runs if RUN_ID_RE.match(r)]

@@ -23,6 +23,7 @@ from runner.plan import LABEL_RUN
 from tests.conftest import REPO
 from tests.runner_helpers import (
     node_engine_containers,
+    node_workdir,
     remotes,
     run_containers,
     runner,
@@ -194,3 +195,163 @@ def test_dead_node_orphan_removed_by_resume_relaunch(sandbox, pushed, tmp_path):
     assert "removed containers left by an earlier attempt on node-2" in res.stderr
     assert "[node-2/2] done node-2" in res.stdout
     assert run_containers(sandbox, run_id) == {n: [] for n in NODES}
+
+
+def test_resume_run_resolution(sandbox, pushed, tmp_path):
+    """`--resume RUN` must name a run dir on the master (exact or unique prefix); any name works
+    (no hex suffix needed); bare `--resume` takes the newest runner-made run."""
+    job = write_job(tmp_path, sleep=0)
+    bad = runner("up", "-i", str(sandbox), "--job", str(job), "--resume", "nosuchrun-xyz")
+    assert bad.returncode == 2, bad.stdout + bad.stderr
+    err = bad.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("runner: error: --resume nosuchrun-xyz: no such run"), bad.stderr
+    assert "on node-0 (the master)" in err[0] and "Traceback" not in bad.stderr
+    assert run_containers(sandbox, "nosuchrun-xyz") == {n: [] for n in NODES}
+    runs = node_workdir(sandbox, "node-0") / "runs"
+    made = ["myrun", "29991231-235959-abcd"]  # newest of all by name: what bare --resume must pick
+    for name in made:
+        (runs / name).mkdir(parents=True)
+    try:
+        mine = runner("up", "-i", str(sandbox), "--job", str(job), "--resume", "myrun", "--logs-dir", str(tmp_path / "l"))
+        assert mine.returncode == 0, mine.stdout + mine.stderr
+        assert "run myrun started" in mine.stdout and "[node-2/2] done node-2" in mine.stdout
+        latest = runner("up", "-i", str(sandbox), "--job", str(job), "--resume", "--logs-dir", str(tmp_path / "l"))
+        assert latest.returncode == 0, latest.stdout + latest.stderr
+        assert "run 29991231-235959-abcd started" in latest.stdout
+        for name in made:
+            assert run_containers(sandbox, name) == {n: [] for n in NODES}
+    finally:
+        import shutil
+
+        for node in NODES:
+            for name in made:
+                shutil.rmtree(node_workdir(sandbox, node) / "runs" / name, ignore_errors=True)
+
+
+def _fake_torchrun_image(tag: str) -> None:
+    """The trainer image with a `torchrun` that never listens (a master stuck before rendezvous)."""
+    import io
+    import tarfile
+
+    import docker
+    from runner.images import HOST_DOCKER
+
+    files = {"Dockerfile": (b"FROM runner-trainer:latest\nCOPY torchrun /opt/venv/bin/torchrun\n", 0o644),
+             "torchrun": (b"#!/bin/sh\necho 'fake torchrun: never listens'\nexec sleep 600\n", 0o755)}
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        for name, (data, mode) in files.items():
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(data), mode
+            tf.addfile(info, io.BytesIO(data))
+    buf.seek(0)
+    docker.DockerClient(base_url=HOST_DOCKER, version="auto").images.build(
+        fileobj=buf, custom_context=True, tag=tag, network_mode="host", rm=True)
+
+
+def test_rendezvous_timeout_is_one_line_and_leaves_nothing(sandbox, pushed, tmp_path):
+    tag = "runner-test-nolisten:1"
+    _fake_torchrun_image(tag)
+    job = write_job(tmp_path, image=tag)
+    t0 = time.time()
+    proc = runner("up", "-i", str(sandbox), "--job", str(job), "--rendezvous-timeout", "3")
+    took = time.time() - t0
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("runner: error")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert re.match(r"runner: error: node node-0: master port \d+ did not listen within 3s \(--rendezvous-timeout\); "
+                    r"check `runner logs --node node-0`$", errors[0]), errors[0]
+    # Master and the created (never started) workers are all gone.
+    for name, r in remotes(sandbox).items():
+        with r:
+            left = r.run(["docker", "ps", "-a", "--format", "{{.Names}}", "--filter", f"ancestor={tag}"]).out.split()
+            assert left == [], (name, left)
+    assert took < 60, took
+
+
+STATUS_JOB = r"""
+import json, os, time
+node = os.environ['NODE_NAME']
+with open('/out/metrics.jsonl', 'a') as f:
+    f.write(json.dumps({'step': 7, 'loss': 1.25, 'node': node}) + '\n')
+for i in range(4):
+    print('tick', i, flush=True)
+    time.sleep(3)
+print('end', flush=True)
+"""
+
+
+def test_logs_follow_and_status_fields(sandbox, pushed, tmp_path):
+    job = write_job(tmp_path, extra={"command": ["python", "-c", STATUS_JOB]})
+    run_id = _detached(sandbox, job)
+    try:
+        follow = subprocess.Popen(runner_cmd("logs", run_id, "-f", "-i", str(sandbox)), stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, cwd=REPO)
+        def status_with_metrics():
+            st = runner("status", run_id, "-i", str(sandbox), "--json")
+            assert st.returncode == 0, st.stderr
+            doc = json.loads(st.stdout)
+            return doc if all(r["last_metrics"] for r in doc["nodes"]) else None
+
+        doc = wait_for(status_with_metrics, 30)  # each rank writes its line once python is up
+        assert doc["run_id"] == run_id
+        for i, row in enumerate(doc["nodes"]):
+            assert (row["node"], row["rank"], row["state"], row["exit_code"]) == (NODES[i], i, "running", None), row
+            assert re.fullmatch(r"\d+s", row["uptime"]) and int(row["uptime"][:-1]) < 60, row
+            assert json.loads(row["last_metrics"]) == {"step": 7, "loss": 1.25, "node": NODES[i]}, row
+        # -f follows: it is still running after the first ticks, and ends on its own when the containers do.
+        first = follow.stdout.readline()
+        assert re.match(r"\[node-\d/\d\] (probe|tick 0)", first), first
+        assert follow.poll() is None
+        follow.wait(timeout=60)  # (its few KB of output fit in the pipe)
+        out, err = follow.stdout.read(), follow.stderr.read()
+        lines = (first + out).splitlines()
+        assert follow.returncode == 0, err
+        for i, node in enumerate(NODES):
+            mine = [ln for ln in lines if ln.startswith(f"[{node}/{i}] ")]
+            assert mine == [f"[{node}/{i}] tick {k}" for k in range(4)] + [f"[{node}/{i}] end"], lines
+        st = runner("status", run_id, "-i", str(sandbox), "--json")
+        rows = json.loads(st.stdout)["nodes"]
+        assert [(r["state"], r["exit_code"], r["uptime"]) for r in rows] == [("exited", 0, "-")] * 3, rows
+        table = runner("status", run_id, "-i", str(sandbox))
+        assert table.returncode == 0 and re.search(r'node-1\s*│\s*1\s*│\s*exited\s*│\s*0\s*│\s*-\s*│\s*\{"step": 7,',
+                                                   table.stdout), table.stdout
+    finally:
+        runner("down", run_id, "-i", str(sandbox))
+
+
+FAILING_JOB = r"""
+import os, sys, time
+print('args', sys.argv[1:], flush=True)
+if os.environ['NODE_NAME'] == 'node-1':
+    for i in range(30):
+        print('line', i, flush=True)
+    time.sleep(1)
+    sys.exit(3)
+time.sleep(120)
+"""
+
+
+def test_failure_prints_failed_nodes_last_lines_and_trainer_args_reach_the_command(sandbox, pushed, tmp_path):
+    job = write_job(tmp_path, grace=30, extra={"command": ["python", "-c", FAILING_JOB]})
+    proc = runner("up", "-i", str(sandbox), "--job", str(job), "--logs-dir", str(tmp_path / "l"), "--",
+                  "--alpha", "1", "--beta", "two words")
+    # torchrun reports its worker's failure with its own exit code, 1.
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    for i, node in enumerate(NODES):
+        assert f"[{node}/{i}] args ['--alpha', '1', '--beta', 'two words']" in proc.stdout
+    err = proc.stderr.splitlines()
+    # The last 20 lines of node-1's output (its worker's, then torchrun's report), in order.
+    tail = [ln[len("  [node-1/1] "):] for ln in err if ln.startswith("  [node-1/1] ")]
+    streamed = [ln for ln in proc.stdout.splitlines() if ln.startswith("[node-1/1] ")]
+    assert len(tail) == 20 and [f"[node-1/1] {ln}" for ln in tail] == streamed[-20:], err
+    assert any("exitcode  : 3" in ln for ln in tail), tail  # the worker's own code, as torchrun saw it
+    assert not [ln for ln in err if ln.startswith(("  [node-0", "  [node-2"))]
+    assert err[-1].startswith("runner: error: run ") and "node node-1 (rank 1) failed: container exited with code 1" \
+        in err[-1], err
+    run_id = re.search(r"run (\S+) started", proc.stdout)[1]
+    assert run_containers(sandbox, run_id) == {n: [] for n in NODES}
+    # status of the finished run: from each node's runner-status.json.
+    st = runner("status", run_id, "-i", str(sandbox), "--json")
+    rows = {r["node"]: r for r in json.loads(st.stdout)["nodes"]}
+    assert (rows["node-1"]["state"], rows["node-1"]["rank"], rows["node-1"]["exit_code"]) == ("finished", 1, 1), rows
