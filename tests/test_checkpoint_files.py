@@ -118,3 +118,21 @@ def test_intervals_preempt_overwrite_and_keep_last(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-6.preempt", "step-7"]
     assert (root / "latest").read_text().strip() == "step-7"
     assert json.loads((root / "step-6.preempt" / "trainer_state.json").read_text())["step"] == 6
+
+
+def test_prefix_naming_preempt_and_keep_last_two(tmp_path):
+    """Stub naming with keep_last 2: regular saves at 2, 4 and 5 (final) keep the newest two; the
+    periodic preempt save at 3 is <prefix>.<timestamp>.preempt. The saves of this tiny model come
+    well within a second of each other: each still gets its own directory (-1, -2 on a clash)."""
+    out = tmp_path / "out"
+    run_trainer(out, *TINY, "--train.steps", "5", "--checkpoint.prefix", "ck", "--checkpoint.interval", "2",
+                "--checkpoint.preempt_interval", "3", "--checkpoint.keep_last", "2")
+    root = out / "checkpoints"
+    steps = {p.name: json.loads((p / "trainer_state.json").read_text())["step"] for p in root.iterdir() if p.is_dir()}
+    stamp = r"ck\.\d{4}_\d{4}_\d{4}_\d{2}(-\d+)?"
+    regular = sorted(n for n in steps if re.fullmatch(stamp, n))
+    preempt = [n for n in steps if re.fullmatch(stamp + r"\.preempt", n)]
+    assert len(steps) == 3, steps
+    assert [steps[n] for n in regular] == [4, 5]  # names sort in save order; step 2 pruned
+    assert [steps[n] for n in preempt] == [3]
+    assert steps[(root / "latest").read_text().strip()] == 5

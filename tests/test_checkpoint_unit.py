@@ -93,3 +93,21 @@ def test_storage_layout_groups():
     nodes = StorageLayout((0, 0, 2, 2))  # two nodes of two ranks, each on its own disk
     assert not nodes.shared and nodes.is_leader(2) and nodes.group(3) == [2, 3]
     assert nodes.describe() == "ranks 0,1; ranks 2,3"
+
+
+def test_prefix_saves_in_the_same_second_get_distinct_names(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from trainer import checkpoint
+
+    ck = checkpoint.Checkpointer.__new__(checkpoint.Checkpointer)  # only cfg and root matter here
+    ck.cfg, ck.root = SimpleNamespace(prefix="ck", name="step-{step}"), tmp_path
+    monkeypatch.setattr(checkpoint.time, "strftime", lambda fmt: "2025_0101_1200_07")
+    assert ck._name(1, False) == "ck.2025_0101_1200_07"
+    (tmp_path / "ck.2025_0101_1200_07").mkdir()
+    assert ck._name(2, False) == "ck.2025_0101_1200_07-1"  # was: the same name, replacing the first
+    (tmp_path / "ck.2025_0101_1200_07-1").mkdir()
+    assert ck._name(3, False) == "ck.2025_0101_1200_07-2"
+    assert ck._name(3, True) == "ck.2025_0101_1200_07.preempt"
+    ck.cfg.prefix = ""
+    assert ck._name(3, True) == "step-3.preempt"

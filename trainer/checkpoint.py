@@ -278,11 +278,20 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ save
     def _name(self, step: int, preempt: bool) -> str:
-        if self.cfg.prefix:  # FSDP stub: <prefix>.<timestamp>, one timestamp for all ranks
-            name = f"{self.cfg.prefix}.{_broadcast(time.strftime('%Y_%m%d_%H%M_%S'))}"
-        else:
-            name = self.cfg.name.format(step=step)
-        return name + (PREEMPT_SUFFIX if preempt else "")
+        suffix = PREEMPT_SUFFIX if preempt else ""
+        if not self.cfg.prefix:
+            return self.cfg.name.format(step=step) + suffix
+        # FSDP stub: <prefix>.<timestamp>, named by rank 0 for all ranks. The stamp has one-second
+        # resolution: a second save within the same second becomes <stamp>-1 (-2, ...) instead of
+        # silently replacing the first (names still sort by time).
+        name = None
+        if _rank() == 0:
+            stamp = f"{self.cfg.prefix}.{time.strftime('%Y_%m%d_%H%M_%S')}"
+            name, n = stamp + suffix, 0
+            while (self.root / name).exists():
+                n += 1
+                name = f"{stamp}-{n}{suffix}"
+        return _broadcast(name)
 
     def _train_state(self, trainer: Any) -> dict:
         data = trainer.data
