@@ -77,3 +77,21 @@ def test_local_weights_dir_and_bf16(tmp_path):
     run_trainer(bf16, "--config", "configs/tiny.yaml", "--train.steps", "2", "--train.dtype", "bf16")
     m = read_metrics(bf16)
     assert len(m) == 2 and abs(m[0]["loss"] - read_metrics(preset)[0]["loss"]) < 0.05
+
+
+def test_bf16_where_the_device_supports_it(monkeypatch):
+    """The stub's bf16: fp32 (with one reason line) only on a CUDA device without native bf16."""
+    import torch
+
+    from trainer.dist_env import training_dtype
+
+    dtype, why = training_dtype("bf16", "cuda", native_bf16=False)
+    assert dtype == "fp32" and why.startswith("train.dtype bf16: ") and "\n" not in why
+    assert training_dtype("bf16", "cuda", native_bf16=True) == ("bf16", None)
+    assert training_dtype("bf16", "cpu") == ("bf16", None)          # CPU autocast runs bf16 anywhere
+    assert training_dtype("fp32", "cuda", native_bf16=False) == ("fp32", None)
+    # Without an answer given, torch is asked about NATIVE support (emulation is True on any GPU).
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                        lambda including_emulation=True: asked.append(including_emulation) or False)
+    assert training_dtype("bf16", "cuda")[0] == "fp32" and asked == [False]

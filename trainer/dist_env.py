@@ -80,6 +80,25 @@ def pick_device(device: str = "auto"):
     return torch.device("cuda") if use_cuda else torch.device("cpu")
 
 
+def training_dtype(requested: str, device_type: str, native_bf16: bool | None = None) -> tuple[str, str | None]:
+    """bf16 where the device supports it: (dtype to train in, why it differs from the request).
+
+    A CUDA GPU without native bf16 (compute capability < 8: V100, T4) trains in fp32. Native, not
+    `torch.cuda.is_bf16_supported()`'s default: that also counts emulation (any GPU on which a
+    bf16 tensor can be created, slower than fp32), so it is True almost everywhere. CPUs keep
+    bf16 (autocast runs it everywhere, and the CPU runs of the suite rely on that)."""
+    if requested != "bf16" or device_type != "cuda":
+        return requested, None
+    if native_bf16 is None:
+        import torch
+
+        native_bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
+    if native_bf16:
+        return "bf16", None
+    return "fp32", ("train.dtype bf16: this CUDA device has no native bf16 support "
+                    "(torch.cuda.is_bf16_supported(including_emulation=False) is False); training in fp32")
+
+
 def init_process_group(env: DistEnv, device_type: str, backend: str = "auto", timeout_s: int = 1800) -> str:
     """Start the default process group (env:// rendezvous). Returns the backend used."""
     import torch

@@ -206,6 +206,9 @@ def run(cfg: Config, env: dist_env.DistEnv) -> int:
     setup_logging(env.rank, out, console=env.rank == 0)
     os.environ["PROFILE_BATCH"] = str(cfg.profile.batch)  # the Pi guide writes it back for its recorder
     device = dist_env.pick_device(cfg.parallel.device)
+    cfg.train.dtype, why = dist_env.training_dtype(cfg.train.dtype, device.type)
+    if why and env.rank == 0:
+        log.warning("%s", why)
     dims = ParallelDims.from_config(cfg.parallel, env.world_size, env.local_world_size)
     if env.rank == 0:
         log.info("resolved config:\n%s", cfg.to_yaml().rstrip())
