@@ -363,8 +363,9 @@ def test_collect_file_changing_during_transfer_fails_and_keeps_good_copy(sandbox
 
 
 def test_remote_sha256_checks_the_exit_code(sandbox, pieces_run):
-    """A name sha256sum cannot read is reported as such (not silently accepted unverified); names
-    with spaces, backslashes and newlines come back right."""
+    """A name sha256sum cannot read is reported as such (not silently accepted unverified), the
+    hashing command failing as a whole is one error for the node; names with spaces, backslashes
+    and newlines come back right."""
     rd = node_workdir(sandbox, "node-0") / "runs" / pieces_run
     odd = ["a b.txt", "back\\slash", "new\nline"]
     for name in odd:
@@ -374,13 +375,38 @@ def test_remote_sha256_checks_the_exit_code(sandbox, pieces_run):
     try:
         with connect(sandbox, "node-0") as remote:
             sums, failed = remote_sha256(remote, str(rd), [*odd, "missing.bin"])
-            with pytest.raises(push_mod.UserError, match=r"^node node-0: sha256sum on the node failed \(exit 123\)"):
-                remote_sha256(remote, str(rd), ["missing.bin"])
+            with pytest.raises(push_mod.UserError) as exc:  # the tool itself failing: one error for the node
+                remote_sha256(remote, "/nonexistent-run-dir", ["a"])
     finally:
         for name in odd:
             (rd / name).unlink()
     assert sums == {n: hashlib.sha256(n.encode()).hexdigest() for n in odd}
     assert list(failed) == ["missing.bin"] and "No such file" in failed["missing.bin"]
+    assert re.fullmatch(r"node node-0: hashing files in /nonexistent-run-dir failed \(exit 2\): .*can't cd.*",
+                        str(exc.value)), exc.value
+
+
+def test_collect_file_vanished_after_listing_is_skipped_not_failed(sandbox, pieces_run, tmp_path):
+    """Listed, then deleted before hashing (a rotated checkpoint): skipped and counted, no error;
+    a listed file that cannot be hashed but still exists is an error naming it."""
+    from runner.collect import NodeCollect, _collect_batch
+
+    rd = node_workdir(sandbox, "node-2") / "runs" / pieces_run
+    gone = rd / "ckpt-old.bin"
+    gone.write_bytes(b"x" * 100)
+    with connect(sandbox, "node-2") as remote:
+        attrs = remote.stat(str(gone))
+        gone.unlink()
+        res, manifest = NodeCollect("node-2"), {"ckpt-old.bin": {"size": 100}}
+        _collect_batch(remote, str(rd), tmp_path, [("ckpt-old.bin", attrs)], manifest, res, None, None)
+        assert (res.vanished, res.copied, res.errors, manifest) == (1, 0, [], {})
+        (rd / "unreadable").mkdir()  # exists, but sha256sum cannot hash a directory
+        try:
+            _collect_batch(remote, str(rd), tmp_path, [("unreadable", attrs)], manifest, res, None, None)
+        finally:
+            (rd / "unreadable").rmdir()
+    assert len(res.errors) == 1 and res.errors[0].startswith("unreadable: cannot hash on the node: "), res.errors
+    assert "Is a directory" in res.errors[0]
 
 
 PP3 = """model: {preset: tiny-llama, num_hidden_layers: 3}
