@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
-from trainer.parallel.partition import PartitionError, format_ranges, partition_layers, stage_to_rank
+from trainer.parallel.partition import (
+    PartitionError,
+    describe_custom,
+    format_ranges,
+    partition_layers,
+    stage_to_rank,
+)
 from trainer.parallel.pipeline import PipelineError, check_schedule, schedule_spec
 from trainer.parallel.stages import chain_forward, split_model
 from trainer.parallel.tensor_parallel import TensorParallelError, check_tp
@@ -68,6 +76,47 @@ def test_partition_errors_are_one_line(method, fragment):
         partition_layers(method, 28, 3)
     msg = str(e.value)
     assert fragment in msg and "\n" not in msg and msg.startswith("parallel.partition")
+
+
+@pytest.mark.parametrize("method", ["custom:0,7,28", "custom:0,7,21,27", "custom:0,7,21,29", "custom:0,7,21,32"])
+def test_custom_count_errors_name_both_accepted_endings(method):
+    """Any other last boundary: the error names the layer count and Merak's item counts (L+2, L+3)."""
+    with pytest.raises(PartitionError) as e:
+        partition_layers(method, 28, 3)
+    msg = str(e.value)
+    assert "the layer count 28 (custom:0,...,28)" in msg
+    assert "Merak's item count 30 (embeddings + 28 layers + head) or 31 (embeddings + layers + final norm + head)" in msg
+
+
+def test_custom_merak_item_counts_are_read_and_said():
+    # Perseus' gpt3-xl spelling on 24 layers (27 items: embeddings, 24 blocks, final norm, head).
+    gpt = partition_layers("custom:0,8,14,21,27", 24, 4)
+    assert bounds(gpt) == [0, 7, 13, 20, 24] == bounds(partition_layers("custom:0,7,13,20,24", 24, 4))
+    assert describe_custom("custom:0,8,14,21,27", 24, 4) == (
+        "custom:0,8,14,21,27 ends at 27 = 24 layers + 3: read as Merak item boundaries (item 0 embeddings, "
+        "items 1-24 layers, then final norm, head), i.e. layer boundaries custom:0,7,13,20,24")
+    # BERT's (head = one item): L+2.
+    assert bounds(partition_layers("custom:0,8,14,20,26", 24, 4)) == [0, 7, 13, 19, 24]
+    assert "24 layers + 2" in describe_custom("custom:0,8,14,20,26", 24, 4)
+    # The layer spelling needs no note; an item spelling that leaves a stage without layers is refused.
+    assert describe_custom("custom:0,7,13,20,24", 24, 4) is None
+    with pytest.raises(PartitionError, match="ends at Merak's item count 27 but its inner boundaries"):
+        partition_layers("custom:0,1,14,21,27", 24, 4)
+
+
+def test_split_for_pipeline_logs_the_merak_reading(caplog):
+    from trainer.parallel.pipeline import split_for_pipeline
+
+    model = tiny("gpt2", layers=4)
+    logger = logging.getLogger("trainer.parallel.pipeline")
+    logger.addHandler(caplog.handler)  # directly: the trainer's loggers may not propagate to root
+    try:
+        with caplog.at_level(logging.INFO, logger=logger.name):
+            split_for_pipeline(model, schedule_spec("gpipe"), "custom:0,2,4,7", 0, 3, 1)
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert "custom:0,2,4,7 ends at 7 = 4 layers + 3: read as Merak item boundaries" in caplog.text
+    assert "stage 1 (pp rank 1): layers 1-2 (2 layers" in caplog.text
 
 
 def test_v_placement_zigzags():

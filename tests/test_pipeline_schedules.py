@@ -87,8 +87,9 @@ def test_cli_reports_a_pipeline_error_in_one_line(tmp_path):
                        "--parallel.partition", "custom:0,2,4", nproc=3, check=False)
     assert proc.returncode != 0
     err = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert err == ["error: parallel.partition: custom:0,2,4 has 3 boundaries but 3 stages need 4 "
-                   "(first 0, last 4: custom:0,...,4)"] * 3, proc.stderr[-2000:]
+    assert err == ["error: parallel.partition: custom:0,2,4 has 3 boundaries but 3 stages need 4: first 0, last "
+                   "the layer count 4 (custom:0,...,4) or Merak's item count 6 (embeddings + 4 layers + head) or 7 "
+                   "(embeddings + layers + final norm + head)"] * 3, proc.stderr[-2000:]
     assert not [line for line in proc.stderr.splitlines() if line.startswith("[rank") and "Traceback" in line]
 
 

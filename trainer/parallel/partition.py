@@ -135,18 +135,45 @@ def merak_items_to_layers(bounds: list[int], num_layers: int) -> list[int] | Non
     return [0, *inner, num_layers]
 
 
+def _endings(num_layers: int) -> str:
+    """The two last boundaries `custom:` accepts, for error messages."""
+    return (f"the layer count {num_layers} (custom:0,...,{num_layers}) or Merak's item count {num_layers + 2} "
+            f"(embeddings + {num_layers} layers + head) or {num_layers + 3} (embeddings + layers + final norm "
+            f"+ head)")
+
+
+def describe_custom(method: str, num_layers: int, num_stages: int) -> str | None:
+    """The line that says a `custom:` spec was read as Merak item boundaries (None otherwise),
+    logged with the stage plan so nobody wonders why 27 means 24 layers."""
+    if not method.strip().startswith("custom:"):
+        return None
+    try:
+        bounds = [int(x) for x in method.strip()[len("custom:"):].split(",") if x.strip()]
+    except ValueError:
+        return None
+    layers = merak_items_to_layers(bounds, num_layers)
+    if layers is None or len(bounds) != num_stages + 1:
+        return None
+    extra = bounds[-1] - num_layers
+    return (f"{method.strip()} ends at {bounds[-1]} = {num_layers} layers + {extra}: read as Merak item boundaries "
+            f"(item 0 embeddings, items 1-{num_layers} layers, then {'head' if extra == 2 else 'final norm, head'}), "
+            f"i.e. layer boundaries custom:{','.join(map(str, layers))}")
+
+
 def _custom_bounds(text: str, num_layers: int, num_stages: int, key: str) -> list[int]:
     bounds = _parse_ints(text, "integers", "custom", key)
-    want = f"custom:0,...,{num_layers}"
     merak = merak_items_to_layers(bounds, num_layers)
     if merak is not None and len(bounds) == num_stages + 1:
         bounds = merak
     if len(bounds) != num_stages + 1:
         raise PartitionError(f"{key}: custom:{text} has {len(bounds)} boundaries but {num_stages} stages need "
-                             f"{num_stages + 1} (first 0, last {num_layers}: {want})")
+                             f"{num_stages + 1}: first 0, last {_endings(num_layers)}")
+    if bounds[-1] in (num_layers + 2, num_layers + 3) and bounds[0] == 0:
+        raise PartitionError(f"{key}: custom:{text} ends at Merak's item count {bounds[-1]} but its inner "
+                             f"boundaries must lie between items 2 and {num_layers} (item 0 is the embeddings, "
+                             f"items 1-{num_layers} the layers), strictly increasing")
     if bounds[0] != 0 or bounds[-1] != num_layers:
-        raise PartitionError(f"{key}: custom:{text} must start at 0 and end at the layer count {num_layers} "
-                             f"({want})")
+        raise PartitionError(f"{key}: custom:{text} must start at 0 and end at {_endings(num_layers)}")
     if any(hi <= lo for lo, hi in zip(bounds[:-1], bounds[1:], strict=False)):
         raise PartitionError(f"{key}: custom:{text} boundaries must be strictly increasing "
                              f"(every stage needs at least one layer)")

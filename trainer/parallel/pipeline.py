@@ -26,7 +26,13 @@ from torch import nn
 from trainer.config import ConfigError
 from trainer.parallel.compose import Parallelized
 from trainer.parallel.grad_norm import clip_grad_norm
-from trainer.parallel.partition import StageRange, format_ranges, partition_layers, stage_to_rank
+from trainer.parallel.partition import (
+    StageRange,
+    describe_custom,
+    format_ranges,
+    partition_layers,
+    stage_to_rank,
+)
 from trainer.parallel.stages import TiedWeights, num_layers, part_param_counts, split_model, sync_tied_grads
 
 log = logging.getLogger(__name__)
@@ -115,6 +121,9 @@ def split_for_pipeline(model: nn.Module, spec: ScheduleSpec, partition: str, pp_
         layer_p, embed_p, head_p = part_param_counts(model)
         params = [r.num_layers * layer_p + (embed_p if r.stage == 0 else 0)
                   + (head_p if r.stage == num_stages - 1 else 0) for r in ranges]
+        note = describe_custom(partition, num_layers(model), num_stages)
+        if note:  # Merak's item counting: say how the numbers were read
+            log.info("parallel.partition %s", note)
         log.info("pipeline %s, partition %s:\n%s", spec.name, partition,
                  format_ranges(ranges, pp, style=spec.style, params=params))
     parts, tied = split_model(model, ranges, keep=local_stage_ids(spec, pp_rank, pp, num_stages))
