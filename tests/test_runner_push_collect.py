@@ -40,6 +40,31 @@ pytestmark = [pytest.mark.sandbox, pytest.mark.docker]
 NODES = ("node-0", "node-1", "node-2")
 
 
+CREATED: list[str] = []  # host images made here (ids), removed when the module is done
+
+
+def scratch(tag: str, layers: list[bytes]) -> str:
+    image_id = build_scratch_image(tag, layers)
+    CREATED.append(image_id)
+    return image_id
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _remove_host_images():
+    """The images built here must not pile up on the shared host engine (the nodes' engines go
+    with the sandbox)."""
+    yield
+    import docker
+    from runner.images import HOST_DOCKER
+
+    client = docker.DockerClient(base_url=HOST_DOCKER, version="auto")
+    for image_id in reversed(CREATED):
+        try:
+            client.images.remove(image_id, force=True)
+        except docker.errors.APIError:
+            pass  # already gone
+
+
 def node_image_id(inventory: Path, node: str, tag: str) -> str | None:
     with remotes(inventory)[node] as r:
         res = r.run(["docker", "image", "inspect", "--format", "{{.Id}}", tag])
@@ -61,7 +86,7 @@ def test_push_full_compressed_whole_image_verified(sandbox, pushed, tmp_path):
     the image, and each node ends with the host's image id."""
     tag = f"runner-test-full:{os.getpid()}"
     # Layers of zeros compress ~1000x, random ones not at all: the byte count shows gzip ran.
-    want = build_scratch_image(tag, [bytes(8 << 20), os.urandom(2 << 20), b"text\n" * 200_000])
+    want = scratch(tag, [bytes(8 << 20), os.urandom(2 << 20), b"text\n" * 200_000])
     job = write_job(tmp_path, image=tag)
     env = {"RUNNER_IMAGE_CACHE": str(tmp_path / "cache")}
     first = runner("push", "-i", str(sandbox), "--job", str(job), env=env)  # node-2 then has it already
@@ -119,7 +144,7 @@ class KillLoadOnFirstBytes:
 @pytest.mark.timeout(300)  # before the fix this hung forever in tar.wait()
 def test_push_load_dies_midstream_falls_back_to_full(sandbox, pushed, tmp_path, caplog):
     tag = f"runner-test-midstream:{os.getpid()}"
-    want = build_scratch_image(tag, [os.urandom(1 << 20), os.urandom(48 << 20)])
+    want = scratch(tag, [os.urandom(1 << 20), os.urandom(48 << 20)])
     exp = export(tag, cache=tmp_path / "cache")
     killer = KillLoadOnFirstBytes(node_env(sandbox, "node-1", "DOCKER_HOST"))
     with connect(sandbox, "node-1") as remote:
@@ -140,7 +165,7 @@ def test_push_invalid_partial_archive_falls_back(sandbox, pushed, tmp_path, monk
     the partial archive then lacks a layer docker load needs, load fails on the node, and the push
     still succeeds through the full compressed stream."""
     tag = f"runner-test-partial:{os.getpid()}"
-    want = build_scratch_image(tag, [os.urandom(1 << 20), os.urandom(1 << 20)])
+    want = scratch(tag, [os.urandom(1 << 20), os.urandom(1 << 20)])
     exp = export(tag, cache=tmp_path / "cache")
     monkeypatch.setattr(push_mod, "node_chains", lambda remote: {exp.chains[0]})
     errors = []
@@ -166,7 +191,7 @@ def test_push_stalled_node_is_stopped(sandbox, pushed, tmp_path):
     """A node whose `docker load` stops reading (SIGSTOP) must not hang the push: the stall watchdog
     kills the stream and the error names the node."""
     tag = f"runner-test-stall:{os.getpid()}"
-    build_scratch_image(tag, [os.urandom(32 << 20)])
+    scratch(tag, [os.urandom(32 << 20)])
     exp = export(tag, cache=tmp_path / "cache")
     host = node_env(sandbox, "node-0", "DOCKER_HOST")
     stopped: list[psutil.Process] = []
@@ -204,7 +229,7 @@ def test_push_stalled_node_is_stopped(sandbox, pushed, tmp_path):
 
 def test_export_cache_with_a_missing_layer_is_redone(host_docker, tmp_path):
     tag = f"runner-test-cache:{os.getpid()}"
-    want = build_scratch_image(tag, [os.urandom(1 << 16), os.urandom(1 << 16)])
+    want = scratch(tag, [os.urandom(1 << 16), os.urandom(1 << 16)])
     exp = export(tag, cache=tmp_path)
     gone = exp.dir / exp.layers[1]
     data = gone.read_bytes()
@@ -451,7 +476,7 @@ def test_check_image_present_stale_absent_and_master_port(sandbox, pushed, tmp_p
     import socket
 
     tag = f"runner-test-stale:{os.getpid()}"
-    a = build_scratch_image(tag, [os.urandom(1 << 16)])
+    a = scratch(tag, [os.urandom(1 << 16)])
     job = write_job(tmp_path, image=tag)
     env = {"RUNNER_IMAGE_CACHE": str(tmp_path / "cache")}
     assert runner("push", "-i", str(sandbox), "--job", str(job), env=env).returncode == 0
@@ -462,7 +487,7 @@ def test_check_image_present_stale_absent_and_master_port(sandbox, pushed, tmp_p
     rows = json.loads(check("--json").stdout)
     assert [(r["image_state"], r["image_id"], r["host_image_id"]) for r in rows] == [("present", a, a)] * 3
     # The host's tag now names another image: every node's copy is stale (push would replace it).
-    b = build_scratch_image(tag, [os.urandom(1 << 16)])
+    b = scratch(tag, [os.urandom(1 << 16)])
     with remotes(sandbox)["node-1"] as r:
         assert r.run(["docker", "rmi", tag]).rc == 0
     rows = json.loads(check("--json").stdout)
@@ -524,6 +549,7 @@ def test_push_builds_from_job_build(sandbox, pushed, tmp_path):
     first = runner("push", "-i", str(sandbox), "--job", str(job), env=env)
     assert first.returncode == 0, first.stderr
     img = host_image(tag)
+    CREATED.append(img.id)
     assert img.labels["mark"] == mark and f"building {tag} from {ctx}" in first.stderr
     for node, r in parse_push(first.stdout).items():
         assert r["action"] == "layers" and r["sent"] == r["total"] == 2
@@ -537,6 +563,7 @@ def test_push_builds_from_job_build(sandbox, pushed, tmp_path):
     rebuilt = runner("push", "-i", str(sandbox), "--job", str(job), "--build", env=env)
     assert rebuilt.returncode == 0, rebuilt.stderr
     new = host_image(tag)
+    CREATED.append(new.id)
     assert new.id != img.id and f"building {tag}" in rebuilt.stderr
     for node, r in parse_push(rebuilt.stdout).items():
         assert r["action"] == "layers" and r["sent"] == 1 and r["mb"] < 0.01, r
