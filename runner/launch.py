@@ -19,10 +19,11 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from runner.down import stop_node, stop_run
+from runner.down import run_containers, stop_node, stop_run
 from runner.errors import UserError
 from runner.inventory import ARCH_ALIASES, Inventory
-from runner.plan import Facts, NodePlan, Plan, make_plan, render_secrets_file
+from runner.plan import OUT, Facts, NodePlan, Plan, make_plan, render_secrets_file
+from runner.resume_sync import CHECKPOINTS, sync_checkpoints
 from runner.session import Cluster, Probe, add_inventory_args, load, parallel, pick_master_port, probe
 from runner.ssh import Remote
 from runner.watch import FAIL_STOP_GRACE_S, Watcher
@@ -139,7 +140,8 @@ class Launcher:
             raise UserError("preflight failed: " + "; ".join(bad))
         return probes
 
-    def make_plan(self, probes: dict[str, Probe], run_id: str, resume: bool) -> Plan:
+    def make_plan(self, probes: dict[str, Probe], run_id: str, resume: bool,
+                  resume_args: list[str] = RESUME_ARGS) -> Plan:
         job = self.inv.job
         if job.master_port == "auto":
             # Derived from the run id so two concurrent launches on one master rarely collide.
@@ -152,7 +154,7 @@ class Launcher:
                                 "choose another or use master_port: auto")
         saved = list(job.args)
         if resume and not any(a == "--resume" for a in job.args):
-            job.args = saved + RESUME_ARGS
+            job.args = saved + resume_args
         try:
             return make_plan(self.inv, run_id, {n: p.facts() for n, p in probes.items()}, master_port=port,
                              secret_keys=list(self.secret_vals), strict=True)
@@ -176,18 +178,33 @@ class Launcher:
             if err:
                 raise UserError(f"node {np_.node}: staging files in {np_.run_dir} failed: {err}")
 
+    def clear_earlier_attempt(self, cl: Cluster, run_id: str) -> None:
+        """Containers of this run from an earlier attempt: a node lost then may have come back
+        with its container still running (same name: the new one could not be created). A run
+        still running on every node is not a relaunch's to kill: that is `runner down`."""
+        found = {n: run_containers(r, run_id) for n, r in cl.remotes.items()}
+        if all(any(c.status == "running" for c in cs) for cs in found.values()):
+            raise UserError(f"--resume {run_id}: the run is still running on every node; "
+                            f"`runner down {run_id} -i {self.inv.path}` first, or follow it with `runner logs {run_id} -f`")
+        stale, errors = stop_run(cl.remotes, run_id, grace=FAIL_STOP_GRACE_S)
+        if errors:
+            raise UserError(f"run {run_id}: could not remove earlier containers on " + "; ".join(errors))
+        if stale:
+            log.warning("run %s: removed containers left by an earlier attempt on %s", run_id, ", ".join(stale))
+
     def launch_once(self, cl: Cluster, probes: dict[str, Probe], run_id: str, resume: bool) -> int:
         t0 = time.time()
         self.lost, self.lost_reclaimed = None, False
         plan = self.make_plan(probes, run_id, resume)
         if resume:
-            # A node lost in an earlier attempt may have come back with that attempt's container
-            # (same name: the new one could not be created). Nothing of this run may run now.
-            stale, errors = stop_run(cl.remotes, run_id, grace=FAIL_STOP_GRACE_S)
-            if errors:
-                raise UserError(f"run {run_id}: could not remove earlier containers on " + "; ".join(errors))
-            if stale:
-                log.warning("run %s: removed containers left by an earlier attempt on %s", run_id, ", ".join(stale))
+            self.clear_earlier_attempt(cl, run_id)
+            # Only once nothing of the run is left running (a stale container could still write).
+            synced = sync_checkpoints(cl.remotes, {np.node: np.run_dir for np in plan.nodes},
+                                      progress=lambda msg: log.info("resume: copied %s", msg))
+            print(f"run {run_id}: {synced.summary()}", flush=True)
+            if synced.checkpoint and not synced.all_latest:
+                # Some node's `latest` names another checkpoint: name the chosen one outright.
+                plan = self.make_plan(probes, run_id, resume, ["--resume", f"{OUT}/{CHECKPOINTS}/{synced.checkpoint}"])
         self.stage_files(cl, plan)
         log.debug("files staged in %.2fs", time.time() - t0)
         log_dir = Path(self.args.logs_dir) / run_id

@@ -16,6 +16,7 @@ from runner.cli import main as cli_main
 from runner.errors import UserError
 from runner.inventory import load_inventory
 from runner.plan import LABEL_NODE, LABEL_RANK, LABEL_RUN, MASK, Facts, make_plan
+from runner.resume_sync import Copy, Description, Listing, candidates, incomplete, plan_copies
 from tests.test_inventory import shipped
 
 SECRET = "hf_SUPERSECRET_123"
@@ -131,3 +132,105 @@ def test_mixed_arch_dry_run_with_given_arch(tmp_path, no_network):
     rc, out = run_cli("up", "--inventory", str(p), "--dry-run", "--arch", "a=amd64", "--arch", "b=aarch64")
     assert rc == 0
     assert "[a/0] 10.9.0.1  arch=amd64  image=t:amd" in out and "[b/1] 10.9.0.2  arch=arm64  image=t:arm" in out
+
+
+# --- runner up --resume: which checkpoint, and which files go where (runner/resume_sync.py) ---------
+
+RANK0_FILES = {".metadata": 900, "trainer_state.json": 400, "config.yaml": 300}
+
+
+def _node_files(rank: int, shard: int) -> dict[str, int]:
+    """What the trainer leaves on node `rank` (one rank per node, no shared storage)."""
+    return {**RANK0_FILES, f"__{rank}_0.distcp": shard, f"rank{rank}.pt": 50, f"manifest.rank{rank}.json": 120}
+
+
+def _ddp3(name: str = "step-3", latest: str | None = "step-3") -> dict[str, Listing]:
+    # DDP: rank 0 wrote every replicated tensor (big shard); ranks 1, 2 almost nothing.
+    return {f"node-{k}": Listing(latest, {name: _node_files(k, 5000 if k == 0 else 10)}) for k in range(3)}
+
+
+def _desc(listings: dict[str, Listing], name: str = "step-3", step: int = 3) -> Description:
+    manifests = {k: {f: (listings[f"node-{k}"].checkpoints[name][f], None)
+                     for f in (f"__{k}_0.distcp", f"rank{k}.pt")} for k in range(3)}
+    manifests[0].update({f: (s, None) for f, s in RANK0_FILES.items()})
+    return Description(step=step, world_size=3, manifests=manifests)
+
+
+def _hashes(listings: dict[str, Listing], name: str = "step-3", **override: str) -> dict[str, dict[str, str]]:
+    return {n: {f: override.get(f"{n}:{f}", f"sha-{f}") for f in li.checkpoints[name]} for n, li in listings.items()}
+
+
+def test_resume_sync_each_node_gets_exactly_what_it_lacks():
+    li = _ddp3()
+    assert incomplete("step-3", li, _desc(li)) is None
+    copies = plan_copies("step-3", li, _hashes(li))
+    got = {(c.file, c.src, c.dst) for c in copies}
+    want = set()
+    for k in range(3):
+        for f in (f"__{k}_0.distcp", f"rank{k}.pt", f"manifest.rank{k}.json"):
+            want |= {(f, f"node-{k}", f"node-{j}") for j in range(3) if j != k}
+    assert got == want  # the files every node already has (.metadata, ...) are never copied
+    big = [c for c in copies if c.file == "__0_0.distcp"]
+    assert [(c.dst, c.size, c.sha256) for c in big] == [("node-1", 5000, "sha-__0_0.distcp"),
+                                                        ("node-2", 5000, "sha-__0_0.distcp")]
+    # After the copies every node holds the union.
+    union = {f for li_ in li.values() for f in li_.checkpoints["step-3"]}
+    for n, li_ in li.items():
+        assert set(li_.checkpoints["step-3"]) | {c.file for c in copies if c.dst == n} == union
+
+
+def test_resume_sync_never_replaces_and_spreads_sources():
+    # node-1 already has node-0's big shard (an earlier, interrupted sync): it is not a destination,
+    # and it serves the file to node-2 because node-0 is busier.
+    li = _ddp3()
+    li["node-1"].checkpoints["step-3"]["__0_0.distcp"] = 5000
+    li["node-0"].checkpoints["step-3"]["big-extra.pt"] = 9000
+    li["node-1"].checkpoints["step-3"]["big-extra.pt"] = 9000
+    copies = plan_copies("step-3", li, _hashes(li))
+    assert not [c for c in copies if c.dst == "node-1" and c.file in ("__0_0.distcp", "big-extra.pt")]
+    srcs = {c.file: c.src for c in copies if c.dst == "node-2" and c.file in ("__0_0.distcp", "big-extra.pt")}
+    assert sorted(srcs.values()) == ["node-0", "node-1"]  # one each, not both from node-0
+    assert all(isinstance(c, Copy) and c.src != c.dst for c in copies)
+
+
+def test_resume_sync_conflicting_copies_refused():
+    li = _ddp3()
+    with pytest.raises(UserError, match=r"step-3: \.metadata differs between node-0, node-1, node-2"):
+        plan_copies("step-3", li, _hashes(li, **{"node-2:.metadata": "other"}))
+
+
+def test_resume_sync_incomplete_unions():
+    li = _ddp3()
+    d = _desc(li)
+    # A rank's manifest nowhere.
+    short = {n: Listing(x.latest, {"step-3": {f: s for f, s in x.checkpoints["step-3"].items()
+                                               if f != "manifest.rank2.json"}}) for n, x in li.items()}
+    assert "manifest.rank2.json (rank 2's shard set) is on no node" in incomplete("step-3", short, Description(
+        3, 3, {k: v for k, v in d.manifests.items() if k != 2}))
+    # A listed shard nowhere.
+    gone = {n: Listing(x.latest, {"step-3": {f: s for f, s in x.checkpoints["step-3"].items() if f != "__1_0.distcp"}})
+            for n, x in li.items()}
+    assert incomplete("step-3", gone, d) == "step-3/__1_0.distcp (listed in manifest.rank1.json) is on no node"
+    # Two nodes disagree on a size; a size that differs from the manifest.
+    li2 = _ddp3()
+    li2["node-2"].checkpoints["step-3"][".metadata"] = 899
+    assert incomplete("step-3", li2, d) == "step-3/.metadata is 900 bytes on node-0 but 899 on node-2"
+    li3 = _ddp3()
+    li3["node-0"].checkpoints["step-3"]["__0_0.distcp"] = 4000
+    assert "__0_0.distcp is 4000 bytes on node-0, manifest.rank0.json says 5000" in incomplete("step-3", li3, d)
+    assert incomplete("step-3", li, Description(3, None, d.manifests)) == "step-3/trainer_state.json is unreadable"
+
+
+def test_resume_sync_candidates_order():
+    both = {f"node-{k}": Listing("step-4", {"step-2": {}, "step-4": {}, "step-3.preempt": {}}) for k in range(2)}
+    steps = {"step-2": 2, "step-4": 4, "step-3.preempt": 3}
+    assert candidates(both, steps) == ["step-4", "step-3.preempt", "step-2"]
+    # Every node's latest names step-2 (say, step-4 was saved by another run layout): it goes first.
+    pinned = {n: Listing("step-2", li.checkpoints) for n, li in both.items()}
+    assert candidates(pinned, steps)[0] == "step-2"
+    # A crash between two nodes' renames: step-6 only on node-0, latests differ -> newest common.
+    split = {"node-0": Listing("step-6", {"step-4": {}, "step-6": {}}), "node-1": Listing("step-4", {"step-4": {}})}
+    assert candidates(split, {"step-4": 4, "step-6": 6}) == ["step-4"]
+    # Same step: the trainer's own tie-break, (step, name) -> the .preempt one.
+    tie = {"n": Listing(None, {"step-6": {}, "step-6.preempt": {}})}
+    assert candidates(tie, {"step-6": 6, "step-6.preempt": 6}) == ["step-6.preempt", "step-6"]

@@ -355,3 +355,63 @@ def test_failure_prints_failed_nodes_last_lines_and_trainer_args_reach_the_comma
     st = runner("status", run_id, "-i", str(sandbox), "--json")
     rows = {r["node"]: r for r in json.loads(st.stdout)["nodes"]}
     assert (rows["node-1"]["state"], rows["node-1"]["rank"], rows["node-1"]["exit_code"]) == ("finished", 1, 1), rows
+
+
+def _ckpt_job(tmp: Path, name: str, **env: str) -> Path:
+    """configs/tiny.yaml (DDP, fp32 CPU: bitwise reproducible), 8 steps, a checkpoint every 2."""
+    job = {"image": "runner-trainer:latest", "config": str(REPO / "configs" / "tiny.yaml"),
+           "args": ["--train.steps", "8", "--checkpoint.interval", "2"],
+           "env": {"OMP_NUM_THREADS": "1", **env}, "master_port": "auto", "grace_period": 60}
+    p = tmp / name
+    p.write_text(__import__("yaml").safe_dump({"job": job}))
+    return p
+
+
+def _losses(sandbox: Path, run_id: str) -> list[tuple[int, float]]:
+    path = node_workdir(sandbox, "node-0") / "runs" / run_id / "metrics.jsonl"
+    return [(m["step"], m["loss"]) for m in map(json.loads, path.read_text().splitlines()) if "loss" in m]
+
+
+def test_down_then_resume_without_shared_storage_continues_exactly(sandbox, pushed, tmp_path):
+    """Each node's /out is its own disk. `runner down` mid-run: every rank writes its part of
+    step-3.preempt on its own node. `runner up --resume` gives each node the files it lacks (DCP
+    wrote the replicated DDP tensors once, on node-0) and the run continues at step 4 with the
+    losses of an uninterrupted run, bit for bit."""
+    import hashlib
+
+    ref = runner("up", "-i", str(sandbox), "--job", str(_ckpt_job(tmp_path, "ref.yaml")),
+                 "--logs-dir", str(tmp_path / "l"), timeout=900)
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    expected = _losses(sandbox, re.search(r"run (\S+) started", ref.stdout)[1])
+    assert [s for s, _ in expected] == list(range(1, 9))
+
+    # The save of step-2 pauses 10 s once every rank's files are written (the trainer's test hook):
+    # `runner down` lands in that window, so the preempt checkpoint is step 3 on every node.
+    job = _ckpt_job(tmp_path, "job.yaml", TRAINER_TEST_SAVE_DELAY="2:10")
+    run_id = _detached(sandbox, job)
+    ckroot = {n: node_workdir(sandbox, n) / "runs" / run_id / "checkpoints" for n in NODES}
+    wait_for(lambda: all((ckroot[n] / ".tmp-step-2" / f"manifest.rank{i}.json").is_file()
+                         for i, n in enumerate(NODES)), 300, interval=0.2)
+    down = runner("down", run_id, "-i", str(sandbox), timeout=300)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert run_containers(sandbox, run_id) == {n: [] for n in NODES}
+    for i, n in enumerate(NODES):
+        assert (ckroot[n] / "latest").read_text().strip() == "step-3.preempt", n
+        files = {p.name for p in (ckroot[n] / "step-3.preempt").iterdir()}
+        assert {".metadata", "trainer_state.json", f"manifest.rank{i}.json", f"rank{i}.pt"} <= files
+        assert not any(f"rank{j}" in f for f in files for j in range(3) if j != i), files  # only its own ranks'
+    assert not (ckroot["node-1"] / "step-3.preempt" / "__0_0.distcp").exists()  # what node-1's rank must fetch
+
+    res = runner("up", "-i", str(sandbox), "--job", str(job), "--resume", run_id, "--logs-dir", str(tmp_path / "l"),
+                 timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f"run {run_id}: resuming from step-3.preempt (step 3): copied " in res.stdout, res.stdout[:2000]
+    steps = [int(m[1]) for m in re.finditer(r"^\[node-\d/\d\] (?:\[rank\d+\] )?step (\d+) loss ", res.stdout, re.M)]
+    assert steps and steps[0] == 4, steps  # the checkpoint step + 1
+    assert _losses(sandbox, run_id) == expected  # bitwise: the resumed run is the uninterrupted one
+    # Every node now holds the union of the checkpoint's files, identical everywhere.
+    digests = {n: {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+                   for p in (ckroot[n] / "step-3.preempt").iterdir()} for n in NODES}
+    assert digests["node-0"] == digests["node-1"] == digests["node-2"]
+    assert {f"manifest.rank{i}.json" for i in range(3)} <= set(digests["node-0"])
+    assert run_containers(sandbox, run_id) == {n: [] for n in NODES}

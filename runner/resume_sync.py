@@ -1,0 +1,342 @@
+"""Before `runner up --resume` relaunches a run: make the checkpoint it resumes from complete on
+every node, for nodes WITHOUT shared storage (Raspberry Pis: each node's /out is its own disk).
+
+The trainer finalizes every node's `checkpoints/<name>/` on its own: DCP's `.metadata`, rank 0's
+description files, and the shards, RNG files and manifests of that node's ranks only. DCP writes
+a replicated tensor once (a DDP model: by rank 0), so a rank may need a shard that lives on
+another node; every rank checks on load that every manifest and every file they list is in its
+node's copy. So the runner gives each node the union of all nodes' files:
+
+1. list `checkpoints/` on every node (names and sizes; `latest`);
+2. take the newest checkpoint present on every node whose union is complete: `.metadata`, the
+   manifest of every rank of the saving run, every file they list with the listed size, no two
+   nodes disagreeing on a file (size, then sha256) -- the one every node's `latest` names first;
+3. copy each node the files it lacks, relayed through this host (SFTP get from a node that has
+   the file, put to the one that lacks it), checked against sha256 (and the manifest's crc32)
+   at every hop, written under a temporary name and renamed; an existing file is never replaced.
+
+Steps 2's choice and the copy plan are pure (`choose`, `plan_copies`); the rest is I/O.
+Shared storage needs nothing: every node lists the same files and nothing is copied.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import posixpath
+import shlex
+import tempfile
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from runner.errors import UserError
+from runner.ssh import Remote
+
+log = logging.getLogger("runner.resume")
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+STATE_FILE = "trainer_state.json"
+METADATA = ".metadata"
+TMP_PREFIX = ".tmp-"          # the trainer's unfinished saves: never a candidate
+SWAP_SUFFIX = ".old"          # the trainer's swap while overwriting a name
+SYNC_TMP = ".runner-sync-"    # our own partial copies
+
+
+@dataclass(frozen=True)
+class Listing:
+    """One node's checkpoints dir: its `latest` and {checkpoint: {file: size}}."""
+
+    latest: str | None
+    checkpoints: dict[str, dict[str, int]]
+
+
+@dataclass(frozen=True)
+class Description:
+    """What the checkpoint's own files say (read from whichever node holds them)."""
+
+    step: int | None = None
+    world_size: int | None = None
+    manifests: dict[int, dict[str, tuple[int, int | None]]] = field(default_factory=dict)  # rank -> {file: (size, crc32)}
+
+
+@dataclass(frozen=True)
+class Copy:
+    file: str
+    src: str
+    dst: str
+    size: int
+    sha256: str
+
+
+def candidates(listings: dict[str, Listing], steps: dict[str, int | None]) -> list[str]:
+    """Checkpoints present on every node, preferred first: the one every node's `latest` names,
+    then the others newest first by (step, name), the trainer's own order."""
+    common = set.intersection(*(set(li.checkpoints) for li in listings.values())) if listings else set()
+    order = sorted(common, key=lambda n: (steps.get(n) if steps.get(n) is not None else -1, n), reverse=True)
+    latest = {li.latest for li in listings.values()}
+    if len(latest) == 1 and (only := latest.pop()) in common:
+        order.remove(only)
+        order.insert(0, only)
+    return order
+
+
+def incomplete(name: str, listings: dict[str, Listing], desc: Description) -> str | None:
+    """Why the union of the nodes' copies of `name` cannot be resumed from (None: it can)."""
+    union: dict[str, tuple[int, str]] = {}  # file -> (size, node)
+    for node, li in listings.items():
+        for f, size in li.checkpoints.get(name, {}).items():
+            if f in union and union[f][0] != size:
+                return f"{name}/{f} is {union[f][0]} bytes on {union[f][1]} but {size} on {node}"
+            union.setdefault(f, (size, node))
+    for f in (METADATA, STATE_FILE):
+        if f not in union:
+            return f"{name}/{f} is on no node"
+    if desc.world_size is None:
+        return f"{name}/{STATE_FILE} is unreadable"
+    for j in range(desc.world_size):
+        if j not in desc.manifests:
+            return f"{name}/manifest.rank{j}.json (rank {j}'s shard set) is on no node or unreadable"
+        for f, (size, _) in desc.manifests[j].items():
+            if f not in union:
+                return f"{name}/{f} (listed in manifest.rank{j}.json) is on no node"
+            if union[f][0] != size:
+                return f"{name}/{f} is {union[f][0]} bytes on {union[f][1]}, manifest.rank{j}.json says {size}"
+    return None
+
+
+def plan_copies(name: str, listings: dict[str, Listing], hashes: dict[str, dict[str, str]]) -> list[Copy]:
+    """Every (file, node lacking it) of checkpoint `name`, each file from one node holding it
+    (spread so no single node serves everything). UserError if two nodes hold different contents."""
+    holders: dict[str, list[str]] = {}
+    for node in listings:
+        for f in sorted(listings[node].checkpoints[name]):
+            holders.setdefault(f, []).append(node)
+    served: dict[str, int] = dict.fromkeys(listings, 0)
+    copies: list[Copy] = []
+    for f in sorted(holders):
+        have = holders[f]
+        digests = {hashes[n][f] for n in have}
+        if len(digests) > 1:
+            raise UserError(f"checkpoint {name}: {f} differs between {', '.join(have)} (sha256); "
+                            "not resuming from it")
+        digest, size = digests.pop(), listings[have[0]].checkpoints[name][f]
+        # Never replace a file a node already has (it matched every other copy).
+        lacking = [n for n in listings if n not in have]
+        if not lacking:
+            continue
+        # One source per file: it is fetched once to this host and put to every node lacking it.
+        src = min(have, key=lambda n: (served[n], list(listings).index(n)))
+        served[src] += size
+        copies += [Copy(f, src, dst, size, digest) for dst in lacking]
+    return copies
+
+
+# --- I/O ---------------------------------------------------------------------------------
+
+LIST_SCRIPT = r"""
+cd "$1" 2>/dev/null || exit 0
+printf 'latest\t%s\n' "$(cat latest 2>/dev/null | head -1)"
+for d in */; do
+  d=${d%/}
+  [ -d "$d" ] || continue
+  for f in "$d"/* "$d"/.[!.]*; do
+    [ -f "$f" ] && printf 'file\t%s\t%s\n' "$(stat -c %s "$f")" "$f"
+  done
+done
+exit 0
+"""
+
+
+def list_node(remote: Remote, root: str) -> Listing:
+    res = remote.run(["sh", "-c", LIST_SCRIPT, "list", root], timeout=120)
+    if res.rc != 0:
+        raise UserError(f"node {remote.node.name}: listing {root} failed: {res.err.strip()[:200]}")
+    latest, ckpts = None, {}
+    for line in res.out.splitlines():
+        kind, _, rest = line.partition("\t")
+        if kind == "latest":
+            latest = rest.strip() or None
+        elif kind == "file":
+            size, _, path = rest.partition("\t")
+            d, _, f = path.partition("/")
+            if d.startswith(TMP_PREFIX) or d.endswith(SWAP_SUFFIX) or f.startswith(SYNC_TMP) or "/" in f:
+                continue
+            ckpts.setdefault(d, {})[f] = int(size)
+    return Listing(latest, ckpts)
+
+
+def _read_json(remote: Remote, path: str) -> dict | None:
+    text = remote.read_text(path)
+    try:
+        return json.loads(text) if text is not None else None
+    except json.JSONDecodeError:
+        return None
+
+
+def describe(name: str, listings: dict[str, Listing], remotes: dict[str, Remote], roots: dict[str, str]) -> Description:
+    """Read trainer_state.json and every manifest of `name` from a node that holds it."""
+    def holder(f: str) -> str | None:
+        return next((n for n, li in listings.items() if f in li.checkpoints.get(name, {})), None)
+
+    def read(f: str) -> dict | None:
+        n = holder(f)
+        return _read_json(remotes[n], f"{roots[n]}/{name}/{f}") if n else None
+
+    state = read(STATE_FILE) or {}
+    manifests = {}
+    files = {f for li in listings.values() for f in li.checkpoints.get(name, {})}
+    for f in files:
+        if f.startswith("manifest.rank") and f.endswith(".json") and f[13:-5].isdigit():
+            doc = read(f)
+            if isinstance(doc, dict):
+                manifests[int(f[13:-5])] = {k: (int(v[0]), v[1] if len(v) > 1 else None) for k, v in doc.items()}
+    step, world = state.get("step"), state.get("world_size")
+    return Description(step=int(step) if isinstance(step, int) else None,
+                       world_size=int(world) if isinstance(world, int) else None, manifests=manifests)
+
+
+def sha256_node(remote: Remote, directory: str, files: list[str]) -> dict[str, str]:
+    if not files:
+        return {}
+    res = remote.run(f"cd {shlex.quote(directory)} && sha256sum -- " + " ".join(shlex.quote(f) for f in files),
+                     timeout=3600)
+    out = {}
+    for line in res.out.splitlines():
+        digest, _, f = line.partition("  ")
+        out[f] = digest
+    missing = [f for f in files if f not in out]
+    if res.rc != 0 or missing:
+        raise UserError(f"node {remote.node.name}: sha256sum in {directory} failed for "
+                        f"{', '.join(missing[:3]) or 'some files'}: {res.err.strip()[:160]}")
+    return out
+
+
+@dataclass
+class SyncResult:
+    checkpoint: str | None
+    step: int | None = None
+    all_latest: bool = True                  # every node's `latest` already names it
+    copied: dict[str, list[str]] = field(default_factory=dict)   # dst node -> files
+    bytes_copied: int = 0
+    passed_over: list[str] = field(default_factory=list)         # newer checkpoints, and why not
+
+    def summary(self) -> str:
+        if self.checkpoint is None:
+            return "no checkpoint on the nodes yet: the run starts from step 0"
+        head = f"resuming from {self.checkpoint} (step {self.step})"
+        if not self.copied:
+            return head + ": complete on every node"
+        per = ", ".join(f"{len(fs)} to {n}" for n, fs in self.copied.items())
+        return head + f": copied {per} ({self.bytes_copied / 1e6:.1f} MB, sha256 checked)"
+
+
+def sync_checkpoints(remotes: dict[str, Remote], run_dirs: dict[str, str],
+                     progress: Callable[[str], None] | None = None) -> SyncResult:
+    """Pick the checkpoint to resume from and complete it on every node (see the module doc)."""
+    roots = {n: posixpath.join(d, CHECKPOINTS) for n, d in run_dirs.items()}
+    listings = {n: list_node(remotes[n], roots[n]) for n in run_dirs}
+    if not any(li.checkpoints for li in listings.values()):
+        return SyncResult(None)
+    # Descriptions only of checkpoints on every node (the only candidates), newest first.
+    common = set.intersection(*(set(li.checkpoints) for li in listings.values()))
+    descs = {name: describe(name, listings, remotes, roots) for name in common}
+    passed: list[str] = []
+    for name in candidates(listings, {n: d.step for n, d in descs.items()}):
+        why = incomplete(name, listings, descs[name])
+        if why is None:
+            hashes = {n: sha256_node(remotes[n], f"{roots[n]}/{name}", sorted(listings[n].checkpoints[name]))
+                      for n in listings}
+            try:
+                copies = plan_copies(name, listings, hashes)
+            except UserError as exc:
+                why = str(exc)
+        if why is not None:
+            passed.append(why)
+            log.warning("resume: not from %s: %s", name, why)
+            continue
+        res = SyncResult(name, descs[name].step, all_latest=all(li.latest == name for li in listings.values()),
+                         passed_over=passed)
+        _execute(copies, name, remotes, roots, descs[name], res, progress)
+        return res
+    newer = {n for li in listings.values() for n in li.checkpoints} - common
+    lacking = "; ".join(f"{n}: only on {', '.join(sorted(k for k, li in listings.items() if n in li.checkpoints))}"
+                        for n in sorted(newer)[:3])
+    raise UserError("--resume: no checkpoint is complete across the nodes "
+                    + ("; ".join(passed[:3]) if passed else "(none is on every node)")
+                    + (f"; {lacking}" if lacking else ""))
+
+
+def _crc_of(desc: Description, f: str) -> int | None:
+    for m in desc.manifests.values():
+        if f in m:
+            return m[f][1]
+    return None
+
+
+def _execute(copies: list[Copy], name: str, remotes: dict[str, Remote], roots: dict[str, str], desc: Description,
+             res: SyncResult, progress: Callable[[str], None] | None) -> None:
+    by_file: dict[str, list[Copy]] = {}
+    for c in copies:
+        by_file.setdefault(c.file, []).append(c)
+    with tempfile.TemporaryDirectory(prefix="runner-resume-") as tmp:
+        for f, cs in by_file.items():
+            local = os.path.join(tmp, "blob")
+            src = cs[0].src
+            remotes[src].sftp.get(f"{roots[src]}/{name}/{f}", local)
+            digest, crc, size = _digest(local)
+            if size != cs[0].size or digest != cs[0].sha256:
+                raise UserError(f"node {src}: {roots[src]}/{name}/{f} changed while copying "
+                                f"({size} bytes, sha256 {digest[:12]}); not resuming")
+            want_crc = _crc_of(desc, f)
+            if want_crc is not None and crc != want_crc:
+                raise UserError(f"node {src}: {roots[src]}/{name}/{f}: crc32 differs from its manifest (corrupt); "
+                                "not resuming from it")
+            for c in cs:
+                _put(remotes[c.dst], local, f"{roots[c.dst]}/{name}", f, c.sha256, c.size)
+                res.copied.setdefault(c.dst, []).append(f)
+                res.bytes_copied += c.size
+                if progress:
+                    progress(f"{name}/{f}: {c.src} -> {c.dst} ({c.size / 1e6:.1f} MB)")
+            os.unlink(local)
+
+
+def _digest(path: str) -> tuple[str, int, int]:
+    h, crc, size = hashlib.sha256(), 0, 0
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 22):
+            h.update(chunk)
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+    return h.hexdigest(), crc, size
+
+
+def _put(remote: Remote, local: str, directory: str, f: str, sha256: str, size: int) -> None:
+    """Upload under a temporary name, check size and sha256 on the node, then rename. SFTP's
+    rename (not posix-rename) refuses to replace an existing file: a copy that appeared meanwhile
+    is kept if it is the same file, and is an error otherwise."""
+    node = remote.node.name
+    tmp = f"{directory}/{SYNC_TMP}{os.getpid()}-{f}"
+    final = f"{directory}/{f}"
+    try:
+        remote.sftp.put(local, tmp)
+        st = remote.stat(tmp)
+        got = sha256_node(remote, directory, [posixpath.basename(tmp)])[posixpath.basename(tmp)]
+        if st is None or st.st_size != size or got != sha256:
+            raise UserError(f"node {node}: {tmp}: copy does not match its source (size or sha256)")
+        try:
+            remote.sftp.rename(tmp, final)
+        except OSError:
+            if remote.stat(final) is None:
+                raise UserError(f"node {node}: cannot rename {tmp} to {final}") from None
+            if sha256_node(remote, directory, [f])[f] != sha256:
+                raise UserError(f"node {node}: {final} appeared during the copy with other contents; "
+                                "not replacing it") from None
+    finally:
+        try:
+            remote.sftp.remove(tmp)
+        except OSError:
+            pass
