@@ -1,8 +1,11 @@
-"""Exact resume for every layout: 6 steps straight (saving at step 3) vs resume from step 3 + 3.
+"""Exact resume for every layout (losses compared with ==: CPU, fp32, one thread per process).
 
-The straight run's step-3 checkpoint is exactly what a run stopped at step 3 leaves (the LR
-horizon is the 6-step run's either way); stopping a run for real is covered by the SIGTERM test.
-Losses are compared with == (CPU, fp32, one thread per process).
+The issue's four layouts (ddp, zero3, pp=2 1f1b, tp=2): 6 steps straight vs a SEPARATE run that
+ends after step 3 (train.exit_interval, same 6-step LR schedule) and is resumed with the same
+command plus `--resume latest` for steps 4-6. The other layouts (zero2 with async saves,
+zero3_hybrid 2x2, tp=2 x dp=2 zero3, pp=2 interleaved with 2 virtual stages per rank) resume
+from the straight run's own step-3 checkpoint, one launch fewer each: that checkpoint is what
+a run stopped at step 3 leaves, as the first group shows.
 """
 
 from __future__ import annotations
@@ -12,51 +15,76 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainer_run import losses, run_trainer
+from tests.trainer_run import losses, read_metrics, run_trainer
 
 pytestmark = pytest.mark.multiproc
 
 TINY = ("configs/tiny.yaml", "--train.steps", "6", "--checkpoint.interval", "3")
 
+# layout -> (args, processes)
 LAYOUTS = {
-    "ddp": ("--parallel.sharding", "ddp"),
-    "zero3": ("--parallel.sharding", "zero3"),
-    "pp2_1f1b": ("--parallel.pp", "2", "--parallel.pp_schedule", "1f1b", "--train.microbatch_num", "2"),
-    "tp2": ("--parallel.tp", "2"),
+    "ddp": (("--parallel.sharding", "ddp"), 2),
+    "zero3": (("--parallel.sharding", "zero3"), 2),
+    "pp2_1f1b": (("--parallel.pp", "2", "--parallel.pp_schedule", "1f1b", "--train.microbatch_num", "2"), 2),
+    "tp2": (("--parallel.tp", "2"), 2),
+    # the straight run's periodic checkpoints are written in the background: resume from one
+    "zero2_async": (("--parallel.sharding", "zero2", "--checkpoint.async_save", "true"), 2),
+    "zero3_hybrid": (("--parallel.sharding", "zero3_hybrid", "--parallel.dp_shard", "2"), 4),
+    "tp2_dp2_zero3": (("--parallel.tp", "2", "--parallel.sharding", "zero3"), 4),
+    "pp2_interleaved": (("--parallel.pp", "2", "--parallel.pp_schedule", "interleaved1f1b",
+                         "--parallel.virtual_stages", "2", "--train.microbatch_num", "2",
+                         "--model.num_hidden_layers", "4"), 2),
 }
+REAL_STOP = ("ddp", "zero3", "pp2_1f1b", "tp2")
 
 
 @pytest.fixture(scope="module")
 def straight_run(tmp_path_factory):
-    """The 6-step 2-process run of a layout (checkpoints at steps 3 and 6), run once per module."""
+    """The 6-step run of a layout (checkpoints at steps 3 and 6), run once per module."""
     done: dict[str, Path] = {}
 
     def get(layout: str) -> Path:
         if layout not in done:
+            args, nproc = LAYOUTS[layout]
             done[layout] = tmp_path_factory.mktemp(f"straight-{layout}")
-            run_trainer(done[layout], *TINY, *LAYOUTS[layout], nproc=2)
+            run_trainer(done[layout], *TINY, *args, nproc=nproc)
         return done[layout]
 
     return get
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_resume_is_bitwise_equal(tmp_path, straight_run, layout):
-    straight, resumed = straight_run(layout), tmp_path / "resumed"
-    ckpts = straight / "checkpoints"
-    assert (ckpts / "latest").read_text().strip() == "step-6"
+def _check_step3(ckpts: Path, nproc: int) -> None:
     step3 = ckpts / "step-3"
     state = json.loads((step3 / "trainer_state.json").read_text())
     assert state["step"] == 3 and state["data"]["consumed"] == 3 * state["data"]["global_batch"]
     # Every rank wrote its shard set and its RNG/data file.
-    for r in range(2):
+    for r in range(nproc):
         assert (step3 / f"rank{r}.pt").is_file() and (step3 / f"manifest.rank{r}.json").is_file()
-    assert len(list(step3.glob("__*_*.distcp"))) == 2
+    assert len(list(step3.glob("__*_*.distcp"))) == nproc
 
-    run_trainer(resumed, *TINY, *LAYOUTS[layout], "--resume", str(step3), nproc=2)
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_resume_is_bitwise_equal(tmp_path, straight_run, layout):
+    args, nproc = LAYOUTS[layout]
+    straight, resumed = straight_run(layout), tmp_path / "resumed"
     full = losses(straight)
     assert len(full) == 6
-    assert losses(resumed) == full[3:]
+    ckpts = straight / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step-6"
+    _check_step3(ckpts, nproc)
+
+    if layout in REAL_STOP:
+        stop = (*TINY, *args, "--train.exit_interval", "3")
+        run_trainer(resumed, *stop, nproc=nproc)
+        assert (resumed / "checkpoints" / "latest").read_text().strip() == "step-3"
+        _check_step3(resumed / "checkpoints", nproc)
+        assert losses(resumed) == full[:3]
+        run_trainer(resumed, *stop, "--resume", "latest", nproc=nproc)
+        assert [m["step"] for m in read_metrics(resumed)] == [1, 2, 3, 4, 5, 6]
+        assert losses(resumed) == full
+    else:
+        run_trainer(resumed, *TINY, *args, "--resume", str(ckpts / "step-3"), nproc=nproc)
+        assert losses(resumed) == full[3:]
     # The resumed run continues the step count and the token count.
     assert (resumed / "checkpoints" / "latest").read_text().strip() == "step-6"
     end = json.loads((resumed / "checkpoints" / "step-6" / "trainer_state.json").read_text())
