@@ -79,9 +79,10 @@ def _errors(proc: subprocess.CompletedProcess) -> list[str]:
 
 
 def test_per_node_checkpoints_resume_after_sync(tmp_path):
-    # Uninterrupted, saving at steps 3 and 6: both nodes finalize their own directories.
+    # Uninterrupted, saving at steps 3 and 6 in the background (async): both nodes finalize
+    # their own directories.
     straight = [tmp_path / "straight-node0", tmp_path / "straight-node1"]
-    procs = run_nodes(straight, *ARGS, "--checkpoint.interval", "3")
+    procs = run_nodes(straight, *ARGS, "--checkpoint.interval", "3", "--checkpoint.async_save", "true")
     assert "is not shared by all ranks" in (straight[0] / "logs" / "rank0.log").read_text()
     for rank, out in enumerate(straight):
         _assert_finalized(out, "step-6", rank)
