@@ -28,7 +28,12 @@ PORT=${WHEEL_PORT:-38517}
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null || true' EXIT
 echo "[image] building $TAG from $BASE" >&2
+old_id=$(docker image inspect --format '{{.Id}}' "$TAG" 2>/dev/null || true)
 DOCKER_BUILDKIT=0 docker build --network host --build-arg BASE_IMAGE="$BASE" \
   --build-arg TORCH_FIND_LINKS="http://127.0.0.1:$PORT/" -t "$TAG" . \
   >.build/image-build.log 2>&1 || { tail -n 30 .build/image-build.log >&2; exit 1; }
+# The image this build replaced is left untagged; remove it unless a container or tag still uses it
+# (only its code layer is its own, but a rebuild per code change should not pile them up).
+new_id=$(docker image inspect --format '{{.Id}}' "$TAG")
+if [[ -n $old_id && $old_id != "$new_id" ]]; then docker rmi "$old_id" >/dev/null 2>&1 || true; fi
 docker run --rm --network host "$TAG" python -c "import torch, trainer; print('[image] ok: torch', torch.__version__)"
