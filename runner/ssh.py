@@ -288,8 +288,11 @@ class Remote:
     def ping(self, timeout: float = 6.0) -> None:
         """Round trip over a dedicated SFTP session (cheap: no shell), raising if the node is gone."""
         if not hasattr(self, "_ping_sftp"):
-            self._ping_sftp = self.client.open_sftp()
-            self._ping_sftp.get_channel().settimeout(timeout)
+            # Opened with the same timeout: open_sftp() would wait up to an hour on a hung node.
+            chan = self.client.get_transport().open_session(timeout=timeout)
+            chan.settimeout(timeout)
+            chan.invoke_subsystem("sftp")
+            self._ping_sftp = paramiko.SFTPClient(chan)
         self._ping_sftp.stat(".")
 
     def put_bytes(self, path: str, data: bytes, mode: int = 0o644) -> None:
