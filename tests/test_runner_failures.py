@@ -299,6 +299,10 @@ def test_logs_follow_and_status_fields(sandbox, pushed, tmp_path):
             assert (row["node"], row["rank"], row["state"], row["exit_code"]) == (NODES[i], i, "running", None), row
             assert re.fullmatch(r"\d+s", row["uptime"]) and int(row["uptime"][:-1]) < 60, row
             assert json.loads(row["last_metrics"]) == {"step": 7, "loss": 1.25, "node": NODES[i]}, row
+        # A relaunch does not kill a run that is alive on every node.
+        again = runner("up", "-i", str(sandbox), "--job", str(job), "--resume", run_id)
+        assert again.returncode == 2 and f"--resume {run_id}: the run is still running on every node" in again.stderr
+        assert "Traceback" not in again.stderr
         # -f follows: it is still running after the first ticks, and ends on its own when the containers do.
         first = follow.stdout.readline()
         assert re.match(r"\[node-\d/\d\] (probe|tick 0)", first), first
