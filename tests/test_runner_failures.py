@@ -263,7 +263,10 @@ def test_rendezvous_timeout_is_one_line_and_leaves_nothing(sandbox, pushed, tmp_
     _fake_torchrun_image(tag)
     job = write_job(tmp_path, image=tag)
     t0 = time.time()
-    proc = runner("up", "-i", str(sandbox), "--job", str(job), "--rendezvous-timeout", "3")
+    try:
+        proc = runner("up", "-i", str(sandbox), "--job", str(job), "--rendezvous-timeout", "3")
+    finally:  # the shared host engine keeps only what the project builds
+        subprocess.run(["docker", "-H", "unix:///var/run/docker.sock", "rmi", tag], capture_output=True)
     took = time.time() - t0
     assert proc.returncode == 2, proc.stdout + proc.stderr
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("runner: error")]
