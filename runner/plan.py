@@ -165,7 +165,13 @@ def make_plan(inv: Inventory, run_id: str, facts: dict[str, Facts] | None = None
         workdir = resolve_workdir(node, f)
         run_dir = f"{workdir}/runs/{run_id}"
         ifname = f.ifname or UNPROBED
-        env = {**job.env, **node.env}
+        # torchrun forwards these signals to the ranks (SIGUSR1 is Slurm's --signal; torch 2.13's
+        # default leaves it out and dies on it), then waits up to the shutdown timeout before
+        # SIGKILLing them: keep that inside the grace `down` gives, or a slow preempt checkpoint is
+        # cut off at torchrun's default 30 s. Env, not flags, so an older torchrun just ignores them.
+        # Defaults: user env may override.
+        env = {"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+               "PET_SHUTDOWN_TIMEOUT": str(max(1, int(job.grace_period) - 2)), **job.env, **node.env}
         # The contract with the trainer (shared/design.md); set last so user env cannot break it.
         env.update({
             "RUN_ID": run_id, "NODE_NAME": node.name, "NODE_RANK": str(rank), "NNODES": str(nnodes),

@@ -75,6 +75,10 @@ def test_plan_ranks_env_commands(tmp_path, no_network):
         assert n.env["NNODES"] == "3" and n.env["NODE_RANK"] == str(n.rank) and n.env["NODE_NAME"] == n.node
         assert n.env["RUN_ID"] == "20260101-000000-abcd" and n.env["OUTPUT_DIR"] == "/out"
         assert n.env["OMP_NUM_THREADS"] == "2"
+        # torchrun forwards SIGUSR1 too, and waits for the ranks' preempt checkpoint inside the
+        # grace `down` gives (job.grace_period defaults to 30 s).
+        assert n.env["PET_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+        assert n.env["PET_SHUTDOWN_TIMEOUT"] == "28"
         assert "HF_TOKEN" not in n.env  # the env_file wins, and it never sits in container config
         assert n.labels[LABEL_RUN] == "20260101-000000-abcd" and n.labels[LABEL_NODE] == n.node
         assert n.labels[LABEL_RANK] == str(n.rank)
@@ -234,3 +238,12 @@ def test_resume_sync_candidates_order():
     # Same step: the trainer's own tie-break, (step, name) -> the .preempt one.
     tie = {"n": Listing(None, {"step-6": {}, "step-6.preempt": {}})}
     assert candidates(tie, {"step-6": 6, "step-6.preempt": 6}) == ["step-6.preempt", "step-6"]
+
+
+def test_torchrun_shutdown_timeout_follows_the_grace_period(tmp_path):
+    # A big model's preempt checkpoint may need minutes: torchrun must not SIGKILL the ranks at its
+    # own 30 s default while `down` still waits.
+    inv = load_inventory(inventory(tmp_path, NODES3, "  grace_period: 180\n"))
+    plan = make_plan(inv, "r", {n: Facts(ifname="eth0") for n in ("m", "w1", "w2")}, master_port=29500, strict=True)
+    assert {n.env["PET_SHUTDOWN_TIMEOUT"] for n in plan.nodes} == {"178"}
+    assert {n.labels["io.runner.grace-period"] for n in plan.nodes} == {"180.0"}
