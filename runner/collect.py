@@ -396,10 +396,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=main)
 
 
-def collect(cl: Cluster, run_id: str, dest: Path, quiet: bool = False) -> list[NodeCollect]:
+def collect(cl: Cluster, run_id: str, dest: Path, quiet: bool = False) -> tuple[list[NodeCollect], list[str]]:
+    """Every node that answers, in parallel: (results, one error string per failure). A node's
+    failure never costs another node's files, nor the files this node already delivered."""
     with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                   disable=quiet, transient=True) as progress:
-        res = parallel([cl[n.name] for n in cl.inv.ordered()], lambda r: collect_node(r, run_id, dest, progress))
+        res = parallel([cl[n.name] for n in cl.reachable()], lambda r: collect_node(r, run_id, dest, progress))
     out, errors = [], []
     for r, val, err in res:
         if err is not None:
@@ -407,24 +409,27 @@ def collect(cl: Cluster, run_id: str, dest: Path, quiet: bool = False) -> list[N
         else:
             out.append(val)
             errors += [f"{val.node}: {e}" for e in val.errors]
-    if errors:
-        more = f" (+{len(errors) - MAX_ERRORS_SHOWN} more)" if len(errors) > MAX_ERRORS_SHOWN else ""
-        raise UserError(f"collect {run_id}: " + "; ".join(errors[:MAX_ERRORS_SHOWN]) + more)
-    return out
+    errors += [f"{node}: not reachable, nothing collected from it (rerun collect when it answers)"
+               for node in cl.unreachable]
+    return out, errors
 
 
 def main(args) -> int:
     inv = load(args, with_job=False)
-    with Cluster(inv, args.accept_new_host_keys) as cl:
+    with Cluster(inv, args.accept_new_host_keys, partial=True) as cl:
         run_id = resolve_run(gather(cl), args.run)
-        results = collect(cl, run_id, Path(args.dest), args.quiet)
+        results, errors = collect(cl, run_id, Path(args.dest), args.quiet)
     for r in results:
         print(f"{r.node:12s} {r.files:5d} files: {r.copied} copied ({r.bytes_copied / 1e6:.2f} MB, size and sha256 "
               f"verified), {r.skipped} unchanged" + (f", {r.vanished} vanished" if r.vanished else "") + f"  -> {r.dest}")
     run_dir = Path(args.dest) / run_id
+    # What did arrive is merged, plotted and summarised even when a node failed or was away.
     if not args.no_plots and run_dir.is_dir():
         merge_timelines(run_dir)
         render_plots(run_dir)
     for line in summarize(run_dir):
         print(line)
+    if errors:
+        more = f" (+{len(errors) - MAX_ERRORS_SHOWN} more)" if len(errors) > MAX_ERRORS_SHOWN else ""
+        raise UserError(f"collect {run_id}: " + "; ".join(errors[:MAX_ERRORS_SHOWN]) + more)
     return 0

@@ -92,8 +92,18 @@ def test_down_with_a_partitioned_node_stops_the_others_and_reruns_clean(sandbox,
         cmds = {k: subprocess.Popen(runner_cmd(*a, "-i", str(sandbox)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     text=True, cwd=REPO)
                 for k, a in {"status": ("status", run_id, "--json"), "ls": ("ls", "--json"),
-                             "logs": ("logs", run_id)}.items()}
+                             "logs": ("logs", run_id),
+                             "collect": ("collect", run_id, "--dest", str(tmp_path / "art"), "--quiet")}.items()}
         res = {k: (p.communicate(timeout=120), p.returncode) for k, p in cmds.items()}
+        # collect: what the live nodes hold arrives (and is summarised); the run is named incomplete.
+        (col_out, col_err), col_rc = res.pop("collect")
+        assert col_rc == 2, col_out + col_err
+        err_lines = [ln for ln in col_err.splitlines() if "runner: error:" in ln]
+        assert len(err_lines) == 1 and "node-2: not reachable, nothing collected" in err_lines[0], col_err
+        art = tmp_path / "art" / run_id
+        for n in ("node-0", "node-1"):
+            assert json.loads((art / n / f"probe-{n}.json").read_text())["env"]["NODE_NAME"] == n
+        assert not (art / "node-2").exists()
         for k, ((_out, err), rc) in res.items():
             assert rc == 0, (k, err)
             lines = err.strip().splitlines()
@@ -128,6 +138,12 @@ def test_down_with_a_partitioned_node_stops_the_others_and_reruns_clean(sandbox,
     assert run_containers(sandbox, run_id) == {n: [] for n in NODES}
     third = runner("down", run_id, "-i", str(sandbox))  # idempotent
     assert third.returncode == 0 and "already down" in third.stdout
+    # node-2 answers again: a second collect completes the run, moving only node-2's files.
+    col = runner("collect", run_id, "-i", str(sandbox), "--dest", str(tmp_path / "art"), "--quiet")
+    assert col.returncode == 0, col.stdout + col.stderr
+    copied = {m[1]: int(m[2]) for m in re.finditer(r"^(node-\d)\s+\d+ files: (\d+) copied", col.stdout, re.M)}
+    assert copied["node-0"] == copied["node-1"] == 0 and copied["node-2"] >= 2, col.stdout
+    assert (tmp_path / "art" / run_id / "node-2" / "probe-node-2.json").is_file()
 
 
 def test_node_lost_mid_run_others_stopped_within_10s_then_reclaimed(sandbox, pushed, tmp_path):
