@@ -168,8 +168,13 @@ class Remote:
             self._sftp.close()
             self._sftp = None
         if self.client:
+            transport = self.client.get_transport()
             self.client.close()
             self.client = None
+            # paramiko's close does not always wait for its reader thread; one still running at
+            # interpreter exit prints "Exception in thread ..." over the CLI's last line.
+            if transport is not None and transport.is_alive() and transport is not threading.current_thread():
+                transport.join(2)
         if hasattr(self, "_kh_dir"):
             import shutil
 
