@@ -166,3 +166,20 @@ def node_env(inventory: Path, node: str, var: str) -> str:
     """An environment variable as the node's sshd sets it for sessions (e.g. DOCKER_HOST)."""
     with remotes(inventory)[node] as r:
         return r.run(f"echo ${var}").out.strip()
+
+
+def start_attached(sandbox: Path, job: Path, logs_dir: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+    """`runner up` in the foreground (as a user runs it), returned once it has printed its run id
+    and every node's container of that run is running."""
+    proc = subprocess.Popen(runner_cmd("up", "-i", str(sandbox), "--job", str(job), "--logs-dir", str(logs_dir),
+                                       *extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    run_id = None
+    for line in proc.stdout:
+        m = re.search(r"run (\S+) started", line)
+        if m:
+            run_id = m[1]
+            break
+    assert run_id, proc.stderr.read() if proc.poll() is not None else "no run id"
+    wait_for(lambda: all(len(v) == 1 for v in run_containers(sandbox, run_id, running_only=True).values()), 30)
+    return proc, run_id
+

@@ -29,6 +29,7 @@ from tests.runner_helpers import (
     runner,
     runner_cmd,
     signal_sshd,
+    start_attached,
     wait_for,
     write_job,
 )
@@ -150,19 +151,9 @@ def test_node_lost_mid_run_others_stopped_within_10s_then_reclaimed(sandbox, pus
     """node-2 partitioned while the run is attached: the runner names it, stops node-0/1 within
     10 s of the loss, and removes node-2's container when it answers again."""
     job = write_job(tmp_path, sleep=300, grace=30)
-    proc = subprocess.Popen(runner_cmd("up", "-i", str(sandbox), "--job", str(job), "--logs-dir", str(tmp_path / "l"),
-                                       "--reclaim-timeout", "90"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    proc, run_id = start_attached(sandbox, job, tmp_path / "l", "--reclaim-timeout", "90")
     engines = _Engines(sandbox, ("node-0", "node-1"))
     try:
-        run_id = None
-        for line in proc.stdout:
-            m = re.search(r"run (\S+) started", line)
-            if m:
-                run_id = m[1]
-                break
-        assert run_id, proc.stderr.read()
-        _all_running(sandbox, run_id)
         time.sleep(2)  # a few heartbeats in: the loss, not the start-up, is what is measured
         signal_sshd(sandbox, "node-2", signal.SIGSTOP)
         t_loss = time.time()
@@ -193,18 +184,8 @@ def test_dead_node_orphan_removed_by_resume_relaunch(sandbox, pushed, tmp_path):
     container may still run. Once the node is back, `up --resume <prefix>` removes that stale
     container (same name) before creating the new ones."""
     job = write_job(tmp_path, sleep=300, grace=30)
-    proc = subprocess.Popen(runner_cmd("up", "-i", str(sandbox), "--job", str(job), "--logs-dir", str(tmp_path / "l"),
-                                       "--reclaim-timeout", "2"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    proc, run_id = start_attached(sandbox, job, tmp_path / "l", "--reclaim-timeout", "2")
     try:
-        run_id = None
-        for line in proc.stdout:
-            m = re.search(r"run (\S+) started", line)
-            if m:
-                run_id = m[1]
-                break
-        assert run_id, proc.stderr.read()
-        _all_running(sandbox, run_id)
         signal_sshd(sandbox, "node-2", signal.SIGKILL)
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 1, err

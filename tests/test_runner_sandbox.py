@@ -12,7 +12,6 @@ import io
 import json
 import re
 import signal
-import subprocess
 import tarfile
 import time
 from pathlib import Path
@@ -23,13 +22,12 @@ import pytest
 from runner.images import HOST_DOCKER
 from runner.inventory import load_inventory
 from tests.runner_helpers import (
-    REPO,
     node_workdir,
     parse_push,
     remotes,
     run_containers,
     runner,
-    runner_cmd,
+    start_attached,
     wait_for,
     write_job,
 )
@@ -161,22 +159,8 @@ def test_collect_checksums_and_incremental(sandbox, finished_run, tmp_path):
         {p: t for p, t in mtimes.items() if p.name != ".collect-manifest.json"}
 
 
-def _start_up(sandbox: Path, job: Path, tmp: Path) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(runner_cmd("up", "-i", str(sandbox), "--job", str(job), "--logs-dir", str(tmp / "logs")),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
-    run_id = None
-    for line in proc.stdout:
-        m = re.search(r"run (\S+) started", line)
-        if m:
-            run_id = m[1]
-            break
-    assert run_id, proc.stderr.read() if proc.poll() is not None else "no run id"
-    wait_for(lambda: all(len(v) == 1 for v in run_containers(sandbox, run_id, running_only=True).values()), 30)
-    return proc, run_id
-
-
 def test_killed_worker_stops_everything(sandbox, pushed, tmp_path):
-    proc, run_id = _start_up(sandbox, write_job(tmp_path, sleep=120, grace=30), tmp_path)
+    proc, run_id = start_attached(sandbox, write_job(tmp_path, sleep=120, grace=30), tmp_path / "logs")
     r = remotes(sandbox)["node-2"]
     with r:
         assert r.run(["docker", "kill", f"runner-{run_id}-node-2"]).rc == 0
@@ -190,7 +174,7 @@ def test_killed_worker_stops_everything(sandbox, pushed, tmp_path):
 
 
 def test_sigint_leaves_nothing_and_down_twice(sandbox, pushed, tmp_path):
-    proc, run_id = _start_up(sandbox, write_job(tmp_path, sleep=120, grace=5), tmp_path)
+    proc, run_id = start_attached(sandbox, write_job(tmp_path, sleep=120, grace=5), tmp_path / "logs")
     proc.send_signal(signal.SIGINT)
     proc.communicate(timeout=60)
     assert proc.returncode == 130
@@ -224,7 +208,7 @@ def test_secret_never_leaks(sandbox, pushed, tmp_path):
     job = write_job(tmp_path, sleep=4, env_file=str(envf))
     dry = runner("up", "-i", str(sandbox), "--job", str(job), "--dry-run")
     assert dry.returncode == 0 and "HF_TOKEN=******" in dry.stdout
-    proc, run_id = _start_up(sandbox, job, tmp_path)
+    proc, run_id = start_attached(sandbox, job, tmp_path / "logs")
     # While it runs: no process on this machine (every sandbox node lives here) has it in argv,
     # and no container's config (docker inspect) holds it.
     for p in psutil.process_iter(["cmdline"]):
