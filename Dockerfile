@@ -48,4 +48,7 @@ COPY configs ./configs
 RUN set -e; [ -f /tmp/certs/ca.crt ] && export PIP_CERT=/tmp/certs/ca.crt; \
     pip install --no-deps . && rm -rf build *.egg-info
 
+# `runner up` may start this image's workers together with the master: runner/gate.py holds
+# their torchrun until the master's rendezvous port listens (metadata only: no layer changes).
+LABEL io.runner.gate="1"
 CMD ["trainer", "--help"]

@@ -217,6 +217,16 @@ def node_image_id(remote: Remote, tag: str) -> str | None:
         return None
 
 
+def node_image_labels(remote: Remote, tag: str) -> dict[str, str]:
+    """The labels of the node's image for tag ({} when it has none or lacks the image)."""
+    import docker
+
+    try:
+        return remote.docker().images.get(tag).labels or {}
+    except docker.errors.ImageNotFound:
+        return {}
+
+
 def node_chains(remote: Remote) -> set[str]:
     """Chain ids of every layer prefix of every image on the node (what its layer store holds)."""
     res = remote.run(["sh", "-c", "ids=$(docker image ls -aq --no-trunc | sort -u); "

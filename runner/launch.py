@@ -1,6 +1,11 @@
 """`runner up`: check -> push -> run id -> config + env-file to every node -> master container ->
 master's rendezvous port listening -> workers (node ranks 1..N-1) -> watch -> the job's result.
 
+Workers whose image carries runner.gate start their containers together with the master's and
+import torchrun meanwhile; their torchrun still starts only after the runner has seen the
+master's port listening (it writes each one a go-file then). That keeps the master-first
+contract and takes the workers' start-up off the launch's critical path.
+
 `--dry-run` stops after planning: it prints the plan with secrets masked and opens no socket.
 """
 
@@ -16,13 +21,14 @@ import secrets
 import shlex
 import sys
 import time
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
 from runner.down import run_containers, stop_node, stop_run
 from runner.errors import UserError
 from runner.inventory import ARCH_ALIASES, Inventory
-from runner.plan import OUT, Facts, NodePlan, Plan, make_plan, render_secrets_file
+from runner.plan import LABEL_GATE, OUT, Facts, NodePlan, Plan, make_plan, render_secrets_file
 from runner.resume_sync import CHECKPOINTS, sync_checkpoints
 from runner.session import Cluster, Probe, add_inventory_args, load, parallel, pick_master_port, probe
 from runner.ssh import Remote
@@ -90,6 +96,7 @@ class Launcher:
         self.inv, self.args, self.secret_vals = inv, args, secret_vals
         self.lost: str | None = None          # node lost during the last attempt
         self.lost_reclaimed = False           # ... and reached again, its container removed
+        self.gates: dict[str, bool] = {}      # node -> its image carries runner.gate
 
     def run(self) -> int:
         t0 = time.time()
@@ -103,6 +110,7 @@ class Launcher:
 
                 push_to_nodes(cl, {n: p.arch for n, p in probes.items()}, quiet=False)
                 log.debug("images checked at %.2fs", time.time() - t0)
+            self.gates = self.image_gates(cl, probes)
             attempt = 0
             while True:
                 code = self.launch_once(cl, probes, run_id, resume=bool(self.args.resume) or attempt > 0)
@@ -118,6 +126,17 @@ class Launcher:
         if not self.args.resume:
             return new_run_id()
         return resolve_resume_run(cl[self.inv.master.name], self.args.resume)
+
+    def image_gates(self, cl: Cluster, probes: dict[str, Probe]) -> dict[str, bool]:
+        """Which nodes' images carry runner.gate (label io.runner.gate=1): their workers can start
+        with the master. Others (an image of the user's own) start after it, as before."""
+        from runner.images import node_image_labels
+
+        def one(r: Remote) -> bool:
+            tag = self.inv.job.image_for(r.node.arch or probes[r.node.name].arch)
+            return bool(tag) and node_image_labels(r, tag).get(LABEL_GATE) == "1"
+
+        return cl.each(one)
 
     def preflight(self, cl: Cluster) -> dict[str, Probe]:
         def one(r: Remote) -> Probe:
@@ -156,8 +175,10 @@ class Launcher:
         if resume and not any(a == "--resume" for a in job.args):
             job.args = saved + resume_args
         try:
-            return make_plan(self.inv, run_id, {n: p.facts() for n, p in probes.items()}, master_port=port,
-                             secret_keys=list(self.secret_vals), strict=True)
+            facts = {n: replace(p.facts(), gate=self.gates.get(n, False)) for n, p in probes.items()}
+            return make_plan(self.inv, run_id, facts, master_port=port, secret_keys=list(self.secret_vals),
+                             strict=True, launch_token=secrets.token_hex(4),
+                             gate_timeout=self.args.rendezvous_timeout + 60)
         finally:
             job.args = saved
 
@@ -173,6 +194,8 @@ class Launcher:
             if secret_text is not None:
                 r.makedirs(os.path.dirname(np.secrets_file), 0o700)
                 r.put_bytes(np.secrets_file, secret_text, 0o600)
+            if np.go_file:
+                r.makedirs(os.path.dirname(np.go_file))
 
         for np_, _, err in parallel(plan.nodes, one):
             if err:
@@ -213,18 +236,24 @@ class Launcher:
         try:
             create_container(cl[master.node], master).start()
             log.debug("master container started at %.2fs", time.time() - t0)
-            # Workers are created (not started) while the master's torchrun comes up.
+            # Gated workers start now: their gate imports torchrun while the master's comes up and
+            # starts it on the go-file. The others are only created until the master listens.
             made = parallel(plan.nodes[1:], lambda np: create_container(cl[np.node], np))
             for np_, _, err in made:
                 if err:
                     raise UserError(f"node {np_.node}: creating container failed: {err}")
+            gated = [(np_, c) for np_, c, _ in made if np_.go_file]
+            held = [(np_, c) for np_, c, _ in made if not np_.go_file]
+            start_all(gated)
             if plan.nnodes > 1:  # nobody to hold back on a single node
                 wait_listening(cl[master.node], master, int(plan.master_port), self.args.rendezvous_timeout)
             log.info("[%s/0] master listening on %s:%s after %.1fs", master.node, plan.master_addr,
                      plan.master_port, time.time() - t0)
-            for np_, _, err in parallel([c for _, c, _ in made], lambda c: c.start()):
+            go = parallel([np_ for np_, _ in gated], lambda np_: cl[np_.node].put_bytes(np_.go_file, b""))
+            for np_, _, err in go:
                 if err:
-                    raise UserError(f"starting container {np_.name} failed: {err}")
+                    raise UserError(f"node {np_.node}: writing the go-file {np_.go_file} failed: {err}")
+            start_all(held)
             log.info("run %s: %d node(s) running after %.1fs", run_id, plan.nnodes, time.time() - t0)
             print(f"run {run_id} started on {', '.join(n.node for n in plan.nodes)}", flush=True)
             if self.args.detach:
@@ -328,6 +357,13 @@ def resolve_resume_run(master: Remote, wanted: str) -> str:
     raise UserError(f"--resume {wanted}: no such run in {where} (latest: {runs[-1]}; see `runner ls`)")
 
 
+def start_all(made: list[tuple[NodePlan, object]]) -> None:
+    """Start created containers in parallel; one error naming the first that failed."""
+    for (np_, _), _, err in parallel(made, lambda m: m[1].start()):
+        if err:
+            raise UserError(f"node {np_.node}: starting container {np_.container} failed: {err}")
+
+
 def create_container(remote: Remote, np: NodePlan):
     import docker
 
@@ -381,5 +417,7 @@ def write_status(cl: Cluster, plan: Plan, watcher: Watcher | None, code: int, sk
                "image": np.image, "command": shlex.join(np.command)}
         try:
             cl[np.node].put_bytes(f"{np.run_dir}/runner-status.json", json.dumps(doc, indent=1).encode())
+            if np.go_file:  # served its purpose at start-up; it lives outside the run dir
+                cl[np.node].run(["rm", "-rf", os.path.dirname(np.go_file)])
         except Exception as exc:  # noqa: BLE001 - an unreachable node just has no status file
             log.debug("status file on %s: %s", np.node, exc)

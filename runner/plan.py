@@ -21,9 +21,12 @@ LABEL_NNODES = f"{LABEL_PREFIX}.nnodes"
 LABEL_RUN_DIR = f"{LABEL_PREFIX}.run-dir"
 LABEL_MASTER = f"{LABEL_PREFIX}.master"
 LABEL_GRACE = f"{LABEL_PREFIX}.grace-period"
+# On an image: it carries runner/gate.py, so workers can start early and wait for the go-file.
+LABEL_GATE = f"{LABEL_PREFIX}.gate"
 
 OUT = "/out"
 SECRETS_IN_CONTAINER = "/run/runner/secrets.env"
+GATE_IN_CONTAINER = "/run/runner/gate"   # read-only mount of the node's gate dir
 MASK = "******"
 UNPROBED = "<probed at launch>"
 
@@ -35,6 +38,7 @@ class Facts:
     arch: str | None = None
     ifname: str | None = None   # interface whose route reaches the master address
     home: str | None = None     # to resolve `~` in workdir (docker mounts need absolute paths)
+    gate: bool = False          # the node's image carries runner.gate (label io.runner.gate)
 
 
 @dataclass
@@ -55,6 +59,7 @@ class NodePlan:
     config_file: str | None       # on the node (inside run_dir)
     gpus: int | str | None = None
     mounts: dict[str, str] = field(default_factory=dict)  # node path -> container path
+    go_file: str | None = None    # on the node: written once the master listens (gated workers)
 
     @property
     def is_master(self) -> bool:
@@ -135,8 +140,9 @@ def torchrun_command(inv: Inventory, nnodes: int, rank: int, nproc: int, master_
 
 def make_plan(inv: Inventory, run_id: str, facts: dict[str, Facts] | None = None,
               master_port: int | None = None, secret_keys: list[str] | None = None,
-              strict: bool = False) -> Plan:
-    """strict=True (a real launch) demands every probed fact; dry-runs show placeholders."""
+              strict: bool = False, launch_token: str | None = None, gate_timeout: float = 300) -> Plan:
+    """strict=True (a real launch) demands every probed fact; dry-runs show placeholders.
+    launch_token (one per launch) turns on the gate for workers whose image has it."""
     facts = facts or {}
     nodes = inv.ordered()
     nnodes = len(nodes)
@@ -183,6 +189,15 @@ def make_plan(inv: Inventory, run_id: str, facts: dict[str, Facts] | None = None
         tr = torchrun_command(inv, nnodes, rank, nproc[node.name], master.host, port, bool(job.config))
         secrets_file = f"{workdir}/secrets/{run_id}.env" if secret_keys else None
         mounts = {run_dir: OUT}
+        go_file = None
+        if rank > 0 and f.gate and launch_token:
+            # Started with the master, not after it: runner.gate imports torchrun meanwhile and
+            # starts it only when the runner, having seen the master's port listen, writes go_file.
+            gate_dir = f"{workdir}/gates/{run_id}"
+            go_file = f"{gate_dir}/go-{launch_token}"
+            mounts[gate_dir] = GATE_IN_CONTAINER
+            tr = ["python", "-m", "runner.gate", f"{GATE_IN_CONTAINER}/go-{launch_token}", str(int(gate_timeout)),
+                  "--", *tr[1:]]
         if secrets_file:
             mounts[secrets_file] = SECRETS_IN_CONTAINER
             # Sourced inside the container: secrets never appear in argv, `docker inspect` or logs.
@@ -196,7 +211,8 @@ def make_plan(inv: Inventory, run_id: str, facts: dict[str, Facts] | None = None
             node=node.name, host=node.host, rank=rank, arch=arch, image=image,
             container=container_name(run_id, node.name), labels=labels, command=command, env=env,
             secret_keys=secret_keys, workdir=workdir, run_dir=run_dir, secrets_file=secrets_file,
-            config_file=f"{run_dir}/config.yaml" if job.config else None, gpus=node.gpus, mounts=mounts))
+            config_file=f"{run_dir}/config.yaml" if job.config else None, gpus=node.gpus, mounts=mounts,
+            go_file=go_file))
     return Plan(run_id=run_id, nnodes=nnodes, master=master.name, master_addr=master.host, master_port=port,
                 nproc_per_node=nproc, nodes=plans, grace_period=job.grace_period,
                 config_src=job.config, env_file_src=job.env_file)

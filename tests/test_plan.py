@@ -247,3 +247,21 @@ def test_torchrun_shutdown_timeout_follows_the_grace_period(tmp_path):
     plan = make_plan(inv, "r", {n: Facts(ifname="eth0") for n in ("m", "w1", "w2")}, master_port=29500, strict=True)
     assert {n.env["PET_SHUTDOWN_TIMEOUT"] for n in plan.nodes} == {"178"}
     assert {n.labels["io.runner.grace-period"] for n in plan.nodes} == {"180.0"}
+
+
+def test_gated_workers_wait_for_the_go_file_and_the_master_does_not(tmp_path):
+    inv = load_inventory(inventory(tmp_path, NODES3, "  master_port: 29555\n  args: [--train_steps, '5']\n"))
+    facts = {"m": Facts(ifname="eth0", gate=True), "w1": Facts(ifname="eth0", gate=True),
+             "w2": Facts(ifname="eth0", gate=False)}  # w2's image has no gate: started after the master
+    plain = make_plan(inv, "r1", facts, strict=True)
+    plan = make_plan(inv, "r1", facts, strict=True, launch_token="t0k3n", gate_timeout=180)
+    m, w1, w2 = plan.nodes
+    assert m.go_file is None and m.command == plain.nodes[0].command  # the master never waits
+    assert w2.go_file is None and w2.command == plain.nodes[2].command
+    assert [n.go_file for n in plain.nodes] == [None, None, None]      # no token: no gate
+    wd = w1.workdir
+    assert w1.go_file == f"{wd}/gates/r1/go-t0k3n"
+    assert w1.mounts == {w1.run_dir: "/out", f"{wd}/gates/r1": "/run/runner/gate"}
+    torchrun = plain.nodes[1].command
+    assert torchrun[0] == "torchrun"
+    assert w1.command == ["python", "-m", "runner.gate", "/run/runner/gate/go-t0k3n", "180", "--", *torchrun[1:]]

@@ -259,6 +259,11 @@ def test_rendezvous_timeout_is_one_line_and_leaves_nothing(sandbox, pushed, tmp_
     tag = "runner-test-nolisten:1"
     _fake_torchrun_image(tag)
     job = write_job(tmp_path, image=tag)
+
+    def gate_dirs(node: str) -> set[Path]:
+        return set((node_workdir(sandbox, node) / "gates").glob("*"))
+
+    before = {n: gate_dirs(n) for n in NODES}
     t0 = time.time()
     try:
         proc = runner("up", "-i", str(sandbox), "--job", str(job), "--rendezvous-timeout", "3")
@@ -276,6 +281,12 @@ def test_rendezvous_timeout_is_one_line_and_leaves_nothing(sandbox, pushed, tmp_
             left = r.run(["docker", "ps", "-a", "--format", "{{.Names}}", "--filter", f"ancestor={tag}"]).out.split()
             assert left == [], (name, left)
     assert took < 60, took
+    # The workers' containers were started with the master's (the image carries runner.gate), but
+    # the runner never saw the master listen, so it gave no worker the go to start torchrun.
+    for n in ("node-1", "node-2"):
+        new = gate_dirs(n) - before[n]
+        assert len(new) == 1 and list(new.pop().iterdir()) == [], n
+    assert gate_dirs("node-0") == before["node-0"]  # the master is never gated
 
 
 STATUS_JOB = r"""
