@@ -407,7 +407,10 @@ def _pump(conn: socket.socket, chan: paramiko.Channel, up: bool) -> None:
     finally:
         if not up:
             conn.close()
-            chan.close()
+            try:
+                chan.close()
+            except (EOFError, OSError, paramiko.SSHException):
+                pass  # the transport went first (the runner is closing): nothing left to tell the node
 
 
 def connect_each(nodes: list[Node], accept_new_host_keys: bool = False) -> tuple[dict[str, Remote], dict[str, str]]:
