@@ -40,12 +40,12 @@ def teardown() -> None:
     runner("sandbox", "--dir", str(STATE / "s"), "down", "--purge", check=False)
 
 
-def subset(inv: Path, n: int, job: dict) -> Path:
+def subset(inv: Path, n: int, job: dict, suffix: str = "") -> Path:
     """Inventory with the first n nodes and the given job section."""
     doc = yaml.safe_load(inv.read_text())
     doc["nodes"] = doc["nodes"][:n]
     doc["job"] = job
-    p = STATE / f"inv-{n}.yaml"
+    p = STATE / f"inv-{n}{suffix}.yaml"
     p.write_text(yaml.safe_dump(doc))
     return p
 
