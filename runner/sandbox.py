@@ -10,6 +10,7 @@ instead of auto-accepting.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import ipaddress
 import logging
@@ -260,6 +261,12 @@ class Sandbox:
         for proc in _processes_mentioning(str(nd.root), str(nd.run)):
             did = True
             _terminate(proc.pid)
+        # Its socket and exec-root dir under /run: nothing uses them now (they piled up, one per
+        # sandbox ever started). An engine that ran containers leaves its netns bind-mounted there.
+        _unmount_below(nd.run)
+        shutil.rmtree(nd.run, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            nd.run.parent.rmdir()  # the sandbox's own dir, once its last node is gone
         return did
 
     # ---- status ---------------------------------------------------------------------------
@@ -293,6 +300,14 @@ class Sandbox:
             return False
         return subprocess.run(["docker", "-H", nd.docker_host, "version", "--format", "{{.Server.Version}}"],
                               capture_output=True).returncode == 0
+
+
+def _unmount_below(root: Path) -> None:
+    """Lazily unmount every mount point under root (deepest first)."""
+    prefix = str(root).rstrip("/") + "/"
+    points = [p.mountpoint for p in psutil.disk_partitions(all=True) if p.mountpoint.startswith(prefix)]
+    for mp in sorted(points, key=len, reverse=True):
+        subprocess.run(["umount", "-l", mp], capture_output=True)
 
 
 def write_inventory(path: Path, nodes: list[Node], sb: Sandbox) -> None:

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import psutil
 import pytest
@@ -120,9 +121,15 @@ def test_down_leaves_nothing_running(tmp_path, host_docker, have_sshd):
         assert run.returncode == 0, run.stderr
         assert [p for p in psutil.process_iter(["cmdline"]) if p.info.get("cmdline") == ["sleep", "6061"]]
         assert len(leftovers(state)) >= 4  # 2 sshd + 2 dockerd at least
+        # Each node's engine keeps its socket and exec root under /run (short socket paths).
+        run_dirs = {Path(a.removeprefix("unix://")).parent for p in psutil.process_iter(["cmdline"])
+                    for a in (p.info.get("cmdline") or []) if a.startswith("unix:///run/runner-sandbox/")
+                    and any(str(state) in c for c in p.info["cmdline"])}
+        assert len(run_dirs) == 2 and all(d.is_dir() for d in run_dirs), run_dirs
         down = sandbox(state, "down")
         assert down.returncode == 0, down.stderr
         assert leftovers(state) == []
+        assert [d for d in run_dirs if d.exists()] == [] and not next(iter(run_dirs)).parent.exists()
         assert not [p for p in psutil.process_iter(["cmdline"]) if p.info.get("cmdline") == ["sleep", "6061"]]
         for node in inv["nodes"]:
             with socket.socket() as s:
