@@ -46,6 +46,7 @@ class Exported:
     layers: list[str]         # archive paths of layer tars, in diff_id order
     diff_ids: list[str]
     sizes: list[int]          # uncompressed bytes per layer
+    arch: str | None = None   # the image config's architecture (amd64, arm64): the node's too
 
     @property
     def chains(self) -> list[str]:
@@ -177,7 +178,7 @@ def _load_export(tag: str, image_id: str, d: Path) -> Exported:
     diff_ids = config["rootfs"]["diff_ids"]
     layers = manifest["Layers"]
     sizes = [(d / p).stat().st_size for p in layers]
-    return Exported(tag, image_id, d, manifest["Config"], layers, diff_ids, sizes)
+    return Exported(tag, image_id, d, manifest["Config"], layers, diff_ids, sizes, config.get("architecture"))
 
 
 def _prune(cache: Path, keep: Path, max_entries: int = 3) -> None:

@@ -79,7 +79,7 @@ def stream_to_load(remote: Remote, exp: Exported, members: list[str], progress=N
     src = None
     try:
         src = _source(exp, members, gzip_, tar_err, procs)
-        ssh = subprocess.Popen([*remote.openssh_argv(compress=compress), "docker load -q"],
+        ssh = subprocess.Popen([*remote.openssh_argv(compress=compress, aes=exp.arch == "amd64"), "docker load -q"],
                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=ssh_err)
         procs.append(ssh)
         dog = _Watchdog(procs, stall_s)

@@ -230,9 +230,12 @@ class Remote:
         chan.exec_command(command)
         return chan
 
-    def openssh_argv(self, compress: bool = False) -> list[str]:
+    def openssh_argv(self, compress: bool = False, aes: bool = False) -> list[str]:
         """argv prefix for the OpenSSH client (bulk transfers: C speed, no GIL), pinned to the
-        host key paramiko already verified on this connection, so it is just as strict."""
+        host key paramiko already verified on this connection, so it is just as strict.
+        aes=True prefers AES-GCM (hardware AES on x86: ~12% faster image loads measured on
+        loopback); otherwise OpenSSH's default, ChaCha20, the faster one on a Pi 4's CPU, which
+        has no AES instructions."""
         n = self.node
         assert self.client is not None, "not connected"
         key = self.client.get_transport().get_remote_server_key()
@@ -248,6 +251,8 @@ class Remote:
             argv += ["-i", n.identity_file, "-o", "IdentitiesOnly=yes"]
         if compress:
             argv.append("-C")
+        if aes:
+            argv += ["-o", "Ciphers=aes128-gcm@openssh.com,aes256-gcm@openssh.com,chacha20-poly1305@openssh.com"]
         return argv + [n.host]
 
     # -- files ----------------------------------------------------------------------------
