@@ -27,6 +27,7 @@ from runner.images import (
     Exported,
     build_image,
     export,
+    host_client,
     host_image_ids,
     missing_layers,
     node_chains,
@@ -262,13 +263,25 @@ def push_to_nodes(cl: Cluster, arches: dict[str, str | None], quiet: bool = Fals
                         f"{', '.join(sorted(specs))} (job.build: {{context, dockerfile, args}})")
     for tag, spec in specs.items():
         ensure_built(tag, spec, build)
-    exports = {t: export(t) for t in sorted(set(tags.values()))}
+    # Which nodes already run the host's image: an inspect each, no `docker save` (a full export
+    # costs ~11 s for this project's image, and `up` pushes on every launch).
+    host = host_image_facts(sorted(set(tags.values())))
+    remotes = [cl[n.name] for n in cl.inv.nodes]
+    current: dict[str, bool] = {}
+    if not force_full:
+        for r, same, err in parallel(remotes, lambda r: node_image_id(r, tags[r.node.name]) == host[tags[r.node.name]][0]):
+            current[r.node.name] = err is None and same
+    exports = {t: export(t) for t in sorted({tags[n] for n in tags if not current.get(n)})}
     with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                   TimeRemainingColumn(), disable=quiet, transient=True) as progress:
         def one(r: Remote) -> PushResult:
-            return push_one(r, exports[tags[r.node.name]], progress, force_full)
+            tag = tags[r.node.name]
+            if current.get(r.node.name):
+                image_id, n_layers, size = host[tag]
+                return PushResult(r.node.name, tag, image_id, "skipped", layers_total=n_layers, image_bytes=size)
+            return push_one(r, exports[tag], progress, force_full)
 
-        res = parallel([cl[n.name] for n in cl.inv.nodes], one)
+        res = parallel(remotes, one)
     out, errors = [], []
     for r, val, err in res:
         if err is not None:
@@ -279,6 +292,23 @@ def push_to_nodes(cl: Cluster, arches: dict[str, str | None], quiet: bool = Fals
                      val.layers_sent, val.layers_total, val.bytes_sent / 1e6, val.seconds)
     if errors:
         raise UserError("push failed: " + "; ".join(errors))
+    return out
+
+
+def host_image_facts(tags: list[str]) -> dict[str, tuple[str, int, int]]:
+    """{tag: (image id, layer count, size in bytes)} from this host's engine; a tag it lacks is
+    the export's one-line error (build it first, or fix job.image)."""
+    import docker
+
+    client = host_client()
+    out = {}
+    for t in tags:
+        try:
+            a = client.images.get(t).attrs
+        except docker.errors.ImageNotFound:
+            export(t)  # raises the error that says what to do
+            raise
+        out[t] = (a["Id"], len(a["RootFS"]["Layers"]), int(a.get("Size") or 0))
     return out
 
 

@@ -586,3 +586,15 @@ def test_push_builds_from_job_build(sandbox, pushed, tmp_path):
     plain = write_job(tmp_path, "plain.yaml", image=tag)
     proc = runner("push", "-i", str(sandbox), "--job", str(plain), "--build")
     assert proc.returncode == 2 and "push --build: the job has no build section" in one_error(proc.stderr)
+
+
+def test_push_to_current_nodes_exports_nothing(sandbox, pushed, tmp_path):
+    # `up` pushes on every launch: when every node runs the host's image, no `docker save` (a
+    # full export) may happen, even with nothing in the export cache.
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    proc = runner("push", "-i", str(sandbox), "--job", str(pushed["job"]), env={"RUNNER_IMAGE_CACHE": str(cache)})
+    assert proc.returncode == 0, proc.stderr
+    res = parse_push(proc.stdout)
+    assert set(res) == set(NODES) and all(r["action"] == "skipped" and r["mb"] == 0.0 for r in res.values()), res
+    assert list(cache.iterdir()) == []
