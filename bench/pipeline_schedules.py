@@ -3,9 +3,11 @@
     python -m bench.pipeline_schedules [--preset llama-20m] [--steps 5] [--out bench/results/...json]
 
 Part 1, pp=2 with GPipe, 1F1B and interleaved 1F1B (2 virtual stages per rank) at m = 4 and 8
-microbatches, same model and global batch: median step time; the measured bubble per rank,
-1 - (time the rank's stages compute the same microbatches alone) / (pipelined step time),
-against the theory (p-1)/(m+p-1) (interleaved: (p-1)/(v*m+p-1)); and the peak bytes of
+microbatches, same model and global batch: median step time; the measured bubble, from the
+trainer's own profile of one batch (idle time in the batch's pipeline window,
+trainer/profiling/bubble.py): of the bottleneck (busiest) stage, which is what the theory
+(p-1)/(m+p-1) (interleaved: (p-1)/(v*m+p-1)) describes since it assumes equal stages, and as the
+mean over ranks with the stage imbalance beside it; and the peak bytes of
 activations saved for backward per stage, counted by a saved-tensors hook (tensors packed by
 autograd, released when their graph is freed), which is what 1F1B bounds at p microbatches
 where GPipe holds all m.
@@ -154,13 +156,36 @@ def schedule_row(a: argparse.Namespace, schedule: str, v: int, m: int, tmp: Path
               "--micro", str(m), "--preset", a.preset, "--steps", str(a.steps), "--batch", str(a.batch),
               "--seq", str(a.seq), "--json", str(out), *(["--layers", str(a.layers)] if a.layers else []))
     ranks = json.loads(out.read_text())
-    p = 2
-    theory = (p - 1) / (v * m + p - 1)
+    prof = profiled_bubble(a, schedule, v, m, tmp)
     return {"schedule": schedule, "virtual_stages": v, "microbatches": m,
             "step_time_s": max(r["step_time_s"] for r in ranks),
-            "bubble_measured": statistics.mean(r["bubble"] for r in ranks), "bubble_theory": theory,
+            **bubble_figures(prof), "bubble_theory": prof["theoretical_bubble"],
+            "bubble_alone_vs_step": statistics.mean(r["bubble"] for r in ranks),
             "peak_saved_mb_per_rank": [r["peak_saved_bytes"] / 2**20 for r in ranks],
             "stages_per_rank": [r["stages"] for r in ranks]}
+
+
+def profiled_bubble(a: argparse.Namespace, schedule: str, v: int, m: int, tmp: Path) -> dict:
+    """The trainer's own bubble analysis of one profiled batch (trainer/profiling/bubble.py): idle
+    time of each rank inside the batch's pipeline window (waits for activations and gradients,
+    warm-up and cool-down), the optimizer outside it. Batch 2: after the first steps' warm-up."""
+    out = tmp / f"prof-{schedule}-{m}"
+    _torchrun(2, "-m", "trainer", "--model.preset", a.preset,
+              *(["--model.num_hidden_layers", str(a.layers)] if a.layers else []),
+              "--parallel.pp", "2", "--parallel.pp_schedule", schedule, "--parallel.virtual_stages", str(v),
+              "--train.batch_size", str(a.batch), "--train.microbatch_num", str(m), "--data.seq_len", str(a.seq),
+              "--train.steps", "3", "--profile_batch", "2", "--output-dir", str(out))
+    return json.loads((out / "timeline_batch2_summary.json").read_text())
+
+
+def bubble_figures(prof: dict) -> dict:
+    """The theory assumes equal stages. The busiest rank's idle fraction is the schedule's own
+    bubble (warm-up, cool-down, waits no faster stage could fill); the others idle longer by the
+    stage imbalance (here the last stage also carries the LM head and the loss), given apart."""
+    ranks = prof["ranks"]
+    busiest = max(ranks, key=lambda r: r["busy_ms"])
+    return {"bubble_measured": busiest["bubble_fraction"], "bubble_mean_ranks": prof["measured_bubble"],
+            "stage_imbalance": 1 - min(r["busy_ms"] for r in ranks) / busiest["busy_ms"]}
 
 
 def layout_row(a: argparse.Namespace, name: str, args: list[str], tmp: Path) -> dict:
@@ -183,13 +208,15 @@ def layout_row(a: argparse.Namespace, name: str, args: list[str], tmp: Path) -> 
 def markdown(rows: list[dict], layouts: list[dict], a: argparse.Namespace) -> str:
     lines = [f"Model {a.preset}, global batch {a.batch} x {a.seq} tokens, pp=2, {a.steps} timed steps "
              f"(median), 2 processes x 1 thread, gloo.", "",
-             "| schedule | m | step time (s) | bubble measured | bubble theory | peak saved activations per rank (MB) |",
-             "|---|---|---|---|---|---|"]
+             "| schedule | m | step time (s) | bubble, bottleneck stage | theory | x theory | bubble, mean of ranks "
+             "| stage imbalance | peak saved activations per rank (MB) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         name = r["schedule"] + (f" (v={r['virtual_stages']})" if r["virtual_stages"] > 1 else "")
         mem = " / ".join(f"{x:.1f}" for x in r["peak_saved_mb_per_rank"])
         lines.append(f"| {name} | {r['microbatches']} | {r['step_time_s']:.3f} | {r['bubble_measured']:.1%} | "
-                     f"{r['bubble_theory']:.1%} | {mem} |")
+                     f"{r['bubble_theory']:.1%} | {r['bubble_measured'] / r['bubble_theory']:.2f}x | "
+                     f"{r['bubble_mean_ranks']:.1%} | {r['stage_imbalance']:.1%} | {mem} |")
     if layouts:
         base = layouts[0]["tokens_per_s"]
         lines += ["", f"| layout (same global batch) | tokens/s | relative to {layouts[0]['layout']} |",
