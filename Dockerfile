@@ -40,6 +40,11 @@ RUN set -e; [ -f /tmp/certs/ca.crt ] && export PIP_CERT=/tmp/certs/ca.crt; \
 ENV PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
     TORCHELASTIC_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
 
+# `runner up` may start this image's workers together with the master: runner/gate.py holds
+# their torchrun until the master's rendezvous port listens (metadata only, set before the
+# code so that the project install stays the newest layer).
+LABEL io.runner.gate="1"
+
 WORKDIR /workspace
 COPY pyproject.toml README.md ./
 COPY trainer ./trainer
@@ -48,7 +53,4 @@ COPY configs ./configs
 RUN set -e; [ -f /tmp/certs/ca.crt ] && export PIP_CERT=/tmp/certs/ca.crt; \
     pip install --no-deps . && rm -rf build *.egg-info
 
-# `runner up` may start this image's workers together with the master: runner/gate.py holds
-# their torchrun until the master's rendezvous port listens (metadata only: no layer changes).
-LABEL io.runner.gate="1"
 CMD ["trainer", "--help"]

@@ -123,10 +123,18 @@ def sshd_procs(inventory: Path, node: str) -> list:
 
 
 def signal_sshd(inventory: Path, node: str, sig: int) -> int:
-    procs = sshd_procs(inventory, node)
-    for p in procs:
-        p.send_signal(sig)
-    return len(procs)
+    """Signal the node's sshd and its sessions; returns how many were signalled. A session that
+    ends between listing and signalling (the listener, continued first, reaps it) is skipped."""
+    import psutil
+
+    sent = 0
+    for p in sshd_procs(inventory, node):
+        try:
+            p.send_signal(sig)
+            sent += 1
+        except psutil.NoSuchProcess:
+            pass
+    return sent
 
 
 def node_engine_containers(inventory: Path, node: str, run_id: str) -> list[str]:
