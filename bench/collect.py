@@ -26,7 +26,7 @@ import yaml
 from bench.sandbox_bench import REPO, Timer, runner, sandbox, ssh_argv, subset
 
 IMAGE = "runner-trainer:latest"
-ROW = re.compile(r"^(\S+)\s+\d+ files: \d+ copied \(([\d.]+) MB", re.M)
+ROW = re.compile(r"^(\S+)\s+\d+ files: (\d+) copied \(([\d.]+) MB", re.M)
 
 WRITER = r"""
 import os, json
@@ -46,10 +46,11 @@ APPEND = ("cd {d} && for s in 11 12; do echo '{{\"step\": '$s', \"loss\": 3.9}}'
           "echo 'step 12' >> rank.log && echo done > finished.txt")
 
 
-def runner_collect(inv: Path, run_id: str, dest: Path) -> tuple[float, float]:
+def runner_collect(inv: Path, run_id: str, dest: Path) -> tuple[float, float, int | None]:
     with Timer() as t:
         out = runner("collect", run_id, "-i", str(inv), "--dest", str(dest)).stdout
-    return t.s, sum(float(mb) for _, mb in ROW.findall(out))
+    rows = ROW.findall(out)
+    return t.s, sum(float(mb) for _, _, mb in rows), sum(int(n) for _, n, _ in rows)
 
 
 def _node_dirs(inv: Path, run_id: str) -> list[tuple[dict, dict, str]]:
@@ -57,30 +58,36 @@ def _node_dirs(inv: Path, run_id: str) -> list[tuple[dict, dict, str]]:
     return [(doc, n, f"{n['workdir']}/runs/{run_id}") for n in doc["nodes"]]
 
 
-def scp_collect(inv: Path, run_id: str, dest: Path) -> tuple[float, float]:
+def scp_collect(inv: Path, run_id: str, dest: Path) -> tuple[float, float, int | None]:
     """scp -r of every node's run dir: everything, every time."""
     moved = 0
     with Timer() as t:
         for doc, n, d in _node_dirs(inv, run_id):
             target = dest / n["name"]
             shutil.rmtree(target, ignore_errors=True)
+            dest.mkdir(parents=True, exist_ok=True)
             dd = doc["defaults"]
             subprocess.run(["scp", "-q", "-r", "-P", str(dd["port"]), "-i", dd["identity_file"],
                             "-o", f"UserKnownHostsFile={dd['known_hosts']}", "-o", "StrictHostKeyChecking=yes",
                             "-o", "BatchMode=yes", f"{dd['user']}@{n['host']}:{d}", str(target)], check=True)
             moved += sum(p.stat().st_size for p in target.rglob("*") if p.is_file())
-    return t.s, moved / 1e6
+    return t.s, moved / 1e6, None
 
 
-def rsync_collect(inv: Path, run_id: str, dest: Path) -> tuple[float, float]:
+def rsync_collect(inv: Path, run_id: str, dest: Path) -> tuple[float, float, int | None]:
     moved = 0
     with Timer() as t:
         for doc, n, d in _node_dirs(inv, run_id):
             ssh = ssh_argv(doc, n)
+            dest.mkdir(parents=True, exist_ok=True)
             proc = subprocess.run(["rsync", "-a", "--stats", "-e", " ".join(ssh[:-1]), f"{ssh[-1]}:{d}/",
                                    str(dest / n["name"]) + "/"], check=True, capture_output=True, text=True)
             moved += int(re.search(r"Total transferred file size: ([\d,]+)", proc.stdout)[1].replace(",", ""))
-    return t.s, moved / 1e6
+    return t.s, moved / 1e6, None
+
+
+def _size(mb: float) -> str:
+    return f"{mb:.1f} MB" if mb >= 1 else f"{mb * 1e3:.1f} KB"
 
 
 def main() -> None:
@@ -101,13 +108,13 @@ def main() -> None:
         fns = {"runner": runner_collect, "scp": scp_collect, "rsync": rsync_collect}
         for phase in ("first", "repeat"):
             for name, fn in fns.items():
-                s, mb = fn(inv, run_id, dests[name] / run_id if name == "runner" else dests[name])
-                rows.setdefault(name, {})[phase] = {"s": round(s, 2), "mb": round(mb, 3)}
+                s, mb, files = fn(inv, run_id, dests[name] / run_id if name == "runner" else dests[name])
+                rows.setdefault(name, {})[phase] = {"s": round(s, 2), "mb": round(mb, 6), "files": files}
         for doc, n, d in _node_dirs(inv, run_id):
             subprocess.run([*ssh_argv(doc, n), APPEND.format(d=d)], check=True)
         for name, fn in fns.items():
-            s, mb = fn(inv, run_id, dests[name] / run_id if name == "runner" else dests[name])
-            rows[name]["after_append"] = {"s": round(s, 2), "mb": round(mb, 3)}
+            s, mb, files = fn(inv, run_id, dests[name] / run_id if name == "runner" else dests[name])
+            rows[name]["after_append"] = {"s": round(s, 2), "mb": round(mb, 6), "files": files}
     runner("down", run_id, "-i", str(inv), check=False)
     for r in rows.values():
         r["repeat_pct_of_first"] = round(100 * r["repeat"]["mb"] / r["first"]["mb"], 3)
@@ -119,7 +126,8 @@ def main() -> None:
     print("| tool | first | repeat (nothing new) | after a small append | repeat / first (bytes) |")
     print("|---|---|---|---|---|")
     for name, r in rows.items():
-        cells = [f"{r[p]['s']:.2f}s, {r[p]['mb']:.2f} MB" for p in ("first", "repeat", "after_append")]
+        cells = [f"{r[p]['s']:.2f}s, {_size(r[p]['mb'])}" + (f" ({r[p]['files']} files)" if r[p]["files"] is not None
+                                                              else "") for p in ("first", "repeat", "after_append")]
         print(f"| {name} | {' | '.join(cells)} | {r['repeat_pct_of_first']:.3f}% |")
     print(f"\nwrote {out}")
 

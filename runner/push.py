@@ -5,7 +5,6 @@ id is verified afterwards; nodes that already have it are skipped."""
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 import subprocess
 import tempfile
@@ -36,7 +35,7 @@ from runner.images import (
 )
 from runner.inventory import BuildSpec, Inventory
 from runner.session import Cluster, add_inventory_args, load, parallel, probe
-from runner.ssh import Remote
+from runner.ssh import Remote, is_loopback
 
 log = logging.getLogger("runner.push")
 CHUNK = 1 << 20
@@ -55,13 +54,6 @@ class PushResult:
     seconds: float = 0.0
 
 
-def _loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
 STALL_S = 300.0        # no byte accepted (or produced) for this long: the node or the source is stuck
 LOAD_WAIT_S = 1800.0   # docker load still busy this long after the last byte: give up on this node
 
@@ -73,7 +65,7 @@ def stream_to_load(remote: Remote, exp: Exported, members: list[str], progress=N
     Every failure (load dying mid-stream, a stall, a timeout, a bad archive) ends as a UserError
     naming the node with no child process left behind, so push_one can fall back."""
     # Compression only pays off on real links; on loopback it would just burn the 2 cores.
-    compress = not _loopback(remote.node.host) and not gzip_
+    compress = not is_loopback(remote.node.host) and not gzip_
     name = remote.node.name
     ssh_err, tar_err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
     procs: list[subprocess.Popen] = []

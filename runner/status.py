@@ -28,7 +28,11 @@ def _runs_dir(remote: Remote) -> str:
 
 def node_runs(remote: Remote) -> tuple[list, dict[str, dict]]:
     """(containers of any run, {run id: runner-status.json or {}}) on one node."""
-    containers = run_containers(remote, None)
+    return run_containers(remote, None), node_run_dirs(remote)
+
+
+def node_run_dirs(remote: Remote) -> dict[str, dict]:
+    """{run id: runner-status.json or {}} for the run dirs on one node (one shell, no Docker API)."""
     res = remote.run(["sh", "-c", f"cd {_runs_dir(remote)} 2>/dev/null && for d in */; do d=${{d%/}}; "
                       f"printf '%s\\t' \"$d\"; cat \"$d/runner-status.json\" 2>/dev/null | tr -d '\\n'; echo; done"])
     dirs: dict[str, dict] = {}
@@ -40,14 +44,17 @@ def node_runs(remote: Remote) -> tuple[list, dict[str, dict]]:
             dirs[rid] = json.loads(doc) if doc.strip() else {}
         except json.JSONDecodeError:
             dirs[rid] = {}
-    return containers, dirs
+    return dirs
 
 
-def gather(cl: Cluster) -> dict[str, tuple[list, dict[str, dict]]]:
+def gather(cl: Cluster, containers: bool = True) -> dict[str, tuple[list, dict[str, dict]]]:
     """{node: (containers, run dirs)} for every node that answered; the others are named on
-    stderr, one line each, and left out (a dead node must not hide the live ones)."""
+    stderr, one line each, and left out (a dead node must not hide the live ones).
+    containers=False lists run dirs only (collect: a run with files has a dir; the Docker API
+    connection per node cost it a second)."""
     cl.warn_unreachable("left out")
-    res = parallel([cl[n.name] for n in cl.reachable()], node_runs)
+    res = parallel([cl[n.name] for n in cl.reachable()],
+                   node_runs if containers else (lambda r: ([], node_run_dirs(r))))
     out = {}
     for r, val, err in res:
         out[r.node.name] = val if err is None else ([], {})
