@@ -14,14 +14,20 @@ from rich.table import Table
 from runner.errors import UserError
 from runner.images import host_image_ids, node_image_id
 from runner.inventory import Inventory, Node
-from runner.session import Probe, add_inventory_args, load, parallel, probe
+from runner.session import (
+    AUTO_PORT_BASE,
+    AUTO_PORT_OFFSETS,
+    AUTO_PORT_SPAN,
+    Probe,
+    add_inventory_args,
+    load,
+    parallel,
+    probe,
+)
 from runner.ssh import Remote
 
 CLOCK_TOLERANCE_S = 2.0
 MIN_DISK_GB = 5.0
-# master_port auto (runner/launch.py): the first free port from 29500 + (0..399, from the run id),
-# searching 500 ports (session.pick_master_port).
-AUTO_START, AUTO_OFFSETS, AUTO_SPAN = 29500, 400, 500
 
 
 @dataclass
@@ -92,9 +98,9 @@ def _master_port(nc: NodeCheck, port: int | None, listening: set[int]) -> None:
         return
     # The exact port exists only once the run id does: show where `up` will start looking.
     nc.master_port = "auto"
-    lo, hi = AUTO_START, AUTO_START + AUTO_OFFSETS - 1
-    if any(all(q in listening for q in range(s, s + AUTO_SPAN)) for s in range(lo, hi + 1)):
-        nc.problems.append(f"master_port auto: no free port near {lo}-{hi + AUTO_SPAN}; set job.master_port")
+    lo, hi = AUTO_PORT_BASE, AUTO_PORT_BASE + AUTO_PORT_OFFSETS - 1
+    if any(all(q in listening for q in range(s, s + AUTO_PORT_SPAN)) for s in range(lo, hi + 1)):
+        nc.problems.append(f"master_port auto: no free port near {lo}-{hi + AUTO_PORT_SPAN}; set job.master_port")
     busy = sorted(q for q in listening if lo <= q <= hi)
     nc.master_port_detail = f"{lo}-{hi}: " + ("all free" if not busy else f"{len(busy)} in use ({_ports(busy)}), up skips them")
 

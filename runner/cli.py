@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from runner.errors import UserError
+from runner.errors import Terminated, UserError, interrupt_on_signals
 
 # Modules that contribute subcommands. Each exposes `register(subparsers)` which adds its
 # parser(s) and sets `func` to a callable taking the parsed args and returning an exit code.
@@ -42,14 +42,15 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(message)s", stream=sys.stderr)
     if args.verbose:
         logging.getLogger("paramiko").setLevel(logging.WARNING)
+    interrupt_on_signals()
     try:
         return int(args.func(args) or 0)
     except UserError as exc:
         sys.stderr.write(f"runner: error: {exc}\n")
         return exc.exit_code
-    except KeyboardInterrupt:
-        sys.stderr.write("runner: interrupted\n")
-        return 130
+    except KeyboardInterrupt as exc:
+        sys.stderr.write(f"runner: {'terminated' if isinstance(exc, Terminated) else 'interrupted'}\n")
+        return getattr(exc, "exit_code", 130)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ contract and takes the workers' start-up off the launch's critical path.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import os
@@ -26,7 +25,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from runner.down import run_containers, stop_node, stop_run
-from runner.errors import UserError
+from runner.errors import Terminated, UserError
 from runner.inventory import ARCH_ALIASES, Inventory
 from runner.plan import LABEL_GATE, OUT, Facts, NodePlan, Plan, make_plan, render_secrets_file
 from runner.resume_sync import CHECKPOINTS, sync_checkpoints
@@ -165,7 +164,7 @@ class Launcher:
         if job.master_port == "auto":
             # Derived from the run id so two concurrent launches on one master rarely collide.
             listening = probes[self.inv.master.name].listening or set()
-            port = pick_master_port(listening, start=29500 + port_offset(run_id))
+            port = pick_master_port(listening, run_id)
         else:
             port = int(job.master_port)
             if port in (probes[self.inv.master.name].listening or set()):
@@ -261,10 +260,11 @@ class Launcher:
                 return 0
             watcher = Watcher(cl.remotes, plan, log_dir)
             failed = watcher.run()
-        except KeyboardInterrupt:
-            sys.stderr.write(f"runner: interrupted: stopping run {run_id} (grace {plan.grace_period:.0f}s)\n")
+        except KeyboardInterrupt as exc:
+            sys.stderr.write(f"runner: {'terminated' if isinstance(exc, Terminated) else 'interrupted'}: "
+                             f"stopping run {run_id} (grace {plan.grace_period:.0f}s)\n")
             stop_run(cl.remotes, run_id, plan.grace_period)
-            return 130
+            return getattr(exc, "exit_code", 130)
         except BaseException:
             stop_run(cl.remotes, run_id, grace=3)  # never leave half a run behind
             raise
@@ -318,12 +318,6 @@ class Launcher:
         sys.stderr.write(f"runner: error: node {node} still unreachable ({last or 'no answer'}); its container of run "
                          f"{run_id} may still be running: `{again}` once it is back\n")
         return False
-
-
-def port_offset(run_id: str) -> int:
-    """0..399 from the run id (any string: `--resume myrun` too), so two concurrent launches on one
-    master rarely try the same port."""
-    return int.from_bytes(hashlib.sha256(run_id.encode()).digest()[:4], "big") % 400
 
 
 RUN_ID_RE = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{4}$")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import shlex
 import sys
 import time
@@ -201,12 +202,24 @@ def _int(s: str | None) -> int | None:
         return None
 
 
-def pick_master_port(listening: set[int], start: int = 29500, span: int = 500) -> int:
-    """First port from 29500 that nothing listens on (torchrun's default neighbourhood)."""
-    for p in range(start, start + span):
+# master_port auto: the first free port from AUTO_PORT_BASE + (0..AUTO_PORT_OFFSETS-1, from the run
+# id), searching AUTO_PORT_SPAN ports. `runner check` reports on the same window.
+AUTO_PORT_BASE, AUTO_PORT_OFFSETS, AUTO_PORT_SPAN = 29500, 400, 500
+
+
+def port_offset(run_id: str) -> int:
+    """0..AUTO_PORT_OFFSETS-1 from the run id (any string: `--resume myrun` too), so two concurrent
+    launches on one master rarely try the same port."""
+    return int.from_bytes(hashlib.sha256(run_id.encode()).digest()[:4], "big") % AUTO_PORT_OFFSETS
+
+
+def pick_master_port(listening: set[int], run_id: str) -> int:
+    """First port nothing listens on, from the run id's place in torchrun's default neighbourhood."""
+    start = AUTO_PORT_BASE + port_offset(run_id)
+    for p in range(start, start + AUTO_PORT_SPAN):
         if p not in listening:
             return p
-    raise UserError(f"no free master port in {start}..{start + span - 1} on the master; set job.master_port")
+    raise UserError(f"no free master port in {start}..{start + AUTO_PORT_SPAN - 1} on the master; set job.master_port")
 
 
-__all__ = ["Cluster", "Probe", "add_inventory_args", "load", "parallel", "pick_master_port", "probe", "connect_all"]
+__all__ = ["Cluster", "Probe", "add_inventory_args", "load", "parallel", "pick_master_port", "port_offset", "probe", "connect_all"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -176,11 +177,18 @@ def node_env(inventory: Path, node: str, var: str) -> str:
         return r.run(f"echo ${var}").out.strip()
 
 
-def start_attached(sandbox: Path, job: Path, logs_dir: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def start_attached(sandbox: Path, job: Path, logs_dir: Path, *extra: str,
+                   background: bool = False) -> tuple[subprocess.Popen, str]:
     """`runner up` in the foreground (as a user runs it), returned once it has printed its run id
-    and every node's container of that run is running."""
+    and every node's container of that run is running. background=True starts it as a shell
+    script's `runner up ... &` does: with SIGINT ignored."""
     proc = subprocess.Popen(runner_cmd("up", "-i", str(sandbox), "--job", str(job), "--logs-dir", str(logs_dir),
-                                       *extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+                                       *extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            preexec_fn=_ignore_sigint if background else None)
     run_id = None
     for line in proc.stdout:
         m = re.search(r"run (\S+) started", line)

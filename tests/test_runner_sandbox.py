@@ -180,11 +180,16 @@ def test_killed_worker_stops_everything(sandbox, pushed, tmp_path):
 
 
 def test_sigint_leaves_nothing_and_down_twice(sandbox, pushed, tmp_path):
-    proc, run_id = start_attached(sandbox, write_job(tmp_path, sleep=120, grace=5), tmp_path / "logs")
-    proc.send_signal(signal.SIGINT)
-    proc.communicate(timeout=60)
-    assert proc.returncode == 130
-    assert run_containers(sandbox, run_id) == {"node-0": [], "node-1": [], "node-2": []}
+    # Ctrl-C, even to a `runner up ... &` of a script (started with SIGINT ignored), and `kill`
+    # (SIGTERM) both stop the run on every node.
+    for sig, code, word in ((signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")):
+        proc, run_id = start_attached(sandbox, write_job(tmp_path, f"{sig.name}.yaml", sleep=120, grace=5),
+                                      tmp_path / "logs", background=sig == signal.SIGINT)
+        proc.send_signal(sig)
+        _out, err = proc.communicate(timeout=60)
+        assert proc.returncode == code, err
+        assert f"runner: {word}: stopping run {run_id} (grace 5s)" in err
+        assert run_containers(sandbox, run_id) == {"node-0": [], "node-1": [], "node-2": []}
     # Detached run, then down twice: both succeed, the second finds nothing.
     job = write_job(tmp_path, "d.yaml", sleep=120, grace=5)
     up = runner("up", "-i", str(sandbox), "--job", str(job), "--detach")
