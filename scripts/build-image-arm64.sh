@@ -75,5 +75,7 @@ say "building $TAG from $BASE (emulated: slow the first time)"
 DOCKER_BUILDKIT=0 docker build --network host "${PLATFORM[@]}" --build-arg BASE_IMAGE="$BASE" \
   --build-arg TORCH_INDEX_URL="${TORCH_INDEX_URL:-}" \
   -f Dockerfile.arm64 -t "$TAG" . >.build/image-build-arm64.log 2>&1 || { tail -n 30 .build/image-build-arm64.log >&2; exit 1; }
-docker run --rm --network host "$TAG" python -c \
+# OMP_NUM_THREADS=1: under qemu-user (Debian bookworm's 7.2) torch's OpenMP pool start-up deadlocks
+# (main thread in sigsuspend, the other on a futex, no CPU used); with one thread it imports in ~15 s.
+docker run --rm --network host -e OMP_NUM_THREADS=1 "$TAG" python -c \
   "import platform, torch, trainer; print('[image-arm64] ok:', platform.machine(), 'torch', torch.__version__)"
