@@ -23,6 +23,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -190,10 +191,13 @@ def stream_tar(remote: Remote, rd: str, rels: list[str], staging: Path, progress
     Files the node's tar could not read are simply absent from staging; the caller verifies."""
     staging.mkdir(parents=True, exist_ok=True)
     remote_cmd = f"cd {shlex.quote(rd)} && tar --null -T - -cf -"
+    # stderr to files, not pipes nobody reads while the stream runs (a node's tar warning about
+    # every vanished file could fill a pipe and stall the transfer).
+    ssh_err, untar_err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
     ssh = subprocess.Popen([*remote.openssh_argv(compress=not is_loopback(remote.node.host)), remote_cmd],
-                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    untar = subprocess.Popen(["tar", "-x", "-C", str(staging), "-f", "-"], stdin=subprocess.PIPE,
-                             stderr=subprocess.PIPE)
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=ssh_err)
+    untar = subprocess.Popen(["tar", "-x", "-C", str(staging), "-f", "-"], stdin=subprocess.PIPE, stderr=untar_err)
+
     def feed() -> None:  # from a thread: the node's tar writes while it still reads names
         try:
             ssh.stdin.write(b"\0".join(r.encode() for r in rels))
@@ -212,14 +216,24 @@ def stream_tar(remote: Remote, rd: str, rels: list[str], staging: Path, progress
         untar.wait(timeout=600)
         ssh.wait(timeout=600)
         feeder.join(timeout=10)
+        if untar.returncode != 0:
+            why = b"".join(_tail(f) for f in (untar_err, ssh_err)).decode(errors="replace").strip()
+            raise UserError(f"node {remote.node.name}: unpacking the files from {rd} failed: {why[-200:]}")
+        if ssh.returncode != 0:  # e.g. a file gone since the listing: verification names each one
+            log.debug("node %s: tar over ssh exited %d: %s", remote.node.name, ssh.returncode,
+                      _tail(ssh_err).decode(errors="replace").strip())
     finally:
         for proc in (ssh, untar):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    if untar.returncode != 0:
-        raise UserError(f"node {remote.node.name}: unpacking the files from {rd} failed: "
-                        f"{untar.stderr.read().decode(errors='replace').strip()[-200:]}")
+        ssh_err.close()
+        untar_err.close()
+
+
+def _tail(fh, n: int = 400) -> bytes:
+    fh.seek(0)
+    return fh.read()[-n:]
 
 
 def place_verified(staged: Path, local: Path, size: int, want: str, mtime: float | None) -> None:

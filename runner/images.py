@@ -115,16 +115,20 @@ def host_image_ids(tags: list[str]) -> dict[str, str | None]:
     return out
 
 
-def export(tag: str, cache: Path = CACHE) -> Exported:
-    """`docker save` of tag from this host's engine into cache/<image id>/ (skipped when cached)."""
+def host_image(client, tag: str):
+    """tag's image on this host's engine, or the one-line error that says what to do."""
     import docker
 
-    client = host_client()
     try:
-        img = client.images.get(tag)
+        return client.images.get(tag)
     except docker.errors.ImageNotFound:
         raise UserError(f"image {tag} is not on this host's engine; build it first "
                         "(scripts/build-image.sh), say how in job.build, or fix job.image") from None
+
+
+def export(tag: str, cache: Path = CACHE) -> Exported:
+    """`docker save` of tag from this host's engine into cache/<image id>/ (skipped when cached)."""
+    img = host_image(host_client(), tag)
     image_id = img.id
     d = cache / image_id.split(":", 1)[1]
     cache.mkdir(parents=True, exist_ok=True)

@@ -27,6 +27,7 @@ from runner.images import (
     build_image,
     export,
     host_client,
+    host_image,
     host_image_ids,
     missing_layers,
     node_chains,
@@ -290,17 +291,12 @@ def push_to_nodes(cl: Cluster, arches: dict[str, str | None], quiet: bool = Fals
 def host_image_facts(tags: list[str]) -> dict[str, tuple[str, int, int]]:
     """{tag: (image id, layer count, size in bytes)} from this host's engine; a tag it lacks is
     the export's one-line error (build it first, or fix job.image)."""
-    import docker
-
     client = host_client()
     out = {}
     for t in tags:
-        try:
-            a = client.images.get(t).attrs
-        except docker.errors.ImageNotFound:
-            export(t)  # raises the error that says what to do
-            raise
+        a = host_image(client, t).attrs
         out[t] = (a["Id"], len(a["RootFS"]["Layers"]), int(a.get("Size") or 0))
+    client.close()
     return out
 
 

@@ -3,6 +3,7 @@ exit 3, after its timeout); torchrun with the given arguments once the file appe
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import threading
@@ -10,7 +11,8 @@ import time
 
 from tests.trainer_run import REPO, trainer_env
 
-TORCHRUN_ARGS = ["--standalone", "--nproc-per-node", "1", "--no-python", "sh", "-c", "echo started rank=$RANK"]
+TORCHRUN_ARGS = ["--standalone", "--nproc-per-node", "1", "--no-python", "sh", "-c",
+                 "echo started rank=$RANK at $(date +%s.%N)"]
 
 
 def gate(go_file, timeout: float) -> subprocess.CompletedProcess:
@@ -41,5 +43,6 @@ def test_go_file_starts_torchrun_with_its_arguments(tmp_path):
     proc = gate(go, 60)
     t.join()
     assert proc.returncode == 0, proc.stderr
-    assert "started rank=0" in proc.stdout
-    assert time.time() >= written["t"]
+    m = re.search(r"started rank=0 at ([\d.]+)", proc.stdout)
+    assert m, proc.stdout
+    assert float(m[1]) >= written["t"]  # torchrun's worker ran only after the go-file appeared

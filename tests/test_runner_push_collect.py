@@ -598,3 +598,14 @@ def test_push_to_current_nodes_exports_nothing(sandbox, pushed, tmp_path):
     res = parse_push(proc.stdout)
     assert set(res) == set(NODES) and all(r["action"] == "skipped" and r["mb"] == 0.0 for r in res.values()), res
     assert list(cache.iterdir()) == []
+
+
+def test_push_of_a_tag_the_host_lacks_is_one_line(sandbox, pushed, tmp_path):
+    job = write_job(tmp_path, image="runner-test-absent:404")
+    proc = runner("push", "-i", str(sandbox), "--job", str(job))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert one_error(proc.stderr) == ("image runner-test-absent:404 is not on this host's engine; "
+                                      "build it first (scripts/build-image.sh), say how in job.build, or fix job.image")
+    for r in remotes(sandbox).values():  # nothing was sent: no node has the tag
+        with r:
+            assert r.run(["docker", "images", "-q", "runner-test-absent:404"]).out.strip() == ""
