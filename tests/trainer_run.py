@@ -50,3 +50,36 @@ def read_metrics(out_dir: Path) -> list[dict]:
 
 def losses(out_dir: Path) -> list[float]:
     return [m["loss"] for m in read_metrics(out_dir)]
+
+
+# Fields of a metrics.jsonl record that measure time or memory: different on every run.
+TIMING_FIELDS = frozenset({"tokens_per_s", "tokens_per_s_per_device", "samples_per_s", "mfu", "memory_bytes",
+                           "memory_mb", "step_time_s", "time"})
+
+
+def numeric_metrics(out_dir: Path) -> list[dict]:
+    """metrics.jsonl without its timing fields: what two runs of one job must log bit for bit."""
+    return [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in read_metrics(out_dir)]
+
+
+def checkpoint_tensors(step_dir: Path) -> dict:
+    """Every tensor of a DCP checkpoint directory (model, optimizer), keyed by its flattened name;
+    read in this process with torch's own DCP -> torch.save conversion."""
+    import tempfile
+
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    def flat(d: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in d.items():
+            if isinstance(v, dict):
+                out.update(flat(v, f"{prefix}{k}."))
+            elif isinstance(v, torch.Tensor):
+                out[f"{prefix}{k}"] = v
+        return out
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dst = Path(tmp) / "state.pt"
+        dcp_to_torch_save(str(step_dir), str(dst))
+        return flat(torch.load(dst, weights_only=False))

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from trainer import dist_env
 from trainer.config import Config, ConfigError, resolve
@@ -32,6 +31,7 @@ from trainer.models.build import build_model, model_spec
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.parallel.compose import Parallelized, check_supported, parallelize
 from trainer.parallel.mesh import ParallelDims
+from trainer.parallel.ordered_reduce import ordered_mean
 
 log = logging.getLogger("trainer")
 
@@ -127,9 +127,9 @@ class Trainer:
 
     def _dp_mean(self, value: torch.Tensor) -> float:
         if self.dims.mesh is not None and self.dims.dp > 1:
-            value = value.detach().clone()
-            dist.all_reduce(value, group=self.dims.dp_mesh.get_group())  # SUM: gloo's AVG is unreliable
-            value /= self.dims.dp
+            # Rank order, not ring order: the logged value must not depend on the bucket layout or
+            # anything else but the values (an uninterrupted and a resumed run log the same bits).
+            value = ordered_mean(value, self.dims.dp_mesh.get_group())
         return float(value)
 
     def train_step(self) -> tuple[float | None, float]:

@@ -176,7 +176,7 @@ def _apply_dp(par: Parallelized, model: nn.Module, blocks: list[nn.Module], dims
         log.info("DDP (replicate) over %d ranks on each pipeline stage", dims.dp)
         return replicate(model, mesh=dims.fsdp_mesh)
     log.info("DDP over %d ranks", dims.dp)
-    return apply_ddp(model, dims.fsdp_mesh, device=par.device)
+    return apply_ddp(model, dims.fsdp_mesh, device=par.device, backend=backend)
 
 
 def _parallelize_pipeline(model: nn.Module, spec: ModelSpec, dims: ParallelDims, cfg: Config,

@@ -17,19 +17,53 @@ import logging
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 log = logging.getLogger("trainer")
 
 
-def apply_ddp(model: nn.Module, dp_mesh: Any, device: torch.device) -> nn.Module:
+class GradReduceHook:
+    """The one DDP communication hook of a run (DDP takes one): each gradient bucket's mean over the
+    dp ranks, either as DDP itself computes it (bucket x 1/n, SUM all-reduce: the same bits as DDP
+    without a hook) or added in rank order (ordered_reduce.py: gloo with >= 3 ranks, where DDP's
+    first-iteration bucket layout would change the bits of a resumed run). `observer`, when set
+    (the profiler, only while it records a batch), wraps the reduction: observer(bucket, reduce)."""
+
+    def __init__(self, group: Any, ordered: bool):
+        self.group, self.ordered = group, ordered
+        self.observer: Any = None
+
+    def reduce(self, bucket: Any) -> Any:
+        from trainer.parallel.ordered_reduce import ordered_allreduce_hook
+
+        if self.ordered:
+            return ordered_allreduce_hook(self.group, bucket)
+        buf = bucket.buffer()
+        buf.mul_(1.0 / self.group.size())
+        return dist.all_reduce(buf, group=self.group, async_op=True).get_future().then(lambda f: f.value()[0])
+
+    # Unannotated on purpose: DDP inspects the signature and rejects any annotation of `bucket` or
+    # of the result other than the real GradBucket / Future[Tensor] objects (strings included).
+    def hook(self, _state, bucket):
+        if self.observer is None:
+            return self.reduce(bucket)
+        return self.observer(bucket, self.reduce)
+
+
+def apply_ddp(model: nn.Module, dp_mesh: Any, device: torch.device, backend: str) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from trainer.parallel.ordered_reduce import needs_ordered_grads
 
     # Parameters are already identical on every rank (same seed), but DDP broadcasts rank 0's anyway.
     kwargs: dict[str, Any] = {"device_mesh": dp_mesh}
     if device.type == "cuda":
         kwargs["device_ids"] = [device.index]
-    return DDP(model, **kwargs)
+    ddp = DDP(model, **kwargs)
+    ddp.grad_reduce = GradReduceHook(dp_mesh.get_group(), needs_ordered_grads(backend, dp_mesh.size()))
+    ddp.register_comm_hook(None, ddp.grad_reduce.hook)
+    return ddp
 
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: Any, *, reshard_after_forward: bool,

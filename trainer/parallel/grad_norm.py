@@ -15,6 +15,8 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from trainer.parallel.ordered_reduce import ordered_sum
+
 
 def _group_key(g: torch.Tensor) -> tuple:
     mesh = getattr(g, "device_mesh", None)
@@ -33,7 +35,7 @@ def total_grad_norm(params: list[torch.Tensor], pp_group: dist.ProcessGroup | No
             norm = norm.full_tensor()
         sq = sq + norm.float() ** 2
     if pp_group is not None:
-        dist.all_reduce(sq, group=pp_group)
+        sq = ordered_sum(sq, pp_group)  # rank order: the norm decides the clip, and it is logged
     return sq.sqrt()
 
 

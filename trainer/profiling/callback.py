@@ -68,13 +68,9 @@ class ProfilingCallback:
     def _time_ddp(self, model: Any, cuda: bool) -> DDPReduceTimer | None:
         from torch.nn.parallel import DistributedDataParallel
 
-        if not isinstance(model, DistributedDataParallel):
+        if not isinstance(model, DistributedDataParallel) or not hasattr(model, "grad_reduce"):
             return None
-        try:
-            return DDPReduceTimer(self.rec, model, cuda=cuda)
-        except RuntimeError as e:  # DDP takes one comm hook: someone else's is already in place
-            log.warning("profiling: DDP gradient reduction not timed (%s)", e)
-            return None
+        return DDPReduceTimer(self.rec, model, cuda=cuda)
 
     # ---------------------------------------------------------------- hooks
 
@@ -93,6 +89,8 @@ class ProfilingCallback:
         if step in self.record:
             if self.energy is not None:
                 self.energy.start()
+            if self.ddp_timer is not None:
+                self.ddp_timer.attach()
             self.rec.begin(step)
 
     def on_step_end(self, trainer: Any, record: dict | None) -> None:
@@ -101,6 +99,7 @@ class ProfilingCallback:
             return
         if self.ddp_timer is not None:
             self.ddp_timer.flush()  # CUDA event pairs -> events, while the batch is still active
+            self.ddp_timer.detach()
         self.rec.end()
         if self.energy is not None:
             self.energy.stop()

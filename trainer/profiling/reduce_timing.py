@@ -1,11 +1,10 @@
-"""DP gradient reduction of plain DDP runs, timed by a DDP communication hook.
+"""DP gradient reduction of plain DDP runs, timed around the run's DDP communication hook.
 
 Without pipeline parallelism DDP all-reduces each gradient bucket as soon as autograd has filled
 it, while the backward is still running; the reduction overlaps the backward slices, so it is
 recorded on a second track of the rank (tid 1) instead of the rank's one thread of actions. The
-hook does what DDP does without one — multiply each bucket by 1/world size, all-reduce with SUM
-(bit for bit: torch's `allreduce_hook` divides instead, which differs in the last bit for
-world sizes that are not powers of two) — and records one `dp_reduce` event per bucket: start = the bucket is
+timer wraps the run's one DDP hook (data_parallel.GradReduceHook, which reduces as DDP would, or in
+rank order) and records one `dp_reduce` event per bucket: start = the bucket is
 handed to the process group, end = its all-reduce completes (the future's callback; DDP waits
 for it before backward returns, so the event closes inside the last backward).
 
@@ -25,33 +24,31 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch.distributed as dist
-
 from trainer.profiling.recorder import Event, Recorder
 
 ASYNC_TID = 1  # the trace track of communication that overlaps the rank's own actions
 
 
-def allreduce_mean(group: Any, bucket: Any) -> Any:
-    """DDP's built-in bucket reduction: bucket * (1/world), then SUM all-reduce; a future of the bucket."""
-    buf = bucket.buffer()
-    buf.mul_(1.0 / group.size())
-    return dist.all_reduce(buf, group=group, async_op=True).get_future().then(lambda f: f.value()[0])
-
-
 class DDPReduceTimer:
+    """Observes the run's DDP gradient reduction (data_parallel.GradReduceHook) while a batch is
+    recorded: attach() at the batch's start, detach() at its end, so unrecorded steps run the
+    reduction with nothing around it."""
+
     def __init__(self, rec: Recorder, ddp: Any, stage: int = 0, cuda: bool = False):
         self.rec, self.stage, self.cuda = rec, stage, cuda
-        self.group = ddp.process_group
+        self.reduce_hook = ddp.grad_reduce
         self._pending: list[tuple[Any, Any, dict]] = []  # CUDA: (start event, end event, event fields)
-        ddp.register_comm_hook(None, self.hook)
 
-    # Unannotated on purpose: DDP inspects the signature and rejects any annotation of `bucket` or
-    # of the result other than the real GradBucket / Future[Tensor] objects (strings included).
-    def hook(self, _state, bucket):
+    def attach(self) -> None:
+        self.reduce_hook.observer = self.observe
+
+    def detach(self) -> None:
+        self.reduce_hook.observer = None
+
+    def observe(self, bucket: Any, reduce: Any) -> Any:
         rec = self.rec
         if rec.active is None:
-            return allreduce_mean(self.group, bucket)
+            return reduce(bucket)
         buf = bucket.buffer()
         fields = {"stage": self.stage, "mb": None, "bytes": buf.numel() * buf.element_size(), "tid": ASYNC_TID}
         if self.cuda:
@@ -59,7 +56,7 @@ class DDPReduceTimer:
 
             start = torch.cuda.Event(enable_timing=True)
             start.record()
-            fut = allreduce_mean(self.group, bucket)
+            fut = reduce(bucket)
 
             def stamp_cuda(f: Any) -> Any:
                 end = torch.cuda.Event(enable_timing=True)
@@ -69,7 +66,7 @@ class DDPReduceTimer:
 
             return fut.then(stamp_cuda)
         t0 = rec.clock.now()
-        fut = allreduce_mean(self.group, bucket)
+        fut = reduce(bucket)
 
         def stamp(f: Any) -> Any:
             rec.add(Event("dp_reduce", t0, rec.clock.now(), **fields))
