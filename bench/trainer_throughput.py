@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = _config(args, tmp)
         spec = model_spec(cfg.model)
         tokens = args.batch_size * args.seq_len
-        fpt = flops_per_token(spec.num_params, spec.num_layers, spec.hidden_size, args.seq_len)
+        fpt = flops_per_token(spec.num_params, spec.num_layers, spec.attention_width, args.seq_len)
         peak = measure_cpu_peak(torch.float32)
         results: dict[str, dict] = {}
         # Alternate the two loops (A B A B ...) and keep each one's best median: on a shared machine

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -71,19 +69,38 @@ def test_masked_lm_masks_some_tokens():
     assert masked.any(dim=1).all() and (x[masked] == 511).all() and masked.float().mean() < 0.5
 
 
-def test_text_run_learns_and_evaluates(tmp_path):
-    run_trainer(tmp_path, "--config", "configs/tiny-text.yaml", "--train.steps", "20", "--train.eval_interval", "10")
-    m = read_metrics(tmp_path)
+@pytest.mark.multiproc
+def test_text_run_learns_evaluates_and_dp_matches_one_process(tmp_path):
+    job = ("--config", "configs/tiny-text.yaml", "--train.steps", "20", "--train.eval_interval", "10")
+    run_trainer(tmp_path / "one", *job)
+    m = read_metrics(tmp_path / "one")
     # Real prose (Bierce): 20 steps take ~0.8 nats off the start (6.25 -> 5.42 measured); a run that
     # does not learn moves by noise (< 0.1).
     assert len(m) == 20 and m[-1]["loss"] < m[0]["loss"] - 0.5, [r["loss"] for r in m]
     assert "eval_loss" in m[9] and "eval_loss" in m[19] and m[19]["eval_loss"] < m[9]["eval_loss"]
-    assert (Path(tmp_path) / "tokenizer.json").is_file()
+    assert (tmp_path / "one" / "tokenizer.json").is_file()
+    # The same job on two ranks (each reads its half of every global batch of the packed corpus,
+    # and of the held-out blocks): the same losses and eval losses (fp32, 1e-5).
+    run_trainer(tmp_path / "two", *job, "--train.batch_size", str(m[0]["global_batch_samples"] // 2), nproc=2)
+    m2 = read_metrics(tmp_path / "two")
+    assert [r["global_batch_samples"] for r in m2] == [r["global_batch_samples"] for r in m]
+    for a, b in zip(m2, m, strict=True):
+        for key in ("loss", "eval_loss"):
+            if key in b:
+                assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), (b["step"], key, a[key], b[key])
 
 
-@pytest.mark.parametrize("preset", ["tiny-bert", "tiny-vitmae", "tiny-qwen3"])
-def test_other_families_train(tmp_path, preset):
+@pytest.mark.parametrize("preset", ["tiny-bert", "tiny-qwen3"])
+def test_other_families_start_at_chance(tmp_path, preset):
+    """A randomly initialised LM predicts about uniformly: its first loss is near ln(vocab)
+    (a loss computed over the wrong tokens, or not averaged, is far from it); DP equivalence of
+    these families: test_trainer_dp.py (BERT), parallel_equiv.py (Qwen3), the stub test (ViT-MAE)."""
+    import math
+
+    from trainer.config import resolve
+
     run_trainer(tmp_path, "--config", "configs/tiny.yaml", "--model.preset", preset, "--train.steps", "2",
                 "--data.seq_len", "16")
     m = read_metrics(tmp_path)
-    assert len(m) == 2 and all(r["loss"] > 0 for r in m)
+    vocab = model_spec(resolve(str(REPO / "configs/tiny.yaml"), [("model.preset", preset)]).model).hf_config.vocab_size
+    assert len(m) == 2 and abs(m[0]["loss"] - math.log(vocab)) < 0.5, (m[0]["loss"], math.log(vocab))

@@ -37,9 +37,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from trainer import test_hold
 from trainer.checkpoint_state import ModelOptimState, merged_model, model_signature, rng_state, set_rng_state
 from trainer.checkpoint_storage import MISSING_HINT, StorageLayout, agree_on_latest, probe, share_rank0_files
 from trainer.config import ConfigError
+from trainer.optim import restart_schedule_at, schedule_mismatch, schedule_signature
 from trainer.preempt import EXIT_PREEMPTED, Preemption
 
 log = logging.getLogger("trainer")
@@ -48,8 +50,6 @@ STATE_FILE = "trainer_state.json"
 LATEST = "latest"
 TMP_PREFIX = ".tmp-"
 PREEMPT_SUFFIX = ".preempt"
-# Tests only: "STEP:SECONDS" sleeps before the rename of checkpoint STEP (to kill -9 mid-save).
-TEST_DELAY_ENV = "TRAINER_TEST_SAVE_DELAY"
 
 
 def _dist() -> bool:
@@ -195,12 +195,16 @@ class Checkpointer:
     def __init__(self, trainer: Any):
         self.cfg = trainer.cfg.checkpoint
         self.root = checkpoint_root(trainer.cfg)
+        self.output_dir = trainer.output_dir
         self.active = (self.cfg.enabled or self.cfg.interval > 0 or self.cfg.preempt_interval > 0
                        or trainer.cfg.train.exit_interval > 0)
-        self.preemption = Preemption() if self.cfg.on_signal else None
+        # The per-step preemption vote goes over gloo on the host: on NCCL it would wait for the GPU.
+        cpu_group = None
+        if self.cfg.on_signal and _dist() and dist.get_backend() != "gloo":
+            cpu_group = dist.new_group(backend="gloo")
+        self.preemption = Preemption(cpu_group) if self.cfg.on_signal else None
         self.model = merged_model(trainer.par.model_parts)
         self.app = ModelOptimState(self.model, trainer.optimizer)
-        self.loss_min = math.inf
         self.saved_step = -1
         self.preempted = False
         self.pending: Any = None          # async save waiting to be finalized
@@ -252,8 +256,6 @@ class Checkpointer:
                 self.load(trainer, path)
 
     def on_step_end(self, trainer: Any, record: dict | None) -> None:
-        if record is not None:
-            self.loss_min = min(self.loss_min, float(record["loss"]))
         self._finish_pending()
         step = trainer.step
         if self.preemption is not None and self.preemption.agree():
@@ -268,6 +270,8 @@ class Checkpointer:
             self.save(trainer)
         elif self.cfg.preempt_interval > 0 and step % self.cfg.preempt_interval == 0 and step < trainer.total_steps:
             self.save(trainer, preempt=True)
+        test_hold.hold("step", step, self.output_dir, _rank(),  # tests only (trainer/test_hold.py)
+                       lambda: self.preemption is not None and self.preemption.received is not None)
 
     def on_train_end(self, trainer: Any) -> None:
         if not self.preempted and self.active and self.saved_step != trainer.step:
@@ -296,15 +300,17 @@ class Checkpointer:
     def _train_state(self, trainer: Any) -> dict:
         data = trainer.data
         blocks = data.blocks.shape[0] if data.blocks is not None else None
-        loss_min = torch.tensor([self.loss_min], dtype=torch.float64)
+        loss_min = trainer.loss_min.detach().reshape(1).clone()  # on the training device (NCCL or gloo)
         if _dist():  # only the loss-owning ranks saw losses
             dist.all_reduce(loss_min, op=dist.ReduceOp.MIN)
+        loss_min = float(loss_min)
         d = trainer.dims
         return {
             "step": trainer.step, "tokens_seen": trainer.tokens_seen, "total_steps": trainer.total_steps,
             "epoch": data.consumed // blocks if blocks else 0,
             "data": data.state_dict(), "scheduler": trainer.scheduler.state_dict(),
-            "loss_min": float(loss_min.item()) if math.isfinite(loss_min.item()) else None,
+            "lr_schedule": schedule_signature(trainer.cfg, trainer.total_steps),
+            "loss_min": loss_min if math.isfinite(loss_min) else None,
             "world_size": trainer.env.world_size,
             "layout": {"dp": d.dp, "tp": d.tp, "pp": d.pp, "sharding": trainer.cfg.parallel.sharding},
             "model": model_signature(trainer.spec), "format": self.cfg.format,
@@ -362,9 +368,7 @@ class Checkpointer:
         rank, layout = _rank(), self.layout()
         share_rank0_files(tmp, layout, rank)  # per-node storage: .metadata etc. on every node
         self._write_manifest(tmp, rank)
-        delay = os.environ.get(TEST_DELAY_ENV, "")
-        if delay and int(delay.split(":")[0]) == step:
-            time.sleep(float(delay.split(":")[1]))
+        test_hold.hold("save", step, self.output_dir, rank)  # tests only (trainer/test_hold.py)
         _barrier()  # every rank's files are on disk, on every node
         if layout.is_leader(rank):
             old = final.with_name(final.name + ".old")
@@ -407,6 +411,14 @@ class Checkpointer:
             if key != "num_params" and mine.get(key) != theirs.get(key):
                 return None, (f"{path / STATE_FILE}: model key '{key}' is {theirs.get(key)!r} in the checkpoint "
                               f"but {mine.get(key)!r} in this run's model config")
+        saved_schedule = state.get("lr_schedule")  # absent in checkpoints of older versions
+        if saved_schedule is not None and not trainer.cfg.checkpoint.override_schedule:
+            diff = schedule_mismatch(saved_schedule, schedule_signature(trainer.cfg, trainer.total_steps))
+            if diff:
+                return None, (f"{path / STATE_FILE}: this run's LR schedule differs from the checkpoint's: {diff}; "
+                              f"resuming would train step {state['step'] + 1} at the old schedule's LR. Keep the "
+                              f"schedule, or pass --checkpoint.override_schedule true to take the new schedule's LR "
+                              f"from step {state['step'] + 1} on")
         data, g_new = state["data"], trainer.data.global_batch
         if data.get("seed", trainer.data.seed) != trainer.data.seed:
             return None, (f"{path / STATE_FILE}: data seed {data['seed']} differs from train.seed "
@@ -441,7 +453,12 @@ class Checkpointer:
         trainer.step = int(state["step"])
         trainer.tokens_seen = int(state["tokens_seen"])
         trainer.data.load_state_dict(state["data"])
-        self.loss_min = state.get("loss_min") or math.inf
+        if trainer.cfg.checkpoint.override_schedule:
+            lr = restart_schedule_at(trainer.optimizer, trainer.scheduler, trainer.cfg, trainer.total_steps,
+                                     trainer.step)
+            log.info("checkpoint.override_schedule: LR %.6g at step %d from this run's schedule", lr, trainer.step + 1)
+        loss_min = state.get("loss_min")
+        trainer.loss_min.fill_(math.inf if loss_min is None else float(loss_min))
         self.saved_step = trainer.step
         rank_file = path / f"rank{_rank()}.pt"
         same_layout = int(state["world_size"]) == trainer.env.world_size

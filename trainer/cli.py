@@ -37,6 +37,7 @@ COMMANDS: dict[str, str] = {
     "train": "trainer.cli:train_main",
     "export": "trainer.checkpoint:export_main",
     "plot": "trainer.plots:main",
+    "probe": "trainer.probe:main",  # per-node measurements for parallel.partition auto (runner profile)
 }
 
 

@@ -57,9 +57,14 @@ class TrainConfig:
     steps: int | None = None            # optimizer steps; None = one pass over text data
     seed: int = 0
     batch_size: int = 16                # samples per DP rank per forward/backward (Pi guide: "per rank")
-    microbatch_num: int = 4             # each batch is split into this many microbatches
+    microbatch_num: int | None = None   # each batch is split into this many microbatches; default 4 with
+                                        # pipeline stages (the Pi guide's), else 1 (no needless splitting)
     grad_acc_steps: int = 1             # batches accumulated per optimizer step
-    dtype: str = "fp32"                 # fp32 | bf16
+    dtype: str = "auto"                 # auto (bf16 on CUDA with native bf16, else fp32) | fp32 | bf16
+    compile: str = "auto"               # auto (on for CUDA, off on CPU) | true | false: each block compiled
+    activation_checkpointing: str = "none"  # none | selective (recompute all but matmuls/attention) | full
+    loss_chunks: int | str = "auto"     # LM head + loss in N token chunks (no full logits); auto: 8 for
+                                        # vocabularies >= 32768, else 1
     grad_clip: float = 1.0              # max grad norm; 0 = no clipping (the norm is logged anyway)
     eval_interval: int = 0              # evaluate every N steps (0 = never)
     eval_batches: int = 2
@@ -115,6 +120,7 @@ class CheckpointConfig:
     async_save: bool = False            # dcp.async_save: write in the background, finalize next step
     on_signal: bool = True              # SIGTERM/SIGUSR1 -> .preempt checkpoint and exit 143
     verify: bool = True                 # check sizes + crc32 of every file before loading
+    override_schedule: bool = False     # resume with another LR horizon: recompute the LR at the restored step
 
 
 @dataclass
@@ -155,7 +161,7 @@ class Config:
 
 SHARDING = ("ddp", "zero0", "zero2", "zero3", "zero2_hybrid", "zero3_hybrid")
 LOG_LINES = ("picotron", "minimal-3d")
-DTYPES = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
+DTYPES = {"auto": "auto", "fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
 
 
 # ---------------------------------------------------------------- key access and coercion
@@ -181,8 +187,17 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) not in typing.get_args(tp):
+                raise ConfigError(f"config key '{key}': a value is required, got {value!r}")
             return None
-        return _coerce(key, args[0], value)
+        if str in args and isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"  # `int | str` keys: a number, or auto
+        try:
+            return _coerce(key, args[0], value)
+        except ConfigError:
+            if str in args:
+                raise ConfigError(f"config key '{key}': expected an integer or auto, got {value!r}") from None
+            raise
     if isinstance(value, str) and tp is not str:
         try:
             value = yaml.safe_load(value)
@@ -279,7 +294,12 @@ def apply_yaml(cfg: Config, path: str | Path) -> None:
 
 
 def validate(cfg: Config) -> None:
-    """Checks that need no torch and no process group; each error names its key."""
+    """Checks that need no torch and no process group; each error names its key and what it accepts.
+
+    Every key is checked, also those the chosen layout does not use (a pipeline schedule with
+    pp=1 is still a typo to report). Checks that need the model's config (sequence length vs
+    positions, head divisibility) are in trainer/config_checks.py:check_model, run before start."""
+    from trainer.config_checks import check_ranges
     from trainer.models.presets import PRESETS
 
     p, t = cfg.parallel, cfg.train
@@ -287,31 +307,21 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"parallel.sharding: unknown strategy '{p.sharding}' (choose one of {', '.join(SHARDING)})")
     p.pp_schedule = {"afab": "gpipe", "1F1B": "1f1b"}.get(p.pp_schedule, p.pp_schedule)
     if t.dtype not in DTYPES:
-        raise ConfigError(f"train.dtype: unknown dtype '{t.dtype}' (fp32 or bf16)")
+        raise ConfigError(f"train.dtype: unknown dtype '{t.dtype}' (auto, fp32 or bf16)")
     t.dtype = DTYPES[t.dtype]
     if cfg.model.path is None and cfg.model.preset not in PRESETS:
         raise ConfigError(f"model.preset: unknown preset '{cfg.model.preset}' (known: {', '.join(sorted(PRESETS))})")
     if cfg.model.path is not None and not Path(cfg.model.path).is_dir():
         raise ConfigError(f"model.path: '{cfg.model.path}' is not a local model directory")
-    for key in ("train.batch_size", "train.microbatch_num", "train.grad_acc_steps", "data.seq_len",
-                "parallel.tp", "parallel.pp", "parallel.virtual_stages", "logging.log_interval"):
-        if get_key(cfg, key) < 1:
-            raise ConfigError(f"{key} must be >= 1, got {get_key(cfg, key)}")
+    if t.microbatch_num is None:
+        # The Pi guide's 4 microbatches feed a pipeline; without one they only slow a batch down.
+        t.microbatch_num = 4 if p.pp > 1 else 1
+    check_ranges(cfg)
     if t.batch_size % t.microbatch_num != 0:
         raise ConfigError(f"train.batch_size {t.batch_size} is not divisible by train.microbatch_num "
                           f"{t.microbatch_num} (--batch_size % --microbatch_num must be 0)")
-    if t.steps is not None and t.steps < 0:
-        raise ConfigError(f"train.steps must be >= 0, got {t.steps}")
-    if t.exit_interval < 0:
-        raise ConfigError(f"train.exit_interval must be >= 0, got {t.exit_interval}")
     if cfg.data.source == "synthetic" and t.steps is None:
         raise ConfigError("train.steps: required with synthetic data (set --train.steps N or --train_steps N)")
-    if p.device not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"parallel.device: '{p.device}' (auto, cpu or cuda)")
-    if p.backend not in ("auto", "gloo", "nccl"):
-        raise ConfigError(f"parallel.backend: '{p.backend}' (auto, gloo or nccl)")
-    if not 0.0 <= cfg.schedule.warmup_ratio < 1.0:
-        raise ConfigError(f"schedule.warmup_ratio must be in [0, 1), got {cfg.schedule.warmup_ratio}")
     if cfg.schedule.decay not in ("cosine", "constant"):
         raise ConfigError(f"schedule.decay: '{cfg.schedule.decay}' (cosine or constant)")
     if cfg.logging.line not in LOG_LINES:
@@ -327,8 +337,6 @@ def validate(cfg: Config) -> None:
     parse_batches(cfg.profile.batch)  # "1" | "1,3" | "2-4" | "none": one-line error otherwise
     if cfg.profile.format not in ("chrome", "seed"):
         raise ConfigError(f"profile.format: '{cfg.profile.format}' (chrome or seed)")
-    if cfg.profile.num_prof_steps < 0:
-        raise ConfigError(f"profile.num_prof_steps must be >= 0, got {cfg.profile.num_prof_steps}")
     if cfg.data.source != "synthetic" and not Path(cfg.data.source).exists():
         raise ConfigError(f"data.source: '{cfg.data.source}' does not exist (a file or directory, or 'synthetic')")
 

@@ -81,22 +81,47 @@ def pick_device(device: str = "auto"):
 
 
 def training_dtype(requested: str, device_type: str, native_bf16: bool | None = None) -> tuple[str, str | None]:
-    """bf16 where the device supports it: (dtype to train in, why it differs from the request).
+    """The dtype to train in, and why it differs from the request (None when it does not).
 
-    A CUDA GPU without native bf16 (compute capability < 8: V100, T4) trains in fp32. Native, not
+    auto: bf16 on a CUDA device with native bf16 (compute capability >= 8: A100, H100, L4, ...),
+    fp32 everywhere else (CPUs: bitwise-reproducible fp32 numerics by default).
+    bf16 asked on a CUDA GPU without native bf16 (V100, T4) trains in fp32. Native, not
     `torch.cuda.is_bf16_supported()`'s default: that also counts emulation (any GPU on which a
-    bf16 tensor can be created, slower than fp32), so it is True almost everywhere. CPUs keep
-    bf16 (autocast runs it everywhere, and the CPU runs of the suite rely on that)."""
+    bf16 tensor can be created, slower than fp32), so it is True almost everywhere. CPUs keep an
+    explicit bf16 (autocast runs it everywhere, and the CPU runs of the suite rely on that)."""
+    if requested == "auto":
+        if device_type != "cuda":
+            return "fp32", None
+        return ("bf16" if _native_bf16(native_bf16) else "fp32"), None
     if requested != "bf16" or device_type != "cuda":
         return requested, None
-    if native_bf16 is None:
-        import torch
-
-        native_bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
-    if native_bf16:
+    if _native_bf16(native_bf16):
         return "bf16", None
     return "fp32", ("train.dtype bf16: this CUDA device has no native bf16 support "
                     "(torch.cuda.is_bf16_supported(including_emulation=False) is False); training in fp32")
+
+
+def _native_bf16(known: bool | None) -> bool:
+    if known is not None:
+        return known
+    import torch
+
+    return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+
+
+def configure_matmul_precision(device_type: str, dtype: str) -> str | None:
+    """fp32 on CUDA: TF32 tensor cores for matmuls and convolutions (8x the fp32 rate on an A100,
+    10 mantissa bits). Never on CPU: CPU runs stay bitwise reproducible. Returns what it set.
+
+    The legacy flags on purpose: torch >= 2.9's per-backend `fp32_precision` API makes any later
+    reader of the legacy flags (libraries, older inductor paths) raise a "mix of APIs" error."""
+    if device_type != "cuda" or dtype != "fp32":
+        return None
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    return "fp32 matmuls and convolutions on TF32 tensor cores"
 
 
 def init_process_group(env: DistEnv, device_type: str, backend: str = "auto", timeout_s: int = 1800) -> str:

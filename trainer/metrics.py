@@ -1,7 +1,9 @@
 """Throughput, MFU and memory, written once; the console line and OUTPUT_DIR/metrics.jsonl.
 
 MFU = tokens/s per device x flops_per_token / peak flops per device,
-flops_per_token = 6 N + 12 L d S (picotron's formula: N params, L layers, d hidden, S sequence).
+flops_per_token = 6 N + 12 L a S (picotron's formula: N params, L layers, S sequence, and a the
+attention width, heads x head_dim: the hidden size for most families, 2048 for Qwen3-0.6B whose
+16 heads of 128 span more than its hidden 1024).
 Peak: a table for known GPUs (dense bf16 tensor-core; tf32 for fp32 runs), or on CPU a matmul
 probe measured once per process with the threads this process uses; `logging.peak_flops` wins.
 """
@@ -32,8 +34,9 @@ GPU_PEAK_FLOPS: dict[str, tuple[float, float]] = {
 _PROBE_CACHE: dict[tuple[str, int], float] = {}
 
 
-def flops_per_token(num_params: int, num_layers: int, hidden: int, seq_len: int) -> float:
-    return 6.0 * num_params + 12.0 * num_layers * hidden * seq_len
+def flops_per_token(num_params: int, num_layers: int, attention_width: int, seq_len: int) -> float:
+    """attention_width = query heads x head_dim (ModelSpec.attention_width)."""
+    return 6.0 * num_params + 12.0 * num_layers * attention_width * seq_len
 
 
 def measure_cpu_peak(dtype: torch.dtype = torch.float32, n: int = 1024, reps: int = 5) -> float:

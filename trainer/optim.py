@@ -46,6 +46,39 @@ def lr_at(step: int, cfg: Config, total_steps: int) -> float:
     return s.min_lr + 0.5 * (peak - s.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
+def schedule_signature(cfg: Config, total_steps: int) -> dict:
+    """What fixes the LR of every step (saved in checkpoints; a resume must agree with it)."""
+    s = cfg.schedule
+    horizon = s.total_steps or total_steps
+    return {"train_steps": total_steps, "total_steps": s.total_steps, "horizon": horizon,
+            "warmup": warmup_steps(cfg, horizon), "decay": s.decay, "lr": cfg.optim.lr, "min_lr": s.min_lr}
+
+
+SIGNATURE_KEYS = ("horizon", "warmup", "decay", "lr", "min_lr")  # the train_steps/total_steps explain horizon
+
+
+def schedule_mismatch(saved: dict, now: dict) -> str | None:
+    """One phrase naming both schedules when they give different LRs, else None."""
+    if all(saved.get(k) == now.get(k) for k in SIGNATURE_KEYS):
+        return None
+    return (f"horizon {saved.get('horizon')} -> {now.get('horizon')} steps (train.steps {saved.get('train_steps')} -> "
+            f"{now.get('train_steps')}, schedule.total_steps {saved.get('total_steps')} -> {now.get('total_steps')}), "
+            f"warmup {saved.get('warmup')} -> {now.get('warmup')}, decay {saved.get('decay')} -> {now.get('decay')}, "
+            f"lr {saved.get('lr')} -> {now.get('lr')}, min_lr {saved.get('min_lr')} -> {now.get('min_lr')}")
+
+
+def restart_schedule_at(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR,
+                        cfg: Config, total_steps: int, step: int) -> float:
+    """checkpoint.override_schedule: after loading an older schedule's state, take this run's LR
+    at `step` (the restored step count) and this run's peak as the base of every later step."""
+    lr = lr_at(step, cfg, total_steps)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    scheduler.base_lrs = [cfg.optim.lr] * len(optimizer.param_groups)
+    scheduler._last_lr = [lr] * len(optimizer.param_groups)
+    return lr
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     peak = cfg.optim.lr
     return torch.optim.lr_scheduler.LambdaLR(

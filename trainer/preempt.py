@@ -27,7 +27,8 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 class Preemption:
     """Installs the handlers; `agree()` is collective and returns True on every rank or none."""
 
-    def __init__(self) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group               # a gloo group for the vote (None: the default group)
         self.received: int | None = None
         self._previous: dict[int, object] = {}
 
@@ -50,10 +51,10 @@ class Preemption:
     def agree(self) -> bool:
         flag = torch.tensor([0 if self.received is None else 1], dtype=torch.int32)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            # The default group is gloo or nccl; a CPU tensor works on gloo, nccl needs the device.
-            if dist.get_backend() == "nccl":
+            # On the host over gloo (self.group on NCCL runs): the vote never waits for the GPU.
+            if self.group is None and dist.get_backend() == "nccl":
                 flag = flag.cuda()
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         stop = bool(flag.item())
         if stop and self.received is None:
             self.received = int(signal.SIGTERM)  # another rank got it

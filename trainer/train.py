@@ -4,6 +4,11 @@ Batch semantics: per optimizer step each DP rank processes train.batch_size x tr
 samples (split into microbatch_num x grad_acc_steps microbatches); the global batch is that times
 dp. The loss of a step is the mean over the global batch, identical for every layout.
 
+Nothing in a step waits for the device: the loss, the gradient norm and the running minimum loss
+stay device tensors; they are read (and the device synchronised) only at log steps (every
+logging.log_interval steps, the last step and eval steps), where step time and tokens/s are
+averaged over the steps since the previous read. The next batch is built while the device runs.
+
 Other features hook in through callbacks (checkpointing, profiling): objects with any of
 on_train_start(trainer), on_step_start(trainer, step), on_step_end(trainer, record),
 on_train_end(trainer). `CALLBACKS` lists "module:factory" paths tried at start; a factory takes
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 import os
 import sys
 import tempfile
@@ -25,10 +31,12 @@ import torch
 
 from trainer import dist_env
 from trainer.config import Config, ConfigError, resolve
+from trainer.config_checks import resolve_loss_chunks
 from trainer.data import DataStream, build_data, load_texts, load_tokenizer
 from trainer.metrics import MetricsWriter, StepStats, flops_per_token, format_line, memory_bytes, peak_flops
 from trainer.models.build import build_model, model_spec
 from trainer.optim import build_optimizer, build_scheduler
+from trainer.parallel.compile import resolve_compile
 from trainer.parallel.compose import Parallelized, check_supported, parallelize
 from trainer.parallel.mesh import ParallelDims
 from trainer.parallel.ordered_reduce import ordered_mean
@@ -76,6 +84,14 @@ class Trainer:
         self.spec = model_spec(cfg.model, tokenizer.vocab_size if tokenizer else None)
         log.info("model: %s (%s), %d layers, hidden %d, Number of parameters: %.2fM", cfg.model.path or cfg.model.preset,
                  self.spec.family, self.spec.num_layers, self.spec.hidden_size, self.spec.num_params / 1e6)
+        # What `auto` means here, recorded in config.yaml as what ran.
+        t.loss_chunks = resolve_loss_chunks(t.loss_chunks, self.spec.task, int(getattr(self.spec.hf_config,
+                                                                                        "vocab_size", 0) or 0))
+        t.compile = "true" if resolve_compile(t.compile, device.type) else "false"
+        t.dtype = dist_env.training_dtype(t.dtype, device.type)[0]
+        log.info("training in %s, compile %s, activation checkpointing %s, loss in %d chunk(s), "
+                 "%d microbatch(es) per batch", t.dtype, t.compile, t.activation_checkpointing, t.loss_chunks,
+                 t.microbatch_num)
         model = build_model(self.spec, cfg.model, t.seed)
         self.par: Parallelized = parallelize(model, self.spec, dims, cfg, device, backend)
         self.optimizer = build_optimizer(self.par.parameters(), cfg)
@@ -83,6 +99,7 @@ class Trainer:
         self.local_batch = t.batch_size * t.grad_acc_steps
         self.data: DataStream = build_data(d, self.spec.task, self.spec.hf_config, t.seed, self.local_batch,
                                            dims.dp_rank, dims.dp, tokenizer, texts)
+        self.data.pin = device.type == "cuda"  # host-to-device copies that do not wait for the host
         steps = t.steps if t.steps is not None else self.data.steps_per_epoch
         if not steps and t.steps is None:
             raise ConfigError("train.steps: the corpus holds less than one global batch; set train.steps")
@@ -91,8 +108,8 @@ class Trainer:
 
         self.global_samples = self.local_batch * dims.dp
         self.tokens_per_sample = self.spec.tokens_per_sample(d.seq_len)
-        self.flops_per_token = flops_per_token(self.spec.num_params, self.spec.num_layers, self.spec.hidden_size,
-                                               self.tokens_per_sample)
+        self.flops_per_token = flops_per_token(self.spec.num_params, self.spec.num_layers,
+                                               self.spec.attention_width, self.tokens_per_sample)
         self.peak, peak_src = peak_flops(device, t.dtype, cfg.logging.peak_flops)
         log.info("global batch %d samples x %d tokens; %d steps; peak %.3g FLOP/s per device from %s",
                  self.global_samples, self.tokens_per_sample, self.total_steps, self.peak, peak_src)
@@ -104,6 +121,8 @@ class Trainer:
                 if type(h) is logging.StreamHandler:
                     h.setLevel(logging.INFO)
         self.metrics = MetricsWriter(self.output_dir, self.is_logger, resume=bool(cfg.checkpoint.resume))
+        # The smallest reported loss so far (checkpoints record it), kept on the device.
+        self.loss_min = torch.full((), math.inf, device=device)
         self.callbacks = self._load_callbacks()
 
     def _load_callbacks(self) -> list[Any]:
@@ -125,14 +144,16 @@ class Trainer:
             if fn is not None:
                 fn(self, *args)
 
-    def _dp_mean(self, value: torch.Tensor) -> float:
+    def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
         if self.dims.mesh is not None and self.dims.dp > 1:
             # Rank order, not ring order: the logged value must not depend on the bucket layout or
             # anything else but the values (an uninterrupted and a resumed run log the same bits).
+            # A collective on the device: nothing waits for it until a log step reads it.
             value = ordered_mean(value, self.dims.dp_mesh.get_group())
-        return float(value)
+        return value
 
-    def train_step(self) -> tuple[float | None, float]:
+    def train_step(self) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """One optimizer step; returns (DP-mean loss or None, grad norm) as device tensors."""
         t = self.cfg.train
         inputs, labels = self.data.next_batch()
         loss = self.par.forward_backward(inputs, labels, t.microbatch_num * t.grad_acc_steps)
@@ -140,6 +161,8 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.step + 1 < self.total_steps:
+            self.data.prefetch()  # the host builds the next batch while the device runs this one
         return (None if loss is None else self._dp_mean(loss)), grad_norm
 
     def evaluate(self) -> float | None:
@@ -151,36 +174,48 @@ class Trainer:
                 total += loss
                 n += 1
         self.par.train(True)
-        return None if n == 0 else self._dp_mean(total / n)
+        return None if n == 0 else float(self._dp_mean(total / n))
+
+    def _write_config(self) -> None:
+        if self.env.local_rank == 0:
+            (self.output_dir / "config.yaml").write_text(self.cfg.to_yaml())
+
+    def _elapsed(self, since: float) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # a log step: the steps since `since` have run
+        return time.perf_counter() - since
 
     def fit(self) -> None:
         cfg = self.cfg
         self.par.train(True)
         self._emit("on_train_start")
+        self._write_config()  # only now: a resume refused by its checks leaves the run's files as they were
+        since, steps_since = time.perf_counter(), 0
         while self.step < self.total_steps and not self.stop_requested:
             self._emit("on_step_start", self.step)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            t0 = time.perf_counter()
             lr = self.scheduler.get_last_lr()[0]
             loss, grad_norm = self.train_step()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            dt = time.perf_counter() - t0
             self.step += 1
+            steps_since += 1
             self.tokens_seen += self.global_samples * self.tokens_per_sample
-            record: dict[str, Any] | None = None
             if loss is not None:
-                record = StepStats(self.step, loss, lr, grad_norm, self.global_samples,
-                                   self.global_samples * self.tokens_per_sample, dt, self.tokens_seen,
-                                   self.env.world_size, self.flops_per_token, self.peak,
-                                   memory_bytes(self.device)).record()
-            if cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0:
-                eval_loss = self.evaluate()
-                if record is not None and eval_loss is not None:
-                    record["eval_loss"] = eval_loss
-            if record is not None and self.is_logger and (self.step % cfg.logging.log_interval == 0
-                                                          or self.step == self.total_steps):
+                self.loss_min = torch.minimum(self.loss_min, loss.detach())
+            evaluate = bool(cfg.train.eval_interval) and self.step % cfg.train.eval_interval == 0
+            log_step = self.step % cfg.logging.log_interval == 0 or self.step == self.total_steps
+            record: dict[str, Any] | None = None
+            if log_step or evaluate:
+                dt = self._elapsed(since) / steps_since
+                steps_since = 0
+                if loss is not None:
+                    record = StepStats(self.step, float(loss), lr, float(grad_norm), self.global_samples,
+                                       self.global_samples * self.tokens_per_sample, dt, self.tokens_seen,
+                                       self.env.world_size, self.flops_per_token, self.peak,
+                                       memory_bytes(self.device)).record()
+                if evaluate:
+                    eval_loss = self.evaluate()
+                    if record is not None and eval_loss is not None:
+                        record["eval_loss"] = eval_loss
+            if record is not None and self.is_logger and log_step:
                 self.metrics.write(record)
                 log.info(format_line(record, cfg.logging.line))
                 if cfg.logging.seed_line:
@@ -193,6 +228,8 @@ class Trainer:
                 # The checkpoint callback saves at train end; exit 0, `--resume latest` continues.
                 log.info("train.exit_interval %d: ending this run after step %d", cfg.train.exit_interval, self.step)
                 self.stop_requested = True
+            if steps_since == 0:
+                since = time.perf_counter()  # the next window starts after this step's callbacks
         self._emit("on_train_end")
 
     def close(self) -> None:
@@ -209,11 +246,13 @@ def run(cfg: Config, env: dist_env.DistEnv) -> int:
     cfg.train.dtype, why = dist_env.training_dtype(cfg.train.dtype, device.type)
     if why and env.rank == 0:
         log.warning("%s", why)
+    precision = dist_env.configure_matmul_precision(device.type, cfg.train.dtype)
+    if precision and env.rank == 0:
+        log.info("train.dtype fp32 on CUDA: %s", precision)
+    cfg.train.compile = "true" if resolve_compile(cfg.train.compile, device.type) else "false"
     dims = ParallelDims.from_config(cfg.parallel, env.world_size, env.local_world_size)
     if env.rank == 0:
         log.info("resolved config:\n%s", cfg.to_yaml().rstrip())
-    if env.local_rank == 0:
-        (out / "config.yaml").write_text(cfg.to_yaml())
     if device.type == "cuda":
         device = torch.device("cuda", env.local_rank)
     backend = dist_env.init_process_group(env, device.type, cfg.parallel.backend, cfg.parallel.timeout_s)

@@ -61,6 +61,7 @@ class ModelSpec:
     num_params: int
     num_layers: int
     hidden_size: int
+    attention_width: int = 0             # heads x head_dim (Qwen3-0.6B: 16 x 128 = 2048, hidden 1024)
 
     def tokens_per_sample(self, seq_len: int) -> int:
         if self.task == "mae":  # one token per image patch
@@ -99,6 +100,9 @@ def build_hf_config(mcfg: ModelConfig, vocab_size: int | None = None) -> tuple[s
             raise ConfigError(f"model.vocab_size {mcfg.vocab_size} is smaller than the tokenizer's {vocab_size}")
         cfg.vocab_size = mcfg.vocab_size
     for key, value in mcfg.hf_overrides.items():
+        if not hasattr(cfg, key):
+            raise ConfigError(f"model.hf_overrides.{key}: not a field of {type(cfg).__name__} (a typo would be "
+                              f"silently ignored); see the transformers docs of {type(cfg).__name__}")
         setattr(cfg, key, value)
     # Configs that precompute a per-layer list (Qwen2/3 `layer_types`) must follow a depth override.
     types = getattr(cfg, "layer_types", None)
@@ -126,10 +130,21 @@ def count_params(family: str, hf_config: Any) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def attention_width(hf_config: Any) -> int:
+    """Query heads x head_dim: the width of the attention scores' matmuls (MFU's 12 L d S term).
+    Not the hidden size where a family decouples them (Qwen3: head_dim 128 x 16 heads over hidden 1024)."""
+    heads = getattr(hf_config, "num_attention_heads", None) or getattr(hf_config, "n_head", None)
+    hidden = int(hf_config.hidden_size)
+    head_dim = getattr(hf_config, "head_dim", None)
+    if not heads:
+        return hidden
+    return int(heads) * int(head_dim if isinstance(head_dim, int) and head_dim > 0 else hidden // int(heads))
+
+
 def model_spec(mcfg: ModelConfig, vocab_size: int | None = None) -> ModelSpec:
     family, cfg = build_hf_config(mcfg, vocab_size)
     return ModelSpec(family, FAMILIES[family].task, cfg, count_params(family, cfg),
-                     int(cfg.num_hidden_layers), int(cfg.hidden_size))
+                     int(cfg.num_hidden_layers), int(cfg.hidden_size), attention_width(cfg))
 
 
 def build_model(spec: ModelSpec, mcfg: ModelConfig, seed: int) -> nn.Module:
@@ -172,10 +187,19 @@ def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 class Task:
     """How a family computes its loss. `loss_sum` over a microbatch, `weight` normalises it:
-    the batch loss is sum(loss_sum) / sum(weight), identical however the batch is split."""
+    the batch loss is sum(loss_sum) / sum(weight), identical however the batch is split.
 
-    def __init__(self, kind: str):
-        self.kind = kind
+    `fused`: the model has the targets forward of trainer/models/lm_loss.py (the trainer's models
+    do), which computes the loss inside the root forward, chunked; else logits, then the loss."""
+
+    def __init__(self, kind: str, fused: bool = False):
+        self.kind, self.fused = kind, fused
+
+    @property
+    def constant_weight(self) -> bool:
+        """Every sample carries the same weight (causal LM on packed blocks: every token is a target;
+        images: one per sample), so a rank's share of the global weight is known without asking."""
+        return self.kind in ("causal_lm", "mae")
 
     def weight(self, inputs: torch.Tensor, labels: torch.Tensor) -> int:
         if self.kind == "mae":
@@ -187,6 +211,8 @@ class Task:
             # labels carry the masking noise so every layout masks the same patches
             out = model(pixel_values=inputs, noise=labels)
             return out.loss * inputs.shape[0]
+        if self.fused:
+            return model(input_ids=inputs, targets=labels)
         if self.kind == "masked_lm":
             logits = model(input_ids=inputs).logits
         else:

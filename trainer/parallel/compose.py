@@ -1,7 +1,11 @@
 """THE one place where parallelisms are composed onto a model.
 
-Order (torchtitan's): split for PP first, then TP on each part, then FSDP/DDP on each part.
-PP: trainer/parallel/pipeline.py (+ stages.py, partition.py); TP: trainer/parallel/tensor_parallel.py.
+Order (torchtitan's): split for PP first; then on each part TP, activation checkpointing, compile
+of each block, FSDP/DDP. Sharded layouts (FSDP2, TP) are composed on the meta device and each rank
+then materialises only its shards from the seeded CPU model (materialize.py).
+PP: trainer/parallel/pipeline.py (+ stages.py, partition.py); TP: tensor_parallel.py; activation
+checkpointing: activation_checkpoint.py; compile: compile.py. The LM loss runs inside the root
+forward (trainer/models/lm_loss.py), chunked over tokens (train.loss_chunks).
 
 `parallelize()` returns a `Parallelized`: the model parts this rank holds plus
 `forward_backward(inputs, labels, n_micro)`, which runs one batch split into n_micro
@@ -10,8 +14,12 @@ e.g. non-last pipeline stages). Gradients equal those of the mean loss over the 
 however it is split over DP ranks and microbatches: each microbatch contributes
 loss_sum / (global_weight / dp), and DDP/FSDP then average over the dp ranks. global_weight
 (target tokens of the whole global batch) is an all-reduce of the local counts, known before
-the forward. Per-rank means averaged over DP would be wrong whenever ranks hold different
-counts (masked LM: 11/8/10 vs 9/8/11 masked tokens).
+the forward (skipped where every sample carries the same count: causal LM on packed blocks, images).
+Per-rank means averaged over DP would be wrong whenever ranks hold different counts (masked LM:
+11/8/10 vs 9/8/11 masked tokens).
+
+Nothing here waits for the device: the loss and the gradient norm stay tensors (the trainer reads
+them at log steps), clipping scales on the device, batches are copied with non_blocking.
 """
 
 from __future__ import annotations
@@ -27,28 +35,37 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer.config import Config, ConfigError
-from trainer.models.build import ModelSpec, Task, transformer_blocks
+from trainer.config_checks import resolve_loss_chunks
+from trainer.models.build import ModelSpec, Task
+from trainer.models.lm_loss import install_loss_forward, loss_context
+from trainer.parallel.activation_checkpoint import apply_activation_checkpointing, blocks_of
+from trainer.parallel.compile import compile_blocks, resolve_compile
 from trainer.parallel.data_parallel import apply_ddp, apply_fsdp, set_grad_sync
+from trainer.parallel.materialize import materialize, to_meta
 from trainer.parallel.mesh import ParallelDims
 
 log = logging.getLogger("trainer")
 
 
 def check_supported(cfg: Config) -> None:
-    """Pipeline and tensor-parallel constraints, checked from the config before any process group
-    exists (the vocabulary, known only once the tokenizer is built, is checked again in apply_tp)."""
+    """The config against the model (config_checks.check_model) and the pipeline and tensor-parallel
+    constraints, checked before any process group exists (the vocabulary, known only once the
+    tokenizer is built, is checked again in apply_tp)."""
+    from trainer.config_checks import check_model
+    from trainer.models.build import FAMILIES, build_hf_config
+
     p, t = cfg.parallel, cfg.train
     if p.pp == 1 and p.virtual_stages != 1:
         raise ConfigError(f"parallel.virtual_stages {p.virtual_stages} needs pipeline parallelism (parallel.pp > 1)")
+    family, hf = build_hf_config(cfg.model)
+    check_model(cfg, hf, FAMILIES[family].task)
     if p.pp == 1 and p.tp == 1:
         return
-    from trainer.models.build import build_hf_config
     from trainer.parallel.partition import partition_layers
     from trainer.parallel.pipeline import check_schedule
     from trainer.parallel.stages import SUPPORTED
     from trainer.parallel.tensor_parallel import check_tp
 
-    _, hf = build_hf_config(cfg.model)
     if p.pp > 1:
         if hf.model_type not in SUPPORTED:
             raise ConfigError(f"parallel.pp: pipeline splitting supports {', '.join(SUPPORTED)}, "
@@ -90,12 +107,13 @@ class Parallelized:
         DDP/FSDP average gradients (and Trainer._dp_mean averages the reported loss) over the dp
         ranks, so dividing by global/dp yields sum over all ranks / global: the global-batch mean.
         With equal counts (causal LM on packed blocks, images) global/dp is exactly the local
-        count, so those runs compute the very same numbers as before. Call with CPU tensors
-        (no device sync); every rank of the DP group must call it (one scalar all-reduce).
+        count: no all-reduce is needed, and the numbers are those of any other layout. Call with
+        CPU tensors (no device sync); with unequal counts every rank of the DP group must call it
+        (one scalar all-reduce per batch).
         """
         local = self.task.weight(inputs, labels)
-        if self.task.kind == "mae" or self.dims.mesh is None or self.dims.dp == 1:
-            return float(max(local, 1))  # images: one weight per sample, equal on every rank
+        if self.task.constant_weight or self.dims.mesh is None or self.dims.dp == 1:
+            return float(max(local, 1))
         count = torch.tensor([local], dtype=torch.int64, device=self.device)
         dist.all_reduce(count, group=self.dims.dp_mesh.get_group())  # SUM (gloo's AVG is unreliable)
         return max(int(count), 1) / self.dims.dp
@@ -110,21 +128,22 @@ class Parallelized:
             last = i == len(chunks) - 1
             if self.dims.mesh is not None:
                 set_grad_sync(model, last or self.sync_every_microbatch)
-            with self._autocast():
-                loss = self.task.loss_sum(model, x, y) / total
-            loss.backward()
+            with loss_context(self.dims.tp):  # vocab-parallel loss: forward and backward inside
+                with self._autocast():
+                    loss = self.task.loss_sum(model, x, y) / total
+                loss.backward()
             loss_sum += loss.detach()
         return loss_sum
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
         total = self.loss_denominator(inputs, labels)
-        inputs, labels = inputs.to(self.device), labels.to(self.device)
-        with self._autocast():
+        inputs, labels = inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+        with loss_context(self.dims.tp), self._autocast():
             return self.task.loss_sum(self.model_parts[0], inputs, labels) / total
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """Total grad norm over all ranks' shards (clipped when max_norm > 0)."""
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Total grad norm over all ranks' shards (clipped when max_norm > 0), as a device tensor."""
         params = [p for p in self.parameters() if p.grad is not None]
         if self.dims.tp > 1:  # TP and FSDP-only params live on different meshes: assemble the norm
             from trainer.parallel.grad_norm import clip_grad_norm
@@ -133,26 +152,55 @@ class Parallelized:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf, foreach=True)
         if hasattr(norm, "full_tensor"):  # DTensor under FSDP2: the norm of the whole gradient
             norm = norm.full_tensor()
-        return float(norm)
+        return norm
 
 
 def parallelize(model: nn.Module, spec: ModelSpec, dims: ParallelDims, cfg: Config, device: torch.device,
                 backend: str) -> Parallelized:
     check_supported(cfg)
-    model.to(device)
-    task = Task(spec.task)
+    t = cfg.train
+    chunks = resolve_loss_chunks(t.loss_chunks, spec.task, int(getattr(spec.hf_config, "vocab_size", 0) or 0))
+    compile_on = resolve_compile(t.compile, device.type)
+    task = Task(spec.task, fused=spec.task != "mae")
+    if task.fused:
+        install_loss_forward(model, chunks)
     if dims.pp > 1:
-        return _parallelize_pipeline(model, spec, dims, cfg, device, backend, task)
+        return _parallelize_pipeline(model, spec, dims, cfg, device, backend, task, chunks, compile_on)
+    data_parallel = dims.mesh is not None and dims.dp > 1
+    ref = to_meta(model) if _sharded(dims) else None
+    if ref is None:
+        model.to(device)
     if dims.tp > 1:
         from trainer.parallel.tensor_parallel import apply_tp
 
         apply_tp(model, dims.mesh["tp"], spec.hf_config)
-        log.info("TP over %d ranks: attention/MLP column+row parallel, vocab-parallel embedding and head", dims.tp)
+        log.info("TP over %d ranks: attention/MLP column+row parallel, vocab-parallel embedding, head and loss",
+                 dims.tp)
+    _checkpoint_and_compile(model, cfg, dims, compile_on)
     par = Parallelized([model], task, dims, device, cfg.train.dtype)
-    if dims.mesh is None or dims.dp == 1:
-        return par
-    par.model_parts = [_apply_dp(par, model, transformer_blocks(model), dims, cfg, backend)]
+    if data_parallel:
+        par.model_parts = [_apply_dp(par, model, blocks_of(model), dims, cfg, backend)]
+    if ref is not None:
+        materialize(model, ref, device)
     return par
+
+
+def _sharded(dims: ParallelDims) -> bool:
+    """Layouts whose ranks hold parts of tensors: built on meta, then materialised shard by shard."""
+    return dims.mesh is not None and (dims.tp > 1 or (dims.fsdp and dims.dp > 1))
+
+
+def _checkpoint_and_compile(module: nn.Module, cfg: Config, dims: ParallelDims, compile_on: bool,
+                            announce: bool = True) -> None:
+    """Activation checkpointing, then torch.compile, of every block of a model or stage (in place)."""
+    mode = cfg.train.activation_checkpointing
+    n = apply_activation_checkpointing(module, mode)
+    if n and announce:
+        log.info("activation checkpointing %s on %d blocks", mode, n)
+    if compile_on:
+        n = compile_blocks(module, tp=dims.tp, announce=announce)
+        if n and announce:
+            log.info("torch.compile: %d blocks compiled in place", n)
 
 
 def _apply_dp(par: Parallelized, model: nn.Module, blocks: list[nn.Module], dims: ParallelDims, cfg: Config,
@@ -161,7 +209,7 @@ def _apply_dp(par: Parallelized, model: nn.Module, blocks: list[nn.Module], dims
     if dims.fsdp:
         param_dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else None
         apply_fsdp(model, blocks, dims.fsdp_mesh, reshard_after_forward=dims.sharding.startswith("zero3"),
-                   param_dtype=param_dtype, backend=backend)
+                   param_dtype=param_dtype, backend=backend, pipeline=pipeline)
         par.fsdp = True
         par.sync_every_microbatch = dims.sharding.startswith("zero3")
         log.info("FSDP2 %s over mesh %s: %d blocks + root", dims.sharding, dims.fsdp_mesh.mesh_dim_names, len(blocks))
@@ -180,15 +228,16 @@ def _apply_dp(par: Parallelized, model: nn.Module, blocks: list[nn.Module], dims
 
 
 def _parallelize_pipeline(model: nn.Module, spec: ModelSpec, dims: ParallelDims, cfg: Config,
-                          device: torch.device, backend: str, task: Task) -> Parallelized:
-    """PP first (this rank's stages), then TP on each stage, then FSDP/DDP on each stage."""
+                          device: torch.device, backend: str, task: Task, chunks: int,
+                          compile_on: bool) -> Parallelized:
+    """PP first (this rank's stages), then on each stage TP, checkpointing, compile, FSDP/DDP."""
+    from trainer.parallel.materialize import cpu_reference
     from trainer.parallel.pipeline import (
         PipelineParallelized,
         PipelineRunner,
         check_schedule,
         pp_lines,
         split_for_pipeline,
-        stage_blocks,
         tied_groups,
     )
     from trainer.parallel.tensor_parallel import apply_tp
@@ -201,15 +250,23 @@ def _parallelize_pipeline(model: nn.Module, spec: ModelSpec, dims: ParallelDims,
     num_stages = p.pp * p.virtual_stages
     parts, tied, _ = split_for_pipeline(model, sched, p.partition, dims.coord("pp"), p.pp, p.virtual_stages)
     del model  # other ranks' layers are freed with it
+    sharded = _sharded(dims)
+    # Stages of one rank share modules (rotary embeddings): take every value before any goes to meta.
+    refs = {s: cpu_reference(part) for s, part in parts.items()} if sharded else {}
     par = PipelineParallelized([], task, dims, device, cfg.train.dtype)
-    for s, part in parts.items():
+    for i, (s, part) in enumerate(sorted(parts.items())):
+        part.loss_chunks = chunks  # the last stage computes the loss in its forward, chunked
+        part.to("meta" if sharded else device)
         if dims.tp > 1:
             apply_tp(part, dims.mesh["tp"], spec.hf_config)
+        _checkpoint_and_compile(part, cfg, dims, compile_on, announce=i == 0)
         if dims.dp > 1:
-            parts[s] = _apply_dp(par, part, stage_blocks(part), dims, cfg, backend, pipeline=True)
+            parts[s] = _apply_dp(par, part, blocks_of(part), dims, cfg, backend, pipeline=True)
+    for s in refs:
+        materialize(parts[s], refs[s], device)
     pp_group = dims.mesh["pp"].get_group()
     pgs = tied_groups(tied, sched, p.pp, num_stages, pp_lines(dims.mesh))
-    par.runner = PipelineRunner(parts, sched, num_stages, pp_group, device, tied=tied, tied_pgs=pgs)
+    par.runner = PipelineRunner(parts, sched, num_stages, pp_group, device, tied=tied, tied_pgs=pgs, tp=dims.tp)
     par.model_parts = par.runner.model_parts
     par.owns_loss = par.runner.has_last
     par.pp_group = pp_group

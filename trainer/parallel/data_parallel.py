@@ -67,14 +67,19 @@ def apply_ddp(model: nn.Module, dp_mesh: Any, device: torch.device, backend: str
 
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: Any, *, reshard_after_forward: bool,
-               param_dtype: torch.dtype | None, backend: str) -> nn.Module:
-    """fully_shard each block, then the root (which picks up embeddings, final norm and head)."""
+               param_dtype: torch.dtype | None, backend: str, pipeline: bool = False) -> nn.Module:
+    """fully_shard each block, then the root (which picks up embeddings, final norm and head).
+
+    zero3 reshards a block's parameters after its forward, except where that only costs a second
+    all-gather: the last block (its backward starts right after the forward ends) and every block
+    of a pipeline stage (each microbatch's forward would gather them again)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else \
         MixedPrecisionPolicy()
-    for block in blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    for i, block in enumerate(blocks):
+        reshard = reshard_after_forward and not pipeline and i < len(blocks) - 1
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     # The root's params are used last in forward and first in backward: no point resharding them.
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
     if backend == "gloo":

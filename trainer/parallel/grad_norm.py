@@ -9,7 +9,6 @@ stages are left out so the tied gradient counts once, as in the single-process m
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 
 import torch
@@ -40,13 +39,21 @@ def total_grad_norm(params: list[torch.Tensor], pp_group: dist.ProcessGroup | No
 
 
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float, pp_group: dist.ProcessGroup | None = None,
-                   all_params: list[torch.Tensor] | None = None) -> float:
-    """Norm over `params` (tied copies excluded); scale every gradient in `all_params` (default params)."""
+                   all_params: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """Norm over `params` (tied copies excluded); scale every gradient in `all_params` (default params).
+
+    On the device, without reading the norm back (no host sync): the factor is torch's
+    clip_grad_norm_ formula, min(max_norm / (norm + 1e-6), 1), and 1 when the norm is not finite."""
     norm = total_grad_norm(params, pp_group)
-    if max_norm > 0 and math.isfinite(float(norm)):
-        coef = min(max_norm / (float(norm) + 1e-6), 1.0)
-        if coef < 1.0:
-            for p in all_params if all_params is not None else params:
-                if p.grad is not None:
-                    p.grad.mul_(coef)
-    return float(norm)
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        coef = torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
+        grads = [_local(p.grad) for p in (all_params if all_params is not None else params) if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, coef.to(grads[0].device))
+    return norm
+
+
+def _local(g: torch.Tensor) -> torch.Tensor:
+    # Scaling is elementwise: each rank scales its own shard of a DTensor gradient.
+    return g._local_tensor if hasattr(g, "_local_tensor") else g

@@ -22,7 +22,9 @@ import torch.distributed as dist
 def _gather(t: torch.Tensor, group: Any, n: int, async_op: bool = False):
     flat = t.detach().reshape(-1).contiguous()
     out = torch.empty(n * flat.numel(), dtype=flat.dtype, device=flat.device)
-    work = dist.all_gather_into_tensor(out, flat, group=group, async_op=async_op)
+    # all_gather_single is all_gather_into_tensor's new name (torch 2.13 warns on the old one)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    work = gather(out, flat, group=group, async_op=async_op)
     return out.view(n, -1), work
 
 

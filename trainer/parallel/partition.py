@@ -3,7 +3,10 @@
 Pure functions: a method string and a few counts in, half-open layer ranges out. The methods
 are the ones Merak users know (`uniform`, `uniform_transformer`, `parameters`,
 `custom:a,b,...`) plus `weighted:w0,w1,...` for pipelines whose nodes differ in speed (a Pi 5
-next to a Pi 4 should take proportionally more layers).
+next to a Pi 4 should take proportionally more layers), and `auto`: `runner up` measures every
+node (`runner profile`) and passes the split that minimises the slowest stage as an explicit
+`custom:` value (runner/partition_auto.py), which the run's config.yaml then records. Without a
+profile (plain torchrun) `auto` means `parameters`, said in one log line.
 
 The embeddings always live on the first stage and the final norm + head on the last; the
 methods that balance "items" (`uniform`, `parameters`) count them as one item each so that
@@ -16,7 +19,8 @@ from dataclasses import dataclass
 
 from trainer.config import ConfigError
 
-METHODS = ("uniform_transformer", "uniform", "parameters", "custom:a,b,...", "weighted:w0,w1,...")
+METHODS = ("uniform_transformer", "uniform", "parameters", "custom:a,b,...", "weighted:w0,w1,...", "auto")
+AUTO_FALLBACK = "parameters"  # `auto` with no profile of the nodes
 
 
 class PartitionError(ConfigError, ValueError):
@@ -44,6 +48,8 @@ def partition_layers(method: str, num_layers: int, num_stages: int, *,
         raise PartitionError(f"{key}: {num_layers} layers cannot fill {num_stages} pipeline stages; "
                              f"use fewer stages or more layers")
     method = method.strip()
+    if method == "auto":  # no profile reached this process: the runner would have passed custom:...
+        method = AUTO_FALLBACK
     if method == "uniform_transformer":
         bounds = _uniform_bounds(num_layers, num_stages)
     elif method == "uniform":
@@ -67,6 +73,26 @@ def partition_layers(method: str, num_layers: int, num_stages: int, *,
             raise PartitionError(f"{key}: {method!r} leaves stage {r.stage} without layers "
                                  f"({num_layers} layers, {num_stages} stages); use fewer stages")
     return ranges
+
+
+def check_partition_syntax(method: str, key: str = "parallel.partition") -> None:
+    """The method's name and numbers, without a model or a stage count: config validation runs it
+    also with pp=1, where the partition is unused but a typo in it is still a mistake."""
+    m = method.strip()
+    if m in ("uniform_transformer", "uniform", "parameters", "auto"):
+        return
+    if m.startswith("custom:"):
+        bounds = _parse_ints(m[len("custom:"):], "integers", "custom", key)
+        if len(bounds) < 2 or bounds[0] != 0 or any(hi <= lo for lo, hi in zip(bounds[:-1], bounds[1:], strict=False)):
+            raise PartitionError(f"{key}: {m} must be strictly increasing layer boundaries starting at 0 "
+                                 f"(e.g. custom:0,4,8)")
+        return
+    if m.startswith("weighted:"):
+        weights = _parse_ints(m[len("weighted:"):], "positive numbers", "weighted", key, cast=float)
+        if not weights or any(not w > 0 for w in weights):
+            raise PartitionError(f"{key}: {m} weights must be positive numbers, one per stage (e.g. weighted:2,1)")
+        return
+    raise PartitionError(f"{key}: unknown partition method {method!r}; choose one of {', '.join(METHODS)}")
 
 
 def _uniform_bounds(num_layers: int, num_stages: int) -> list[int]:
@@ -143,8 +169,12 @@ def _endings(num_layers: int) -> str:
 
 
 def describe_custom(method: str, num_layers: int, num_stages: int) -> str | None:
-    """The line that says a `custom:` spec was read as Merak item boundaries (None otherwise),
-    logged with the stage plan so nobody wonders why 27 means 24 layers."""
+    """The line that says a `custom:` spec was read as Merak item boundaries, or that `auto` fell
+    back to `parameters` (None otherwise), logged with the stage plan so nobody wonders why 27
+    means 24 layers or which split `auto` made."""
+    if method.strip() == "auto":
+        return (f"auto: no profile of the nodes reached this run (plain torchrun; `runner up` measures them and "
+                f"passes the split as custom:...), so the split is `{AUTO_FALLBACK}`")
     if not method.strip().startswith("custom:"):
         return None
     try:

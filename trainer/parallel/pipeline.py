@@ -6,9 +6,11 @@ Three steps, so that compose.py can put TP and FSDP between them:
 3. `PipelineRunner` wraps the (possibly TP/FSDP-wrapped) stage modules in `PipelineStage`s and a
    schedule, and exposes `forward_backward(input_ids, labels, n_micro)` like `Parallelized`.
 
-Loss: each microbatch's loss is its token-summed cross entropy divided by (labelled tokens of
-the whole global batch) / dp (`Parallelized.loss_denominator`), and the schedule does not
-rescale gradients (scale_grads=False). Summed over microbatches, then averaged over DP by
+Loss: the last stage's forward takes the microbatch's targets (a keyword argument the schedule
+splits like the inputs) and returns its token-summed cross entropy, computed chunk by chunk of
+tokens (train.loss_chunks, trainer/models/lm_loss.py: no full logits), vocab-parallel under TP.
+The schedule's loss_fn divides it by (labelled tokens of the whole global batch) / dp
+(`Parallelized.loss_denominator`), and the schedule does not rescale gradients (scale_grads=False). Summed over microbatches, then averaged over DP by
 FSDP/replicate, this is exactly the global-batch mean the single-process loop computes, also
 when microbatches and DP ranks hold different numbers of labelled tokens (BERT masking).
 """
@@ -20,10 +22,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from trainer.config import ConfigError
+from trainer.models.lm_loss import loss_context
 from trainer.parallel.compose import Parallelized
 from trainer.parallel.grad_norm import clip_grad_norm
 from trainer.parallel.partition import (
@@ -33,44 +34,12 @@ from trainer.parallel.partition import (
     partition_layers,
     stage_to_rank,
 )
+from trainer.parallel.schedule_table import ALIASES, SCHEDULES, PipelineError, ScheduleSpec, schedule_spec  # noqa: F401
 from trainer.parallel.stages import TiedWeights, num_layers, part_param_counts, split_model, sync_tied_grads
 
 log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
-
-
-class PipelineError(ConfigError, ValueError):
-    """An impossible pipeline layout; the message is one line a user can act on."""
-
-
-@dataclass(frozen=True)
-class ScheduleSpec:
-    name: str  # canonical name
-    torch_name: str  # name for torch's get_schedule_class
-    multi: bool  # several stages per rank
-    style: str  # stage-to-rank placement: "loop" or "v"
-
-
-SCHEDULES = {
-    "gpipe": ScheduleSpec("gpipe", "GPipe", False, "loop"),
-    "1f1b": ScheduleSpec("1f1b", "1F1B", False, "loop"),
-    "interleaved1f1b": ScheduleSpec("interleaved1f1b", "Interleaved1F1B", True, "loop"),
-    "interleaved_zb": ScheduleSpec("interleaved_zb", "InterleavedZeroBubble", True, "loop"),
-    "zbv": ScheduleSpec("zbv", "ZBVZeroBubble", True, "v"),
-    "dualpipev": ScheduleSpec("dualpipev", "DualPipeV", True, "v"),
-}
-ALIASES = {"afab": "gpipe", "all_forward_all_backward": "gpipe", "interleaved_1f1b": "interleaved1f1b",
-           "interleaved": "interleaved1f1b", "interleavedzerobubble": "interleaved_zb",
-           "zbvzerobubble": "zbv", "zb_v": "zbv", "dualpipe_v": "dualpipev"}
-
-
-def schedule_spec(name: str, key: str = "parallel.pp_schedule") -> ScheduleSpec:
-    canon = ALIASES.get(name.lower(), name.lower())
-    if canon not in SCHEDULES:
-        raise PipelineError(f"{key}: unknown schedule {name!r}; choose one of "
-                            f"{', '.join([*SCHEDULES, *sorted(ALIASES)])}")
-    return SCHEDULES[canon]
 
 
 def check_schedule(name: str, pp: int, virtual_stages: int, n_micro: int, layers: int) -> ScheduleSpec:
@@ -154,10 +123,9 @@ def tied_groups(tied: TiedWeights, spec: ScheduleSpec, pp: int, num_stages: int,
 
 
 def make_loss_fn(state: dict) -> callable:
-    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
-                             ignore_index=IGNORE_INDEX, reduction="sum")
-        return ce / state["n_tokens"]
+    """The schedule's loss: the last stage already returned its token-summed cross entropy."""
+    def loss_fn(loss_sum: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return loss_sum / state["n_tokens"]
 
     return loss_fn
 
@@ -167,10 +135,10 @@ class PipelineRunner:
 
     def __init__(self, parts: dict[int, nn.Module], spec: ScheduleSpec, num_stages: int,
                  pp_group: dist.ProcessGroup, device: torch.device, tied: TiedWeights | None = None,
-                 tied_pgs: dict | None = None):
+                 tied_pgs: dict | None = None, tp: int = 1):
         from torch.distributed.pipelining import PipelineStage
 
-        self.spec, self.num_stages = spec, num_stages
+        self.spec, self.num_stages, self.tp = spec, num_stages, tp
         self.stage_ids = sorted(parts)
         self.parts = parts
         self.tied, self.tied_pgs = tied or TiedWeights(), tied_pgs or {}
@@ -214,7 +182,10 @@ class PipelineRunner:
         losses: list[torch.Tensor] = []
         args = (input_ids,) if self.has_first else ()
         target = labels if self.has_last else None
-        sched.step(*args, target=target, losses=losses if self.has_last else None, return_outputs=False)
+        with loss_context(self.tp):  # the last stage's forward and backward (vocab-parallel under TP)
+            # `targets` reaches every local stage's forward; only the last stage uses it.
+            sched.step(*args, target=target, losses=losses if self.has_last else None, return_outputs=False,
+                       targets=labels)
         for params, key in self.tied_local:
             sync_tied_grads(params, self.tied_pgs.get(key))
         if self.has_last:
@@ -242,7 +213,8 @@ class PipelineRunner:
                 if s > 0 and self.rank_of(s - 1) != self.pp_rank:
                     h = torch.empty(x.shape[0], x.shape[1], hidden, device=self.device)
                     dist.recv(h, group=self.pp_group, group_src=self.rank_of(s - 1))
-                h = self.parts[s](h)
+                with loss_context(self.tp):
+                    h = self.parts[s](h, targets=y)
                 if s + 1 < self.num_stages and self.rank_of(s + 1) != self.pp_rank:
                     dist.send(h.float().contiguous(), group=self.pp_group, group_dst=self.rank_of(s + 1))
             if self.has_last:
@@ -257,19 +229,6 @@ def pp_lines(mesh) -> list[list[int]]:
     """Global ranks of every pipeline (one list per non-pp mesh coordinate, indexed by pp rank)."""
     t = mesh.mesh
     return t.movedim(0, -1).reshape(-1, t.shape[0]).tolist()
-
-
-def stage_blocks(part: nn.Module) -> list[nn.Module]:
-    """The transformer blocks a stage module holds (FSDP units)."""
-    for path in ("model.layers", "transformer.h", "bert.encoder.layer"):
-        obj = part
-        for name in path.split("."):
-            obj = getattr(obj, name, None)
-            if obj is None:
-                break
-        if isinstance(obj, nn.ModuleDict):
-            return list(obj.values())
-    return []
 
 
 def untied_params(runner: PipelineRunner) -> list[nn.Parameter]:
@@ -290,12 +249,14 @@ class PipelineParallelized(Parallelized):
         self.n_micro = n_micro
         total = self.loss_denominator(inputs, labels)
         with self._autocast():  # bf16 without FSDP (FSDP casts through its mixed-precision policy)
-            return self.runner.forward_backward(inputs.to(self.device), labels.to(self.device), n_micro, total)
+            return self.runner.forward_backward(inputs.to(self.device, non_blocking=True),
+                                                labels.to(self.device, non_blocking=True), n_micro, total)
 
     def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
         total = self.loss_denominator(inputs, labels)
         with self._autocast():  # the whole batch at once, as the single-process evaluation does
-            return self.runner.eval_loss(inputs.to(self.device), labels.to(self.device), 1, total)
+            return self.runner.eval_loss(inputs.to(self.device, non_blocking=True),
+                                         labels.to(self.device, non_blocking=True), 1, total)
 
-    def clip_grad_norm(self, max_norm: float) -> float:
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         return clip_grad_norm(untied_params(self.runner), max_norm, self.pp_group, all_params=self.parameters())

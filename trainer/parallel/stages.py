@@ -5,8 +5,9 @@ initialisation), keyed by their global layer index so that parameter names stay 
 full model (`model.layers.7.self_attn.q_proj.weight`), which keeps checkpoints comparable.
 
 A stage's forward takes `input_ids` (first stage) or hidden states (later stages) and returns
-hidden states or, on the last stage, logits. Position ids, rotary embeddings and the attention
-mask are rebuilt inside every stage with the same transformers helpers the full model uses, so
+hidden states or, on the last stage, logits; given `targets`, the last stage returns the summed
+cross entropy instead, chunked over tokens (`loss_chunks`, trainer/models/lm_loss.py). Position
+ids, rotary embeddings and the attention mask are rebuilt inside every stage with the same transformers helpers the full model uses, so
 the stages chained together give bit-identical numbers to the full forward.
 
 Weights tied across stages (embedding and LM head of GPT-2, BERT, tied Qwen3) cannot be one
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from trainer.config import ConfigError
+from trainer.models.lm_loss import lm_loss_sum
 from trainer.parallel.partition import StageRange
 
 DECODER_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -83,8 +85,15 @@ class _Container(nn.Module):
     """Plain holder so that stage parameter names mirror the full model's."""
 
 
+def _head_out(head: nn.Module, h: torch.Tensor, targets: torch.Tensor | None, chunks: int) -> torch.Tensor:
+    """The last stage's output: logits, or with targets the summed loss (no full logits)."""
+    return head(h) if targets is None else lm_loss_sum(head, h, targets, chunks)
+
+
 class DecoderStage(nn.Module):
     """Llama / SmolLM / Qwen2 / Qwen3 / Mistral layers [start, end) with embeddings or head."""
+
+    loss_chunks = 1
 
     def __init__(self, full: nn.Module, r: StageRange, is_first: bool, is_last: bool):
         super().__init__()
@@ -99,7 +108,7 @@ class DecoderStage(nn.Module):
             self.model.norm = full.model.norm
             self.lm_head = full.lm_head
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         h = self.model.embed_tokens(x) if self.is_first else x
@@ -117,11 +126,13 @@ class DecoderStage(nn.Module):
                       past_key_values=None, use_cache=False)
             h = h[0] if isinstance(h, tuple) else h
         if self.is_last:
-            return self.lm_head(self.model.norm(h))
+            return _head_out(self.lm_head, self.model.norm(h), targets, self.loss_chunks)
         return h
 
 
 class GPT2Stage(nn.Module):
+    loss_chunks = 1
+
     def __init__(self, full: nn.Module, r: StageRange, is_first: bool, is_last: bool):
         super().__init__()
         self.config = full.config
@@ -135,7 +146,7 @@ class GPT2Stage(nn.Module):
             self.transformer.ln_f = tr.ln_f
             self.lm_head = full.lm_head
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask
 
         pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
@@ -150,12 +161,14 @@ class GPT2Stage(nn.Module):
             h = block(h, None, mask, None, encoder_attention_mask=None, use_cache=False, position_ids=pos)
             h = h[0] if isinstance(h, tuple) else h
         if self.is_last:
-            return self.lm_head(self.transformer.ln_f(h))
+            return _head_out(self.lm_head, self.transformer.ln_f(h), targets, self.loss_chunks)
         return h
 
 
 class BertStage(nn.Module):
     """BERT masked-LM: embeddings | encoder layers | MLM head (bidirectional, no mask)."""
+
+    loss_chunks = 1
 
     def __init__(self, full: nn.Module, r: StageRange, is_first: bool, is_last: bool):
         super().__init__()
@@ -170,7 +183,7 @@ class BertStage(nn.Module):
         if is_last:
             self.cls = full.cls
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         from transformers.masking_utils import create_bidirectional_mask
 
         h = self.bert.embeddings(input_ids=x) if self.is_first else x
@@ -179,7 +192,7 @@ class BertStage(nn.Module):
             h = layer(h, mask, None, encoder_attention_mask=None, past_key_values=None)
             h = h[0] if isinstance(h, tuple) else h
         if self.is_last:
-            return self.cls(h)
+            return _head_out(self.cls, h, targets, self.loss_chunks)
         return h
 
 

@@ -3,8 +3,9 @@
 Megatron layout: attention q/k/v column-parallel and the output projection row-parallel, MLP
 up/gate column-parallel and down row-parallel, so each block needs one all-reduce per half.
 Embeddings are vocab-parallel (row-wise on the vocabulary, partial sums all-reduced) and the
-head is column-parallel on the vocabulary with the logits gathered, so the loss is computed on
-full logits exactly as in a single process.
+head is column-parallel on the vocabulary with its logits LEFT sharded (a DTensor, Shard(-1)):
+the cross-entropy runs vocab-parallel (torch's loss_parallel, trainer/models/lm_loss.py), so no
+TP rank ever holds the full [tokens, vocab] logits.
 
 Works on a whole model or on a pipeline stage module (trainer.parallel.stages): submodules a
 stage does not hold are simply skipped.
@@ -46,19 +47,19 @@ def check_tp(config, tp: int, check_vocab: bool = True) -> None:
 
 def _plan(mt: str, tp_mesh) -> tuple[dict, dict, list[str]]:
     """(top-level plan, per-layer plan, attention submodule name) for a family."""
-    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     vocab_embed = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    gathered_head = ColwiseParallel(output_layouts=Replicate())
+    vocab_head = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
     if mt in DECODER_TYPES:
-        top = {"model.embed_tokens": vocab_embed, "lm_head": gathered_head}
+        top = {"model.embed_tokens": vocab_embed, "lm_head": vocab_head}
         layer = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
                  "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
                  "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
                  "mlp.down_proj": RowwiseParallel()}
         return top, layer, ["self_attn"]
-    top = {"bert.embeddings.word_embeddings": vocab_embed, "cls.predictions.decoder": gathered_head}
+    top = {"bert.embeddings.word_embeddings": vocab_embed, "cls.predictions.decoder": vocab_head}
     layer = {"attention.self.query": ColwiseParallel(), "attention.self.key": ColwiseParallel(),
              "attention.self.value": ColwiseParallel(), "attention.output.dense": RowwiseParallel(),
              "intermediate.dense": ColwiseParallel(), "output.dense": RowwiseParallel()}

@@ -1,0 +1,138 @@
+"""Every config key checked for range and consistency before anything starts (one line, exit 2).
+
+`check_ranges` needs nothing but the config (it runs inside config.validate, torch-free).
+`check_model` also reads the model's transformers config (sequence length vs positions, a loss
+split into more chunks than a microbatch has tokens); compose.check_supported runs it before the
+process group, so a mistake never ends in a traceback after the config dump or a half-trained run.
+Keys the chosen layout ignores are checked too: a typo there is still a typo.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from trainer.config import Config, ConfigError, get_key
+
+OPTIMIZERS = ("adamw",)
+COMPILE = {"auto": "auto", "true": "true", "false": "false", "on": "true", "off": "false", "yes": "true",
+           "no": "false", "1": "true", "0": "false"}
+AC_MODES = ("none", "selective", "full")
+AUTO_LOSS_CHUNKS = 8          # train.loss_chunks auto, for vocabularies of at least ...
+LARGE_VOCAB = 32768           # ... this many tokens (where [tokens, vocab] fp32 logits dominate memory)
+
+# key -> smallest accepted value (integers)
+AT_LEAST = {
+    "train.batch_size": 1, "train.microbatch_num": 1, "train.grad_acc_steps": 1, "train.eval_batches": 1,
+    "train.eval_interval": 0, "train.exit_interval": 0, "train.seed": 0,
+    "data.seq_len": 1, "data.num_workers": 0, "data.tokenizer_vocab_size": 260,
+    "parallel.tp": 1, "parallel.pp": 1, "parallel.virtual_stages": 1, "parallel.timeout_s": 1,
+    "schedule.warmup_steps": 0,
+    "checkpoint.interval": 0, "checkpoint.keep_last": 0, "checkpoint.preempt_interval": 0,
+    "profile.num_prof_steps": 0, "logging.log_interval": 1,
+}
+# optional integers (None = default/derived) -> smallest accepted value when given
+AT_LEAST_OPTIONAL = {
+    "train.steps": 0, "parallel.dp": 1, "parallel.dp_shard": 1, "schedule.total_steps": 1,
+    "model.num_hidden_layers": 1, "model.hidden_size": 1, "model.num_attention_heads": 1,
+    "model.intermediate_size": 1, "model.vocab_size": 2,
+}
+WHY = {"data.tokenizer_vocab_size": " (byte-level BPE: 256 bytes + special tokens)"}
+
+
+def _real(key: str, value: float, lo: float, hi: float | None = None, *, lo_open: bool = False,
+          hi_open: bool = True) -> None:
+    ok = math.isfinite(value) and (value > lo if lo_open else value >= lo)
+    if hi is not None:
+        ok = ok and (value < hi if hi_open else value <= hi)
+    if not ok:
+        left, right = "(" if lo_open else "[", ")" if hi_open else "]"
+        span = f"in {left}{lo:g}, {hi:g}{right}" if hi is not None else (f"> {lo:g}" if lo_open else f">= {lo:g}")
+        raise ConfigError(f"{key} must be {span}, got {value!r}")
+
+
+def check_ranges(cfg: Config) -> None:
+    from trainer.parallel.partition import check_partition_syntax
+    from trainer.parallel.schedule_table import schedule_spec
+
+    for key, lo in AT_LEAST.items():
+        if get_key(cfg, key) < lo:
+            raise ConfigError(f"{key} must be >= {lo}{WHY.get(key, '')}, got {get_key(cfg, key)}")
+    for key, lo in AT_LEAST_OPTIONAL.items():
+        value = get_key(cfg, key)
+        if value is not None and value < lo:
+            raise ConfigError(f"{key} must be >= {lo} (or unset), got {value}")
+    t, o, s, d, p = cfg.train, cfg.optim, cfg.schedule, cfg.data, cfg.parallel
+    # Values torch.optim.AdamW would only reject once the model is built.
+    if o.name.lower() not in OPTIMIZERS:
+        raise ConfigError(f"optim.name: unknown optimizer '{o.name}' (choose one of {', '.join(OPTIMIZERS)})")
+    o.name = o.name.lower()
+    _real("optim.lr", o.lr, 0.0)
+    _real("optim.beta1", o.beta1, 0.0, 1.0)
+    _real("optim.beta2", o.beta2, 0.0, 1.0)
+    _real("optim.eps", o.eps, 0.0, lo_open=True)
+    _real("optim.weight_decay", o.weight_decay, 0.0)
+    _real("train.grad_clip", t.grad_clip, 0.0)
+    _real("schedule.warmup_ratio", s.warmup_ratio, 0.0, 1.0)
+    _real("schedule.min_lr", s.min_lr, 0.0)
+    if s.min_lr > o.lr:
+        raise ConfigError(f"schedule.min_lr {s.min_lr:g} is above the peak optim.lr {o.lr:g}; lower it")
+    _real("data.eval_fraction", d.eval_fraction, 0.0, 1.0)
+    _real("data.mlm_probability", d.mlm_probability, 0.0, 1.0, lo_open=True, hi_open=False)
+    if cfg.logging.peak_flops is not None:
+        _real("logging.peak_flops", cfg.logging.peak_flops, 0.0, lo_open=True)
+    if not d.text_field:
+        raise ConfigError("data.text_field must name a column (default: text)")
+    # The GPU-server knobs.
+    mode = COMPILE.get(str(t.compile).strip().lower())
+    if mode is None:
+        raise ConfigError(f"train.compile: '{t.compile}' (auto, true or false)")
+    t.compile = mode
+    if t.activation_checkpointing not in AC_MODES:
+        raise ConfigError(f"train.activation_checkpointing: '{t.activation_checkpointing}' "
+                          f"({', '.join(AC_MODES)})")
+    if t.loss_chunks != "auto" and (not isinstance(t.loss_chunks, int) or t.loss_chunks < 1):
+        raise ConfigError(f"train.loss_chunks must be auto or >= 1, got {t.loss_chunks!r}")
+    # Layout keys, also when the layout does not use them.
+    if p.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"parallel.device: '{p.device}' (auto, cpu or cuda)")
+    if p.backend not in ("auto", "gloo", "nccl"):
+        raise ConfigError(f"parallel.backend: '{p.backend}' (auto, gloo or nccl)")
+    if p.backend == "nccl" and p.device == "cpu":
+        raise ConfigError("parallel.backend: nccl needs CUDA devices but parallel.device is cpu; use gloo or auto")
+    schedule_spec(p.pp_schedule)
+    check_partition_syntax(p.partition)
+    if "/" in cfg.checkpoint.prefix:
+        raise ConfigError(f"checkpoint.prefix: '{cfg.checkpoint.prefix}' must not contain '/' (it names a directory)")
+
+
+def max_positions(hf: Any) -> int | None:
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(hf, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def resolve_loss_chunks(value: int | str, task: str, vocab_size: int) -> int:
+    """train.loss_chunks: auto -> 8 for large vocabularies (LM tasks), else 1 (one head + loss call)."""
+    if value != "auto":
+        return int(value)
+    return AUTO_LOSS_CHUNKS if task != "mae" and vocab_size >= LARGE_VOCAB else 1
+
+
+def check_model(cfg: Config, hf: Any, task: str) -> None:
+    """Consistency of the config with the model's transformers config (`hf`)."""
+    t, seq = cfg.train, cfg.data.seq_len
+    if task != "mae":
+        limit = max_positions(hf)
+        if limit is not None and seq > limit:
+            raise ConfigError(f"data.seq_len {seq} is longer than the model's {limit} positions; use "
+                              f"--data.seq_len <= {limit} or raise model.hf_overrides.max_position_embeddings")
+    if t.loss_chunks != "auto":
+        if task == "mae" and t.loss_chunks > 1:
+            raise ConfigError(f"train.loss_chunks {t.loss_chunks}: ViT-MAE has no LM head to chunk; use auto or 1")
+        tokens = t.batch_size // t.microbatch_num * seq
+        if t.loss_chunks > tokens:
+            raise ConfigError(f"train.loss_chunks {t.loss_chunks} is more than the {tokens} tokens of a microbatch "
+                              f"(batch_size / microbatch_num x seq_len); use at most {tokens}")
