@@ -49,6 +49,7 @@ WORKDIR /workspace
 COPY pyproject.toml README.md ./
 COPY trainer ./trainer
 COPY runner ./runner
+COPY contract ./contract
 COPY configs ./configs
 RUN set -e; [ -f /tmp/certs/ca.crt ] && export PIP_CERT=/tmp/certs/ca.crt; \
     pip install --no-deps . && rm -rf build *.egg-info

@@ -1,8 +1,10 @@
 """`python -m bench [NAME ...]`: run the side-by-side benchmarks one after another.
 
 Each prints a Markdown table and writes bench/results/<name>.json. Without names, all run.
-The sandbox ones (launch, push, collect) start a sandbox cluster of their own (127.0.9.x,
-BENCH_BASE_ADDR) and need the trainer image on this host (scripts/build-image.sh).
+The sandbox ones (launch, push, collect, fanout, partition) start a sandbox cluster of their own
+(127.0.9.x, BENCH_BASE_ADDR) and need the trainer image on this host (scripts/build-image.sh).
+gpu_throughput measures on a CUDA GPU and says so and measures nothing elsewhere; on a GPU host it
+runs without this project's virtualenv: `PYTHONPATH=. python3 -m bench gpu_throughput`.
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-BENCHES = ["trainer_throughput", "pipeline_schedules", "launch", "push", "collect"]
+BENCHES = ["trainer_throughput", "pipeline_schedules", "launch", "push", "collect", "fanout", "gpu_throughput",
+           "partition"]
 
 
 def main(argv: list[str]) -> int:

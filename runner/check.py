@@ -11,7 +11,8 @@ from dataclasses import asdict, dataclass, field
 from rich.console import Console
 from rich.table import Table
 
-from runner.errors import UserError
+from runner.errors import EXIT_NOT_READY, UserError
+from runner.fanout import DEFAULT_PARALLEL, parallel
 from runner.images import host_image_ids, node_image_id
 from runner.inventory import Inventory, Node
 from runner.session import (
@@ -21,7 +22,6 @@ from runner.session import (
     Probe,
     add_inventory_args,
     load,
-    parallel,
     probe,
 )
 from runner.ssh import Remote
@@ -119,11 +119,11 @@ def image_state(node_id: str | None, host_id: str | None) -> str:
     return "present" if node_id == host_id else "stale"
 
 
-def run_checks(inv: Inventory, accept_new: bool) -> list[NodeCheck]:
+def run_checks(inv: Inventory, accept_new: bool, workers: int = DEFAULT_PARALLEL) -> list[NodeCheck]:
     port = inv.job.master_port if isinstance(inv.job.master_port, int) else None
     tags = {inv.job.image_for(n.arch or a) for n in inv.nodes for a in ("amd64", "arm64")} - {None}
     host_ids = host_image_ids(sorted(tags))
-    res = parallel(inv.ordered(), lambda n: check_node(inv, n, accept_new, port, host_ids))
+    res = parallel(inv.ordered(), lambda n: check_node(inv, n, accept_new, port, host_ids), workers)
     out = []
     for n, val, err in res:
         if err is not None:
@@ -150,7 +150,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def main(args) -> int:
     inv = load(args)
-    checks = run_checks(inv, args.accept_new_host_keys)
+    checks = run_checks(inv, args.accept_new_host_keys, args.parallel)
     if args.json:
         print(json.dumps([{**asdict(c), "probe": {**asdict(c.probe), "listening": None} if c.probe else None}
                           for c in checks], indent=2))
@@ -170,7 +170,7 @@ def main(args) -> int:
     failing = [c for c in checks if c.problems]
     if failing:
         raise UserError("check failed on " + "; ".join(f"{c.node}: {', '.join(c.problems)}" for c in failing),
-                        exit_code=1)
+                        exit_code=EXIT_NOT_READY)
     if not args.json:
         print(f"all {len(checks)} node(s) ok")
     return 0

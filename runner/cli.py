@@ -6,13 +6,18 @@ import argparse
 import logging
 import sys
 
-from runner.errors import Terminated, UserError, interrupt_on_signals
+from runner.errors import Terminated, UserError, interrupt_code, interrupt_on_signals
+from runner.fanout import raise_open_file_limit
 
 # Modules that contribute subcommands. Each exposes `register(subparsers)` which adds its
 # parser(s) and sets `func` to a callable taking the parsed args and returning an exit code.
 COMMAND_MODULES = [
     "runner.sandbox_cli",
     "runner.check", "runner.push", "runner.launch", "runner.status", "runner.down", "runner.collect",
+    # After the commands it extends: adds --scheduler to up/status/logs/ls/down/collect (Slurm runs).
+    "runner.slurm_cli",
+    "runner.kube_export",
+    "runner.profile",  # per-node measurements; parallel.partition auto in `up`
 ]
 
 
@@ -43,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.verbose:
         logging.getLogger("paramiko").setLevel(logging.WARNING)
     interrupt_on_signals()
+    raise_open_file_limit()  # a file descriptor or two per node: the usual soft 1024 is too few
     try:
         return int(args.func(args) or 0)
     except UserError as exc:
@@ -50,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except KeyboardInterrupt as exc:
         sys.stderr.write(f"runner: {'terminated' if isinstance(exc, Terminated) else 'interrupted'}\n")
-        return getattr(exc, "exit_code", 130)
+        return interrupt_code(exc)
 
 
 if __name__ == "__main__":

@@ -6,18 +6,23 @@ from __future__ import annotations
 
 import argparse
 import logging
-import posixpath
 import sys
 
-from runner.plan import LABEL_GRACE, LABEL_NODE, LABEL_RUN, LABEL_RUN_DIR
-from runner.session import Cluster, add_inventory_args, load, parallel
+from runner import runs
+from runner.errors import EXIT_PARTIAL
+from runner.fanout import DEFAULT_PARALLEL, parallel
+from runner.paths import node_paths
+from runner.plan import LABEL_GRACE, LABEL_NODE, LABEL_RUN
+from runner.session import Cluster, add_inventory_args, load
 from runner.ssh import Remote
 
 log = logging.getLogger("runner.down")
 
 
 def run_containers(remote: Remote, run_id: str | None, all_: bool = True) -> list:
-    flt = {"label": f"{LABEL_RUN}={run_id}" if run_id else LABEL_RUN}
+    """This node's containers of the run (of any run with run_id None). By node label too: an
+    engine may serve more than one inventory node (light sandbox nodes share one)."""
+    flt = {"label": [f"{LABEL_RUN}={run_id}" if run_id else LABEL_RUN, f"{LABEL_NODE}={remote.node.name}"]}
     return remote.docker().containers.list(all=all_, filters=flt)
 
 
@@ -38,21 +43,22 @@ def stop_node(remote: Remote, run_id: str, grace: float | None, remove: bool = T
             if "No such container" not in str(exc) and "404" not in str(exc):
                 raise
     if remove:
-        for c in containers:  # the run's secrets file has no use once its containers are gone
-            run_dir = c.labels.get(LABEL_RUN_DIR, "")
-            if run_dir:
-                secrets = f"{posixpath.dirname(posixpath.dirname(run_dir))}/secrets/{run_id}.env"
-                try:
-                    remote.sftp.remove(secrets)
-                except OSError:
-                    pass
+        remove_secrets(remote, run_id)
     return gone
 
 
+def remove_secrets(remote: Remote, run_id: str) -> None:
+    """The run's secrets file has no use once its containers are gone (or never came to be)."""
+    try:
+        remote.sftp.remove(node_paths(remote.node, remote.home).secrets(run_id))
+    except OSError:
+        pass
+
+
 def stop_run(remotes: dict[str, Remote], run_id: str, grace: float | None = None,
-             remove: bool = True) -> tuple[list[str], list[str]]:
-    """Every node in parallel. Returns (nodes where containers were stopped, errors)."""
-    res = parallel(list(remotes.values()), lambda r: stop_node(r, run_id, grace, remove))
+             remove: bool = True, workers: int = DEFAULT_PARALLEL) -> tuple[list[str], list[str]]:
+    """Every node, `workers` at a time. Returns (nodes where containers were stopped, errors)."""
+    res = parallel(list(remotes.values()), lambda r: stop_node(r, run_id, grace, remove), workers)
     stopped, errors = [], []
     for r, val, err in res:
         if err is not None:
@@ -63,14 +69,13 @@ def stop_run(remotes: dict[str, Remote], run_id: str, grace: float | None = None
     return stopped, errors
 
 
-def latest_run(remotes: dict[str, Remote]) -> str | None:
-    """Most recent run id among containers on any node (run ids sort by time)."""
+def latest_run(remotes: dict[str, Remote], workers: int = DEFAULT_PARALLEL) -> str | None:
+    """The latest run (runner/runs.py) among the containers on any node."""
     ids: set[str] = set()
-    for _, val, _ in parallel(list(remotes.values()), lambda r: run_containers(r, None)):
+    for _, val, _ in parallel(list(remotes.values()), lambda r: run_containers(r, None), workers):
         for c in val or []:
             ids.add(c.labels.get(LABEL_RUN, ""))
-    ids.discard("")
-    return max(ids) if ids else None
+    return runs.latest(ids)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -84,19 +89,21 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def main(args) -> int:
     inv = load(args, with_job=False)
-    with Cluster(inv, args.accept_new_host_keys, partial=True) as cl:
-        run_id = args.run or latest_run(cl.remotes)
+    with Cluster(inv, args.accept_new_host_keys, partial=True, workers=args.parallel) as cl:
+        if args.run and not runs.is_run_name(args.run):
+            runs.resolve([], args.run)  # the one-line error for a name that is no run id
+        run_id = args.run or latest_run(cl.remotes, cl.workers)
         if not run_id:
             print("nothing to stop: no runner containers on any " + ("reachable " if cl.unreachable else "") + "node")
             return _unreachable(cl, None, inv.path)
-        stopped, errors = stop_run(cl.remotes, run_id, args.grace)
+        stopped, errors = stop_run(cl.remotes, run_id, args.grace, workers=cl.workers)
         print(f"run {run_id}: " + (f"stopped and removed on {', '.join(stopped)}" if stopped
                                    else "nothing running (already down)")
               + (f"; NOT reached: {', '.join(cl.unreachable)}" if cl.unreachable else ""))
         for e in errors:
             sys.stderr.write(f"runner: error: run {run_id}: could not stop on {e}\n")
         code = _unreachable(cl, run_id, inv.path)
-        return code or (1 if errors else 0)
+        return code or (EXIT_PARTIAL if errors else 0)
 
 
 def _unreachable(cl: Cluster, run_id: str | None, inv_path: str) -> int:
@@ -104,4 +111,4 @@ def _unreachable(cl: Cluster, run_id: str | None, inv_path: str) -> int:
     again = f"runner down {run_id} -i {inv_path}" if run_id else f"runner down -i {inv_path}"
     for msg in cl.unreachable.values():
         sys.stderr.write(f"runner: error: {msg}; its containers were not stopped: `{again}` once it is reachable\n")
-    return 2 if cl.unreachable else 0
+    return EXIT_PARTIAL if cl.unreachable else 0

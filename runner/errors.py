@@ -1,12 +1,29 @@
-"""Errors a user can act on: the CLI prints the message as one line and exits non-zero."""
+"""Errors a user can act on (one line, no traceback) and the exit codes that tell a script what
+happened. Each code means one thing (README "Exit codes"):
+
+  0    success
+  1    `check` found a node that is not ready (an internal error also exits 1, with a traceback)
+  2    user error: bad input or an environment problem named in one line; nothing was started
+  3    partial: `down`/`collect` reached only some nodes (or some files failed); run it again
+  4    the job failed: a rank or container exited non-zero, or a node was lost mid-run
+  130  interrupted (Ctrl-C); 143 terminated (SIGTERM); the run was stopped first
+"""
 
 from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_NOT_READY = 1
+EXIT_USER = 2
+EXIT_PARTIAL = 3
+EXIT_JOB_FAILED = 4
+EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
 
 
 class UserError(Exception):
     """Expected failure caused by input or environment; printed as one line, no traceback."""
 
-    exit_code = 2
+    exit_code = EXIT_USER
 
     def __init__(self, message: str, exit_code: int | None = None):
         super().__init__(message)
@@ -14,11 +31,23 @@ class UserError(Exception):
             self.exit_code = exit_code
 
 
+class JobFailed(UserError):
+    """The job itself failed (e.g. the master's container exited before it listened): not the
+    user's input, so not exit 2, whatever code the job's own process exited with."""
+
+    exit_code = EXIT_JOB_FAILED
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM to the runner (`kill`, a CI job's timeout, systemd stopping it): every command
     cleans up as on Ctrl-C (`up` stops its run on every node), then exits 128 + 15."""
 
-    exit_code = 143
+    exit_code = EXIT_TERMINATED
+
+
+def interrupt_code(exc: BaseException) -> int:
+    """130 for Ctrl-C, 143 for SIGTERM."""
+    return getattr(exc, "exit_code", EXIT_INTERRUPTED)
 
 
 def interrupt_on_signals() -> None:

@@ -20,6 +20,7 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from runner.digest import sha256_file
 from runner.errors import UserError
 from runner.inventory import BuildSpec
 from runner.ssh import Remote
@@ -156,7 +157,7 @@ def _export_into(img, tag: str, image_id: str, d: Path, cache: Path) -> None:
         with tarfile.open(fileobj=stream, mode="r|") as tf:
             tf.extractall(tmp, filter="tar") if hasattr(tarfile, "data_filter") else tf.extractall(tmp)  # noqa: S202
     cfg_name = json.loads((tmp / "manifest.json").read_text())[0]["Config"]
-    got = "sha256:" + hashlib.sha256((tmp / cfg_name).read_bytes()).hexdigest()
+    got = "sha256:" + sha256_file(tmp / cfg_name)
     if got != image_id:  # the tag moved between inspect and save (a concurrent rebuild)
         shutil.rmtree(tmp, ignore_errors=True)
         raise UserError(f"image {tag} changed while exporting ({image_id[:19]} -> {got[:19]}); retry")
@@ -222,14 +223,14 @@ def node_image_id(remote: Remote, tag: str) -> str | None:
         return None
 
 
-def node_image_labels(remote: Remote, tag: str) -> dict[str, str]:
-    """The labels of the node's image for tag ({} when it has none or lacks the image)."""
+def node_image_labels(remote: Remote, tag: str) -> dict[str, str] | None:
+    """The labels of the node's image for tag ({} when it has none, None when it lacks the image)."""
     import docker
 
     try:
         return remote.docker().images.get(tag).labels or {}
     except docker.errors.ImageNotFound:
-        return {}
+        return None
 
 
 def node_chains(remote: Remote) -> set[str]:

@@ -7,7 +7,9 @@ names the file, the line and the field in one line, e.g.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
+import logging
 import os
 import re
 from dataclasses import dataclass, field
@@ -18,6 +20,8 @@ import yaml
 
 from runner.errors import UserError
 
+log = logging.getLogger("runner.inventory")
+
 ARCHES = ("amd64", "arm64")
 # What users type for arch, mapped onto Docker's platform names.
 ARCH_ALIASES = {"amd64": "amd64", "x86_64": "amd64", "arm64": "arm64", "aarch64": "arm64"}
@@ -26,14 +30,74 @@ FINGERPRINT_RE = re.compile(r"^SHA256:[A-Za-z0-9+/]{43}=?$")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 HOSTNAME_RE = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
+# Values that reach a shell or a docker bind spec on a node are refused unless made of these
+# (quoting is done too, everywhere; this keeps a path readable in `ps`, logs and mount specs).
+PATH_CHARS_RE = re.compile(r"[A-Za-z0-9._+@/-]")
+USER_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}$")
+IMAGE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@-]{0,254}$")
+# Env names whose values are secrets by their look: masked in every output, and a warning says
+# that job.env still puts them in the container's config (docker inspect), where env_file does not.
+SECRET_NAME_RE = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|KEY|CREDENTIAL", re.I)
+_TORCHRUN = "torchrun, per process, from the nodes' `slots` (or job.nproc_per_node)"
+# Set by the runner or torchrun on every node: a user value would silently replace it (every
+# node would get the same NODE_RANK). Name -> the field that sets it.
+RESERVED_ENV = {
+    "RUN_ID": "the run id (`runner up` makes one; `--resume RUN` reuses one)",
+    "NODE_NAME": "the node's `name`",
+    "NODE_RANK": "the node's place: the `role: master` node is 0, the others follow in inventory order",
+    "NNODES": "the number of entries under `nodes:`",
+    "MASTER_ADDR": "the master node's `host`",
+    "MASTER_PORT": "`job.master_port`",
+    "OUTPUT_DIR": "the node's `workdir` (the run dir under it is mounted at /out)",
+    "GLOO_SOCKET_IFNAME": "a probe of each node (the interface that routes to the master)",
+    "NCCL_SOCKET_IFNAME": "a probe of each node (the interface that routes to the master)",
+    **dict.fromkeys(("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                     "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "TORCHELASTIC_RUN_ID",
+                     "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS"), _TORCHRUN),
+}
+
+
+def looks_secret(name: str) -> bool:
+    return bool(SECRET_NAME_RE.search(name))
+
+
+def reserved_env_error(name: str) -> str | None:
+    what = RESERVED_ENV.get(name)
+    return f"{name} is reserved: the runner sets it from {what}; remove it" if what else None
+
+
+def workdir_error(wd: str) -> str | None:
+    """Why a workdir cannot be used, or None."""
+    if wd.startswith("~") and not (wd == "~" or wd.startswith("~/")):
+        return (f"{wd!r}: only ~ or ~/path (the SSH user's own home) is allowed: ~user resolves "
+                "differently on the node and in a docker mount")
+    if not wd.startswith(("/", "~")):
+        return f"{wd!r} is relative: use an absolute path or ~/path (docker takes a relative one for a named volume)"
+    bad = next((ch for ch in wd if not PATH_CHARS_RE.match(ch) and ch != "~"), None)
+    if bad is not None or "~" in wd[1:]:
+        return (f"{wd!r} contains {bad or '~'!r}: use letters, digits and . _ - + @ / only "
+                "(the path reaches a shell and a docker bind spec on the node)")
+    return None
 
 NODE_FIELDS = {"name", "host", "port", "user", "identity_file", "known_hosts", "host_key", "arch",
-               "slots", "role", "workdir", "gpus", "env"}
+               "slots", "role", "workdir", "gpus", "env", "cpus", "memory"}
+# Node limits, applied as Docker limits on the job's container (--cpus, --memory): a node that
+# shares its machine, or sandbox nodes of unequal speed. Docker's own size syntax, its minimum 6m.
+MEMORY_RE = re.compile(r"^([0-9]+)([bkmg]?)$", re.I)
+MEMORY_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+MIN_MEMORY = 6 << 20
+
+
+def memory_bytes(text: str) -> int | None:
+    """'4g' -> 4294967296 (Docker's units: b, k, m, g, powers of 1024); None if not a size."""
+    m = MEMORY_RE.match(text.strip())
+    return int(m[1]) * MEMORY_UNITS[m[2].lower()] if m else None
+
 DEFAULT_FIELDS = NODE_FIELDS - {"name", "host", "role", "host_key"}
 JOB_FIELDS = {"image", "config", "args", "env", "env_file", "master_port", "nproc_per_node",
               "grace_period", "command", "build"}
 BUILD_FIELDS = {"context", "dockerfile", "args", "platform"}
-TOP_FIELDS = {"defaults", "nodes", "job"}
+TOP_FIELDS = {"defaults", "nodes", "job", "slurm"}  # slurm: parsed by runner/slurm_inventory.py
 
 
 @dataclass
@@ -50,6 +114,8 @@ class Node:
     role: str = "worker"
     workdir: str = "~/runner"
     gpus: int | str | None = None    # None/0: CPU; "all" or a count
+    cpus: float | None = None        # Docker --cpus of the job's container (None: no limit)
+    memory: str | None = None        # Docker --memory of the job's container, e.g. "4g"
     env: dict[str, str] = field(default_factory=dict)
     line: int = 0
 
@@ -98,7 +164,7 @@ class Inventory:
     nodes: list[Node]
     job: Job
 
-    @property
+    @functools.cached_property
     def master(self) -> Node:
         return next(n for n in self.nodes if n.is_master)
 
@@ -106,11 +172,16 @@ class Inventory:
         """Master first (node rank 0), then the others in inventory order."""
         return [self.master] + [n for n in self.nodes if not n.is_master]
 
+    @functools.cached_property
+    def _by_name(self) -> dict[str, Node]:
+        return {n.name: n for n in self.nodes}
+
     def node(self, name: str) -> Node:
-        for n in self.nodes:
-            if n.name == name:
-                return n
-        raise UserError(f"{self.path}: no node named {name!r} (nodes: {', '.join(n.name for n in self.nodes)})")
+        n = self._by_name.get(name)
+        if n is None:
+            shown = ", ".join(x.name for x in self.nodes[:10]) + (" ..." if len(self.nodes) > 10 else "")
+            raise UserError(f"{self.path}: no node named {name!r} (nodes: {shown})")
+        return n
 
 
 # --- YAML with line numbers --------------------------------------------------------------
@@ -125,30 +196,38 @@ class _Val:
         self.line = line
 
 
-def _scalar(node: yaml.ScalarNode) -> Any:
-    loader = yaml.SafeLoader("")
-    try:
-        return loader.construct_object(node, deep=True)
-    finally:
-        loader.dispose()
+# libyaml's composer when PyYAML was built with it (10x faster on a 10,000-node inventory); the
+# nodes it makes carry the same line marks.
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
-def _convert(node: yaml.Node, path: str, where: str = "") -> _Val:
+class _Scalars(yaml.constructor.SafeConstructor):
+    """One constructor for every scalar of a file (a loader per scalar cost most of the parse)."""
+
+    def scalar(self, node: yaml.ScalarNode) -> Any:
+        try:
+            return self.construct_object(node, deep=True)
+        finally:
+            self.constructed_objects.clear()
+
+
+def _convert(node: yaml.Node, path: str, where: str = "", sc: _Scalars | None = None) -> _Val:
+    sc = sc or _Scalars()
     line = node.start_mark.line + 1
     if isinstance(node, yaml.MappingNode):
         out: dict[str, tuple[int, _Val]] = {}
         for k, v in node.value:
-            key = str(_scalar(k)) if isinstance(k, yaml.ScalarNode) else str(k)
+            key = str(sc.scalar(k)) if isinstance(k, yaml.ScalarNode) else str(k)
             w = f"{where}.{key}" if where else key
             kline = k.start_mark.line + 1
             if key in out:
                 # YAML says keys are unique; PyYAML silently keeps the last, hiding a typo'd edit.
                 raise UserError(f"{path}:{kline}: {w}: duplicate key (first at line {out[key][0]}); keep one")
-            out[key] = (kline, _convert(v, path, w))
+            out[key] = (kline, _convert(v, path, w, sc))
         return _Val(out, line)
     if isinstance(node, yaml.SequenceNode):
-        return _Val([_convert(v, path, f"{where}[{i}]") for i, v in enumerate(node.value)], line)
-    return _Val(_scalar(node), line)
+        return _Val([_convert(v, path, f"{where}[{i}]", sc) for i, v in enumerate(node.value)], line)
+    return _Val(sc.scalar(node), line)
 
 
 class _Checker:
@@ -156,9 +235,15 @@ class _Checker:
 
     def __init__(self, path: str):
         self.path = path
+        self.scope: str | None = None  # "node pi-1" / "every node": named at the end of a message
 
     def fail(self, line: int, where: str, msg: str) -> None:
-        raise UserError(f"{self.path}:{line}: {where}: {msg}")
+        suffix = f" ({self.scope})" if self.scope else ""
+        raise UserError(f"{self.path}:{line}: {where}: {msg}{suffix}")
+
+    def warn(self, line: int, where: str, msg: str) -> None:
+        suffix = f" ({self.scope})" if self.scope else ""
+        log.warning("runner: warning: %s:%d: %s: %s%s", self.path, line, where, msg, suffix)
 
     def mapping(self, v: _Val, where: str, allowed: set[str]) -> dict[str, tuple[int, _Val]]:
         if not isinstance(v.value, dict):
@@ -179,13 +264,19 @@ class _Checker:
             self.fail(v.line, where, f"must be an integer in {lo}..{hi}, got {_show(v.value)}")
         return v.value
 
-    def str_map(self, v: _Val, where: str) -> dict[str, str]:
+    def str_map(self, v: _Val, where: str, env: bool = False) -> dict[str, str]:
+        """NAME: value pairs; env=True also refuses reserved names and warns about secret-looking ones."""
         if not isinstance(v.value, dict):
             self.fail(v.line, where, f"must be a mapping of NAME: value, got {_kind(v.value)}")
         out = {}
         for key, (kline, x) in v.value.items():
             if not ENV_NAME_RE.match(key):
                 self.fail(kline, f"{where}.{key}", "not a valid environment variable name")
+            if env and (why := reserved_env_error(key)):
+                self.fail(kline, f"{where}.{key}", why)
+            if env and looks_secret(key):
+                self.warn(kline, f"{where}.{key}", "looks like a secret: it is masked in output but lands in the "
+                          "container's config (docker inspect); put it in job.env_file")
             if isinstance(x.value, (dict, list)) or x.value is None:
                 self.fail(x.line, f"{where}.{key}", f"must be a string or number, got {_kind(x.value)}")
             out[key] = str(x.value).lower() if isinstance(x.value, bool) else str(x.value)
@@ -227,6 +318,8 @@ def read_env_file(path: str) -> dict[str, str]:
         key = key.strip()
         if not sep or not ENV_NAME_RE.match(key):
             raise UserError(f"{path}:{i}: expected KEY=VALUE (value not shown)")
+        if why := reserved_env_error(key):
+            raise UserError(f"{path}:{i}: {why} (value not shown)")
         val = val.strip()
         if len(val) >= 2 and val[0] == val[-1] and val[0] in "'\"":
             val = val[1:-1]
@@ -265,7 +358,9 @@ def load_inventory(path: str | os.PathLike, *, check_files: bool = True,
     if "defaults" in top:
         dline, dv = top["defaults"]
         if dv.value is not None:
+            c.scope = "every node"
             defaults = _node_fields(c, dv, "defaults", DEFAULT_FIELDS, base, check_files)
+            c.scope = None
 
     if "nodes" not in top:
         c.fail(1, "nodes", "missing; list at least one node with name and host")
@@ -278,6 +373,8 @@ def load_inventory(path: str | os.PathLike, *, check_files: bool = True,
     addrs: dict[tuple[str, int], str] = {}
     for i, item in enumerate(nv.value):
         where = f"nodes[{i}]"
+        named = item.value.get("name") if isinstance(item.value, dict) else None
+        c.scope = f"node {named[1].value}" if named and isinstance(named[1].value, str) else None
         fields = _node_fields(c, item, where, NODE_FIELDS, base, check_files)
         for req in ("name", "host"):
             if req not in fields:
@@ -293,6 +390,7 @@ def load_inventory(path: str | os.PathLike, *, check_files: bool = True,
             c.fail(item.line, f"{where}.host", f"{node.host}:{node.port} is also node {addrs[key]!r}")
         addrs[key] = node.name
         nodes.append(node)
+        c.scope = None
 
     masters = [n for n in nodes if n.is_master]
     if len(masters) > 1:
@@ -320,7 +418,7 @@ def load_inventory(path: str | os.PathLike, *, check_files: bool = True,
 
 def _compose(path: str, text: str) -> _Val | None:
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        node = yaml.compose(text, Loader=_LOADER)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
         line = mark.line + 1 if mark else 1
@@ -353,6 +451,8 @@ def _node_fields(c: _Checker, v: _Val, where: str, allowed: set[str], base: Path
             out[key] = c.int_(x, w, 1, 65535)
         elif key == "user":
             out[key] = c.str_(x, w)
+            if not USER_RE.match(out[key]):
+                c.fail(x.line, w, f"{out[key]!r} is not a user name (letters, digits, '.', '_', '-')")
         elif key in ("identity_file", "known_hosts"):
             p = _expand(c.str_(x, w), base)
             if check_files and not os.path.isfile(p):
@@ -378,13 +478,25 @@ def _node_fields(c: _Checker, v: _Val, where: str, allowed: set[str], base: Path
             out[key] = s
         elif key == "workdir":
             out[key] = c.str_(x, w)
+            if why := workdir_error(out[key]):
+                c.fail(x.line, w, why)
+        elif key == "cpus":
+            if isinstance(x.value, bool) or not isinstance(x.value, (int, float)) or not 0.01 <= x.value <= 1024:
+                c.fail(x.line, w, f"must be a number of CPUs in 0.01..1024 (Docker --cpus, e.g. 0.5), got {_show(x.value)}")
+            out[key] = float(x.value)
+        elif key == "memory":
+            raw = str(x.value) if isinstance(x.value, (str, int)) and not isinstance(x.value, bool) else None
+            size = memory_bytes(raw) if raw is not None else None
+            if size is None or size < MIN_MEMORY:
+                c.fail(x.line, w, f"must be a size like 512m or 4g (Docker --memory, at least 6m), got {_show(x.value)}")
+            out[key] = raw.strip().lower()
         elif key == "gpus":
             if x.value == "all" or x.value is None:
                 out[key] = x.value
             else:
                 out[key] = c.int_(x, w, 0, 1024)
         elif key == "env":
-            out[key] = c.str_map(x, w)
+            out[key] = c.str_map(x, w, env=True)
     return out
 
 
@@ -399,12 +511,12 @@ def _job(c: _Checker, v: _Val, base: Path) -> Job:
                 for arch, (aline, tag) in x.value.items():
                     if arch not in ARCH_ALIASES:
                         c.fail(aline, f"{w}.{arch}", f"unknown arch (use {' or '.join(ARCHES)})")
-                    imgs[ARCH_ALIASES[arch]] = c.str_(tag, f"{w}.{arch}")
+                    imgs[ARCH_ALIASES[arch]] = _image(c, tag, f"{w}.{arch}")
                 if not imgs:
                     c.fail(x.line, w, "empty mapping; give a tag or {arch: tag}")
                 job.image = imgs
             else:
-                job.image = c.str_(x, w)
+                job.image = _image(c, x, w)
         elif key == "config":
             p = _expand(c.str_(x, w), base)
             if not os.path.isfile(p):
@@ -420,7 +532,7 @@ def _job(c: _Checker, v: _Val, base: Path) -> Job:
                 vals.append(str(a.value).lower() if isinstance(a.value, bool) else str(a.value))
             setattr(job, key, vals)
         elif key == "env":
-            job.env = c.str_map(x, w)
+            job.env = c.str_map(x, w, env=True)
         elif key == "env_file":
             p = _expand(c.str_(x, w), base)
             if not os.path.isfile(p):
@@ -446,6 +558,13 @@ def _job(c: _Checker, v: _Val, base: Path) -> Job:
         elif key == "build":
             job.build = _build(c, x, w, base)
     return job
+
+
+def _image(c: _Checker, v: _Val, where: str) -> str:
+    tag = c.str_(v, where)
+    if not IMAGE_RE.match(tag):
+        c.fail(v.line, where, f"{tag!r} is not an image reference (like name:tag or registry/name:tag)")
+    return tag
 
 
 def _build(c: _Checker, v: _Val, where: str, base: Path) -> dict[str, BuildSpec]:

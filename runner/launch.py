@@ -15,7 +15,6 @@ import argparse
 import json
 import logging
 import os
-import re
 import secrets
 import shlex
 import sys
@@ -24,12 +23,23 @@ from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
+from runner import runs
 from runner.down import run_containers, stop_node, stop_run
-from runner.errors import Terminated, UserError
+from runner.errors import (
+    EXIT_INTERRUPTED,
+    EXIT_JOB_FAILED,
+    EXIT_TERMINATED,
+    Terminated,
+    UserError,
+    interrupt_code,
+)
 from runner.inventory import ARCH_ALIASES, Inventory
-from runner.plan import LABEL_GATE, OUT, Facts, NodePlan, Plan, make_plan, render_secrets_file
+from runner.paths import node_paths
+from runner.plan import LABEL_GATE, OUT, Facts, NodePlan, Plan, docker_limits, make_plan, render_secrets_file
+from runner.profile_auto import pin_auto_partition
+from runner.rendezvous import choose_port, wait_listening
 from runner.resume_sync import CHECKPOINTS, sync_checkpoints
-from runner.session import Cluster, Probe, add_inventory_args, load, parallel, pick_master_port, probe
+from runner.session import Cluster, Probe, add_inventory_args, load, probe
 from runner.ssh import Remote
 from runner.watch import FAIL_STOP_GRACE_S, Watcher
 
@@ -71,12 +81,17 @@ def _dry_facts(inv: Inventory, arch_args: list[str]) -> dict[str, Facts]:
         node, sep, arch = a.rpartition("=")
         if arch not in ARCH_ALIASES:
             raise UserError(f"--arch {a}: unknown arch {arch!r} (amd64 or arm64)")
+        if sep:
+            try:
+                inv.node(node)
+            except UserError:
+                raise UserError(f"--arch {a}: no node named {node!r} in {inv.path}") from None
         given[node if sep else "*"] = ARCH_ALIASES[arch]
     return {n.name: Facts(arch=given.get(n.name, given.get("*"))) for n in inv.nodes}
 
 
 def main(args) -> int:
-    inv = load(args, check_files=not args.dry_run)
+    inv = load(args)  # files it names are checked for --dry-run too
     if args.trainer_args:
         inv.job.args = list(inv.job.args) + list(args.trainer_args)
     secret_vals = inv.job.secrets()
@@ -99,7 +114,7 @@ class Launcher:
 
     def run(self) -> int:
         t0 = time.time()
-        with Cluster(self.inv, self.args.accept_new_host_keys) as cl:
+        with Cluster(self.inv, self.args.accept_new_host_keys, workers=self.args.parallel) as cl:
             log.debug("connected to %d node(s) in %.2fs", len(cl.remotes), time.time() - t0)
             run_id = self._run_id(cl)  # a --resume naming no run fails before anything is pushed
             probes = self.preflight(cl)
@@ -110,11 +125,14 @@ class Launcher:
                 push_to_nodes(cl, {n: p.arch for n, p in probes.items()}, quiet=False)
                 log.debug("images checked at %.2fs", time.time() - t0)
             self.gates = self.image_gates(cl, probes)
+            # parallel.partition auto: the nodes measured (cached), the split pinned as custom:...
+            pin_auto_partition(cl, probes, lambda n: node_paths(n, probes[n.name].home).run(run_id),
+                               resume=bool(self.args.resume))
             attempt = 0
             while True:
                 code = self.launch_once(cl, probes, run_id, resume=bool(self.args.resume) or attempt > 0)
-                if code == 0 or code == 130 or attempt >= self.args.max_restarts:
-                    return code
+                if code in (0, EXIT_INTERRUPTED, EXIT_TERMINATED) or attempt >= self.args.max_restarts:
+                    return code  # Ctrl-C and SIGTERM mean stop, not try again
                 if self.lost and not self.lost_reclaimed:
                     return code  # a relaunch needs every node
                 attempt += 1
@@ -124,18 +142,24 @@ class Launcher:
     def _run_id(self, cl: Cluster) -> str:
         if not self.args.resume:
             return new_run_id()
-        return resolve_resume_run(cl[self.inv.master.name], self.args.resume)
+        return resume_run(cl[self.inv.master.name], self.args.resume)
 
     def image_gates(self, cl: Cluster, probes: dict[str, Probe]) -> dict[str, bool]:
         """Which nodes' images carry runner.gate (label io.runner.gate=1): their workers can start
-        with the master. Others (an image of the user's own) start after it, as before."""
+        with the master. Others (an image of the user's own) start after it, as before. Without a
+        push (--no-push) a node that lacks its image is refused here, before anything is made."""
         from runner.images import node_image_labels
 
-        def one(r: Remote) -> bool:
-            tag = self.inv.job.image_for(r.node.arch or probes[r.node.name].arch)
-            return bool(tag) and node_image_labels(r, tag).get(LABEL_GATE) == "1"
+        def tag_of(r: Remote) -> str | None:
+            return self.inv.job.image_for(r.node.arch or probes[r.node.name].arch)
 
-        return cl.each(one)
+        labels = cl.each(lambda r: node_image_labels(r, tag_of(r)) if tag_of(r) else {})
+        lacking = sorted(n for n, lb in labels.items() if lb is None)
+        if lacking:
+            shown = ", ".join(f"{n} ({tag_of(cl[n])})" for n in lacking[:5]) + (" ..." if len(lacking) > 5 else "")
+            raise UserError(f"--no-push: {len(lacking)} node(s) lack the job's image: {shown}; "
+                            "run `runner push` first, or `runner up` without --no-push")
+        return {n: (lb or {}).get(LABEL_GATE) == "1" for n, lb in labels.items()}
 
     def preflight(self, cl: Cluster) -> dict[str, Probe]:
         def one(r: Remote) -> Probe:
@@ -147,7 +171,7 @@ class Launcher:
         probes = cl.each(one)
         bad = []
         for name, p in probes.items():
-            node = self.inv.node(name)
+            node = self.inv.node(name)  # a dict lookup (a scan per node was O(n^2) at 10,000 nodes)
             if p.docker_error:
                 bad.append(f"{name}: docker engine not reachable ({p.docker_error})")
             if not p.ifname:
@@ -158,18 +182,9 @@ class Launcher:
             raise UserError("preflight failed: " + "; ".join(bad))
         return probes
 
-    def make_plan(self, probes: dict[str, Probe], run_id: str, resume: bool,
+    def make_plan(self, probes: dict[str, Probe], run_id: str, resume: bool, port: int,
                   resume_args: list[str] = RESUME_ARGS) -> Plan:
         job = self.inv.job
-        if job.master_port == "auto":
-            # Derived from the run id so two concurrent launches on one master rarely collide.
-            listening = probes[self.inv.master.name].listening or set()
-            port = pick_master_port(listening, run_id)
-        else:
-            port = int(job.master_port)
-            if port in (probes[self.inv.master.name].listening or set()):
-                raise UserError(f"master {self.inv.master.name}: master_port {port} is already in use; "
-                                "choose another or use master_port: auto")
         saved = list(job.args)
         if resume and not any(a == "--resume" for a in job.args):
             job.args = saved + resume_args
@@ -196,7 +211,7 @@ class Launcher:
             if np.go_file:
                 r.makedirs(os.path.dirname(np.go_file))
 
-        for np_, _, err in parallel(plan.nodes, one):
+        for np_, _, err in cl.map(plan.nodes, one):
             if err:
                 raise UserError(f"node {np_.node}: staging files in {np_.run_dir} failed: {err}")
 
@@ -208,7 +223,7 @@ class Launcher:
         if all(any(c.status == "running" for c in cs) for cs in found.values()):
             raise UserError(f"--resume {run_id}: the run is still running on every node; "
                             f"`runner down {run_id} -i {self.inv.path}` first, or follow it with `runner logs {run_id} -f`")
-        stale, errors = stop_run(cl.remotes, run_id, grace=FAIL_STOP_GRACE_S)
+        stale, errors = stop_run(cl.remotes, run_id, grace=FAIL_STOP_GRACE_S, workers=cl.workers)
         if errors:
             raise UserError(f"run {run_id}: could not remove earlier containers on " + "; ".join(errors))
         if stale:
@@ -217,7 +232,9 @@ class Launcher:
     def launch_once(self, cl: Cluster, probes: dict[str, Probe], run_id: str, resume: bool) -> int:
         t0 = time.time()
         self.lost, self.lost_reclaimed = None, False
-        plan = self.make_plan(probes, run_id, resume)
+        # Chosen now, not at preflight: the push may have taken minutes, and other runs start meanwhile.
+        port = choose_port(cl[self.inv.master.name], self.inv.job.master_port, run_id)
+        plan = self.make_plan(probes, run_id, resume, port)
         if resume:
             self.clear_earlier_attempt(cl, run_id)
             # Only once nothing of the run is left running (a stale container could still write).
@@ -226,51 +243,53 @@ class Launcher:
             print(f"run {run_id}: {synced.summary()}", flush=True)
             if synced.checkpoint and not synced.all_latest:
                 # Some node's `latest` names another checkpoint: name the chosen one outright.
-                plan = self.make_plan(probes, run_id, resume, ["--resume", f"{OUT}/{CHECKPOINTS}/{synced.checkpoint}"])
-        self.stage_files(cl, plan)
-        log.debug("files staged in %.2fs", time.time() - t0)
+                plan = self.make_plan(probes, run_id, resume, port,
+                                      ["--resume", f"{OUT}/{CHECKPOINTS}/{synced.checkpoint}"])
         log_dir = Path(self.args.logs_dir) / run_id
         master = plan.nodes[0]
         watcher: Watcher | None = None
         try:
+            # Inside the try: a failure from here on removes what was staged (the secrets file too).
+            self.stage_files(cl, plan)
+            log.debug("files staged in %.2fs", time.time() - t0)
             create_container(cl[master.node], master).start()
             log.debug("master container started at %.2fs", time.time() - t0)
             # Gated workers start now: their gate imports torchrun while the master's comes up and
             # starts it on the go-file. The others are only created until the master listens.
-            made = parallel(plan.nodes[1:], lambda np: create_container(cl[np.node], np))
+            made = cl.map(plan.nodes[1:], lambda np: create_container(cl[np.node], np))
             for np_, _, err in made:
                 if err:
                     raise UserError(f"node {np_.node}: creating container failed: {err}")
             gated = [(np_, c) for np_, c, _ in made if np_.go_file]
             held = [(np_, c) for np_, c, _ in made if not np_.go_file]
-            start_all(gated)
+            start_all(cl, gated)
             if plan.nnodes > 1:  # nobody to hold back on a single node
                 wait_listening(cl[master.node], master, int(plan.master_port), self.args.rendezvous_timeout)
             log.info("[%s/0] master listening on %s:%s after %.1fs", master.node, plan.master_addr,
                      plan.master_port, time.time() - t0)
-            go = parallel([np_ for np_, _ in gated], lambda np_: cl[np_.node].put_bytes(np_.go_file, b""))
+            go = cl.map([np_ for np_, _ in gated], lambda np_: cl[np_.node].put_bytes(np_.go_file, b""))
             for np_, _, err in go:
                 if err:
                     raise UserError(f"node {np_.node}: writing the go-file {np_.go_file} failed: {err}")
-            start_all(held)
+            start_all(cl, held)
             log.info("run %s: %d node(s) running after %.1fs", run_id, plan.nnodes, time.time() - t0)
             print(f"run {run_id} started on {', '.join(n.node for n in plan.nodes)}", flush=True)
             if self.args.detach:
                 print(f"follow: runner logs {run_id} -f -i {self.inv.path}   stop: runner down {run_id} -i {self.inv.path}")
                 return 0
-            watcher = Watcher(cl.remotes, plan, log_dir)
+            watcher = Watcher(cl.remotes, plan, log_dir, workers=cl.workers)
             failed = watcher.run()
         except KeyboardInterrupt as exc:
             sys.stderr.write(f"runner: {'terminated' if isinstance(exc, Terminated) else 'interrupted'}: "
                              f"stopping run {run_id} (grace {plan.grace_period:.0f}s)\n")
-            stop_run(cl.remotes, run_id, plan.grace_period)
-            return getattr(exc, "exit_code", 130)
+            stop_run(cl.remotes, run_id, plan.grace_period, workers=cl.workers)
+            return interrupt_code(exc)
         except BaseException:
-            stop_run(cl.remotes, run_id, grace=3)  # never leave half a run behind
+            stop_run(cl.remotes, run_id, grace=3, workers=cl.workers)  # never leave half a run behind
             raise
         if failed is None:
             write_status(cl, plan, watcher, 0)
-            stop_run(cl.remotes, run_id, grace=0)  # exited containers: remove them
+            stop_run(cl.remotes, run_id, grace=0, workers=cl.workers)  # exited containers: remove them
             print(f"run {run_id} finished: all {plan.nnodes} node(s) exited 0; collect: runner collect {run_id}")
             return 0
         what = failed.error or f"container exited with code {failed.exit_code}"
@@ -283,7 +302,7 @@ class Launcher:
         if failed.lost:
             self.lost = failed.node
             self.lost_reclaimed = self.reclaim_lost(cl, failed.node, run_id)
-        return failed.exit_code if failed.exit_code and 0 < failed.exit_code < 126 else 1
+        return EXIT_JOB_FAILED  # the job's own code is in the line above and in `runner status`
 
     def reclaim_lost(self, cl: Cluster, node: str, run_id: str) -> bool:
         """A lost node's container still runs on its engine (closing SSH stops nothing): keep
@@ -320,40 +339,25 @@ class Launcher:
         return False
 
 
-RUN_ID_RE = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{4}$")
-RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,100}$")
+def resume_run(master: Remote, wanted: str) -> str:
+    """The run dir on the master that `--resume` means: the latest run for "latest", else the one
+    whose id is `wanted` or starts with it (runner/runs.py: the rule every command uses)."""
+    from runner.status import node_run_dirs
 
-
-def resolve_resume_run(master: Remote, wanted: str) -> str:
-    """The run dir on the master that `--resume` means: the newest run for "latest", else the
-    one whose id is `wanted` or starts with it (as `status` matches). One-line error otherwise."""
-    wd = master.node.workdir
-    runs_sh = ("$HOME" + shlex.quote(wd[1:]) if wd.startswith("~") else shlex.quote(wd)) + "/runs"
-    res = master.run(["sh", "-c", f"cd {runs_sh} 2>/dev/null && for d in */; do echo \"${{d%/}}\"; done"])
-    # Only names a container can carry (runner-<run>-<node>); anything else there is not a run.
-    runs = sorted(r for r in res.out.splitlines() if RUN_NAME_RE.match(r))
-    where = f"{wd}/runs on {master.node.name} (the master)"
-    if not runs:
+    names = list(node_run_dirs(master))
+    where = f"{node_paths(master.node, master.home).runs} on {master.node.name} (the master)"
+    if not names:
         what = "--resume" if wanted == "latest" else f"--resume {wanted}: no such run:"
         raise UserError(f"{what} no previous run in {where}")
-    if wanted == "latest":
-        # Runner-made ids sort by start time; other names (a hand-made dir) only if nothing else.
-        made = [r for r in runs if RUN_ID_RE.match(r)]
-        return (made or runs)[-1]
-    if wanted in runs:
-        return wanted
-    matches = [r for r in runs if r.startswith(wanted)]
-    if len(matches) == 1:
-        return matches[0]
-    if matches:
-        raise UserError(f"--resume {wanted}: ambiguous in {where}: {', '.join(matches[:5])}"
-                        + (" ..." if len(matches) > 5 else ""))
-    raise UserError(f"--resume {wanted}: no such run in {where} (latest: {runs[-1]}; see `runner ls`)")
+    try:
+        return runs.resolve(names, wanted, where)
+    except UserError as exc:
+        raise UserError(f"--resume {exc}") from None
 
 
-def start_all(made: list[tuple[NodePlan, object]]) -> None:
+def start_all(cl: Cluster, made: list[tuple[NodePlan, object]]) -> None:
     """Start created containers in parallel; one error naming the first that failed."""
-    for (np_, _), _, err in parallel(made, lambda m: m[1].start()):
+    for (np_, _), _, err in cl.map(made, lambda m: m[1].start()):
         if err:
             raise UserError(f"node {np_.node}: starting container {np_.container} failed: {err}")
 
@@ -363,7 +367,7 @@ def create_container(remote: Remote, np: NodePlan):
 
     d = remote.docker()
     volumes = {src: {"bind": dst, "mode": "ro" if dst.startswith("/run/") else "rw"} for src, dst in np.mounts.items()}
-    kwargs = {}
+    kwargs = docker_limits(np.cpus, np.memory)  # the node's cpus/memory from the inventory
     if np.gpus:
         count = -1 if np.gpus == "all" else int(np.gpus)
         kwargs["device_requests"] = [docker.types.DeviceRequest(count=count, capabilities=[["gpu"]])]
@@ -376,34 +380,10 @@ def create_container(remote: Remote, np: NodePlan):
         raise UserError(f"node {np.node}: docker refused to start {np.container}: {exc.explanation}") from None
 
 
-def wait_listening(remote: Remote, np: NodePlan, port: int, timeout: float) -> None:
-    """Poll the master node until something listens on the rendezvous port (torchrun's TCPStore)."""
-    deadline = time.time() + timeout
-    c = remote.docker().containers.get(np.container)
-    i = 0
-    while time.time() < deadline:
-        if port in remote.listening_ports():
-            return
-        i += 1
-        if i % 5 == 0:
-            c.reload()
-            if c.status not in ("running", "created"):
-                if c.attrs["State"].get("ExitCode") == 0:
-                    return  # a job this short (one node) may finish before we look
-                tail = c.logs(tail=10).decode(errors="replace").strip().splitlines()
-                raise UserError(f"node {np.node}: master container exited ({c.attrs['State'].get('ExitCode')}) "
-                                f"before its port {port} listened; last line: {tail[-1] if tail else '(no output)'}")
-        time.sleep(0.1)
-    raise UserError(f"node {np.node}: master port {port} did not listen within {timeout:.0f}s "
-                    f"(--rendezvous-timeout); check `runner logs --node {np.node}`")
-
-
 def write_status(cl: Cluster, plan: Plan, watcher: Watcher | None, code: int, skip: set[str] = frozenset()) -> None:
     """runner-status.json in each node's run dir, so `status`/`ls` know how a finished run ended
     (not on nodes in skip: a lost node would block the write)."""
-    for np in plan.nodes:
-        if np.node in skip:
-            continue
+    def one(np: NodePlan) -> None:
         o = watcher.done.get(np.node) if watcher else None
         doc = {"run_id": plan.run_id, "node": np.node, "rank": np.rank, "result": code,
                "exit_code": o.exit_code if o else None, "error": o.error if o else None,
@@ -415,3 +395,5 @@ def write_status(cl: Cluster, plan: Plan, watcher: Watcher | None, code: int, sk
                 cl[np.node].run(["rm", "-rf", os.path.dirname(np.go_file)])
         except Exception as exc:  # noqa: BLE001 - an unreachable node just has no status file
             log.debug("status file on %s: %s", np.node, exc)
+
+    cl.map([np for np in plan.nodes if np.node not in skip], one)

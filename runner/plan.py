@@ -11,7 +11,8 @@ import shlex
 from dataclasses import dataclass, field
 
 from runner.errors import UserError
-from runner.inventory import Inventory, Node
+from runner.inventory import Inventory, looks_secret
+from runner.paths import node_paths
 
 LABEL_PREFIX = "io.runner"
 LABEL_RUN = f"{LABEL_PREFIX}.run-id"
@@ -60,10 +61,18 @@ class NodePlan:
     gpus: int | str | None = None
     mounts: dict[str, str] = field(default_factory=dict)  # node path -> container path
     go_file: str | None = None    # on the node: written once the master listens (gated workers)
+    cpus: float | None = None     # the node's limits (inventory cpus/memory) on the job's container
+    memory: str | None = None
 
     @property
     def is_master(self) -> bool:
         return self.rank == 0
+
+    @property
+    def limits(self) -> str:
+        """As the plan shows them: `cpus=0.5 memory=4g`, or `none`."""
+        parts = ([f"cpus={self.cpus:g}"] if self.cpus else []) + ([f"memory={self.memory}"] if self.memory else [])
+        return " ".join(parts) or "none"
 
 
 @dataclass
@@ -92,31 +101,39 @@ class Plan:
             lines.append(f"  env_file {self.env_file_src} -> 0600 file on every node (values masked)")
         for n in self.nodes:
             lines.append(f"[{n.node}/{n.rank}] {n.host}  arch={n.arch or UNPROBED}  image={n.image or UNPROBED}")
-            lines.append(f"    container {n.container}  network=host  gpus={n.gpus or 'none'}")
+            lines.append(f"    container {n.container}  network=host  gpus={n.gpus or 'none'}  limits {n.limits}")
             lines.append(f"    run dir   {n.run_dir} -> {OUT}")
             lines.append(f"    command   {shlex.join(n.command)}")
-            for k, v in sorted(n.env.items()):
-                lines.append(f"    env       {k}={v}")
+            for k, v in sorted(masked(n.env).items()):
+                lines.append(f"    env       {k}={v}" + ("  (looks like a secret: use env_file)" if v == MASK else ""))
             for k in n.secret_keys:
                 lines.append(f"    env       {k}={MASK}  (from env_file)")
         return "\n".join(lines)
 
     def as_dict(self) -> dict:
+        """For display (JSON): secret-looking values masked as in render()."""
         return {"run_id": self.run_id, "nnodes": self.nnodes, "master": self.master,
                 "master_addr": self.master_addr, "master_port": self.master_port,
                 "nodes": [{"node": n.node, "rank": n.rank, "host": n.host, "arch": n.arch, "image": n.image,
-                           "container": n.container, "command": n.command, "env": n.env,
-                           "secret_keys": n.secret_keys, "run_dir": n.run_dir, "labels": n.labels}
+                           "container": n.container, "command": n.command, "env": masked(n.env),
+                           "secret_keys": n.secret_keys, "run_dir": n.run_dir, "labels": n.labels,
+                           "cpus": n.cpus, "memory": n.memory}
                           for n in self.nodes]}
 
 
-def resolve_workdir(node: Node, facts: Facts) -> str:
-    wd = node.workdir.rstrip("/") or "/"
-    if wd == "~" or wd.startswith("~/"):
-        if facts.home:
-            return facts.home.rstrip("/") + wd[1:]
-        return wd
-    return wd
+def docker_limits(cpus: float | None, memory: str | None) -> dict:
+    """docker SDK create() arguments for a node's limits (Docker --cpus is nano_cpus / 1e9)."""
+    out: dict = {}
+    if cpus:
+        out["nano_cpus"] = int(round(cpus * 1e9))
+    if memory:
+        out["mem_limit"] = memory
+    return out
+
+
+def masked(env: dict[str, str]) -> dict[str, str]:
+    """env with the values of secret-looking names (TOKEN, SECRET, PASSWORD, KEY, ...) masked."""
+    return {k: MASK if looks_secret(k) else v for k, v in env.items()}
 
 
 def container_name(run_id: str, node: str) -> str:
@@ -168,8 +185,8 @@ def make_plan(inv: Inventory, run_id: str, facts: dict[str, Facts] | None = None
             if not f.ifname:
                 raise UserError(f"node {node.name}: no interface routes to master {master.host} "
                                 f"(`ip route get {master.host}` failed on the node)")
-        workdir = resolve_workdir(node, f)
-        run_dir = f"{workdir}/runs/{run_id}"
+        paths = node_paths(node, f.home)
+        workdir, run_dir = paths.workdir, paths.run(run_id)
         ifname = f.ifname or UNPROBED
         # torchrun forwards these signals to the ranks (SIGUSR1 is Slurm's --signal; torch 2.13's
         # default leaves it out and dies on it), then waits up to the shutdown timeout before
@@ -187,13 +204,13 @@ def make_plan(inv: Inventory, run_id: str, facts: dict[str, Facts] | None = None
         for k in secret_keys:
             env.pop(k, None)  # the env_file wins, and its value must not sit in container config
         tr = torchrun_command(inv, nnodes, rank, nproc[node.name], master.host, port, bool(job.config))
-        secrets_file = f"{workdir}/secrets/{run_id}.env" if secret_keys else None
+        secrets_file = paths.secrets(run_id) if secret_keys else None
         mounts = {run_dir: OUT}
         go_file = None
         if rank > 0 and f.gate and launch_token:
             # Started with the master, not after it: runner.gate imports torchrun meanwhile and
             # starts it only when the runner, having seen the master's port listen, writes go_file.
-            gate_dir = f"{workdir}/gates/{run_id}"
+            gate_dir = paths.gates(run_id)
             go_file = f"{gate_dir}/go-{launch_token}"
             mounts[gate_dir] = GATE_IN_CONTAINER
             tr = ["python", "-m", "runner.gate", f"{GATE_IN_CONTAINER}/go-{launch_token}", str(int(gate_timeout)),
@@ -212,7 +229,7 @@ def make_plan(inv: Inventory, run_id: str, facts: dict[str, Facts] | None = None
             container=container_name(run_id, node.name), labels=labels, command=command, env=env,
             secret_keys=secret_keys, workdir=workdir, run_dir=run_dir, secrets_file=secrets_file,
             config_file=f"{run_dir}/config.yaml" if job.config else None, gpus=node.gpus, mounts=mounts,
-            go_file=go_file))
+            go_file=go_file, cpus=node.cpus, memory=node.memory))
     return Plan(run_id=run_id, nnodes=nnodes, master=master.name, master_addr=master.host, master_port=port,
                 nproc_per_node=nproc, nodes=plans, grace_period=job.grace_period,
                 config_src=job.config, env_file_src=job.env_file)

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import subprocess
-import tempfile
-import threading
 import time
 from dataclasses import dataclass
 
@@ -35,11 +32,11 @@ from runner.images import (
     partial_members,
 )
 from runner.inventory import BuildSpec, Inventory
-from runner.session import Cluster, add_inventory_args, load, parallel, probe
-from runner.ssh import Remote, is_loopback
+from runner.session import Cluster, add_inventory_args, load, probe
+from runner.ssh import Remote
+from runner.stream import ssh_stream
 
 log = logging.getLogger("runner.push")
-CHUNK = 1 << 20
 
 
 @dataclass
@@ -65,134 +62,23 @@ def stream_to_load(remote: Remote, exp: Exported, members: list[str], progress=N
 
     Every failure (load dying mid-stream, a stall, a timeout, a bad archive) ends as a UserError
     naming the node with no child process left behind, so push_one can fall back."""
-    # Compression only pays off on real links; on loopback it would just burn the 2 cores.
-    compress = not is_loopback(remote.node.host) and not gzip_
     name = remote.node.name
-    ssh_err, tar_err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
-    procs: list[subprocess.Popen] = []
-    src = None
-    try:
-        src = _source(exp, members, gzip_, tar_err, procs)
-        ssh = subprocess.Popen([*remote.openssh_argv(compress=compress, aes=exp.arch == "amd64"), "docker load -q"],
-                               stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=ssh_err)
-        procs.append(ssh)
-        dog = _Watchdog(procs, stall_s)
-        try:
-            sent, broken = _pump(src, ssh.stdin, dog, progress, task)
-        finally:
-            dog.stop()  # after the last byte the node may legitimately be busy for minutes
-        # Closing our read end first: a tar/gzip still writing (load died) gets EPIPE, not a hang.
-        _close(src, ssh.stdin)
-        try:
-            ssh.wait(timeout=LOAD_WAIT_S)
-        except subprocess.TimeoutExpired:
-            raise UserError(f"node {name}: docker load still running {LOAD_WAIT_S:.0f}s after the last "
-                            "byte; gave up") from None
-        if broken or ssh.returncode != 0:
-            _reap(procs)  # the source may still be blocked on its pipe
-        elif any(_wait(p, 60) is None for p in procs):
-            raise UserError(f"node {name}: tar/gzip of the image export did not exit after the stream ended")
-        if dog.fired:
-            raise UserError(f"node {name}: image stream stalled (nothing moved for {stall_s:.0f}s); stopped it")
-        if not broken and any(p.returncode != 0 for p in procs[:-1]):  # the root cause, if any
-            raise UserError(f"node {name}: reading the image export {exp.dir} failed: {_tail(tar_err) or 'gzip failed'}")
-        if ssh.returncode != 0 or broken:
-            raise UserError(f"node {name}: docker load failed (exit {ssh.returncode}"
-                            f"{', mid-stream' if broken else ''}): {_tail(ssh_err) or 'no output'}")
-        return sent
-    finally:
-        _close(src)
-        _reap(procs)
-        ssh_err.close()
-        tar_err.close()
-
-
-def _source(exp: Exported, members: list[str], gzip_: bool, err, procs: list[subprocess.Popen]):
-    """Start tar [| gzip -1] over the cached export; appends the processes to procs, returns the pipe."""
-    tar = subprocess.Popen(["tar", "-C", str(exp.dir), "-cf", "-", "--", *members], stdout=subprocess.PIPE,
-                           stderr=err)
-    procs.append(tar)
-    if not gzip_:
-        return tar.stdout
-    gz = subprocess.Popen(["gzip", "-1", "-c"], stdin=tar.stdout, stdout=subprocess.PIPE, stderr=err)
-    procs.append(gz)
-    tar.stdout.close()  # gzip holds the only read end: tar gets SIGPIPE if gzip dies
-    return gz.stdout
-
-
-def _wait(p: subprocess.Popen, timeout: float) -> int | None:
-    try:
-        return p.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return None
-
-
-def _pump(src, dst, dog: _Watchdog, progress, task) -> tuple[int, bool]:
-    """Copy src to dst; (bytes, True) when the reader went away mid-stream."""
-    sent = 0
-    try:
-        while True:
-            buf = src.read(CHUNK)
-            if not buf:
-                return sent, False
-            dst.write(buf)
-            sent += len(buf)
-            dog.last = time.monotonic()
-            if progress is not None:
-                progress.update(task, advance=len(buf))
-    except BrokenPipeError:
-        return sent, True
-
-
-def _tail(f, n: int = 300) -> str:
-    f.seek(0)
-    lines = f.read().decode(errors="replace").strip().splitlines()
-    return " ".join(lines)[-n:]
-
-
-def _close(*files) -> None:
-    for f in files:
-        if f is not None:
-            try:
-                f.close()
-            except OSError:  # flushing into a pipe whose reader is gone: nothing left to save
-                pass
-
-
-def _reap(procs: list[subprocess.Popen]) -> None:
-    """Kill whatever still runs (a tar blocked on a pipe nobody reads, a stuck ssh) and wait for it."""
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-    for p in procs:
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:  # stuck in the kernel: do not hang the push on it
-            log.debug("pid %d did not exit after SIGKILL", p.pid)
-
-
-class _Watchdog:
-    """Kills the pipeline when no byte moved for stall_s: writing to a node whose `docker load`
-    stopped reading (or reading a stuck source) would otherwise block forever."""
-
-    def __init__(self, procs: list[subprocess.Popen], stall_s: float):
-        self.procs, self.stall_s = procs, stall_s
-        self.last = time.monotonic()
-        self.fired = False
-        self._done = threading.Event()
-        threading.Thread(target=self._run, daemon=True, name="push-watchdog").start()
-
-    def _run(self) -> None:
-        while not self._done.wait(min(5.0, self.stall_s / 4)):
-            if time.monotonic() - self.last > self.stall_s:
-                self.fired = True
-                for p in self.procs:
-                    if p.poll() is None:
-                        p.kill()
-                return
-
-    def stop(self) -> None:
-        self._done.set()
+    local = [["tar", "-C", str(exp.dir), "-cf", "-", "--", *members]] + ([["gzip", "-1", "-c"]] if gzip_ else [])
+    on_chunk = (lambda n: progress.update(task, advance=n)) if progress is not None else None
+    res = ssh_stream(remote, "docker load -q", local, upload=True, on_chunk=on_chunk, stall_s=stall_s,
+                     aes=exp.arch == "amd64", finish_s=LOAD_WAIT_S)
+    if res.unfinished:
+        raise UserError(f"node {name}: docker load still running {LOAD_WAIT_S:.0f}s after the last byte; gave up")
+    if not res.broken and res.ssh_rc == 0 and None in res.local_rcs:
+        raise UserError(f"node {name}: tar/gzip of the image export did not exit after the stream ended")
+    if res.stalled:
+        raise UserError(f"node {name}: image stream stalled (nothing moved for {stall_s:.0f}s); stopped it")
+    if not res.broken and any(rc for rc in res.local_rcs):  # the root cause, if any
+        raise UserError(f"node {name}: reading the image export {exp.dir} failed: {res.local_err or 'gzip failed'}")
+    if res.ssh_rc != 0 or res.broken:
+        raise UserError(f"node {name}: docker load failed (exit {res.ssh_rc}{', mid-stream' if res.broken else ''}): "
+                        f"{res.ssh_err or 'no output'}")
+    return res.moved
 
 
 def push_one(remote: Remote, exp: Exported, progress=None, force_full: bool = False) -> PushResult:
@@ -262,7 +148,7 @@ def push_to_nodes(cl: Cluster, arches: dict[str, str | None], quiet: bool = Fals
     remotes = [cl[n.name] for n in cl.inv.nodes]
     current: dict[str, bool] = {}
     if not force_full:
-        for r, same, err in parallel(remotes, lambda r: node_image_id(r, tags[r.node.name]) == host[tags[r.node.name]][0]):
+        for r, same, err in cl.map(remotes, lambda r: node_image_id(r, tags[r.node.name]) == host[tags[r.node.name]][0]):
             current[r.node.name] = err is None and same
     exports = {t: export(t) for t in sorted({tags[n] for n in tags if not current.get(n)})}
     with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
@@ -274,7 +160,7 @@ def push_to_nodes(cl: Cluster, arches: dict[str, str | None], quiet: bool = Fals
                 return PushResult(r.node.name, tag, image_id, "skipped", layers_total=n_layers, image_bytes=size)
             return push_one(r, exports[tag], progress, force_full)
 
-        res = parallel(remotes, one)
+        res = cl.map(remotes, one)
     out, errors = [], []
     for r, val, err in res:
         if err is not None:
@@ -345,7 +231,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def main(args) -> int:
     inv = load(args)
-    with Cluster(inv, args.accept_new_host_keys) as cl:
+    with Cluster(inv, args.accept_new_host_keys, workers=args.parallel) as cl:
         arches: dict[str, str | None] = {}
         if any(n.arch is None for n in inv.nodes):
             arches = {k: p.arch for k, p in cl.each(lambda r: probe(r, inv.master.host)).items()}

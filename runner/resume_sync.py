@@ -21,17 +21,15 @@ Shared storage needs nothing: every node lists the same files and nothing is cop
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import posixpath
-import shlex
 import tempfile
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from runner.digest import remote_sha256, sha256_file
 from runner.errors import UserError
 from runner.ssh import Remote
 
@@ -116,6 +114,7 @@ def plan_copies(name: str, listings: dict[str, Listing], hashes: dict[str, dict[
         for f in sorted(listings[node].checkpoints[name]):
             holders.setdefault(f, []).append(node)
     served: dict[str, int] = dict.fromkeys(listings, 0)
+    order = {n: i for i, n in enumerate(listings)}  # (a list.index per file was O(nodes^2))
     copies: list[Copy] = []
     for f in sorted(holders):
         have = holders[f]
@@ -129,7 +128,7 @@ def plan_copies(name: str, listings: dict[str, Listing], hashes: dict[str, dict[
         if not lacking:
             continue
         # One source per file: it is fetched once to this host and put to every node lacking it.
-        src = min(have, key=lambda n: (served[n], list(listings).index(n)))
+        src = min(have, key=lambda n: (served[n], order[n]))
         served[src] += size
         copies += [Copy(f, src, dst, size, digest) for dst in lacking]
     return copies
@@ -199,20 +198,15 @@ def describe(name: str, listings: dict[str, Listing], remotes: dict[str, Remote]
                        world_size=int(world) if isinstance(world, int) else None, manifests=manifests)
 
 
-def sha256_node(remote: Remote, directory: str, files: list[str]) -> dict[str, str]:
+def sha256_node(remote: Remote, directory: str, files: list[str], total_bytes: int = 0) -> dict[str, str]:
+    """{file: sha256} on the node, every one of them or a UserError."""
     if not files:
         return {}
-    res = remote.run(f"cd {shlex.quote(directory)} && sha256sum -- " + " ".join(shlex.quote(f) for f in files),
-                     timeout=3600)
-    out = {}
-    for line in res.out.splitlines():
-        digest, _, f = line.partition("  ")
-        out[f] = digest
-    missing = [f for f in files if f not in out]
-    if res.rc != 0 or missing:
+    sums, failed = remote_sha256(remote, directory, files, total_bytes)
+    if failed:
         raise UserError(f"node {remote.node.name}: sha256sum in {directory} failed for "
-                        f"{', '.join(missing[:3]) or 'some files'}: {res.err.strip()[:160]}")
-    return out
+                        f"{', '.join(list(failed)[:3])}: {next(iter(failed.values()))[:160]}")
+    return sums
 
 
 @dataclass
@@ -248,7 +242,8 @@ def sync_checkpoints(remotes: dict[str, Remote], run_dirs: dict[str, str],
     for name in candidates(listings, {n: d.step for n, d in descs.items()}):
         why = incomplete(name, listings, descs[name])
         if why is None:
-            hashes = {n: sha256_node(remotes[n], f"{roots[n]}/{name}", sorted(listings[n].checkpoints[name]))
+            hashes = {n: sha256_node(remotes[n], f"{roots[n]}/{name}", sorted(listings[n].checkpoints[name]),
+                                     sum(listings[n].checkpoints[name].values()))
                       for n in listings}
             try:
                 copies = plan_copies(name, listings, hashes)
@@ -287,7 +282,7 @@ def _execute(copies: list[Copy], name: str, remotes: dict[str, Remote], roots: d
             local = os.path.join(tmp, "blob")
             src = cs[0].src
             remotes[src].sftp.get(f"{roots[src]}/{name}/{f}", local)
-            digest, crc, size = _digest(local)
+            digest, crc, size = sha256_file(local, crc32=True)
             if size != cs[0].size or digest != cs[0].sha256:
                 raise UserError(f"node {src}: {roots[src]}/{name}/{f} changed while copying "
                                 f"({size} bytes, sha256 {digest[:12]}); not resuming")
@@ -304,16 +299,6 @@ def _execute(copies: list[Copy], name: str, remotes: dict[str, Remote], roots: d
             os.unlink(local)
 
 
-def _digest(path: str) -> tuple[str, int, int]:
-    h, crc, size = hashlib.sha256(), 0, 0
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 22):
-            h.update(chunk)
-            crc = zlib.crc32(chunk, crc)
-            size += len(chunk)
-    return h.hexdigest(), crc, size
-
-
 def _put(remote: Remote, local: str, directory: str, f: str, sha256: str, size: int) -> None:
     """Upload under a temporary name, check size and sha256 on the node, then rename. SFTP's
     rename (not posix-rename) refuses to replace an existing file: a copy that appeared meanwhile
@@ -324,7 +309,7 @@ def _put(remote: Remote, local: str, directory: str, f: str, sha256: str, size: 
     try:
         remote.sftp.put(local, tmp)
         st = remote.stat(tmp)
-        got = sha256_node(remote, directory, [posixpath.basename(tmp)])[posixpath.basename(tmp)]
+        got = sha256_node(remote, directory, [posixpath.basename(tmp)], size)[posixpath.basename(tmp)]
         if st is None or st.st_size != size or got != sha256:
             raise UserError(f"node {node}: {tmp}: copy does not match its source (size or sha256)")
         try:
@@ -332,7 +317,7 @@ def _put(remote: Remote, local: str, directory: str, f: str, sha256: str, size: 
         except OSError:
             if remote.stat(final) is None:
                 raise UserError(f"node {node}: cannot rename {tmp} to {final}") from None
-            if sha256_node(remote, directory, [f])[f] != sha256:
+            if sha256_node(remote, directory, [f], size)[f] != sha256:
                 raise UserError(f"node {node}: {final} appeared during the copy with other contents; "
                                 "not replacing it") from None
     finally:

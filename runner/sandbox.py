@@ -4,8 +4,13 @@ plus its own dockerd (own data root, exec root, socket, pidfile; no bridge).
 Node i listens on 127.0.0.(11+i):PORT. Its sshd sets DOCKER_HOST for every session, so
 `docker ...` run over SSH on node i (and the docker SDK's ssh dial-stdio) reaches node i's engine
 and no other: an image loaded on node 1 is absent on node 2. Each node has its own workdir.
-Host keys are generated per node and written to a known_hosts file, so clients verify them
-instead of auto-accepting.
+Host keys (ed25519 and ECDSA, as a stock sshd has) are generated per node and the ed25519 ones
+written to a known_hosts file, so clients verify them instead of auto-accepting. The sshd keeps a
+real sshd's session limits (MaxSessions 10), so the runner is held to them here too.
+
+`--light` nodes (for measuring many nodes) are an sshd only: no engine of their own, their
+sessions talk to this machine's engine (RUNNER_HOST_DOCKER), whose containers the runner tells
+apart by their node label. Up to MAX_LIGHT_NODES of them.
 """
 
 from __future__ import annotations
@@ -33,6 +38,12 @@ log = logging.getLogger("runner.sandbox")
 DEFAULT_BASE_ADDR = "127.0.0.11"
 DEFAULT_PORT = 2222
 MAX_NODES = 16
+MAX_LIGHT_NODES = 128
+HOST_ENGINE = os.environ.get("RUNNER_HOST_DOCKER", "unix:///var/run/docker.sock")
+# Light nodes measure the runner, not this machine's login: bash sources ~/.bashrc for every
+# command run over SSH unless SHLVL says it is nested, and root's here runs `pyenv init` (~100
+# processes, 0.1-0.25 s per exec). Full nodes keep it: a real node's heavy bashrc costs as much.
+LIGHT_ENV = " SHLVL=1"
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 DOCKERD = shutil.which("dockerd") or "/usr/sbin/dockerd"
 
@@ -44,6 +55,7 @@ class Node:
     port: int
     root: Path  # <state>/node-i: keys, configs, data root, workdir
     run: Path  # short path under /run for sockets (unix socket paths are limited to 108 bytes)
+    light: bool = False  # sshd only; sessions use this machine's engine
 
     @property
     def name(self) -> str:
@@ -52,6 +64,10 @@ class Node:
     @property
     def host_key(self) -> Path:
         return self.root / "ssh_host_ed25519_key"
+
+    @property
+    def host_key_ecdsa(self) -> Path:
+        return self.root / "ssh_host_ecdsa_key"
 
     @property
     def sshd_config(self) -> Path:
@@ -83,17 +99,18 @@ class Node:
 
     @property
     def docker_host(self) -> str:
-        return f"unix://{self.docker_sock}"
+        return HOST_ENGINE if self.light else f"unix://{self.docker_sock}"
 
 
 class Sandbox:
     """State lives in files under `state_dir`; every method can be re-run safely."""
 
     def __init__(self, state_dir: Path | str = ".sandbox", base_addr: str = DEFAULT_BASE_ADDR,
-                 port: int = DEFAULT_PORT):
+                 port: int = DEFAULT_PORT, light: bool = False):
         self.state = Path(state_dir).resolve()
         self.base_addr = base_addr
         self.port = port
+        self.light = light
         tag = hashlib.sha1(str(self.state).encode()).hexdigest()[:8]
         self.run_root = Path("/run/runner-sandbox") / tag
 
@@ -112,7 +129,7 @@ class Sandbox:
 
     def node(self, i: int) -> Node:
         addr = str(ipaddress.IPv4Address(self.base_addr) + i)
-        return Node(i, addr, self.port, self.state / f"node-{i}", self.run_root / f"node-{i}")
+        return Node(i, addr, self.port, self.state / f"node-{i}", self.run_root / f"node-{i}", self.light)
 
     def existing_nodes(self) -> list[Node]:
         if not self.state.is_dir():
@@ -121,7 +138,7 @@ class Sandbox:
         meta = self._read_meta()
         base = meta.get("base_addr", self.base_addr)
         port = meta.get("port", self.port)
-        sb = Sandbox(self.state, base, port)
+        sb = Sandbox(self.state, base, port, bool(meta.get("light", self.light)))
         return [sb.node(i) for i in idx]
 
     def _read_meta(self) -> dict:
@@ -129,9 +146,11 @@ class Sandbox:
         return (yaml.safe_load(f.read_text()) or {}) if f.exists() else {}
 
     # ---- up -------------------------------------------------------------------------------
-    def up(self, n: int, inventory: Path | None) -> list[Node]:
-        if n < 1 or n > MAX_NODES:
-            raise UserError(f"--nodes must be between 1 and {MAX_NODES} (got {n})")
+    def up(self, n: int, inventory: Path | None, cpus: list[float] | None = None) -> list[Node]:
+        """cpus: per node (Docker --cpus of the job's container, written into the inventory)."""
+        most = MAX_LIGHT_NODES if self.light else MAX_NODES
+        if n < 1 or n > most:
+            raise UserError(f"--nodes must be between 1 and {most}{' for --light nodes' if self.light else ''} (got {n})")
         try:
             base = ipaddress.IPv4Address(self.base_addr)
         except ValueError:
@@ -147,10 +166,11 @@ class Sandbox:
                 raise UserError(f"{tool} not found: run scripts/setup.sh (installs openssh-server, docker.io)")
 
         meta = self._read_meta()
-        if meta and (meta.get("base_addr"), meta.get("port")) != (self.base_addr, self.port):
+        if meta and (meta.get("base_addr"), meta.get("port"), bool(meta.get("light"))) != (
+                self.base_addr, self.port, self.light):
             if any(self._node_running(nd) for nd in self.existing_nodes()):
                 raise UserError(f"sandbox in {self.state} is running on {meta.get('base_addr')}:"
-                                f"{meta.get('port')}; run 'runner sandbox down' before changing address/port")
+                                f"{meta.get('port')}; run 'runner sandbox down' before changing address/port/--light")
         nodes = [self.node(i) for i in range(n)]
         # Check every address before starting anything, so a taken one leaves nothing running.
         for nd in nodes:
@@ -159,7 +179,7 @@ class Sandbox:
                                 "pick another --base-addr or --port")
         self.state.mkdir(parents=True, exist_ok=True)
         (self.state / "sandbox.yaml").write_text(yaml.safe_dump(
-            {"base_addr": self.base_addr, "port": self.port}))
+            {"base_addr": self.base_addr, "port": self.port, **({"light": True} if self.light else {})}))
         self._ensure_user_key()
         started: list[Node] = []
         try:
@@ -167,7 +187,7 @@ class Sandbox:
                 # Counted as started BEFORE _start_node: if its sshd fails after its dockerd came
                 # up, the rollback must stop that dockerd too. A node that was already fully
                 # running before this call is left alone.
-                if not (self._sshd_alive(nd) and self._docker_alive(nd)):
+                if not (self._sshd_alive(nd) and (nd.light or self._docker_alive(nd))):
                     started.append(nd)
                 self._start_node(nd)
             for nd in nodes:
@@ -182,7 +202,7 @@ class Sandbox:
                 self._stop_node(nd)
         self._write_known_hosts(nodes)
         if inventory is not None:
-            write_inventory(Path(inventory), nodes, self)
+            write_inventory(Path(inventory), nodes, self, cpus)
         return nodes
 
     def _ensure_user_key(self) -> None:
@@ -194,13 +214,13 @@ class Sandbox:
 
     def _start_node(self, nd: Node) -> bool:
         """Start what is not running; True if anything was started."""
-        for d in (nd.root, nd.workdir, nd.data_root, nd.run, nd.exec_root):
+        for d in (nd.root, nd.workdir, nd.run) + (() if nd.light else (nd.data_root, nd.exec_root)):
             d.mkdir(parents=True, exist_ok=True)
-        if not nd.host_key.exists():
-            _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"runner-sandbox-{nd.name}",
-                  "-f", str(nd.host_key)])
+        for kind, key in (("ed25519", nd.host_key), ("ecdsa", nd.host_key_ecdsa)):
+            if not key.exists():
+                _run(["ssh-keygen", "-q", "-t", kind, "-N", "", "-C", f"runner-sandbox-{nd.name}", "-f", str(key)])
         started = False
-        if not self._docker_alive(nd):
+        if not nd.light and not self._docker_alive(nd):
             _remove_stale_pid(nd.docker_pid)
             logf = open(nd.root / "dockerd.log", "ab")
             subprocess.Popen(
@@ -212,6 +232,12 @@ class Sandbox:
                 stdout=logf, stderr=logf, stdin=subprocess.DEVNULL, start_new_session=True)
             started = True
         if not self._sshd_alive(nd):
+            # sshd starts with any one loadable host key; the sandbox's known_hosts records the
+            # ed25519 one, so an unreadable ed25519 key is a node nobody could verify.
+            check = subprocess.run(["ssh-keygen", "-y", "-f", str(nd.host_key)], capture_output=True, text=True)
+            if check.returncode != 0:
+                raise UserError(f"{SSHD} -f failed: host key {nd.host_key} is unreadable "
+                                f"({(check.stderr.strip().splitlines() or ['?'])[-1]}); remove it for a new one")
             _remove_stale_pid(nd.sshd_pid)
             nd.sshd_config.write_text(_sshd_config(nd, self.authorized_keys))
             Path("/run/sshd").mkdir(exist_ok=True)  # privilege separation dir sshd insists on
@@ -222,7 +248,7 @@ class Sandbox:
     def _wait_ready(self, nd: Node, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self._sshd_alive(nd) and not _port_free(nd.addr, nd.port) and self._docker_alive(nd):
+            if self._sshd_alive(nd) and not _port_free(nd.addr, nd.port) and (nd.light or self._docker_alive(nd)):
                 return
             time.sleep(0.25)
         raise UserError(f"{nd.name} did not come up within {timeout:.0f} s "
@@ -274,9 +300,9 @@ class Sandbox:
         rows = []
         for nd in self.existing_nodes():
             row = {"node": nd.name, "address": f"{nd.addr}:{nd.port}", "sshd": self._sshd_alive(nd),
-                   "dockerd": self._docker_alive(nd), "images": None, "containers": None,
+                   "dockerd": "shared" if nd.light else self._docker_alive(nd), "images": None, "containers": None,
                    "workdir": str(nd.workdir)}
-            if row["dockerd"]:
+            if row["dockerd"] is True:
                 out = subprocess.run(["docker", "-H", nd.docker_host, "info", "--format",
                                       "{{.Images}} {{.ContainersRunning}}"], capture_output=True, text=True)
                 if out.returncode == 0 and out.stdout.split():
@@ -310,13 +336,14 @@ def _unmount_below(root: Path) -> None:
         subprocess.run(["umount", "-l", mp], capture_output=True)
 
 
-def write_inventory(path: Path, nodes: list[Node], sb: Sandbox) -> None:
+def write_inventory(path: Path, nodes: list[Node], sb: Sandbox, cpus: list[float] | None = None) -> None:
     """The inventory `runner` consumes for the sandbox: real SSH, verified host keys."""
     doc = {
         "defaults": {"user": "root", "port": sb.port, "identity_file": str(sb.user_key),
                      "known_hosts": str(sb.known_hosts)},
         "nodes": [{"name": nd.name, "host": nd.addr, "arch": "amd64", "workdir": str(nd.workdir),
-                   **({"role": "master"} if nd.index == 0 else {})} for nd in nodes],
+                   **({"role": "master"} if nd.index == 0 else {}),
+                   **({"cpus": cpus[nd.index]} if cpus else {})} for nd in nodes],
         # The Pi experiment at sandbox size, with the guide's own flags.
         "job": {"image": "runner-trainer:latest", "config": "configs/pi-qwen3-3stage-tiny.yaml",
                 "args": ["--train_steps", "5", "--batch_size", "16", "--microbatch_num", "4",
@@ -333,6 +360,7 @@ def _sshd_config(nd: Node, authorized_keys: Path) -> str:
     return f"""# sandbox {nd.name}: written by runner sandbox
 ListenAddress {nd.addr}:{nd.port}
 HostKey {nd.host_key}
+HostKey {nd.host_key_ecdsa}
 PidFile {nd.sshd_pid}
 AuthorizedKeysFile {authorized_keys}
 PermitRootLogin prohibit-password
@@ -343,9 +371,8 @@ StrictModes no
 AllowTcpForwarding yes
 AllowStreamLocalForwarding yes
 StreamLocalBindUnlink yes
-MaxSessions 64
 MaxStartups 64:30:128
-SetEnv DOCKER_HOST={nd.docker_host} SANDBOX_NODE={nd.name}
+SetEnv DOCKER_HOST={nd.docker_host} SANDBOX_NODE={nd.name}{LIGHT_ENV if nd.light else ""}
 Subsystem sftp internal-sftp
 """
 

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
+from runner.errors import UserError
 from runner.sandbox import DEFAULT_BASE_ADDR, DEFAULT_PORT, Sandbox
+from runner.sandbox_slurm import DEFAULT_SLURM_BASE_ADDR, SlurmSandbox
+
+SLURM_INVENTORY = "hosts/slurm-local.yaml"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -22,6 +27,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--inventory", default="hosts/local.yaml", help="inventory to write")
     up.add_argument("--base-addr", default=DEFAULT_BASE_ADDR, help="address of node 0 (127.0.0.x)")
     up.add_argument("--port", type=int, default=DEFAULT_PORT, help="sshd port on every node")
+    up.add_argument("--cpus", metavar="C0,C1,...",
+                    help="CPUs per node (Docker --cpus of the job's container, e.g. 0.3,0.6,1.0; one value for all): "
+                         "nodes of unequal speed")
+    up.add_argument("--light", action="store_true",
+                    help="sshd-only nodes sharing this machine's engine (to measure many nodes; up to 128)")
+    up.add_argument("--slurm", action="store_true",
+                    help="a Slurm cluster instead (slurmctld + N slurmd + a login sshd; inventory "
+                         f"{SLURM_INVENTORY}, login at {DEFAULT_SLURM_BASE_ADDR} unless --base-addr)")
     up.set_defaults(func=_up)
     down = ss.add_parser("down", help="stop every node's sshd, dockerd and containers")
     down.add_argument("--purge", action="store_true", help="also delete node data (images, workdirs)")
@@ -32,17 +45,54 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _up(args) -> int:
-    sb = Sandbox(args.dir, args.base_addr, args.port)
-    nodes = sb.up(args.nodes, Path(args.inventory))
+    if args.slurm:
+        return _up_slurm(args)
+    cpus = parse_cpus(args.cpus, args.nodes)  # before anything starts
+    sb = Sandbox(args.dir, args.base_addr, args.port, light=args.light)
+    nodes = sb.up(args.nodes, Path(args.inventory), cpus)
     for nd in nodes:
         print(f"{nd.name}  ssh root@{nd.addr} -p {nd.port}  docker {nd.docker_host}  workdir {nd.workdir}")
     print(f"inventory: {args.inventory}")
     return 0
 
 
+def parse_cpus(text: str | None, nodes: int) -> list[float] | None:
+    """`--cpus 0.3,0.6,1.0` -> one value per node (a single value is every node's)."""
+    if text is None:
+        return None
+    try:
+        vals = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise UserError(f"--cpus {text}: give numbers of CPUs separated by commas, e.g. 0.3,0.6,1.0") from None
+    if len(vals) == 1:
+        vals = vals * nodes
+    if len(vals) != nodes:
+        raise UserError(f"--cpus {text}: {len(vals)} values for {nodes} nodes; give one per node or one for all")
+    most = os.cpu_count() or 1
+    bad = [v for v in vals if not 0.01 <= v <= most]
+    if bad:
+        raise UserError(f"--cpus {text}: {bad[0]:g} is outside 0.01..{most} (Docker allows up to this machine's "
+                        f"{most} CPUs)")
+    return vals
+
+
+def _up_slurm(args) -> int:
+    base = DEFAULT_SLURM_BASE_ADDR if args.base_addr == DEFAULT_BASE_ADDR else args.base_addr
+    inventory = SLURM_INVENTORY if args.inventory == "hosts/local.yaml" else args.inventory
+    meta = SlurmSandbox(args.dir, base, args.port).up(args.nodes, Path(inventory))
+    print(f"slurm login  ssh root@{meta['login']} -p {meta['port']}  (SLURM_CONF={meta['conf']})")
+    for i, addr in enumerate(meta["node_addrs"]):
+        print(f"slurm node-{i}  NodeAddr {addr}  slurmd port {meta['slurmd_ports'][i]}")
+    print(f"shared workdir: {meta['shared']}")
+    print(f"inventory: {inventory}")
+    return 0
+
+
 def _down(args) -> int:
     sb = Sandbox(args.dir)
     stopped = sb.down()
+    if SlurmSandbox(args.dir).down():
+        stopped.append("slurm cluster")
     print(f"stopped: {', '.join(stopped) if stopped else 'nothing was running'}")
     if args.purge:
         import shutil
@@ -54,15 +104,21 @@ def _down(args) -> int:
 
 def _status(args) -> int:
     rows = Sandbox(args.dir).status()
+    slurm_rows = SlurmSandbox(args.dir).status()
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps(rows + [{**r, "slurm": True} for r in slurm_rows], indent=2))
         return 0
+    if slurm_rows:
+        for r in slurm_rows:
+            print(f"slurm {r['node']}  {r['address']}  {r['state']}")
+        if not rows:
+            return 0 if all(r["state"] not in ("down", "unknown") for r in slurm_rows) else 1
     if not rows:
         print("no sandbox nodes (run 'runner sandbox up --nodes N')")
         return 0
     table = Table("node", "address", "sshd", "dockerd", "images", "containers", "workdir")
     for r in rows:
-        table.add_row(r["node"], r["address"], "up" if r["sshd"] else "down", "up" if r["dockerd"] else "down",
+        table.add_row(r["node"], r["address"], "up" if r["sshd"] else "down", r["dockerd"] if isinstance(r["dockerd"], str) else "up" if r["dockerd"] else "down",
                       str(r["images"] if r["images"] is not None else "-"),
                       str(r["containers"] if r["containers"] is not None else "-"), r["workdir"])
     Console().print(table)

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import argparse
-import hashlib
 import shlex
 import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
 from runner.errors import UserError
+from runner.fanout import DEFAULT_PARALLEL, add_parallel_arg, parallel
 from runner.inventory import Inventory, Node, load_inventory
+from runner.paths import node_paths
 from runner.plan import Facts
+from runner.rendezvous import AUTO_PORT_BASE, AUTO_PORT_OFFSETS, AUTO_PORT_SPAN, pick_master_port, port_offset
 from runner.ssh import Remote, connect_all, connect_each
 
 T = TypeVar("T")
@@ -25,26 +26,12 @@ def add_inventory_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-i", "--inventory", default=DEFAULT_INVENTORY, help=f"inventory YAML (default {DEFAULT_INVENTORY})")
     p.add_argument("--accept-new-host-keys", action="store_true",
                    help="trust and record host keys not yet in known_hosts (default: refuse)")
+    add_parallel_arg(p)
 
 
-def load(args, *, check_files: bool = True, with_job: bool = True) -> Inventory:
-    return load_inventory(args.inventory, check_files=check_files, job_path=getattr(args, "job", None),
-                          with_job=with_job)
-
-
-def parallel(items: list, fn: Callable[..., T], workers: int | None = None) -> list[tuple[object, T | None, Exception | None]]:
-    """fn over items concurrently; returns (item, result, error) in input order."""
-    if not items:
-        return []
-    with ThreadPoolExecutor(max_workers=workers or len(items)) as ex:
-        futs = [ex.submit(fn, it) for it in items]
-        out = []
-        for it, f in zip(items, futs, strict=True):
-            try:
-                out.append((it, f.result(), None))
-            except Exception as exc:  # noqa: BLE001 - reported per node by the caller
-                out.append((it, None, exc))
-        return out
+def load(args, *, with_job: bool = True) -> Inventory:
+    """The inventory, every problem refused here (files it names included, also for --dry-run)."""
+    return load_inventory(args.inventory, job_path=getattr(args, "job", None), with_job=with_job)
 
 
 class Cluster:
@@ -55,25 +42,30 @@ class Cluster:
     could not be reached are in `unreachable` ({node: one-line reason}); if none answers at all,
     it is one error as with partial=False."""
 
-    def __init__(self, inv: Inventory, accept_new_host_keys: bool = False, partial: bool = False):
+    def __init__(self, inv: Inventory, accept_new_host_keys: bool = False, partial: bool = False,
+                 workers: int = DEFAULT_PARALLEL):
         self.inv = inv
         self.accept_new = accept_new_host_keys
         self.partial = partial
+        self.workers = workers
         self.remotes: dict[str, Remote] = {}
         self.unreachable: dict[str, str] = {}
 
     def __enter__(self) -> Cluster:
         if not self.partial:
-            self.remotes = connect_all(self.inv.nodes, self.accept_new)
+            self.remotes = connect_all(self.inv.nodes, self.accept_new, self.workers)
             return self
-        self.remotes, self.unreachable = connect_each(self.inv.nodes, self.accept_new)
+        self.remotes, self.unreachable = connect_each(self.inv.nodes, self.accept_new, self.workers)
         if not self.remotes:
             raise UserError("; ".join(self.unreachable.values()))
         return self
 
+    def map(self, items: list, fn: Callable) -> list:
+        """parallel() bounded by this command's --parallel."""
+        return parallel(items, fn, self.workers)
+
     def __exit__(self, *exc) -> None:
-        for r in self.remotes.values():
-            r.close()
+        self.map(list(self.remotes.values()), Remote.close)
 
     def __getitem__(self, name: str) -> Remote:
         return self.remotes[name]
@@ -89,7 +81,7 @@ class Cluster:
 
     def each(self, fn: Callable[[Remote], T]) -> dict[str, T]:
         """Run fn on every connected node in parallel; one UserError naming every node that failed."""
-        res = parallel([self.remotes[n.name] for n in self.inv.nodes if n.name in self.remotes], fn)
+        res = self.map([self.remotes[n.name] for n in self.inv.nodes if n.name in self.remotes], fn)
         errors = [f"{r.node.name}: {_short(e)}" for r, _, e in res if e is not None]
         if errors:
             raise UserError("; ".join(errors))
@@ -128,8 +120,7 @@ UNAME_ARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": 
 
 def probe(remote: Remote, master_host: str, clock: bool = True) -> Probe:
     """One round trip of plain shell (no python needed on the node)."""
-    wd = remote.node.workdir
-    wd_sh = '"$HOME"' + shlex.quote(wd[1:]) if wd.startswith("~") else shlex.quote(wd)
+    wd_sh = shlex.quote(node_paths(remote.node, remote.home).workdir)
     m = shlex.quote(master_host)
     script = f"""
 A=$(getent ahostsv4 {m} 2>/dev/null | awk 'NR==1{{print $1}}'); [ -n "$A" ] || A={m}
@@ -148,9 +139,9 @@ V=$(docker version --format '{{{{.Server.Version}}}}' 2>&1 | tr '\\n' ' ')
 echo "docker_rc=$?"
 echo "docker=$V"
 """
-    res = remote.run(["sh", "-c", script], timeout=30)
+    lines, offset = _probe_session(remote, script, clock)
     kv: dict[str, str] = {}
-    for line in res.out.splitlines():
+    for line in lines:
         k, _, v = line.partition("=")
         kv[k.strip()] = v.strip()
     p = Probe()
@@ -175,17 +166,39 @@ echo "docker=$V"
         p.docker = v.strip()
     else:
         p.docker_error = v.strip()[:160] or "docker not found"
-    p.clock_offset_s = clock_offset(remote) if clock else None
+    p.clock_offset_s = offset
     p.listening = remote.listening_ports()
     return p
 
 
-def clock_offset(remote: Remote, samples: int = 3) -> float | None:
+PROBE_END = "__runner_probe_end__"
+
+
+def _probe_session(remote: Remote, script: str, clock: bool, samples: int = 3) -> tuple[list[str], float | None]:
+    """The probe's lines, then (clock=True) the clock samples, all in ONE session: each exec costs
+    the node a login shell (its ~/.bashrc too: ~100 processes on a pyenv-initialised account)."""
+    loop = "while read -r _; do date +%s%N; done" if clock else ":"
+    chan = remote.open_exec(shlex.join(["sh", "-c", f"{script}\necho {PROBE_END}\n{loop}"]))
+    lines: list[str] = []
+    try:
+        chan.settimeout(30)
+        out = chan.makefile("rb")
+        while (raw := out.readline()) and (line := raw.decode(errors="replace").rstrip("\n")) != PROBE_END:
+            lines.append(line)
+        return lines, (_clock_offset(chan, out, samples) if clock else None)
+    except (OSError, TimeoutError):
+        raise UserError(f"node {remote.node.name}: the probe did not answer within 30s") from None
+    finally:
+        chan.close()
+
+
+def _clock_offset(chan, replies, samples: int) -> float | None:
     """Node clock minus ours, from the sample with the smallest round trip (NTP's idea)."""
     best: tuple[float, float] | None = None
     for _ in range(samples):
         t0 = time.time()
-        out = remote.run("date +%s%N", timeout=10).out.strip()
+        chan.sendall(b"\n")
+        out = replies.readline().strip()
         t1 = time.time()
         if not out.isdigit():
             return None
@@ -202,24 +215,5 @@ def _int(s: str | None) -> int | None:
         return None
 
 
-# master_port auto: the first free port from AUTO_PORT_BASE + (0..AUTO_PORT_OFFSETS-1, from the run
-# id), searching AUTO_PORT_SPAN ports. `runner check` reports on the same window.
-AUTO_PORT_BASE, AUTO_PORT_OFFSETS, AUTO_PORT_SPAN = 29500, 400, 500
-
-
-def port_offset(run_id: str) -> int:
-    """0..AUTO_PORT_OFFSETS-1 from the run id (any string: `--resume myrun` too), so two concurrent
-    launches on one master rarely try the same port."""
-    return int.from_bytes(hashlib.sha256(run_id.encode()).digest()[:4], "big") % AUTO_PORT_OFFSETS
-
-
-def pick_master_port(listening: set[int], run_id: str) -> int:
-    """First port nothing listens on, from the run id's place in torchrun's default neighbourhood."""
-    start = AUTO_PORT_BASE + port_offset(run_id)
-    for p in range(start, start + AUTO_PORT_SPAN):
-        if p not in listening:
-            return p
-    raise UserError(f"no free master port in {start}..{start + AUTO_PORT_SPAN - 1} on the master; set job.master_port")
-
-
-__all__ = ["Cluster", "Probe", "add_inventory_args", "load", "parallel", "pick_master_port", "port_offset", "probe", "connect_all"]
+__all__ = ["AUTO_PORT_BASE", "AUTO_PORT_OFFSETS", "AUTO_PORT_SPAN", "Cluster", "Probe", "add_inventory_args", "load",
+           "parallel", "pick_master_port", "port_offset", "probe", "connect_all"]

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
+import posixpath
+import stat
 import sys
 import threading
 import time
@@ -14,47 +15,55 @@ from datetime import datetime, timezone
 from rich.console import Console
 from rich.table import Table
 
+from contract import metrics
+from runner import runs
 from runner.down import run_containers
 from runner.errors import UserError
-from runner.plan import LABEL_RANK, LABEL_RUN, LABEL_RUN_DIR
-from runner.session import Cluster, add_inventory_args, load, parallel
+from runner.paths import node_paths
+from runner.plan import LABEL_RANK, LABEL_RUN
+from runner.session import Cluster, add_inventory_args, load
 from runner.ssh import Remote
 
-
-def _runs_dir(remote: Remote) -> str:
-    wd = remote.node.workdir
-    return ("$HOME" + shlex.quote(wd[1:]) if wd.startswith("~") else shlex.quote(wd)) + "/runs"
+METRICS_TAIL = 16384  # bytes read from the end of metrics.jsonl: the last records, for progress and ETA
 
 
-def node_runs(remote: Remote) -> tuple[list, dict[str, dict]]:
-    """(containers of any run, {run id: runner-status.json or {}}) on one node."""
-    return run_containers(remote, None), node_run_dirs(remote)
+STATUS_FILE = "runner-status.json"
 
 
-def node_run_dirs(remote: Remote) -> dict[str, dict]:
-    """{run id: runner-status.json or {}} for the run dirs on one node (one shell, no Docker API)."""
-    res = remote.run(["sh", "-c", f"cd {_runs_dir(remote)} 2>/dev/null && for d in */; do d=${{d%/}}; "
-                      f"printf '%s\\t' \"$d\"; cat \"$d/runner-status.json\" 2>/dev/null | tr -d '\\n'; echo; done"])
-    dirs: dict[str, dict] = {}
-    for line in res.out.splitlines():
-        rid, _, doc = line.partition("\t")
-        if not rid or rid == "*":
-            continue
-        try:
-            dirs[rid] = json.loads(doc) if doc.strip() else {}
-        except json.JSONDecodeError:
-            dirs[rid] = {}
-    return dirs
+def node_runs(remote: Remote, docs: bool = False) -> tuple[list, dict[str, dict | None]]:
+    """(containers of any run, run dirs) on one node."""
+    return run_containers(remote, None), node_run_dirs(remote, docs)
 
 
-def gather(cl: Cluster, containers: bool = True) -> dict[str, tuple[list, dict[str, dict]]]:
+def node_run_dirs(remote: Remote, docs: bool = False) -> dict[str, dict | None]:
+    """{run id: None} for the run dirs on one node, over SFTP (no shell: an exec costs the node a
+    login); docs=True reads each one's runner-status.json ({} when it has none)."""
+    try:
+        entries = remote.sftp.listdir_attr(node_paths(remote.node, remote.home).runs)
+    except OSError:
+        return {}
+    ids = sorted(e.filename for e in entries if stat.S_ISDIR(e.st_mode or 0) and runs.is_run_name(e.filename))
+    return {rid: run_doc(remote, rid) if docs else None for rid in ids}
+
+
+def run_doc(remote: Remote, run_id: str) -> dict:
+    """The run's runner-status.json on the node ({} when it has none, or it does not parse)."""
+    text = remote.read_text(posixpath.join(node_paths(remote.node, remote.home).run(run_id), STATUS_FILE))
+    try:
+        doc = json.loads(text) if text else {}
+    except json.JSONDecodeError:
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def gather(cl: Cluster, containers: bool = True, docs: bool = False) -> dict[str, tuple[list, dict[str, dict | None]]]:
     """{node: (containers, run dirs)} for every node that answered; the others are named on
     stderr, one line each, and left out (a dead node must not hide the live ones).
     containers=False lists run dirs only (collect: a run with files has a dir; the Docker API
     connection per node cost it a second)."""
     cl.warn_unreachable("left out")
-    res = parallel([cl[n.name] for n in cl.reachable()],
-                   node_runs if containers else (lambda r: ([], node_run_dirs(r))))
+    res = cl.map([cl[n.name] for n in cl.reachable()],
+                 (lambda r: node_runs(r, docs)) if containers else (lambda r: ([], node_run_dirs(r, docs))))
     out = {}
     for r, val, err in res:
         out[r.node.name] = val if err is None else ([], {})
@@ -65,16 +74,25 @@ def gather(cl: Cluster, containers: bool = True) -> dict[str, tuple[list, dict[s
 
 
 def resolve_run(data: dict[str, tuple[list, dict]], run: str | None) -> str:
+    """The run `run` names, or the latest (runner/runs.py), among every container and run dir found."""
     ids = {c.labels.get(LABEL_RUN) for cs, _ in data.values() for c in cs} | {r for _, ds in data.values() for r in ds}
-    ids.discard(None)
-    if run:
-        matches = [i for i in ids if i == run or i.startswith(run)]
-        if len(matches) == 1 or run in matches:
-            return run if run in matches else matches[0]
-        raise UserError(f"run {run!r} not found on any node" if not matches else f"run {run!r} is ambiguous: {matches}")
-    if not ids:
-        raise UserError("no runs found on any node (no runner containers, no run dirs)")
-    return max(ids)
+    return runs.resolve({i for i in ids if i}, run, "the nodes' run dirs and containers")
+
+
+def node_progress(remote: Remote, run_dir: str) -> tuple[str | None, metrics.Progress | None]:
+    """(last metrics.jsonl line, progress) of a run dir, over SFTP: no shell, nothing to quote."""
+    try:
+        with remote.sftp.open(posixpath.join(run_dir, metrics.FILE), "rb") as fh:
+            size = fh.stat().st_size or 0
+            fh.seek(max(0, size - METRICS_TAIL))
+            text = fh.read().decode(errors="replace")
+    except OSError:
+        return None, None
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    if size > METRICS_TAIL:
+        lines = lines[1:]  # the first may be cut
+    total = metrics.total_steps(remote.read_text(posixpath.join(run_dir, "config.yaml")))
+    return (lines[-1] if lines else None), metrics.progress(metrics.parse("\n".join(lines)), total)
 
 
 def _uptime(c) -> str:
@@ -90,29 +108,43 @@ def status_rows(cl: Cluster, data, run_id: str) -> list[dict]:
     for n in cl.inv.ordered():
         if n.name not in data:
             rows.append({"node": n.name, "rank": None, "state": "unreachable", "exit_code": None, "uptime": "-",
-                         "last_metrics": None, "error": cl.unreachable.get(n.name)})
+                         "last_metrics": None, "progress": None, "error": cl.unreachable.get(n.name)})
             continue
         containers, dirs = data[n.name]
         cs = [c for c in containers if c.labels.get(LABEL_RUN) == run_id]
-        row = {"node": n.name, "rank": None, "state": "absent", "exit_code": None, "uptime": "-", "last_metrics": None}
-        run_dir = None
+        row = {"node": n.name, "rank": None, "state": "absent", "exit_code": None, "uptime": "-", "last_metrics": None,
+               "progress": None}
         if cs:
             c = cs[0]
             row.update(rank=int(c.labels.get(LABEL_RANK, -1)), state=c.status,
                        exit_code=c.attrs.get("State", {}).get("ExitCode") if c.status == "exited" else None,
                        uptime=_uptime(c))
-            run_dir = c.labels.get(LABEL_RUN_DIR)
         elif run_id in dirs:
-            doc = dirs[run_id]
+            doc = dirs[run_id] if dirs[run_id] is not None else run_doc(cl[n.name], run_id)
             row.update(rank=doc.get("rank"), state="finished" if doc else "no container",
                        exit_code=doc.get("exit_code"))
-        if run_dir is None and run_id in dirs:
-            run_dir = f"{_runs_dir(cl[n.name])}/{run_id}"
-        if run_dir:
-            m = cl[n.name].run(["sh", "-c", f"tail -n 1 {run_dir}/metrics.jsonl 2>/dev/null"]).out.strip()
-            row["last_metrics"] = m or None
+        if cs or run_id in dirs:
+            # The run dir from the inventory's workdir, never from a label (data from the node).
+            last, prog = node_progress(cl[n.name], node_paths(n, cl[n.name].home).run(run_id))
+            row["last_metrics"] = last
+            row["progress"] = prog.as_dict() if prog else None
         rows.append(row)
     return rows
+
+
+def _console() -> Console:
+    """A terminal's width, or 200 columns into a pipe (rich's 80 would wrap every row)."""
+    c = Console()
+    return c if c.is_terminal else Console(width=200)
+
+
+def tail_lines(text: str) -> str | int:
+    """argparse type for --tail: `all` or a count of lines."""
+    if text == "all":
+        return text
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a number of lines or 'all', got {text!r}")
+    return int(text)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -130,14 +162,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("run", nargs="?", help="run id or prefix (default: latest)")
     p.add_argument("--node", action="append", help="only this node (repeatable)")
     p.add_argument("-f", "--follow", action="store_true")
-    p.add_argument("--tail", default="all", help="lines from the end per node (default all)")
+    p.add_argument("--tail", default="all", type=tail_lines, help="lines from the end per node (default all)")
     p.add_argument("--logs-dir", default="artifacts", help="where `runner up` kept logs (for finished runs)")
     p.set_defaults(func=cmd_logs)
 
 
 def cmd_status(args) -> int:
     inv = load(args, with_job=False)
-    with Cluster(inv, args.accept_new_host_keys, partial=True) as cl:
+    with Cluster(inv, args.accept_new_host_keys, partial=True, workers=args.parallel) as cl:
         data = gather(cl)
         run_id = resolve_run(data, args.run)
         rows = status_rows(cl, data, run_id)
@@ -145,19 +177,20 @@ def cmd_status(args) -> int:
         print(json.dumps({"run_id": run_id, "nodes": rows}, indent=2))
         return 0
     t = Table(title=f"run {run_id}")
-    for col in ("node", "rank", "state", "exit", "uptime", "last metrics"):
+    for col in ("node", "rank", "state", "exit", "uptime", "progress"):
         t.add_column(col, overflow="fold")
     for r in rows:
+        prog = str(metrics.Progress(**r["progress"])) if r["progress"] else "-"
         t.add_row(r["node"], str(r["rank"] if r["rank"] is not None else "-"), r["state"],
-                  str(r["exit_code"] if r["exit_code"] is not None else "-"), r["uptime"], (r["last_metrics"] or "-")[:120])
-    Console().print(t)
+                  str(r["exit_code"] if r["exit_code"] is not None else "-"), r["uptime"], prog)
+    _console().print(t)
     return 0
 
 
 def cmd_ls(args) -> int:
     inv = load(args, with_job=False)
-    with Cluster(inv, args.accept_new_host_keys, partial=True) as cl:
-        data = gather(cl)
+    with Cluster(inv, args.accept_new_host_keys, partial=True, workers=args.parallel) as cl:
+        data = gather(cl, docs=True)
     runs: dict[str, dict] = {}
     for node, (containers, dirs) in data.items():
         for c in containers:
@@ -179,13 +212,13 @@ def cmd_ls(args) -> int:
     for r in rows:
         states = ", ".join(f"{n}:{s}" for n, s in r["containers"].items()) or "-"
         t.add_row(r["run_id"], states, str(r.get("result", "-")), ", ".join(r["nodes_with_dir"]) or "-")
-    Console().print(t)
+    _console().print(t)
     return 0
 
 
 def cmd_logs(args) -> int:
     inv = load(args, with_job=False)
-    with Cluster(inv, args.accept_new_host_keys, partial=True) as cl:
+    with Cluster(inv, args.accept_new_host_keys, partial=True, workers=args.parallel) as cl:
         data = gather(cl)
         run_id = resolve_run(data, args.run)
         targets = []
@@ -196,10 +229,10 @@ def cmd_logs(args) -> int:
                 if c.labels.get(LABEL_RUN) == run_id:
                     targets.append((n.name, c))
         if not targets:
-            ranks = {node: doc[run_id].get("rank") for node, (_, doc) in data.items() if doc.get(run_id)}
+            ranks = {node: run_doc(cl[node], run_id).get("rank") for node, (_, dirs) in data.items() if run_id in dirs}
             return _kept_logs(run_id, args, ranks)
         lock = threading.Lock()
-        tail = args.tail if args.tail == "all" else int(args.tail)
+        tail = args.tail
 
         def show(item) -> None:
             node, c = item

@@ -10,11 +10,13 @@ import queue
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
 from runner.down import stop_run
+from runner.fanout import DEFAULT_PARALLEL
 from runner.plan import Plan
 from runner.ssh import Remote
 
@@ -46,16 +48,21 @@ class Outcome:
 
 
 class Watcher:
+    """One thread per node (its log stream, then its exit code) and one heartbeat thread for all
+    (pings go through a pool `workers` wide): ~2 threads a watched node with its SSH connection,
+    where a thread each for logs, wait and heartbeat plus the Docker socket forwarders made ~11."""
+
     def __init__(self, remotes: dict[str, Remote], plan: Plan, log_dir: Path | None,
-                 out: TextIO | None = None, tail_lines: int = 20):
+                 out: TextIO | None = None, tail_lines: int = 20, workers: int = DEFAULT_PARALLEL):
         self.remotes, self.plan, self.log_dir = remotes, plan, log_dir
         self.out = out or sys.stdout
+        self.workers = workers
         self.tail: dict[str, collections.deque[str]] = {n.node: collections.deque(maxlen=tail_lines) for n in plan.nodes}
         self.events: queue.Queue[Outcome] = queue.Queue()
         self.stop = threading.Event()
         self.done: dict[str, Outcome] = {}
         self._print_lock = threading.Lock()
-        self._log_threads: dict[str, threading.Thread] = {}
+        self._node_threads: dict[str, threading.Thread] = {}
         self.last_ok: dict[str, float] = {}
         self.stopped_in: float | None = None  # seconds from the failure to the others stopped
 
@@ -69,7 +76,8 @@ class Watcher:
             fh.write(line + "\n")
             fh.flush()
 
-    def _stream(self, np) -> None:
+    def _follow(self, np) -> None:
+        """Stream the container's output until it ends (the container exited), then its exit code."""
         prefix = f"[{np.node}/{np.rank}]"
         fh = None
         if self.log_dir:
@@ -86,29 +94,27 @@ class Watcher:
                     self._emit(prefix, np.node, ln.decode(errors="replace").rstrip("\r"), fh)
             if buf:
                 self._emit(prefix, np.node, buf.decode(errors="replace"), fh)
-        except Exception as exc:  # noqa: BLE001 - the wait/heartbeat threads report the failure
-            log.debug("%s log stream ended: %s", prefix, exc)
-        finally:
-            if fh:
-                fh.close()
-
-    def _wait(self, np) -> None:
-        try:
-            c = self.remotes[np.node].docker().containers.get(np.container)
-            res = c.wait(timeout=None)
+            res = c.wait(timeout=None)  # at once: the stream ends when the container does
             self.events.put(Outcome(np.node, np.rank, exit_code=int(res.get("StatusCode", 1))))
         except Exception as exc:  # noqa: BLE001
             if not self.stop.is_set():
                 first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
                 self.events.put(Outcome(np.node, np.rank, error=f"lost contact with the engine: {first}",
                                         since=self.last_ok.get(np.node, time.time()), lost=True))
+        finally:
+            if fh:
+                fh.close()
 
-    def _heartbeat(self, np) -> None:
-        r = self.remotes[np.node]
-        self.last_ok[np.node] = time.time()
-        while not self.stop.wait(HEARTBEAT_S):
-            if np.node in self.done:
-                return
+    def _heartbeat(self) -> None:
+        """Every HEARTBEAT_S, a ping to each node still running whose last ping has answered."""
+        now = time.time()
+        for np in self.plan.nodes:
+            self.last_ok[np.node] = now
+        inflight: set[str] = set()
+        lock = threading.Lock()
+
+        def ping(np) -> None:
+            r = self.remotes[np.node]
             try:
                 if not r.alive:
                     raise ConnectionError("SSH connection closed")
@@ -119,23 +125,33 @@ class Watcher:
                     why = str(exc).strip() or f"no answer within {HEARTBEAT_TIMEOUT_S:.0f}s"
                     self.events.put(Outcome(np.node, np.rank, error=f"node unreachable ({why})",
                                             since=self.last_ok[np.node], lost=True))
-                return
+            finally:
+                with lock:
+                    inflight.discard(np.node)
+
+        with ThreadPoolExecutor(max_workers=max(1, min(self.workers, len(self.plan.nodes))),
+                                thread_name_prefix="heartbeat") as pool:
+            while not self.stop.wait(HEARTBEAT_S):
+                for np in self.plan.nodes:
+                    with lock:
+                        if np.node in self.done or np.node in inflight:
+                            continue
+                        inflight.add(np.node)
+                    pool.submit(ping, np)
 
     # -- main loop -------------------------------------------------------------------------
     def start_streams(self) -> None:
         for np in self.plan.nodes:
-            t = threading.Thread(target=self._stream, args=(np,), daemon=True, name=f"logs-{np.node}")
+            t = threading.Thread(target=self._follow, args=(np,), daemon=True, name=f"watch-{np.node}")
             t.start()
-            self._log_threads[np.node] = t
+            self._node_threads[np.node] = t
 
     def run(self) -> Outcome | None:
         """Block until every container exits 0 (returns None) or one fails (returns it, after
         stopping every other container of the run). KeyboardInterrupt propagates to the caller."""
-        if not self._log_threads:
+        if not self._node_threads:
             self.start_streams()
-        for np in self.plan.nodes:
-            threading.Thread(target=self._wait, args=(np,), daemon=True).start()
-            threading.Thread(target=self._heartbeat, args=(np,), daemon=True).start()
+        threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
         try:
             while len(self.done) < len(self.plan.nodes):
                 try:
@@ -155,7 +171,7 @@ class Watcher:
 
     def _drain(self, timeout: float = 3.0) -> None:
         end = time.time() + timeout
-        for t in self._log_threads.values():
+        for t in self._node_threads.values():
             t.join(max(0.0, end - time.time()))
 
     def _fail(self, ev: Outcome) -> Outcome:
@@ -163,7 +179,7 @@ class Watcher:
         t0 = time.time()
         reachable = {k: v for k, v in self.remotes.items() if k != ev.node or not ev.lost}
         grace = fail_grace(t0 - ev.since)
-        stopped, errors = stop_run(reachable, self.plan.run_id, grace=grace)
+        stopped, errors = stop_run(reachable, self.plan.run_id, grace=grace, workers=self.workers)
         self.stopped_in = time.time() - ev.since
         log.info("run %s: stopped the other containers on %s in %.1fs (grace %.0fs; %.1fs after the failure)",
                  self.plan.run_id, ", ".join(stopped) or "no node", time.time() - t0, grace, self.stopped_in)

@@ -13,8 +13,8 @@ import pytest
 
 from runner.errors import UserError
 from runner.inventory import load_inventory
-
-REPO = Path(__file__).resolve().parents[1]
+from tests import REPO
+from tests.runner_helpers import no_socket_env, shipped
 
 GOOD = """\
 defaults: {{user: pi, port: 22, identity_file: {key}, workdir: ~/runner}}
@@ -74,22 +74,6 @@ def test_first_node_is_master_when_no_role(files):
 def test_master_is_rank0_even_when_listed_last(files):
     p = write(files["dir"], "nodes:\n  - {name: a, host: 127.0.0.1}\n  - {name: b, host: 127.0.0.2, role: master}\n")
     assert [n.name for n in load_inventory(p).ordered()] == ["b", "a"]
-
-
-def shipped(name: str, tmp_path: Path) -> Path:
-    """A shipped inventory, with its job config swapped for a stub if that config is not written yet
-    (configs/ belong to other issues)."""
-    import re
-
-    text = (REPO / "hosts" / name).read_text()
-    m = re.search(r"config: (\S+)", text)
-    if m and not (REPO / m.group(1)).exists():
-        stub = tmp_path / "stub-config.yaml"
-        stub.write_text("{}\n")
-        text = text.replace(m.group(0), f"config: {stub}")
-    p = tmp_path / name
-    p.write_text(text)
-    return p
 
 
 def test_shipped_inventories_parse(tmp_path):
@@ -180,19 +164,9 @@ def test_env_file_bad_line_does_not_echo_value(tmp_path):
 def test_malformed_cli_exit_and_no_socket(tmp_path):
     """Through the real CLI: exit 2, exactly one stderr line, and no socket opened (a sitecustomize
     makes any socket creation fatal in the child)."""
-    guard = tmp_path / "guard"
-    guard.mkdir()
-    (guard / "sitecustomize.py").write_text(
-        "import socket\n"
-        "class _NoSocket(socket.socket):\n"
-        "    def __init__(self, *a, **k):\n"
-        "        raise SystemExit('SOCKET OPENED')\n"
-        "socket.socket = _NoSocket\n")
     cases = [m for m in MALFORMED if m[0] in ("missing_host", "two_masters", "yaml_syntax", "bad_port_str",
                                                "unknown_field", "empty_nodes")]
-    import os
-
-    env = {**os.environ, "PYTHONPATH": f"{guard}{os.pathsep}{REPO}"}
+    env = no_socket_env(tmp_path)
     for name, text, expected in cases:
         p = tmp_path / f"{name}.yaml"
         p.write_text(text)
@@ -204,7 +178,8 @@ def test_malformed_cli_exit_and_no_socket(tmp_path):
             lines = proc.stderr.strip().splitlines()
             assert len(lines) == 1 and lines[0].startswith("runner: error: "), (name, proc.stderr)
             assert "SOCKET OPENED" not in proc.stderr + proc.stdout
-            assert expected.split(": ")[0] in lines[0] or expected in lines[0]
+            # the whole message, anchored at the file: "runner: error: <file>:<line>: <field>: <what>"
+            assert lines[0].startswith(f"runner: error: {p}") and expected in lines[0], (name, lines[0])
 
 
 def test_no_socket_module_used_by_parsing(monkeypatch, files):

@@ -3,41 +3,17 @@
 
 from __future__ import annotations
 
-import io
-import socket
-from contextlib import redirect_stdout
 from pathlib import Path
 
-import paramiko
 import pytest
 
-import docker
-from runner.cli import main as cli_main
 from runner.errors import UserError
 from runner.inventory import load_inventory
 from runner.plan import LABEL_NODE, LABEL_RANK, LABEL_RUN, MASK, Facts, make_plan
 from runner.resume_sync import Copy, Description, Listing, candidates, incomplete, plan_copies
-from tests.test_inventory import shipped
+from tests.runner_helpers import run_cli, shipped
 
 SECRET = "hf_SUPERSECRET_123"
-
-
-@pytest.fixture
-def no_network(monkeypatch):
-    """Any socket, SSH client or docker client creation fails the test."""
-    def boom(*a, **k):
-        raise AssertionError("a network connection was attempted")
-
-    class NoSocket(socket.socket):
-        def __init__(self, *a, **k):
-            raise AssertionError("a socket was opened")
-
-    monkeypatch.setattr(socket, "socket", NoSocket)
-    monkeypatch.setattr(socket, "create_connection", boom)
-    monkeypatch.setattr(paramiko.SSHClient, "connect", boom)
-    monkeypatch.setattr(paramiko.Transport, "__init__", boom)
-    monkeypatch.setattr(docker, "DockerClient", boom)
-    monkeypatch.setattr(docker, "from_env", boom)
 
 
 def inventory(tmp_path: Path, nodes: str, job: str = "") -> Path:
@@ -99,13 +75,6 @@ def test_strict_plan_demands_probed_facts(tmp_path):
     assert plan.nodes[0].image == "t:arm" and plan.nodes[0].run_dir == "/home/pi/runner/runs/r"
 
 
-def run_cli(*argv: str) -> tuple[int, str]:
-    buf = io.StringIO()
-    with redirect_stdout(buf):
-        rc = cli_main(list(argv))
-    return rc, buf.getvalue()
-
-
 def test_dry_run_masks_secrets_and_opens_nothing(tmp_path, no_network, capsys):
     p = inventory(tmp_path, NODES3)
     rc, out = run_cli("up", "--inventory", str(p), "--dry-run", "--", "--train_steps", "7")
@@ -118,7 +87,12 @@ def test_dry_run_masks_secrets_and_opens_nothing(tmp_path, no_network, capsys):
 
 
 @pytest.mark.parametrize("name", ["pis.yaml", "ec2.yaml"])
-def test_dry_run_shipped_inventories_no_connection(tmp_path, no_network, name):
+def test_dry_run_shipped_inventories_no_connection(tmp_path, no_network, name, monkeypatch):
+    # The key files they name must exist (a dry-run refuses a missing one): a home that has them.
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / ".ssh").mkdir()
+    for key in ("id_ed25519", "ec2-training.pem"):
+        (tmp_path / ".ssh" / key).write_text("not a real key\n")
     p = shipped(name, tmp_path)
     rc, out = run_cli("up", "--inventory", str(p), "--dry-run")
     assert rc == 0

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.runner_helpers import wait_for
 from tests.trainer_run import run_trainer
 from trainer.config import ConfigError
 from trainer.profiling import bubble, energy, trace
@@ -293,7 +294,8 @@ def test_energy_sampler_csv_from_nvml(tmp_path):
     clock = RankClock(epoch_ns=10**18, perf0=time.perf_counter_ns(), offset_ns=-10**9)
     s = energy.EnergySampler(clock, read, interval=0.005)
     s.start()
-    time.sleep(0.08)
+    start_mj = 1_000_000  # GPU[0]'s counter before any read (FakeNVML)
+    wait_for(lambda: nvml.energy_mj[GPU[0]] - start_mj >= 6 * 1500, 60, interval=0.005)  # >= 6 reads, not a time
     s.stop()
     path = tmp_path / "time-energy-0.csv"
     write_time_energy(path, s, "", clock.to_ref)

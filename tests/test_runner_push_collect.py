@@ -25,6 +25,7 @@ from runner import push as push_mod
 from runner.images import export
 from runner.inventory import load_inventory
 from runner.ssh import Remote
+from tests import IMAGE
 from tests.runner_helpers import (
     REPO,
     build_scratch_image,
@@ -374,7 +375,7 @@ def test_collect_file_changing_during_transfer_fails_and_keeps_good_copy(sandbox
     finally:
         stop.set()
         t.join()
-    assert proc.returncode == 2
+    assert proc.returncode == 3  # partial: rerun collect
     err = one_error(proc.stderr)
     assert err.startswith(f"collect {run_id}: node-1: grow-node-1.log: ") and "rerun collect" in err, err
     assert (dest / run_id / "node-1" / "grow-node-1.log").read_bytes() == good  # not replaced by a bad copy
@@ -449,7 +450,7 @@ def test_collect_real_trainer_run_plots(sandbox, pushed, tmp_path):
     cfg = tmp_path / "pp3.yaml"
     cfg.write_text(PP3)
     job = tmp_path / "job.yaml"
-    job.write_text(f"job:\n  image: runner-trainer:latest\n  config: {cfg}\n  env: {{OMP_NUM_THREADS: '1'}}\n"
+    job.write_text(f"job:\n  image: {IMAGE}\n  config: {cfg}\n  env: {{OMP_NUM_THREADS: '1'}}\n"
                    "  master_port: auto\n  grace_period: 10\n")
     proc = runner("up", "-i", str(sandbox), "--job", str(job))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

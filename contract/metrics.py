@@ -1,0 +1,107 @@
+"""metrics.jsonl: one JSON object per logged step, written by the trainer's logging rank
+(trainer/metrics.py) with at least {step, loss, tokens_per_s, step_time_s, time}. Readers here:
+`runner status` (progress and ETA), `runner collect` (summary, plot), `trainer plot`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import yaml
+
+FILE = "metrics.jsonl"
+ETA_WINDOW = 10  # recent steps whose mean step time predicts the rest
+
+
+def parse(text: str) -> list[dict]:
+    """Every record that parses (a line being written when read is skipped)."""
+    out = []
+    for line in text.splitlines():
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(r, dict):
+            out.append(r)
+    return out
+
+
+def read(path: Path) -> list[dict]:
+    return parse(Path(path).read_text(errors="replace"))
+
+
+def loss_records(records: list[dict]) -> list[dict]:
+    """Records with a numeric loss and an integer step (what a loss curve plots)."""
+    return [r for r in records if isinstance(r.get("loss"), (int, float)) and isinstance(r.get("step"), int)
+            and not isinstance(r.get("step"), bool)]
+
+
+def total_steps(config_text: str | None) -> int | None:
+    """train.steps from the run's config.yaml (the trainer writes the resolved one)."""
+    try:
+        cfg = yaml.safe_load(config_text or "") or {}
+        steps = (cfg.get("train") or {}).get("steps")
+    except (yaml.YAMLError, AttributeError):
+        return None
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0 else None
+
+
+@dataclass
+class Progress:
+    step: int
+    total: int | None
+    loss: float | None
+    tokens_per_s: float | None
+    eta_s: float | None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        parts = [f"step {self.step}" + (f"/{self.total}" if self.total else "")]
+        if self.loss is not None:
+            parts.append(f"loss {self.loss:.4f}")
+        if self.tokens_per_s is not None:
+            parts.append(f"{si(self.tokens_per_s)} tok/s")
+        if self.eta_s is not None:
+            parts.append(f"ETA {clock(self.eta_s)}")
+        return "  ".join(parts)
+
+
+def progress(records: list[dict], total: int | None) -> Progress | None:
+    """Where a run is, from its latest records; the ETA from the mean of recent step times."""
+    steps = loss_records(records)
+    if not steps:
+        return None
+    last = steps[-1]
+    times = [r["step_time_s"] for r in steps[-ETA_WINDOW:] if isinstance(r.get("step_time_s"), (int, float))]
+    eta = None
+    if total and times:
+        eta = round(max(0, total - last["step"]) * sum(times) / len(times), 1)
+    tps = last.get("tokens_per_s")
+    return Progress(last["step"], total, float(last["loss"]),
+                    float(tps) if isinstance(tps, (int, float)) else None, eta)
+
+
+def summary(records: list[dict]) -> str | None:
+    """`final loss X at step N, tokens/s mean M` (collect's summary line)."""
+    losses = loss_records(records) or [r for r in records if isinstance(r.get("loss"), (int, float))]
+    if not losses:
+        return None
+    last = losses[-1]
+    tps = [r["tokens_per_s"] for r in losses if isinstance(r.get("tokens_per_s"), (int, float))]
+    return (f"final loss {last['loss']:.4f} at step {last.get('step', '?')}"
+            + (f", tokens/s mean {sum(tps) / len(tps):.1f}" if tps else ""))
+
+
+def si(x: float) -> str:
+    for suffix, scale in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.1f}{suffix}"
+    return f"{x:.0f}"
+
+
+def clock(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"

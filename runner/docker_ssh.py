@@ -1,0 +1,79 @@
+"""The Docker API of a node over the runner's own, host-key-verified SSH connection.
+
+Each HTTP connection of the docker SDK is one SSH channel running `docker system dial-stdio` on
+the node (what `docker -H ssh://` does), opened on the paramiko transport the runner already
+verified. No local socket, no forwarding threads: a watched node costs its SSH connection's one
+reader thread, whatever the number of API calls in flight. The SDK's own ssh:// client is not
+used: it makes a second connection with its own, unpinned, host-key policy.
+"""
+
+from __future__ import annotations
+
+import paramiko
+from docker.transport.basehttpadapter import BaseHTTPAdapter
+from docker.transport.sshconn import RecentlyUsedContainer, SSHConnection, SSHConnectionPool, SSHHTTPAdapter
+
+CHANNEL_OPEN_TIMEOUT = 10.0
+POOL_SIZE = 4  # concurrent API connections kept per node: far below a real sshd's MaxSessions (10)
+
+
+class _Channel(SSHConnection):
+    def connect(self) -> None:
+        # paramiko's default wait for a channel is an hour: a hung node must fail like a closed one.
+        chan = self.ssh_transport.open_session(timeout=CHANNEL_OPEN_TIMEOUT)
+        chan.settimeout(self.timeout)
+        chan.exec_command("docker system dial-stdio")
+        self.sock = chan
+
+
+class _Pool(SSHConnectionPool):
+    def _new_conn(self) -> _Channel:
+        return _Channel(self.ssh_transport, self.timeout, self.ssh_host)
+
+
+class VerifiedSSHAdapter(SSHHTTPAdapter):
+    """SSHHTTPAdapter on a connected paramiko client it does not own (never reconnects, never closes it)."""
+
+    def __init__(self, client: paramiko.SSHClient, timeout: float):
+        self.ssh_client = client
+        self.ssh_params: dict = {}
+        self.ssh_host = "node"
+        self.timeout = timeout
+        self.max_pool_size = POOL_SIZE
+        self.pools = RecentlyUsedContainer(1, dispose_func=lambda p: p.close())
+        BaseHTTPAdapter.__init__(self)
+
+    def _connect(self) -> None:
+        raise ConnectionError("the SSH connection to the node is closed")
+
+    def get_connection(self, url, proxies=None) -> _Pool:
+        with self.pools.lock:
+            pool = self.pools.get(url)
+            if pool:
+                return pool
+            if not self.ssh_client.get_transport():
+                self._connect()
+            pool = _Pool(ssh_client=self.ssh_client, timeout=self.timeout, maxsize=self.max_pool_size,
+                         host=self.ssh_host)
+            self.pools[url] = pool
+        return pool
+
+    def close(self) -> None:
+        BaseHTTPAdapter.close(self)
+
+
+def docker_client(client: paramiko.SSHClient, timeout: float):
+    """docker.DockerClient whose every request rides `client`."""
+    import docker
+
+    api = docker.APIClient(base_url="tcp://127.0.0.1:9", version=docker.constants.MINIMUM_DOCKER_API_VERSION,
+                           timeout=timeout)  # an explicit version: the constructor connects to nothing
+    adapter = VerifiedSSHAdapter(client, timeout)
+    api._custom_adapter = adapter
+    api.mount("http+docker://ssh", adapter)
+    api._unmount("http://", "https://")
+    api.base_url = "http+docker://ssh"
+    api._version = api._retrieve_server_version()
+    out = docker.DockerClient.__new__(docker.DockerClient)
+    out.api = api
+    return out

@@ -1,0 +1,177 @@
+"""One byte stream between local processes and a command on a node, carried by OpenSSH (C speed,
+no GIL; paramiko managed a quarter of scp's rate), watched for stalls. Used by `push` (local
+`tar [| gzip]` -> node `docker load`) and `collect` (node `tar` -> local `tar -x`).
+
+A stream that moves no byte for `stall_s` is killed, and OpenSSH's ServerAlive probes end one
+whose node stopped answering at the SSH level: a frozen node never blocks the runner forever.
+Every process is reaped on every path, and stderr goes to files (an unread pipe could stall it).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from runner.ssh import Remote, is_loopback
+
+CHUNK = 1 << 20
+STALL_S = 120.0  # collect: nothing from a node for this long and it is given up (push sets its own)
+
+
+class Watchdog:
+    """Kills the processes when no byte moved for stall_s."""
+
+    def __init__(self, procs: list[subprocess.Popen], stall_s: float):
+        self.procs, self.stall_s = procs, stall_s
+        self.last = time.monotonic()
+        self.fired = False
+        self._done = threading.Event()
+        threading.Thread(target=self._run, daemon=True, name="stream-watchdog").start()
+
+    def _run(self) -> None:
+        while not self._done.wait(min(5.0, self.stall_s / 4)):
+            if time.monotonic() - self.last > self.stall_s:
+                self.fired = True
+                for p in self.procs:
+                    if p.poll() is None:
+                        p.kill()
+                return
+
+    def stop(self) -> None:
+        self._done.set()
+
+
+def pump(src, dst, dog: Watchdog, on_chunk: Callable[[int], None] | None = None) -> tuple[int, bool]:
+    """Copy src to dst as bytes arrive; (bytes, True) when the reader went away mid-stream."""
+    moved = 0
+    try:
+        while buf := src.read1(CHUNK):
+            dst.write(buf)
+            moved += len(buf)
+            dog.last = time.monotonic()
+            if on_chunk is not None:
+                on_chunk(len(buf))
+        return moved, False
+    except (BrokenPipeError, ConnectionResetError):
+        return moved, True
+
+
+@dataclass
+class Result:
+    moved: int = 0
+    broken: bool = False      # the receiving side closed mid-stream
+    stalled: bool = False     # the watchdog killed it
+    unfinished: bool = False  # the receiver was still busy finish_s after the last byte
+    ssh_rc: int | None = None
+    local_rcs: list[int | None] = field(default_factory=list)
+    ssh_err: str = ""
+    local_err: str = ""
+
+
+def ssh_stream(remote: Remote, remote_cmd: str, local: list[list[str]], *, upload: bool,
+               stdin_data: bytes | None = None, on_chunk: Callable[[int], None] | None = None,
+               stall_s: float | None = None, aes: bool = False, finish_s: float = 600.0) -> Result:
+    """upload=True: the chain `local[0] | local[1] ...` feeds `remote_cmd` on the node.
+    upload=False: `remote_cmd`'s output feeds local[0]; stdin_data (e.g. file names) goes to
+    remote_cmd's stdin meanwhile. finish_s: how long the receiver may take after the last byte
+    (a `docker load` still unpacking). Returns what happened; the caller words the error."""
+    stall = STALL_S if stall_s is None else stall_s
+    res = Result()
+    ssh_err, local_err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+    procs: list[subprocess.Popen] = []
+    # Compression only pays off on real links (on loopback it burns the cores both ends share),
+    # and never on what gzip already packed.
+    compress = not is_loopback(remote.node.host) and not any(cmd[:1] == ["gzip"] for cmd in local)
+    argv = [*remote.openssh_argv(compress=compress, aes=aes), remote_cmd]
+    src = dst = ssh = feeder = None
+    try:
+        if upload:
+            prev = None
+            for cmd in local:
+                p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL if prev is None else prev, stdout=subprocess.PIPE,
+                                     stderr=local_err)
+                if prev is not None:
+                    prev.close()  # the next process holds the only read end: SIGPIPE reaches its writer
+                prev = p.stdout
+                procs.append(p)
+            ssh = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=ssh_err)
+            procs.append(ssh)
+            src, dst = prev, ssh.stdin
+        else:
+            ssh = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=ssh_err)
+            procs.append(ssh)
+            sink = subprocess.Popen(local[0], stdin=subprocess.PIPE, stderr=local_err)
+            procs.append(sink)
+            src, dst = ssh.stdout, sink.stdin
+            feeder = threading.Thread(target=_feed, args=(ssh.stdin, stdin_data or b""), daemon=True)
+            feeder.start()
+        dog = Watchdog(procs, stall)
+        try:
+            res.moved, res.broken = pump(src, dst, dog, on_chunk)
+        finally:
+            dog.stop()  # after the last byte the receiver may legitimately be busy for minutes
+        res.stalled = dog.fired
+        _close(src, dst)  # a writer still at it (the receiver died) gets EPIPE, not a hang
+        receiver = ssh if upload else procs[-1]
+        res.unfinished = _wait(receiver, finish_s) is None
+        if res.broken or res.stalled or res.unfinished or receiver.returncode:
+            _reap(procs)  # the other side may still be blocked on its pipe
+        for p in procs:
+            _wait(p, 60)
+        res.local_rcs = [p.poll() for p in procs if p is not ssh]  # None: still running (stuck)
+        if feeder is not None:
+            feeder.join(timeout=10)
+    finally:
+        _close(src, dst)
+        _reap(procs)
+        res.ssh_rc = ssh.returncode if ssh is not None else None
+        res.local_rcs = res.local_rcs or [p.returncode for p in procs if p is not ssh]
+        res.ssh_err, res.local_err = _tail(ssh_err), _tail(local_err)
+        ssh_err.close()
+        local_err.close()
+    return res
+
+
+def _feed(pipe, data: bytes) -> None:
+    try:
+        pipe.write(data)
+        pipe.close()
+    except OSError:
+        pass  # ssh ended early; its exit code and the caller's verification say why
+
+
+def _wait(p: subprocess.Popen, timeout: float) -> int | None:
+    try:
+        return p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _close(*files) -> None:
+    for f in files:
+        if f is not None:
+            try:
+                f.close()
+            except OSError:  # flushing into a pipe whose reader is gone: nothing left to save
+                pass
+
+
+def _reap(procs: list[subprocess.Popen]) -> None:
+    """Kill whatever still runs and wait for it."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # stuck in the kernel: do not hang on it
+            pass
+
+
+def _tail(f, n: int = 300) -> str:
+    f.seek(0)
+    return " ".join(f.read().decode(errors="replace").strip().splitlines())[-n:]

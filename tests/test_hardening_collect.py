@@ -1,0 +1,127 @@
+"""collect against hostile or stuck nodes (issue 15): what a container made arrives as plain files
+owned by the caller, and a node that freezes in the middle of its stream costs only its own files."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import stat
+import subprocess
+from pathlib import Path
+
+import psutil
+import pytest
+import rich.progress
+
+from tests import IMAGE
+from tests.runner_helpers import node_workdir, runner, sandbox_node
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.docker]
+NODES = ("node-0", "node-1", "node-2")
+
+
+def _in_container(sandbox: Path, node: str, run_dir: Path, script: str) -> None:
+    """Run script as root in a container on the node's own engine, with run_dir as /out."""
+    res = subprocess.run(["docker", "-H", sandbox_node(sandbox, node).docker_host, "run", "--rm", "--network", "none",
+                          "-v", f"{run_dir}:/out", IMAGE, "sh", "-c", script],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+
+
+def test_collect_of_container_made_setuid_and_foreign_owned_files_gives_plain_files(sandbox, pushed, tmp_path):
+    run_id = "hc-perm-" + secrets.token_hex(3)
+    rd = node_workdir(sandbox, "node-1") / "runs" / run_id
+    rd.mkdir(parents=True)
+    try:
+        _in_container(sandbox, "node-1", rd, "echo x > /out/suid && chmod 4755 /out/suid && "
+                      "echo y > /out/sgid && chmod 2770 /out/sgid && "
+                      "mkdir /out/sub && echo z > /out/sub/owned && chown -R 1234:1234 /out/sub && chmod 0600 /out/sub/owned")
+        dest = tmp_path / "art"
+        proc = runner("collect", run_id, "-i", str(sandbox), "--dest", str(dest), "--quiet", "--no-plots")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        got = dest / run_id / "node-1"
+        for rel, want in (("suid", 0o755), ("sgid", 0o750), ("sub/owned", 0o600)):
+            st = os.lstat(got / rel)
+            assert stat.S_ISREG(st.st_mode), rel
+            assert stat.S_IMODE(st.st_mode) & 0o7000 == 0 and stat.S_IMODE(st.st_mode) == want & ~_umask(), (rel, oct(st.st_mode))
+            assert (st.st_uid, st.st_gid) == (os.getuid(), os.getgid()), (rel, st.st_uid, st.st_gid)
+        st = os.lstat(got / "sub")
+        assert (st.st_uid, st.st_gid) == (os.getuid(), os.getgid())
+    finally:
+        shutil.rmtree(rd, ignore_errors=True)
+
+
+def _umask() -> int:
+    m = os.umask(0)
+    os.umask(m)
+    return m
+
+
+def _stream_processes(run_dir: Path) -> list[psutil.Process]:
+    """The node-side tar sending run_dir, and the sshd session processes carrying it."""
+    procs = []
+    for p in psutil.process_iter(["name"]):
+        try:
+            if p.info["name"] == "tar" and p.cwd() == str(run_dir):
+                procs.append(p)
+                procs += [a for a in p.parents() if a.name().startswith("sshd") and a.ppid() != 1]
+        except psutil.Error:
+            continue
+    return procs
+
+
+@pytest.mark.timeout(180)  # before the fix: collect hung here forever
+def test_a_node_frozen_mid_collect_is_named_and_the_others_collected(sandbox, pushed, tmp_path, monkeypatch, capsys):
+    run_id = "hc-frozen-" + secrets.token_hex(3)
+    dirs = {n: node_workdir(sandbox, n) / "runs" / run_id for n in NODES}
+    for n, d in dirs.items():
+        d.mkdir(parents=True)
+        (d / "small.txt").write_text(f"{n}\n")
+    with open(dirs["node-1"] / "big.bin", "wb") as fh:  # far more than every buffer on the way
+        fh.truncate(256 << 20)
+    frozen: list[psutil.Process] = []
+
+    class FreezeNode1OnFirstBytes(rich.progress.Progress):
+        """Progress bar whose first advance of node-1's task SIGSTOPs the session streaming it."""
+
+        def update(self, task_id, **kw):
+            if kw.get("advance") and not frozen and self._tasks[task_id].description == "node-1":
+                for p in _stream_processes(dirs["node-1"]):
+                    p.suspend()
+                    frozen.append(p)
+            return super().update(task_id, **kw)
+
+    import runner.collect
+
+    monkeypatch.setattr(runner.collect, "Progress", FreezeNode1OnFirstBytes)
+    try:  # the stall watchdog shared by push and collect (absent before issue 15: collect hung)
+        import runner.stream
+
+        monkeypatch.setattr(runner.stream, "STALL_S", 5.0)
+    except ImportError:
+        pass
+    from runner.cli import main
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        rc = main(["collect", run_id, "-i", str(sandbox), "--dest", str(tmp_path / "art"), "--quiet", "--no-plots"])
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+        for p in frozen:
+            try:
+                p.resume()
+            except psutil.Error:
+                pass
+        for d in dirs.values():
+            shutil.rmtree(d, ignore_errors=True)
+    out, err = capsys.readouterr()
+    assert frozen, "node-1's stream was never seen"
+    assert rc == 3, err
+    errors = [ln for ln in err.splitlines() if ln.startswith("runner: error:")]
+    assert len(errors) == 1 and "node-1" in errors[0] and "node-0" not in errors[0], err
+    for n in ("node-0", "node-2"):
+        assert (tmp_path / "art" / run_id / n / "small.txt").read_text() == f"{n}\n"
+    assert not (tmp_path / "art" / run_id / "node-1" / "big.bin").exists()
