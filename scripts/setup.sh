@@ -10,7 +10,10 @@ log() { printf '[setup] %s\n' "$*" >&2; }
 
 # --- Debian packages -------------------------------------------------------------------
 PKGS=(docker.io openssh-server openssh-client debootstrap docker-compose iproute2 ca-certificates
-      rsync procps)
+      rsync procps
+      # the Slurm sandbox cluster (runner sandbox up --slurm): slurmctld/slurmd/clients, munge,
+      # runc for Slurm's native OCI containers
+      slurm-wlm munge runc)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -18,6 +21,12 @@ done
 if ((${#missing[@]})); then
   log "installing Debian packages: ${missing[*]}"
   export DEBIAN_FRONTEND=noninteractive
+  # Packages with daemons (munge, slurmctld, slurmd) must not start system-wide services: the
+  # sandboxes start their own. Deny service starts during the install unless a policy exists.
+  if [[ ! -e /usr/sbin/policy-rc.d ]]; then
+    printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
+    trap 'rm -f /usr/sbin/policy-rc.d' EXIT
+  fi
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi

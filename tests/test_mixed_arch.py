@@ -9,7 +9,7 @@ from runner.errors import UserError
 from runner.inventory import load_inventory
 from runner.plan import Facts, make_plan
 from tests.conftest import REPO
-from tests.test_plan import no_network, run_cli  # noqa: F401  (fixture re-used)
+from tests.runner_helpers import run_cli
 
 # A desktop with an amd64 CPU as master (stage 0) and two Raspberry Pis (stages 1, 2): the Pi
 # experiment with a faster first stage. `aarch64` and `x86_64` are spellings users copy from uname.
@@ -31,12 +31,14 @@ job:
 
 @pytest.fixture
 def mixed(tmp_path):
+    key = tmp_path / "id_ed25519"  # a dry-run refuses a key file that is not there
+    key.write_text("not a real key\n")
     p = tmp_path / "mixed.yaml"
-    p.write_text(MIXED.replace("configs/", f"{REPO}/configs/"))
+    p.write_text(MIXED.replace("configs/", f"{REPO}/configs/").replace("~/.ssh/id_ed25519", str(key)))
     return p
 
 
-def test_dry_run_picks_the_image_per_arch(mixed, no_network):  # noqa: F811
+def test_dry_run_picks_the_image_per_arch(mixed, no_network):
     rc, out = run_cli("up", "--inventory", str(mixed), "--dry-run", "--arch", "pi-3=aarch64")
     assert rc == 0
     assert "[desk/0] 192.168.1.5  arch=amd64  image=runner-trainer:latest" in out
@@ -48,13 +50,13 @@ def test_dry_run_picks_the_image_per_arch(mixed, no_network):  # noqa: F811
     assert out.count("MASTER_ADDR=192.168.1.5") == 4
 
 
-def test_dry_run_unknown_arch_is_left_to_the_probe(mixed, no_network):  # noqa: F811
+def test_dry_run_unknown_arch_is_left_to_the_probe(mixed, no_network):
     rc, out = run_cli("up", "--inventory", str(mixed), "--dry-run")
     assert rc == 0
     assert "[pi-3/3] 192.168.1.13  arch=<probed at launch>  image=<probed at launch>" in out
 
 
-def test_plan_with_probed_arches(mixed, no_network):  # noqa: F811
+def test_plan_with_probed_arches(mixed, no_network):
     inv = load_inventory(mixed, check_files=False)
     facts = {"desk": Facts(ifname="enp3s0", home="/home/me"), "pi-1": Facts(ifname="eth0", home="/home/pi"),
              "pi-2": Facts(ifname="wlan0", home="/home/pi"), "pi-3": Facts(arch="arm64", ifname="eth0", home="/home/pi")}
@@ -71,7 +73,7 @@ def test_plan_with_probed_arches(mixed, no_network):  # noqa: F811
     assert plan.node("desk").run_dir == "/home/me/runner/runs/r1"
 
 
-def test_missing_image_for_an_arch_is_one_line(mixed, no_network):  # noqa: F811
+def test_missing_image_for_an_arch_is_one_line(mixed, no_network):
     mixed.write_text(mixed.read_text().replace("{amd64: runner-trainer:latest, arm64: runner-trainer:arm64}",
                                                "{amd64: runner-trainer:latest}"))
     # Known at load time from the inventory's own arch fields: file, line, field, node.

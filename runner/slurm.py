@@ -1,0 +1,210 @@
+"""`runner up --scheduler slurm` and `runner down` of a Slurm run.
+
+up: check the cluster (client tools, partition, node count, `sbatch --test-only`) -> stage the
+config, the 0600 env_file and the script in the run dir on the shared filesystem -> `sbatch` on
+this machine or the login node -> follow the nodes' output until the job ends (or `--detach`).
+Nothing is written or submitted when a check fails.
+
+down: `scancel --signal=USR1` (the job's steps: torchrun forwards it, every rank writes the
+`.preempt` checkpoint), wait up to the grace period for the job to end, then `scancel`. A `down`
+mark in the run dir keeps a `--requeue` job from requeueing itself after it.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from runner.errors import Terminated, UserError
+from runner.slurm_inventory import SlurmInventory
+from runner.slurm_jobs import (
+    JobState,
+    job_state,
+    preflight,
+    read_record,
+    resolve_run,
+    test_only,
+    workdir,
+    write_record,
+)
+from runner.slurm_plan import DOWN_MARK, SlurmFacts, SlurmPlan, make_slurm_plan, oci_config_json
+from runner.slurm_shell import Shell, open_shell
+from runner.slurm_status import Follower, last_job
+
+
+def cmd_up(args, inv: SlurmInventory) -> int:
+    if getattr(args, "max_restarts", 0):
+        raise UserError("--max-restarts is for SSH runs; on Slurm use --requeue (the job requeues itself "
+                        "after a preemption and resumes from the latest checkpoint)")
+    if args.trainer_args:
+        inv.job.args = list(inv.job.args) + list(args.trainer_args)
+    secrets = inv.job.secrets()
+    if args.dry_run:
+        run_id = args.resume if args.resume not in (None, "latest") else "<new run id>"
+        home = None if inv.slurm.login else str(Path.home())
+        plan = make_slurm_plan(inv, run_id, SlurmFacts(home=home), resume=bool(args.resume), requeue=args.requeue,
+                               secret_keys=list(secrets))
+        print(plan.render(inv, _where(inv)))
+        return 0
+    sh = open_shell(inv, args.accept_new_host_keys)
+    try:
+        part = preflight(sh, inv)
+        wd = workdir(sh, inv)
+        submission = 1
+        if args.resume:
+            run_id = resolve_run(sh, wd, args.resume)
+            rec = read_record(sh, f"{wd}/runs/{run_id}")
+            for sub in rec.get("submissions", []):
+                st = job_state(sh, sub["job_id"])
+                if st.active:
+                    raise UserError(f"--resume {run_id}: Slurm job {sub['job_id']} of the run is still {st.state}; "
+                                    f"`runner down {run_id} -i {inv.path}` first")
+            submission = len(rec.get("submissions", [])) + 1
+        else:
+            from runner.launch import new_run_id
+
+            run_id = new_run_id()
+        facts = _facts(sh, inv, wd)
+        plan = make_slurm_plan(inv, run_id, facts, submission=submission, resume=bool(args.resume),
+                               requeue=args.requeue, secret_keys=list(secrets))
+        test_only(sh, inv, plan.script)
+        job_id = submit(sh, inv, plan, secrets)
+        print(f"run {run_id} submitted: Slurm job {job_id} ({inv.slurm.nodes} node(s), partition {part.name}, "
+              f"container {inv.slurm.container}) from {sh.where}", flush=True)
+        if args.detach:
+            print(f"follow: runner logs {run_id} -f -i {inv.path}   stop: runner down {run_id} -i {inv.path}")
+            return 0
+        return _follow(sh, inv, plan, job_id)
+    finally:
+        sh.close()
+
+
+def _where(inv: SlurmInventory) -> str:
+    return f"login node {inv.slurm.login.host}" if inv.slurm.login else "this machine"
+
+
+def _facts(sh: Shell, inv: SlurmInventory, wd: str) -> SlurmFacts:
+    ids = sh.run(["sh", "-c", "id -u; id -g"]).out.split()
+    uid, gid = (int(ids[0]), int(ids[1])) if len(ids) == 2 and all(i.isdigit() for i in ids) else (0, 0)
+    facts = SlurmFacts(home=sh.home(), uid=uid, gid=gid)
+    if inv.slurm.container == "oci":
+        from runner.slurm_oci import ensure_bundle
+
+        bundle, env, image_wd = ensure_bundle(sh, inv, wd)
+        facts = SlurmFacts(home=facts.home, uid=uid, gid=gid, bundle=bundle, image_env=tuple(env),
+                           image_workdir=image_wd)
+    return facts
+
+
+def submit(sh: Shell, inv: SlurmInventory, plan: SlurmPlan, secrets: dict[str, str]) -> str:
+    from runner.plan import render_secrets_file
+
+    sh.makedirs(plan.slurm_dir)
+    if plan.config_file and inv.job.config:
+        sh.put_bytes(plan.config_file, Path(inv.job.config).read_bytes())
+    if plan.secrets_file:
+        sh.makedirs(plan.secrets_file.rsplit("/", 1)[0], 0o700)
+        sh.put_bytes(plan.secrets_file, render_secrets_file(secrets).encode(), 0o600)
+    if plan.oci_config is not None:
+        # Mounted into every container of the bundle: they must exist. Same content for every run
+        # from this workdir, so rewriting it never changes what a running job was started with.
+        sh.makedirs(f"{plan.workdir}/secrets", 0o700)
+        if sh.read_bytes(f"{plan.bundle}/config.json") != oci_config_json(plan):
+            sh.put_bytes(f"{plan.bundle}/config.json", oci_config_json(plan))
+    sh.put_bytes(plan.script_path, plan.script.encode(), 0o700)  # job.env values: owner only
+    res = sh.run(["sbatch", "--parsable", plan.script_path], timeout=120)
+    job_id = res.out.strip().split(";")[0]
+    if res.rc != 0 or not job_id.isdigit():
+        why = (res.err or res.out).strip().splitlines()[-1:] or [f"exit {res.rc}"]
+        raise UserError(f"sbatch failed on {sh.where}: {why[0]}")
+    rec = read_record(sh, plan.run_dir) or {"run_id": plan.run_id, "inventory": inv.path, "submissions": []}
+    rec.update({"grace_period": inv.job.grace_period, "container": inv.slurm.container, "nodes": inv.slurm.nodes})
+    rec["submissions"].append({"job_id": job_id, "submission": plan.submission, "script": plan.script_path,
+                               "resume": "--resume" in plan.torchrun,
+                               "submitted": datetime.now(timezone.utc).isoformat(timespec="seconds")})
+    write_record(sh, plan.run_dir, rec)
+    return job_id
+
+
+def _follow(sh: Shell, inv: SlurmInventory, plan: SlurmPlan, job_id: str) -> int:
+    try:
+        st = Follower(sh, plan.run_dir, job_id).follow()
+    except KeyboardInterrupt as exc:
+        sys.stderr.write(f"runner: {'terminated' if isinstance(exc, Terminated) else 'interrupted'}: stopping run "
+                         f"{plan.run_id} (Slurm job {job_id}, grace {inv.job.grace_period:.0f}s)\n")
+        stop_job(sh, plan.run_dir, job_id, inv.job.grace_period)
+        return getattr(exc, "exit_code", 130)
+    code = st.exit_code
+    if st.state in ("COMPLETED", "GONE") and code == 0:
+        print(f"run {plan.run_id} finished: Slurm job {job_id} exited 0 on all {inv.slurm.nodes} node(s); "
+              f"collect: runner collect {plan.run_id} -i {inv.path}")
+        return 0
+    sys.stderr.write(f"runner: error: run {plan.run_id}: Slurm job {job_id} ended {st.state}"
+                     + (f" (exit {code})" if code is not None else "") + f"; its output: {plan.slurm_dir}/{job_id}.out\n")
+    return code if code and 0 < code < 126 else 1
+
+
+def stop_job(sh: Shell, run_dir: str, job_id: str, grace: float) -> tuple[JobState, str]:
+    """USR1 to the job's steps, up to `grace` seconds for it to end, then scancel. Returns the
+    final state and what was done."""
+    sh.put_bytes(f"{run_dir}/slurm/{DOWN_MARK}", b"")  # a --requeue job must not come back after this
+    st = job_state(sh, job_id, run_dir)
+    if not st.active:
+        return st, "not running"
+    how = "cancelled"
+    deadline = time.monotonic() + grace
+    if st.state == "RUNNING":
+        res = sh.run(["scancel", "--signal=USR1", job_id])
+        how = "sent USR1" if res.rc == 0 else "cancelled"
+        while res.rc == 0 and time.monotonic() < deadline:
+            st = job_state(sh, job_id, run_dir)
+            if not st.active:
+                return st, "sent USR1; ended within the grace period"
+            time.sleep(0.5)
+        how += f"; still {st.state} after {grace:.0f}s: cancelled" if res.rc == 0 else ""
+    sh.run(["scancel", job_id])
+    end = time.monotonic() + 60  # scancel: SIGTERM, KillWait, SIGKILL on the nodes
+    while time.monotonic() < end:
+        st = job_state(sh, job_id, run_dir)
+        if not st.active:
+            break
+        time.sleep(0.5)
+    return st, how
+
+
+def _latest_active(sh: Shell, wd: str) -> str:
+    """Without a run id: the newest run with a job in the queue (named runner-<run>), else the newest run."""
+    from runner.slurm_jobs import list_runs
+
+    res = sh.run(["squeue", "-h", "--me", "-o", "%j"])
+    queued = {n.removeprefix("runner-") for n in res.out.split() if n.startswith("runner-")} if res.rc == 0 else set()
+    active = [r for r in list_runs(sh, wd) if r in queued]
+    return active[-1] if active else resolve_run(sh, wd, None)
+
+
+def cmd_down(args, inv: SlurmInventory) -> int:
+    sh = open_shell(inv, args.accept_new_host_keys)
+    try:
+        wd = workdir(sh, inv)
+        run_id = resolve_run(sh, wd, args.run) if args.run else _latest_active(sh, wd)
+        run_dir = f"{wd}/runs/{run_id}"
+        job_id, rec = last_job(sh, run_dir)
+        if not job_id:
+            print(f"run {run_id}: nothing submitted")
+            return 0
+        grace = args.grace if args.grace is not None else float(rec.get("grace_period", 30))
+        t0 = time.monotonic()
+        st, how = stop_job(sh, run_dir, job_id, grace)
+        sh.run(["rm", "-f", f"{wd}/secrets/{run_id}.env"])  # no use once the job is gone
+        if how == "not running":
+            print(f"run {run_id}: nothing running (Slurm job {job_id} {st.state})")
+            return 0
+        latest = (sh.read_bytes(f"{run_dir}/checkpoints/latest") or b"").decode(errors="replace").strip()
+        print(f"run {run_id}: Slurm job {job_id} {how}; {st.state} after {time.monotonic() - t0:.1f}s"
+              + (f"; latest checkpoint {latest}" if latest else ""))
+        return 0 if not st.active else 1
+    finally:
+        sh.close()
+

@@ -1,0 +1,97 @@
+"""`runner collect` of a Slurm run: the run dir on the shared filesystem to artifacts/<run>/slurm/.
+
+Through the login node it is the SSH runner's collect of one "node" whose workdir is the shared
+one (tar stream, sha256 on both ends, incremental). Without a login node the shared filesystem
+is mounted here, and the same guarantees come from a local copy: unchanged files (size and mtime
+in the manifest) are skipped, a copy is placed only once its sha256 equals the source's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+from runner.collect import (
+    MANIFEST,
+    NodeCollect,
+    collect_error,
+    collect_node,
+    report,
+)
+from runner.digest import sha256_file
+from runner.errors import EXIT_PARTIAL, UserError
+from runner.slurm_inventory import SlurmInventory
+from runner.slurm_jobs import resolve_run, workdir
+from runner.slurm_shell import LocalShell, LoginShell, open_shell
+from runner.ssh import Remote
+
+DEST_NAME = "slurm"   # artifacts/<run>/slurm/: one shared run dir, not one per node
+
+
+def mirror_local(src: Path, dest: Path, res: NodeCollect) -> None:
+    man_path = dest / MANIFEST
+    manifest: dict[str, dict] = json.loads(man_path.read_text()) if man_path.exists() else {}
+    staging = dest / f".collect-staging-{os.getpid()}"
+    try:
+        for path in sorted(p for p in src.rglob("*") if p.is_file() and not p.is_symlink()):
+            rel = str(path.relative_to(src))
+            try:
+                st = path.stat()
+            except OSError:
+                res.vanished += 1
+                continue
+            res.files += 1
+            local = dest / rel
+            m = manifest.get(rel)
+            if m and local.exists() and m.get("size") == st.st_size and m.get("mtime") == int(st.st_mtime) \
+                    and local.stat().st_size == st.st_size:
+                res.skipped += 1
+                continue
+            staged = staging / rel
+            staged.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                shutil.copy2(path, staged)
+                want = sha256_file(path)
+            except OSError as exc:
+                res.errors.append(f"{rel}: {exc.strerror}")
+                continue
+            got = sha256_file(staged)
+            if got != want or staged.stat().st_size != st.st_size:
+                res.errors.append(f"{rel}: changed while being copied (sha256 differs); collect again")
+                continue
+            local.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(staged, local)
+            manifest[rel] = {"size": st.st_size, "mtime": int(st.st_mtime), "sha256": want}
+            res.copied += 1
+            res.bytes_copied += st.st_size
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        tmp = man_path.with_name(man_path.name + ".tmp")
+        tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        tmp.replace(man_path)
+
+
+def cmd_collect(args, inv: SlurmInventory) -> int:
+    sh = open_shell(inv, args.accept_new_host_keys)
+    try:
+        wd = workdir(sh, inv)
+        run_id = resolve_run(sh, wd, args.run)
+        dest = Path(args.dest) / run_id / DEST_NAME
+        if isinstance(sh, LocalShell):
+            res = NodeCollect(DEST_NAME, dest=str(dest))
+            dest.mkdir(parents=True, exist_ok=True)
+            mirror_local(Path(wd) / "runs" / run_id, dest, res)
+        else:
+            assert isinstance(sh, LoginShell)
+            node = replace(inv.slurm.login, name=DEST_NAME, workdir=wd)
+            with Remote(node, args.accept_new_host_keys) as r:
+                res = collect_node(r, run_id, Path(args.dest))
+    finally:
+        sh.close()
+    report([res], Path(args.dest) / run_id, args.no_plots)
+    if res.errors:
+        raise UserError(collect_error(run_id, res.errors), exit_code=EXIT_PARTIAL)
+    return 0

@@ -1,0 +1,162 @@
+"""What Slurm and the run dirs say: the cluster's partitions, a job's state, a run's record.
+
+A Slurm run's state lives in two places any shell with the inventory can read: the scheduler
+(`scontrol show job`, while it remembers the job) and the run dir on the shared filesystem
+(`slurm/run.json`: the submissions and their job ids; `slurm/<job>/exit-code`, written by the
+batch script when torchrun is done). No state on the machine that submitted.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+from runner.errors import UserError
+from runner.slurm_inventory import SlurmInventory
+from runner.slurm_plan import resolve
+from runner.slurm_shell import Shell
+
+TOOLS = ("sbatch", "squeue", "scancel", "scontrol", "sinfo")
+# Job states in which tasks may still run (COMPLETING: tasks are done, nodes are cleaning up).
+ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
+          "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED", "RESV_DEL_HOLD"}
+RUN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,100}$")
+
+
+@dataclass
+class Partition:
+    name: str
+    nodes: int
+    default: bool
+    state: str
+
+
+def preflight(sh: Shell, inv: SlurmInventory) -> Partition:
+    """Slurm's client tools answer, and the partition exists with enough nodes; else one line."""
+    res = sh.run(["sh", "-c", "for t in " + " ".join(TOOLS) + "; do command -v \"$t\" >/dev/null || echo \"$t\"; done"])
+    missing = res.out.split() if res.rc == 0 else list(TOOLS)
+    if missing:
+        hint = "set slurm.login to a login node" if inv.slurm.login is None else "is it a Slurm login node?"
+        where = inv.where("login") if inv.slurm.login else f"{inv.path}: slurm"
+        raise UserError(f"{where}: {', '.join(missing)} not found on {sh.where} ({hint}); nothing submitted")
+    parts = partitions(sh)
+    want = inv.slurm.partition
+    if want is None:
+        part = next((p for p in parts.values() if p.default), None)
+        if part is None:
+            raise UserError(f"{inv.where('partition')}: the cluster has no default partition; name one "
+                            f"({', '.join(parts)}); nothing submitted")
+    elif want not in parts:
+        raise UserError(f"{inv.where('partition')}: {want!r} is not a partition of this cluster "
+                        f"(partitions: {', '.join(parts) or 'none'}); nothing submitted")
+    else:
+        part = parts[want]
+    if inv.slurm.nodes > part.nodes:
+        raise UserError(f"{inv.where('nodes')}: {inv.slurm.nodes} nodes, but partition {part.name} has "
+                        f"{part.nodes}; nothing submitted")
+    return part
+
+
+def partitions(sh: Shell) -> dict[str, Partition]:
+    res = sh.run(["scontrol", "show", "partition", "-o"], timeout=60)
+    if res.rc != 0:
+        why = (res.err or res.out).strip().splitlines()[-1:] or [f"exit {res.rc}"]
+        raise UserError(f"the Slurm controller does not answer on {sh.where}: {why[0]}; nothing submitted")
+    out = {}
+    for line in res.out.splitlines():
+        kv = dict(f.split("=", 1) for f in line.split() if "=" in f)
+        if "PartitionName" in kv:
+            out[kv["PartitionName"]] = Partition(kv["PartitionName"], int(kv.get("TotalNodes", "0") or 0),
+                                                 kv.get("Default") == "YES", kv.get("State", "?"))
+    return out
+
+
+def test_only(sh: Shell, inv: SlurmInventory, script: str) -> None:
+    """`sbatch --test-only`: Slurm's own verdict on the request (account, time, gres...), no job made."""
+    res = sh.run(["sbatch", "--test-only"], stdin=script.encode(), timeout=60)
+    if res.rc != 0:
+        lines = [ln.strip() for ln in (res.err + res.out).splitlines() if ln.strip()]
+        why = next((ln for ln in lines if "error" in ln.lower() or "failure" in ln.lower()), lines[-1] if lines else "")
+        raise UserError(f"{inv.path}: slurm: the cluster refuses the job ({why}); nothing submitted")
+
+
+@dataclass
+class JobState:
+    job_id: str
+    state: str           # RUNNING, PENDING, COMPLETED, ... or GONE (the controller forgot it)
+    exit_code: int | None
+    nodes: str = ""
+    run_time: str = ""
+    reason: str = ""
+
+    @property
+    def active(self) -> bool:
+        return self.state in ACTIVE
+
+
+def job_state(sh: Shell, job_id: str, run_dir: str | None = None) -> JobState:
+    res = sh.run(["scontrol", "show", "job", "-o", job_id], timeout=60)
+    kv = dict(f.split("=", 1) for f in res.out.split() if "=" in f) if res.rc == 0 else {}
+    if kv.get("JobState"):
+        code = kv.get("ExitCode", "")
+        exit_code = int(code.split(":")[0]) if code.split(":")[0].isdigit() else None
+        return JobState(job_id, kv["JobState"], exit_code, kv.get("NodeList", ""), kv.get("RunTime", ""),
+                        kv.get("Reason", ""))
+    exit_code = read_exit_code(sh, run_dir, job_id) if run_dir else None
+    return JobState(job_id, "GONE", exit_code)
+
+
+def read_exit_code(sh: Shell, run_dir: str, job_id: str) -> int | None:
+    raw = sh.read_bytes(f"{run_dir}/slurm/{job_id}/exit-code")
+    return int(raw.strip()) if raw and raw.strip().isdigit() else None
+
+
+# ---- run records ---------------------------------------------------------------------------
+
+def workdir(sh: Shell, inv: SlurmInventory) -> str:
+    w = inv.slurm.workdir
+    return resolve(w, sh.home()) if w.startswith("~") else w
+
+
+def read_record(sh: Shell, run_dir: str) -> dict:
+    raw = sh.read_bytes(f"{run_dir}/slurm/run.json")
+    try:
+        return json.loads(raw) if raw else {}
+    except ValueError:
+        return {}
+
+
+def write_record(sh: Shell, run_dir: str, record: dict) -> None:
+    sh.put_bytes(f"{run_dir}/slurm/run.json", json.dumps(record, indent=1).encode())
+
+
+def list_runs(sh: Shell, wd: str) -> list[str]:
+    """Run ids under <workdir>/runs that are Slurm runs (have slurm/run.json), oldest first."""
+    res = sh.run(["sh", "-c", 'cd "$1" 2>/dev/null && for d in */; do [ -f "$d/slurm/run.json" ] && echo "${d%/}"; done; true',
+                  "runner-ls", f"{wd}/runs"])
+    return sorted(r for r in res.out.splitlines() if RUN_RE.match(r))
+
+
+def resolve_run(sh: Shell, wd: str, wanted: str | None) -> str:
+    runs = list_runs(sh, wd)
+    where = f"{wd}/runs on {sh.where}"
+    if not runs:
+        raise UserError(f"no Slurm runs in {where}")
+    if wanted in (None, "latest"):
+        return runs[-1]
+    if wanted in runs:
+        return wanted
+    matches = [r for r in runs if r.startswith(wanted)]
+    if len(matches) == 1:
+        return matches[0]
+    if matches:
+        raise UserError(f"run {wanted}: ambiguous in {where}: {', '.join(matches[:5])}")
+    raise UserError(f"run {wanted}: no such Slurm run in {where} (latest: {runs[-1]})")
+
+
+def node_names(sh: Shell, run_dir: str, job_id: str) -> list[str]:
+    """The job's nodes in node-rank order (written by the batch script)."""
+    raw = sh.read_bytes(f"{run_dir}/slurm/{job_id}/nodes")
+    return raw.decode(errors="replace").split() if raw else []
+

@@ -1,0 +1,154 @@
+"""`runner status | logs | ls` for Slurm runs, and the log follower `runner up` uses.
+
+Each node's output is the file `srun --output` writes on the shared filesystem
+(`slurm/<job>/node<K>.out`); it is shown prefixed `[node/rank]` as the SSH runner prefixes a
+container's output. Followed by polling the files' new bytes (no tail process left behind on a
+login node).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from runner.slurm_jobs import JobState, job_state, node_names, read_record, resolve_run, workdir
+from runner.slurm_shell import Shell
+
+POLL_S = 0.5
+
+
+class Follower:
+    """Prints new lines of the batch output and of every node's output, prefixed."""
+
+    def __init__(self, sh: Shell, run_dir: str, job_id: str, nodes: list[str] | None = None, out=None):
+        self.sh, self.run_dir, self.job_id = sh, run_dir, job_id
+        self.nodes = nodes
+        self.out = out or sys.stdout
+        self.offsets: dict[str, int] = {}
+        self.partial: dict[str, bytes] = {}
+
+    def _files(self) -> list[tuple[str, str]]:
+        d = f"{self.run_dir}/slurm"
+        files = [("[slurm]", f"{d}/{self.job_id}.out")]
+        if not self.nodes:
+            self.nodes = node_names(self.sh, self.run_dir, self.job_id) or None
+        for k, name in enumerate(self.nodes or []):
+            files.append((f"[{name}/{k}]", f"{d}/{self.job_id}/node{k}.out"))
+        return files
+
+    def poll(self, final: bool = False) -> None:
+        for prefix, path in self._files():
+            data = self.sh.read_bytes(path, self.offsets.get(path, 0))
+            if not data:
+                continue
+            self.offsets[path] = self.offsets.get(path, 0) + len(data)
+            buf = self.partial.get(path, b"") + data
+            *lines, rest = buf.split(b"\n")
+            self.partial[path] = rest
+            for ln in lines:
+                self.out.write(f"{prefix} {ln.decode(errors='replace')}\n")
+        if final:
+            for prefix, path in self._files():
+                if self.partial.get(path):
+                    self.out.write(f"{prefix} {self.partial.pop(path).decode(errors='replace')}\n")
+        self.out.flush()
+
+    def follow(self) -> JobState:
+        """Until the job has ended (through a requeue, it runs again: the same job id)."""
+        last_check = 0.0
+        while True:
+            self.poll()
+            if time.monotonic() - last_check > 1.0:
+                last_check = time.monotonic()
+                st = job_state(self.sh, self.job_id, self.run_dir)
+                if not st.active:
+                    self.poll(final=True)
+                    return st
+            time.sleep(POLL_S)
+
+
+def last_job(sh: Shell, run_dir: str) -> tuple[str | None, dict]:
+    rec = read_record(sh, run_dir)
+    subs = rec.get("submissions") or []
+    return (subs[-1]["job_id"] if subs else None), rec
+
+
+def cmd_status(args, inv, sh: Shell) -> int:
+    wd = workdir(sh, inv)
+    run_id = resolve_run(sh, wd, args.run)
+    run_dir = f"{wd}/runs/{run_id}"
+    job_id, rec = last_job(sh, run_dir)
+    st = job_state(sh, job_id, run_dir) if job_id else JobState("-", "NOT SUBMITTED", None)
+    nodes = node_names(sh, run_dir, job_id) if job_id else []
+    metrics = (sh.read_bytes(f"{run_dir}/metrics.jsonl") or b"").decode(errors="replace").strip().splitlines()
+    doc = {"run_id": run_id, "scheduler": "slurm", "job_id": job_id, "state": st.state, "exit_code": st.exit_code,
+           "reason": st.reason, "run_time": st.run_time, "nodes": nodes, "submissions": len(rec.get("submissions", [])),
+           "last_metrics": metrics[-1] if metrics else None, "run_dir": run_dir}
+    if getattr(args, "json", False):
+        print(json.dumps(doc, indent=2))
+        return 0
+    exit_s = f", exit {st.exit_code}" if st.exit_code is not None and not st.active else ""
+    why = f" ({st.reason})" if st.reason and st.reason != "None" else ""
+    print(f"run {run_id}: Slurm job {job_id} {st.state}{why}{exit_s}" + (f", {st.run_time}" if st.run_time else "")
+          + f"; submission {doc['submissions']}; run dir {run_dir}")
+    for k, n in enumerate(nodes):
+        print(f"  [{n}/{k}]")
+    if doc["last_metrics"]:
+        print(f"  last metrics: {doc['last_metrics'][:160]}")
+    return 0
+
+
+def cmd_logs(args, inv, sh: Shell) -> int:
+    wd = workdir(sh, inv)
+    run_id = resolve_run(sh, wd, args.run)
+    run_dir = f"{wd}/runs/{run_id}"
+    job_id, _ = last_job(sh, run_dir)
+    if not job_id:
+        print(f"run {run_id}: nothing submitted yet")
+        return 0
+    f = Follower(sh, run_dir, job_id)
+    if args.node:
+        names = node_names(sh, run_dir, job_id)
+        keep = [f"[{n}/{k}]" for k, n in enumerate(names) if n in args.node]
+        f.out = _Filter(sys.stdout, tuple(keep))
+    if args.follow:
+        try:
+            f.follow()
+        except KeyboardInterrupt:
+            return 130
+    else:
+        f.poll(final=True)
+    return 0
+
+
+def cmd_ls(args, inv, sh: Shell) -> int:
+    from runner.slurm_jobs import list_runs
+
+    wd = workdir(sh, inv)
+    rows = []
+    for run_id in reversed(list_runs(sh, wd)):
+        run_dir = f"{wd}/runs/{run_id}"
+        job_id, rec = last_job(sh, run_dir)
+        st = job_state(sh, job_id, run_dir) if job_id else None
+        rows.append({"run_id": run_id, "job_id": job_id, "state": st.state if st else "-",
+                     "exit_code": st.exit_code if st else None, "submissions": len(rec.get("submissions", []))})
+    if getattr(args, "json", False):
+        print(json.dumps(rows, indent=2))
+        return 0
+    for r in rows:
+        print(f"{r['run_id']}  job {r['job_id']}  {r['state']}"
+              + (f"  exit {r['exit_code']}" if r["exit_code"] is not None else "") + f"  submissions {r['submissions']}")
+    return 0
+
+
+class _Filter:
+    def __init__(self, out, prefixes: tuple[str, ...]):
+        self.out, self.prefixes = out, prefixes
+
+    def write(self, s: str) -> None:
+        if s.startswith(self.prefixes):
+            self.out.write(s)
+
+    def flush(self) -> None:
+        self.out.flush()

@@ -1,0 +1,312 @@
+"""The runner against a real Slurm cluster: slurmctld + 3 slurmd (multiple-slurmd) + munge + a
+login sshd, started once for this module by `runner sandbox up --slurm` and stopped at its end
+(asserting nothing of it is left running).
+
+The reduced Pi pipeline (3 nodes, pp=3) runs through Slurm and through the SSH runner (the
+session `sandbox`, whose image push other tests need anyway): the per-step losses are equal,
+bit for bit. `runner down` of a Slurm run writes the preempt checkpoint on every rank and
+`up --resume` continues it bitwise; the same job in the trainer image through Slurm's native OCI
+support gives the same losses again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import psutil
+import pytest
+import yaml
+
+from tests import IMAGE
+from tests.conftest import net_addr, require
+from tests.runner_helpers import REPO, runner, runner_cmd, wait_for
+
+pytestmark = [pytest.mark.slurm, pytest.mark.sandbox]
+
+CONFIG = str(REPO / "configs" / "pi-qwen3-3stage-tiny.yaml")
+STEPS = 10
+SLURM_TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol")
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory, have_sshd):
+    require("Slurm", all(shutil.which(t) for t in SLURM_TOOLS), "slurm-wlm / munge are not installed")
+    state = tmp_path_factory.mktemp("slurm")
+    inv = state / "slurm.yaml"
+    up = runner("sandbox", "--dir", str(state / "s"), "up", "--slurm", "--nodes", "3", "--base-addr", net_addr(9, 31),
+                "--inventory", str(inv), timeout=180)
+    assert up.returncode == 0, up.stdout + up.stderr
+    conf = state / "s" / "slurm" / "etc" / "slurm.conf"
+    doc = yaml.safe_load(inv.read_text())
+    local = state / "slurm-local.yaml"  # the same cluster without the login node: submitted from here
+    local.write_text(yaml.safe_dump({**doc, "slurm": {k: v for k, v in doc["slurm"].items() if k != "login"}}))
+    try:
+        yield SimpleNamespace(inv=inv, local=local, conf=conf, env={"SLURM_CONF": str(conf)},
+                              shared=Path(doc["slurm"]["workdir"]), state=state)
+    finally:
+        down = runner("sandbox", "--dir", str(state / "s"), "down", timeout=180)
+        left = [p.info["cmdline"] for p in psutil.process_iter(["cmdline"])
+                if str(state) in " ".join(p.info["cmdline"] or [])]
+        assert down.returncode == 0 and "slurm cluster" in down.stdout, down.stdout + down.stderr
+        assert not left, left
+
+
+def job_file(tmp: Path, steps: int = STEPS, **extra) -> Path:
+    job = {"image": IMAGE, "config": CONFIG,
+           "args": ["--train_steps", str(steps), "--batch_size", "16", "--microbatch_num", "4"],
+           "env": {"OMP_NUM_THREADS": "1"}, "master_port": "auto", "grace_period": 60, **extra}
+    p = tmp / "job.yaml"
+    p.write_text(yaml.safe_dump({"job": job}))
+    return p
+
+
+def losses(path: Path) -> list[float]:
+    return [json.loads(x)["loss"] for x in path.read_text().splitlines() if x.strip()]
+
+
+def sctl(slurm, *args: str) -> str:
+    res = subprocess.run(list(args), capture_output=True, text=True, env={**os.environ, **slurm.env}, timeout=60)
+    return res.stdout
+
+
+def job_ids(slurm) -> set[str]:
+    return set(re.findall(r"JobId=(\d+)", sctl(slurm, "scontrol", "show", "job", "-o")))
+
+
+@pytest.fixture(scope="module")
+def straight(slurm, tmp_path_factory):
+    """The job through Slurm, submitted on the login node over SSH, attached until it ends."""
+    tmp = tmp_path_factory.mktemp("straight")
+    proc = runner("up", "-i", str(slurm.inv), "--job", str(job_file(tmp)), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_id = re.search(r"^run (\S+) submitted: Slurm job (\d+)", proc.stdout, re.M)
+    run_dir = slurm.shared / "runs" / run_id[1]
+    return SimpleNamespace(run_id=run_id[1], job=run_id[2], proc=proc, run_dir=run_dir,
+                           losses=losses(run_dir / "metrics.jsonl"))
+
+
+def test_cluster_is_real_slurm(slurm):
+    assert re.search(r"MULTIPLE_SLURMD\s+= Yes", sctl(slurm, "scontrol", "show", "config"))
+    nodes = sctl(slurm, "sinfo", "-h", "-N", "-o", "%N %t")
+    assert sorted(nodes.split("\n")[:-1]) == ["node-0 idle", "node-1 idle", "node-2 idle"]
+    addrs = re.findall(r"NodeAddr=(\S+)", sctl(slurm, "scontrol", "show", "node"))
+    assert addrs == [net_addr(9, 32), net_addr(9, 33), net_addr(9, 34)]
+    st = runner("sandbox", "--dir", str(slurm.state / "s"), "status")
+    assert st.returncode == 0 and f"slurm node-2  {net_addr(9, 34)}  idle" in st.stdout, st.stdout
+
+
+def test_contract_prefixes_and_rank_order(slurm, straight):
+    out, rd, job = straight.proc.stdout, straight.run_dir, straight.job
+    assert len(straight.losses) == STEPS
+    assert f"run {straight.run_id} finished: Slurm job {job} exited 0 on all 3 node(s)" in out
+    # Rank 0 = the allocation's first node; its NodeAddr is MASTER_ADDR; a port from the run's window.
+    m = re.search(rf"^\[slurm\] runner: master node-0 at {re.escape(net_addr(9, 32))}:(\d+)$", out, re.M)
+    assert m and 29500 <= int(m[1]) < 30400
+    assert (rd / "slurm" / job / "nodes").read_text().split() == ["node-0", "node-1", "node-2"]
+    for k in range(3):
+        env = dict(ln.split("=", 1) for ln in (rd / "slurm" / job / f"node{k}.env").read_text().split())
+        assert env == {"NODE_NAME": f"node-{k}", "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+    assert "[node-0/0] [rank0] " in out and "[node-2/2] [rank2] step 10 loss" in out
+    assert (rd / "slurm" / "submit-1.sbatch").read_text().startswith("#!/bin/bash\n# runner: run ")
+    assert (rd / "slurm" / job / "exit-code").read_text().strip() == "0"
+    st = runner("status", "-i", str(slurm.inv), straight.run_id, "--json")
+    doc = json.loads(st.stdout)
+    assert doc["state"] == "COMPLETED" and doc["exit_code"] == 0 and doc["nodes"] == ["node-0", "node-1", "node-2"]
+    logs = runner("logs", straight.run_id, "-i", str(slurm.inv))
+    assert logs.returncode == 0 and "[node-2/2] [rank2] step 10 loss" in logs.stdout
+    assert "[slurm] runner: job " in logs.stdout
+    one = runner("logs", straight.run_id, "-i", str(slurm.inv), "--node", "node-1").stdout.splitlines()
+    assert one and all(ln.startswith("[node-1/1] ") for ln in one)
+    ls = runner("ls", "-i", str(slurm.inv), "--json")
+    assert {"run_id": straight.run_id, "job_id": job, "state": "COMPLETED", "exit_code": 0,
+            "submissions": 1} in json.loads(ls.stdout)
+
+
+def test_same_losses_as_the_ssh_runner(slurm, straight, sandbox, pushed, tmp_path):
+    """The same job through the SSH runner on the session's 3 sandbox nodes (containers of the
+    trainer image; the Slurm run used the project's virtualenv): equal losses, bit for bit."""
+    proc = runner("up", "-i", str(sandbox), "--job", str(job_file(tmp_path)), "--logs-dir", str(tmp_path / "logs"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_id = re.search(r"run (\S+) started", proc.stdout)[1]
+    col = runner("collect", run_id, "-i", str(sandbox), "--dest", str(tmp_path / "art"), "--quiet", "--no-plots")
+    assert col.returncode == 0, col.stderr
+    ssh = losses(tmp_path / "art" / run_id / "node-2" / "metrics.jsonl")
+    assert len(ssh) == STEPS and ssh == straight.losses
+
+
+def test_collect_returns_the_files(slurm, straight, tmp_path):
+    rd = straight.run_dir
+    want = sorted(str(p.relative_to(rd)) for p in rd.rglob("*") if p.is_file())
+    for inv, env in ((slurm.inv, {}), (slurm.local, slurm.env)):  # over SSH from the login node; locally
+        dest = tmp_path / inv.stem
+        col = runner("collect", straight.run_id, "-i", str(inv), "--dest", str(dest), "--quiet", env=env)
+        assert col.returncode == 0, col.stderr
+        got = dest / straight.run_id / "slurm"
+        files = sorted(str(p.relative_to(got)) for p in got.rglob("*") if p.is_file() and ".collect" not in p.name)
+        assert [f for f in files if not f.endswith(".png")] == want
+        for rel in ("metrics.jsonl", "logs/rank0.log", "logs/rank2.log", f"slurm/{straight.job}/node1.out",
+                    "slurm/submit-1.sbatch"):
+            assert (got / rel).read_bytes() == (rd / rel).read_bytes(), rel
+        assert f"final loss {straight.losses[-1]:.4f} at step {STEPS}" in col.stdout
+        again = runner("collect", straight.run_id, "-i", str(inv), "--dest", str(dest), "--quiet", env=env)
+        assert ": 0 copied (0.00 MB" in again.stdout, again.stdout
+
+
+def _ranks(run_id: str) -> list[psutil.Process]:
+    """The run's trainer processes (torchrun's workers: RUN_ID and LOCAL_RANK in their env)."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            env = Path(f"/proc/{p.pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RUN_ID={run_id}".encode() in env and any(e.startswith(b"LOCAL_RANK=") for e in env):
+            found.append(p)
+    return found
+
+
+def _usr1_pending(p: psutil.Process) -> bool:
+    status = Path(f"/proc/{p.pid}/status").read_text()
+    pend = [int(v, 16) for k, v in re.findall(r"^(SigPnd|ShdPnd):\s*([0-9a-f]+)$", status, re.M)]
+    return any(x & (1 << (signal.SIGUSR1 - 1)) for x in pend)
+
+
+def test_down_writes_preempt_checkpoint_and_resume_is_bitwise(slurm, straight, tmp_path):
+    """Submitted from this machine (no login node). Once step 1 is logged the ranks are held
+    (SIGSTOP) while `runner down` signals the job, and let go once USR1 is pending on every rank:
+    the stop lands mid-run whatever the machine's load. Then `up --resume` finishes the run."""
+    env = slurm.env
+    up = runner("up", "-i", str(slurm.local), "--job", str(job_file(tmp_path)), "--detach", env=env)
+    assert up.returncode == 0, up.stdout + up.stderr
+    run_id, job = re.search(r"^run (\S+) submitted: Slurm job (\d+)", up.stdout, re.M).groups()
+    rd = slurm.shared / "runs" / run_id
+    wait_for(lambda: (rd / "metrics.jsonl").is_file() and (rd / "metrics.jsonl").read_text().strip(), 300)
+    ranks = wait_for(lambda: len(_ranks(run_id)) == 3 and _ranks(run_id), 30)
+    busy = runner("up", "-i", str(slurm.local), "--job", str(job_file(tmp_path)), "--resume", run_id, env=env)
+    assert busy.returncode != 0 and f"Slurm job {job} of the run is still RUNNING" in busy.stderr
+    for p in ranks:
+        p.send_signal(signal.SIGSTOP)
+    down = subprocess.Popen(runner_cmd("down", run_id, "-i", str(slurm.local)), cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **env})
+    try:
+        wait_for(lambda: all(_usr1_pending(p) for p in ranks), 60)
+    finally:
+        for p in ranks:
+            p.send_signal(signal.SIGCONT)
+    out, err = down.communicate(timeout=300)
+    assert down.returncode == 0, out + err
+    ckpts = rd / "checkpoints"
+    name = (ckpts / "latest").read_text().strip()
+    stopped = len(losses(rd / "metrics.jsonl"))
+    assert name == f"step-{stopped}.preempt" and 1 <= stopped < STEPS, (name, stopped)
+    assert f"run {run_id}: Slurm job {job} sent USR1; ended within the grace period" in out
+    assert f"latest checkpoint {name}" in out
+    for r in range(3):  # every rank wrote its part: the shards, its manifest, its RNG/optimizer state
+        assert (ckpts / name / f"rank{r}.pt").is_file() and (ckpts / name / f"manifest.rank{r}.json").is_file()
+        assert list((ckpts / name).glob(f"__{r}_*.distcp"))
+    assert (rd / "slurm" / job / "exit-code").read_text().strip() == "143"
+    assert (rd / "slurm" / "down").exists()
+    assert losses(rd / "metrics.jsonl") == straight.losses[:stopped]
+    st = json.loads(runner("status", run_id, "-i", str(slurm.local), "--json", env=env).stdout)
+    assert st["state"] == "FAILED" and st["exit_code"] == 143
+    again = runner("down", run_id, "-i", str(slurm.local), env=env)
+    assert again.returncode == 0 and "nothing running" in again.stdout
+
+    res = runner("up", "-i", str(slurm.local), "--job", str(job_file(tmp_path)), "--resume", run_id, env=env, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert re.search(rf"^run {run_id} submitted: Slurm job \d+", res.stdout, re.M)
+    assert f"resumed from {ckpts / name} at step {stopped}" in res.stdout
+    assert losses(rd / "metrics.jsonl") == straight.losses  # bit for bit, the whole run
+    assert "--resume latest" in (rd / "slurm" / "submit-2.sbatch").read_text()
+
+
+def test_bad_slurm_section_is_one_line_and_nothing_submitted(slurm, tmp_path):
+    doc = yaml.safe_load(slurm.local.read_text())
+    before_jobs, before_runs = job_ids(slurm), set(os.listdir(slurm.shared / "runs"))
+    bin_dir = tmp_path / "bin"  # a PATH with a shell but without Slurm's client tools
+    bin_dir.mkdir()
+    for tool in ("sh", "cat"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    cases = [({"partition": "nope"}, {}, "slurm.partition: 'nope' is not a partition of this cluster (partitions: debug)"),
+             ({"nodes": 4}, {}, "slurm.nodes: 4 nodes, but partition debug has 3"),
+             ({"gpus_per_node": 1}, {}, "slurm: the cluster refuses the job"),
+             ({}, {"PATH": str(bin_dir)}, "sbatch, squeue, scancel, scontrol, sinfo not found on this machine")]
+    for i, (change, env, msg) in enumerate(cases):
+        inv = tmp_path / f"bad{i}.yaml"
+        inv.write_text(yaml.safe_dump({**doc, "slurm": {**doc["slurm"], **change}}, sort_keys=False))
+        res = runner("up", "-i", str(inv), "--job", str(job_file(tmp_path)), env={**slurm.env, **env})
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode != 0 and len(lines) == 1 and msg in lines[0] and "nothing submitted" in lines[0], res.stderr
+        assert lines[0].startswith(f"runner: error: {inv}")
+    assert job_ids(slurm) == before_jobs and set(os.listdir(slurm.shared / "runs")) == before_runs
+
+
+def test_oci_container_gives_the_same_losses(slurm, straight, trainer_image, tmp_path, capsys):
+    """container: oci: the trainer image exported as a bundle, run by Slurm's native OCI support
+    (oci.conf -> runc) on every node: the same losses as the virtualenv run."""
+    doc = yaml.safe_load(slurm.inv.read_text())
+    s = {k: v for k, v in doc["slurm"].items() if k not in ("venv", "chdir")}
+    inv = tmp_path / "oci.yaml"
+    inv.write_text(yaml.safe_dump({**doc, "slurm": {**s, "container": "oci"}}))
+    res = runner("up", "-i", str(inv), "--job", str(job_file(tmp_path)), timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    run_id, job = re.search(r"^run (\S+) submitted: Slurm job (\d+)", res.stdout, re.M).groups()
+    assert losses(slurm.shared / "runs" / run_id / "metrics.jsonl") == straight.losses
+    # The bundle is the host's image (by id), exported once; the output went to /runner/runs/<run>.
+    import docker
+    from runner.images import HOST_DOCKER
+    image_id = docker.DockerClient(base_url=HOST_DOCKER, version="auto").images.get(trainer_image).id
+    bundle = slurm.shared / "bundles" / image_id.split(":")[1][:16]
+    assert json.loads((bundle / "image.json").read_text())["id"] == image_id
+    assert (bundle / "rootfs" / "opt" / "venv" / "bin" / "torchrun").is_file()
+    assert json.loads((bundle / "config.json").read_text())["root"] == {"path": "rootfs", "readonly": True}
+    assert f"output_dir: /runner/runs/{run_id}" in (slurm.shared / "runs" / run_id / "config.yaml").read_text()
+    assert f"--container={bundle}" in (slurm.shared / "runs" / run_id / "slurm" / "submit-1.sbatch").read_text()
+    # The same image again: found by id, nothing exported (no "oci: exporting" line).
+    from runner.slurm_inventory import load_slurm_inventory
+    from runner.slurm_oci import ensure_bundle
+    from runner.slurm_shell import LocalShell
+    again = ensure_bundle(LocalShell(), load_slurm_inventory(str(inv), check_files=False), str(slurm.shared))
+    assert again[0] == str(bundle) and again[2] == "/workspace"
+    assert "oci: exporting" not in capsys.readouterr().out
+
+
+def test_requeue_resumes_from_the_preempt_checkpoint(slurm, straight, tmp_path):
+    """`up --requeue`: Slurm requeues the running job (what a preemption with PreemptMode=REQUEUE
+    does: SIGTERM, KillWait, back to the queue), the ranks write the preempt checkpoint, and the
+    job's second start resumes from it: the same losses as the straight run."""
+    env = slurm.env
+    up = runner("up", "-i", str(slurm.local), "--job", str(job_file(tmp_path)), "--detach", "--requeue", env=env)
+    assert up.returncode == 0, up.stdout + up.stderr
+    run_id, job = re.search(r"^run (\S+) submitted: Slurm job (\d+)", up.stdout, re.M).groups()
+    rd = slurm.shared / "runs" / run_id
+    wait_for(lambda: (rd / "metrics.jsonl").is_file() and (rd / "metrics.jsonl").read_text().strip(), 300)
+    ranks = wait_for(lambda: len(_ranks(run_id)) == 3 and _ranks(run_id), 30)
+    for p in ranks:  # held until Slurm acts, so the requeue lands mid-run (Slurm sends SIGCONT itself)
+        p.send_signal(signal.SIGSTOP)
+    try:
+        assert sctl(slurm, "scontrol", "requeue", job) == ""
+        wait_for(lambda: "JobState=PENDING" in sctl(slurm, "scontrol", "show", "job", "-o", job), 120)
+    finally:
+        for p in ranks:
+            try:
+                p.send_signal(signal.SIGCONT)
+            except psutil.NoSuchProcess:
+                pass
+    stopped = len(losses(rd / "metrics.jsonl"))
+    name = (rd / "checkpoints" / "latest").read_text().strip()
+    assert name == f"step-{stopped}.preempt" and 1 <= stopped < STEPS, (name, stopped)
+    # Slurm holds a requeued job back (BeginTime, ~2 min): let it start now.
+    sctl(slurm, "scontrol", "update", f"JobId={job}", "StartTime=now")
+    wait_for(lambda: "JobState=COMPLETED" in sctl(slurm, "scontrol", "show", "job", "-o", job), 600, interval=1)
+    batch = (rd / "slurm" / f"{job}.out").read_text()
+    assert f"runner: job {job} (restart 1) on node-[0-2]" in batch
+    assert f"resumed from {rd / 'checkpoints' / name} at step {stopped}" in (rd / "slurm" / job / "node0.out").read_text()
+    assert losses(rd / "metrics.jsonl") == straight.losses

@@ -1,0 +1,249 @@
+"""The Slurm plan without a cluster: the `slurm:` section's validation, and the generated sbatch
+script, task script and OCI config checked field by field (bash parses every variant)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from runner.errors import UserError
+from runner.slurm_inventory import load_slurm_inventory
+from runner.slurm_plan import SlurmFacts, make_slurm_plan, oci_config, torchrun_argv
+from tests.runner_helpers import REPO, runner
+
+CONFIG = str(REPO / "configs" / "pi-qwen3-3stage-tiny.yaml")
+
+
+def write_inv(tmp: Path, slurm: dict | None = None, job: dict | None = None, text: str | None = None) -> Path:
+    p = tmp / "slurm.yaml"
+    if text is None:
+        doc = {"slurm": {"partition": "debug", "nodes": 3, "container": "none", "workdir": "/shared/runner",
+                         **(slurm or {})},
+               "job": {"image": "runner-trainer:latest", "config": CONFIG, "args": ["--train_steps", "5"],
+                       "env": {"OMP_NUM_THREADS": "1"}, "grace_period": 20, **(job or {})}}
+        text = yaml.safe_dump(doc, sort_keys=False)
+    p.write_text(text)
+    return p
+
+
+def plan_for(tmp: Path, slurm: dict | None = None, job: dict | None = None, **kw):
+    inv = load_slurm_inventory(str(write_inv(tmp, slurm, job)))
+    return inv, make_slurm_plan(inv, "20260101-000000-abcd", SlurmFacts(home="/home/u"), **kw)
+
+
+def directives(script: str) -> list[str]:
+    return [ln[len("#SBATCH "):] for ln in script.splitlines() if ln.startswith("#SBATCH ")]
+
+
+def heredoc(script: str, marker: str) -> str:
+    m = re.search(rf"<<'{marker}'\n(.*?)\n{marker}\n", script, re.S)
+    assert m, marker
+    return m[1]
+
+
+def test_sbatch_directives_env_and_task_field_by_field(tmp_path):
+    inv, plan = plan_for(tmp_path, {"account": "proj-1", "time": "01:30:00", "gpus_per_node": 2, "cpus_per_task": 8,
+                                    "mem": "64G", "qos": "high", "sbatch": ["--constraint=a100", "--exclusive"]})
+    rd = "/shared/runner/runs/20260101-000000-abcd"
+    assert plan.run_dir == rd and plan.script_path == f"{rd}/slurm/submit-1.sbatch"
+    assert directives(plan.script) == [
+        "--job-name=runner-20260101-000000-abcd", "--nodes=3", "--ntasks-per-node=1", "--partition=debug",
+        "--account=proj-1", "--qos=high", "--time=01:30:00", "--cpus-per-task=8", "--mem=64G", "--gpus-per-node=2",
+        f"--output={rd}/slurm/%j.out", "--open-mode=append", f"--chdir={rd}",
+        "--signal=USR1@80",              # grace 20 s + 60 before the time limit
+        "--no-requeue", "--constraint=a100", "--exclusive"]
+    # The contract env (shared/design.md), exported by the batch script; per-node values come later.
+    batch_part = plan.script.split("cat > ")[0]
+    exports = dict(re.findall(r"^export ([A-Z_]+)=(.*)$", batch_part, re.M))
+    assert exports == {"NNODES": "3", "OMP_NUM_THREADS": "1", "OUTPUT_DIR": rd, "PET_SHUTDOWN_TIMEOUT": "18",
+                       "PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "PYTHONUNBUFFERED": "1",
+                       "RUN_ID": "20260101-000000-abcd"}
+    # torchrun: static rendezvous, 2 procs per node (gpus_per_node), rank and master from the allocation.
+    assert plan.torchrun == ["torchrun", "--nnodes", "3", "--node-rank", "$rank", "--nproc-per-node", "2",
+                             "--master-addr", "$MASTER_ADDR", "--master-port", "$MASTER_PORT",
+                             "--rdzv-backend", "static", "--max-restarts", "0",
+                             "-m", "trainer", "--config", f"{rd}/config.yaml", "--train_steps", "5"]
+    task = heredoc(plan.script, "RUNNER_TASK")
+    assert task.splitlines()[-1] == (
+        'exec torchrun --nnodes 3 --node-rank "$rank" --nproc-per-node 2 --master-addr "$MASTER_ADDR" '
+        '--master-port "$MASTER_PORT" --rdzv-backend static --max-restarts 0 -m trainer '
+        f'--config {rd}/config.yaml --train_steps 5 "$@"')
+    assert 'set -a; . "$dir/node$rank.env"; set +a' in task and 'export NODE_RANK="$rank"' in task
+    # Node rank 0 = the allocation's first node; its NodeAddr is MASTER_ADDR; one task per node.
+    assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" > "$JOB_DIR/nodes"' in plan.script
+    assert "MASTER_NODE=$(head -n 1 \"$JOB_DIR/nodes\")" in plan.script
+    assert 'echo "* /bin/sh $JOB_DIR/task.sh %t $JOB_DIR $RESUME" > "$JOB_DIR/multi-prog.conf"' in plan.script
+    assert re.search(r'^srun --ntasks-per-node=1 --kill-on-bad-exit=1 --output="\$JOB_DIR/node%n.out" '
+                     r'--open-mode=append \\\n  --multi-prog "\$JOB_DIR/multi-prog.conf"$', plan.script, re.M)
+    probe = heredoc(plan.script, "RUNNER_PROBE")
+    assert "ip -o route get" in probe and "GLOO_SOCKET_IFNAME=%s" in probe and "NCCL_SOCKET_IFNAME=%s" in probe
+    # master_port auto: the SSH runner's window for this run id, searched on the master's node.
+    from runner.session import AUTO_PORT_BASE, port_offset
+    lo = AUTO_PORT_BASE + port_offset("20260101-000000-abcd")
+    assert f"for p in $(seq {lo} {lo + 499}); do" in plan.script
+
+
+@pytest.mark.parametrize("container", ["none", "pyxis", "oci"])
+@pytest.mark.parametrize("requeue", [False, True])
+def test_every_variant_parses_as_bash(tmp_path, container, requeue):
+    inv, plan = plan_for(tmp_path, {"container": container, **({"venv": "/opt/v", "chdir": "/src"}
+                                                                if container == "none" else {})},
+                         {"env_file": str(_env_file(tmp_path))}, requeue=requeue, secret_keys=["HF_TOKEN"])
+    script = tmp_path / "s.sbatch"
+    script.write_text(plan.script)
+    res = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    task = tmp_path / "task.sh"
+    task.write_text(heredoc(plan.script, "RUNNER_TASK"))
+    assert subprocess.run(["sh", "-n", str(task)]).returncode == 0
+    assert ("--requeue" in directives(plan.script)) == requeue
+    assert ('scontrol requeue "$SLURM_JOB_ID"' in plan.script) == requeue
+    assert ('RESUME="--resume latest"' in plan.script) == requeue
+
+
+def _env_file(tmp: Path) -> Path:
+    p = tmp / ".env"
+    p.write_text("HF_TOKEN=hf_secret_value_123\n")
+    return p
+
+
+def test_secrets_only_by_file_never_in_the_script(tmp_path):
+    inv, plan = plan_for(tmp_path, job={"env_file": str(_env_file(tmp_path)), "env": {"HF_TOKEN": "inline", "A": "1"}},
+                         secret_keys=["HF_TOKEN"])
+    assert "hf_secret_value_123" not in plan.script and "inline" not in plan.script
+    assert plan.secrets_file == "/shared/runner/secrets/20260101-000000-abcd.env"
+    assert "export RUNNER_SECRETS=/shared/runner/secrets/20260101-000000-abcd.env" in plan.script
+    assert 'set -a; . "$RUNNER_SECRETS"; set +a' in heredoc(plan.script, "RUNNER_TASK")
+    assert '[ "$rc" = 0 ] && rm -f /shared/runner/secrets/20260101-000000-abcd.env' in plan.script
+    out = plan.render(inv, "this machine")
+    assert "HF_TOKEN=******" in out and "hf_secret" not in out
+    # A secret-looking name put in job.env instead: in the script (it must reach the job), masked on display.
+    inv2, plan2 = plan_for(tmp_path, job={"env": {"WANDB_API_KEY": "k-123", "A": "1"}})
+    assert "export WANDB_API_KEY=k-123" in plan2.script
+    shown = plan2.render(inv2, "this machine")
+    assert "k-123" not in shown and "export WANDB_API_KEY=******  # looks like a secret: use env_file" in shown
+    assert "export A=1" in shown
+
+
+def test_pyxis_flags(tmp_path):
+    inv, plan = plan_for(tmp_path, {"container": "pyxis", "image": "registry.example.org#team/trainer:1"},
+                         {"env_file": str(_env_file(tmp_path))}, secret_keys=["HF_TOKEN"])
+    rd = plan.run_dir
+    line = next(ln for ln in plan.script.splitlines() if ln.strip().endswith('--multi-prog "$JOB_DIR/multi-prog.conf"'))
+    flags = shlex.split(line)[:-2]
+    assert flags == ["--container-image=registry.example.org#team/trainer:1",
+                     f"--container-mounts={rd}:/out,/shared/runner/secrets/20260101-000000-abcd.env:/run/runner/secrets.env:ro",
+                     "--no-container-mount-home",
+                     "--container-env=MASTER_ADDR,MASTER_PORT,NNODES,OMP_NUM_THREADS,OUTPUT_DIR,PET_SHUTDOWN_TIMEOUT,"
+                     "PET_SIGNALS_TO_HANDLE,PYTHONUNBUFFERED,RUNNER_SECRETS,RUN_ID"]
+    assert "export OUTPUT_DIR=/out" in plan.script and "export RUNNER_SECRETS=/run/runner/secrets.env" in plan.script
+    # Inside the container the task reads the job dir under /out; the config too.
+    assert 'echo "* /bin/sh /out/slurm/$SLURM_JOB_ID/task.sh %t /out/slurm/$SLURM_JOB_ID $RESUME"' in plan.script
+    assert "--config /out/config.yaml" in heredoc(plan.script, "RUNNER_TASK")
+    # Without slurm.image: job.image's tag for slurm.arch.
+    _, plain = plan_for(tmp_path, {"container": "pyxis"})
+    assert "--container-image=runner-trainer:latest" in plain.script
+
+
+def test_oci_bundle_config(tmp_path):
+    inv = load_slurm_inventory(str(write_inv(tmp_path, {"container": "oci"})))
+    facts = SlurmFacts(home="/home/u", uid=1000, gid=100, bundle="/shared/runner/bundles/abc",
+                       image_env=("PATH=/opt/venv/bin:/usr/bin:/bin", "VIRTUAL_ENV=/opt/venv"), image_workdir="/workspace")
+    plan = make_slurm_plan(inv, "r1", facts, secret_keys=["HF_TOKEN"])
+    assert "--container=/shared/runner/bundles/abc --multi-prog" in plan.script
+    task = heredoc(plan.script, "RUNNER_TASK")
+    assert "export PATH=/opt/venv/bin:/usr/bin:/bin" in task  # the image's, not the job's (Slurm passes the job's env)
+    assert "cd /workspace  # the image's WorkingDir" in task
+    # One bundle serves every run (Slurm 22.05 fixes the root to <bundle>/rootfs): the workdir's
+    # runs/ and secrets/ are mounted under /runner, OUTPUT_DIR is this run's dir there.
+    assert "export OUTPUT_DIR=/runner/runs/r1" in plan.script
+    assert "export RUNNER_SECRETS=/runner/secrets/r1.env" in plan.script
+    assert 'echo "* /bin/sh /runner/runs/r1/slurm/$SLURM_JOB_ID/task.sh %t /runner/runs/r1/slurm/$SLURM_JOB_ID' in plan.script
+    c = plan.oci_config
+    assert c == oci_config(inv, plan.workdir, facts)
+    assert c["root"] == {"path": "rootfs", "readonly": True}
+    assert c["process"]["user"] == {"uid": 1000, "gid": 100} and c["process"]["cwd"] == "/workspace"
+    assert c["process"]["env"] == ["PATH=/opt/venv/bin:/usr/bin:/bin", "VIRTUAL_ENV=/opt/venv"]
+    assert [n["type"] for n in c["linux"]["namespaces"]] == ["pid", "mount"]   # host network, ipc, uts
+    mounts = {m["destination"]: m for m in c["mounts"]}
+    assert mounts["/runner/runs"] == {"destination": "/runner/runs", "type": "bind", "source": "/shared/runner/runs",
+                                      "options": ["rbind", "rw"]}
+    assert mounts["/runner/secrets"]["source"] == "/shared/runner/secrets"
+    assert mounts["/runner/secrets"]["options"] == ["rbind", "ro"]
+    assert mounts["/dev/shm"]["source"] == "/dev/shm" and mounts["/tmp"]["type"] == "tmpfs"
+    json.dumps(c)  # what is written as <bundle>/config.json
+
+
+def test_resume_home_and_custom_command(tmp_path):
+    inv, plan = plan_for(tmp_path, {"workdir": "~/runner"}, {"command": ["python", "train.py"], "args": ["--x", "1"]},
+                         resume=True, submission=3)
+    assert plan.run_dir == "/home/u/runner/runs/20260101-000000-abcd"
+    assert plan.script_path.endswith("/slurm/submit-3.sbatch")
+    assert plan.torchrun[plan.torchrun.index("--no-python"):] == ["--no-python", "python", "train.py", "--x", "1",
+                                                                 "--resume", "latest"]
+    assert torchrun_argv(inv, 1, None, [])[-3:] == ["--no-python", "python", "train.py"]
+    assert 'RESUME=""' in plan.script  # an explicit resume: no second one on requeue
+
+
+def test_fixed_master_port(tmp_path):
+    _, plan = plan_for(tmp_path, job={"master_port": 29400})
+    assert "\nMASTER_PORT=29400\n" in plan.script and "seq " not in plan.script
+
+
+BAD = [
+    ({"nodes": 0}, 3, "slurm.nodes: must be an integer in 1..100000, got 0"),
+    ({"container": "docker"}, 4, "slurm.container: must be one of pyxis, oci, none, got 'docker'"),
+    ({"partition": "de bug"}, 2, "slurm.partition: 'de bug': must be letters, digits"),
+    ({"time": "4h"}, 6, "slurm.time: '4h': must be a Slurm time limit"),
+    ({"workdir": "runs"}, 5, "slurm.workdir: 'runs': use an absolute path or ~/..."),
+    ({"workdir": "/a b"}, 5, "slurm.workdir: '/a b': must be a path without blanks, quotes or $"),
+    ({"sbatch": ["-N 4"]}, 7, "slurm.sbatch[0]: '-N 4': use --option or --option=value"),
+    ({"sbatch": ["--wrap=rm -rf /"]}, 7, "slurm.sbatch[0]: '--wrap=rm -rf /': use --option"),
+    ({"container": "pyxis", "venv": "/v"}, 6, "slurm.venv: only for container: none (container is pyxis"),
+    ({"login": {"port": 22}}, 7, "slurm.login.host: missing"),
+    ({"partitoin": "x"}, 6, "slurm.partitoin: unknown field (allowed:"),
+]
+
+
+@pytest.mark.parametrize("extra,line,msg", BAD, ids=[b[2].split(":")[0] + str(i) for i, b in enumerate(BAD)])
+def test_bad_slurm_section_is_one_line(tmp_path, extra, line, msg):
+    p = write_inv(tmp_path, extra)
+    with pytest.raises(UserError) as ei:
+        load_slurm_inventory(str(p), check_files=False)
+    text = str(ei.value)
+    assert "\n" not in text and msg in text, text
+    assert text.startswith(f"{p}:{line}: "), (text, p.read_text().splitlines()[line - 1])
+
+
+def test_cli_dry_run_contacts_nothing_and_routes(tmp_path):
+    p = write_inv(tmp_path, {"login": {"host": "login.hpc.example.org", "user": "me"}})
+    res = runner("up", "-i", str(p), "--dry-run")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("run <new run id>: 3 node(s) via Slurm (partition debug, container none), "
+                                 "submitted with sbatch on login node login.hpc.example.org")
+    assert "#SBATCH --nodes=3" in res.stdout
+    # A Slurm inventory has no nodes: the SSH commands are not what `auto` picks; `--scheduler ssh` says why.
+    bad = runner("up", "-i", str(p), "--dry-run", "--scheduler", "ssh")
+    assert bad.returncode != 0 and len(bad.stderr.strip().splitlines()) == 1 and "nodes" in bad.stderr
+    req = runner("up", "-i", str(REPO / "hosts" / "pis.yaml"), "--dry-run", "--requeue", "--arch", "arm64")
+    assert req.returncode != 0 and "--requeue is for Slurm runs" in req.stderr
+    missing = runner("up", "-i", str(REPO / "hosts" / "pis.yaml"), "--dry-run", "--scheduler", "slurm")
+    assert missing.returncode != 0 and "needs a `slurm:` section" in missing.stderr
+
+
+def test_example_inventory_dry_run():
+    """hosts/slurm.yaml, the example a site copies, stays valid: its dry-run contacts nothing."""
+    res = runner("up", "-i", str(REPO / "hosts" / "slurm.yaml"), "--dry-run")
+    assert res.returncode == 0, res.stderr
+    d = directives(res.stdout)
+    assert d[:9] == ["--job-name=runner-<new run id>", "--nodes=4", "--ntasks-per-node=1", "--partition=gpu",
+                     "--account=proj-123", "--time=04:00:00", "--cpus-per-task=64", "--gpus-per-node=8",
+                     "--output=~/runner/runs/<new run id>/slurm/%j.out"]
+    assert "--container-image=ghcr.io#example/runner-trainer:latest" in res.stdout
+    assert "(~ is the submit host's home, resolved at submission" in res.stdout
