@@ -5,5 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 scripts/build-image.sh runner-trainer:latest
-.venv/bin/ruff check --quiet runner trainer tests bench
+.venv/bin/ruff check --quiet runner trainer contract tests bench
 exec .venv/bin/pytest -p no:cacheprovider "$@"

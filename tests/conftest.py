@@ -11,6 +11,8 @@ import shutil
 
 import pytest
 
+from tests import IMAGE, REPO
+
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 # First two octets of every loopback address the tests give sandbox nodes. Two pytest sessions on
 # one machine (two checkouts, or a developer beside CI) each set their own, e.g. RUNNER_TEST_NET=127.1.
@@ -45,9 +47,7 @@ def have_sshd() -> None:
             "openssh-server is not installed")
 
 
-REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
 HOST_DOCKER = "unix:///var/run/docker.sock"
-IMAGE = "runner-trainer:latest"
 
 
 def _docker_ok() -> bool:
@@ -66,12 +66,15 @@ def host_docker() -> str:
 
 @pytest.fixture(scope="session")
 def trainer_image(host_docker) -> str:
-    """runner-trainer:latest on the host engine, built by the project's script (cached layers)."""
+    """This session's trainer image (tests/__init__.py IMAGE) on the host engine, built by the
+    project's script from the checkout (cached layers); its tag is removed at the end."""
     import subprocess
     proc = subprocess.run([str(REPO / "scripts/build-image.sh"), IMAGE], capture_output=True, text=True,
                           cwd=REPO, env={**os.environ, "DOCKER_HOST": host_docker})
     assert proc.returncode == 0, f"image build failed:\n{proc.stderr[-3000:]}"
-    return IMAGE
+    yield IMAGE
+    if not os.environ.get("RUNNER_TEST_IMAGE"):
+        subprocess.run(["docker", "-H", host_docker, "rmi", IMAGE], capture_output=True)
 
 
 def _sandbox_cmd(*args: str) -> list[str]:
@@ -90,6 +93,7 @@ def sandbox(tmp_path_factory, host_docker, have_sshd):
                                      net_addr(2, 11), "--inventory", str(inv)), capture_output=True, text=True,
                         cwd=REPO)
     assert up.returncode == 0, up.stderr
+    inv.write_text(inv.read_text().replace("image: runner-trainer:latest", f"image: {IMAGE}"))
     try:
         yield inv
     finally:
@@ -111,3 +115,28 @@ def pushed(sandbox, trainer_image, tmp_path_factory):
     proc = runner("push", "-i", str(sandbox), "--job", str(job), timeout=1200)
     assert proc.returncode == 0, proc.stderr
     return {"first": parse_push(proc.stdout), "seconds": time.time() - t0, "job": job}
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Any socket, SSH client or docker client creation fails the test (the Pi and EC2 addresses
+    in hosts/ must never be contacted)."""
+    import socket
+
+    import paramiko
+
+    import docker
+
+    def boom(*a, **k):
+        raise AssertionError("a network connection was attempted")
+
+    class NoSocket(socket.socket):
+        def __init__(self, *a, **k):
+            raise AssertionError("a socket was opened")
+
+    monkeypatch.setattr(socket, "socket", NoSocket)
+    monkeypatch.setattr(socket, "create_connection", boom)
+    monkeypatch.setattr(paramiko.SSHClient, "connect", boom)
+    monkeypatch.setattr(paramiko.Transport, "__init__", boom)
+    monkeypatch.setattr(docker, "DockerClient", boom)
+    monkeypatch.setattr(docker, "from_env", boom)

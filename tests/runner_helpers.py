@@ -15,11 +15,11 @@ import yaml
 from runner.inventory import load_inventory
 from runner.plan import LABEL_RUN
 from runner.ssh import Remote
-
-REPO = Path(__file__).resolve().parents[1]
+from tests import IMAGE, REPO
 
 # Each rank records its env, its container's PID-1 start time (torchrun; host-kernel clock, so
-# comparable across sandbox nodes) and a 1 MB file, then sleeps SLEEP seconds.
+# comparable across sandbox nodes) and a 1 MB file, then sleeps SLEEP seconds (a job that runs
+# "long enough" to be stopped), or with HOLD=1 waits for the test's finish_run().
 PROBE = r"""
 import hashlib, json, os, time
 def pid1_start():
@@ -36,6 +36,8 @@ json.dump(doc, open(f"{out}/probe-{os.environ['NODE_NAME']}.json", 'w'), indent=
 open(f"{out}/blob-{os.environ['NODE_NAME']}.bin", 'wb').write(os.urandom(1 << 20))
 print('probe', os.environ['NODE_NAME'], 'rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], flush=True)
 time.sleep(float(os.environ.get('SLEEP', '0')))
+while os.environ.get('HOLD') == '1' and not os.path.exists(f"{out}/finish"):  # until finish_run()
+    time.sleep(0.05)
 print('done', os.environ['NODE_NAME'], flush=True)
 """
 
@@ -58,10 +60,10 @@ def runner(*args: str, timeout: float = 600, env: dict | None = None) -> subproc
                           env={**os.environ, **(env or {})})
 
 
-def write_job(tmp: Path, name: str = "job.yaml", sleep: float = 0, image: str = "runner-trainer:latest",
-              env_file: str | None = None, grace: float = 5, extra: dict | None = None) -> Path:
+def write_job(tmp: Path, name: str = "job.yaml", sleep: float = 0, image: str = IMAGE,
+              env_file: str | None = None, grace: float = 5, extra: dict | None = None, hold: bool = False) -> Path:
     job = {"image": image, "command": ["python", "-c", PROBE], "master_port": "auto",
-           "env": {"SLEEP": str(sleep), "OMP_NUM_THREADS": "1"}, "grace_period": grace}
+           "env": {"SLEEP": str(sleep), "OMP_NUM_THREADS": "1", "HOLD": "1" if hold else "0"}, "grace_period": grace}
     if env_file:
         job["env_file"] = env_file
     job.update(extra or {})
@@ -101,6 +103,12 @@ def node_workdir(inventory: Path, node: str) -> Path:
     return Path(inv.node(node).workdir)
 
 
+def finish_run(inventory: Path, run_id: str) -> None:
+    """Let the ranks of a write_job(hold=True) run end: a finish file in every node's run dir."""
+    for node in load_inventory(inventory, with_job=False).nodes:
+        (Path(node.workdir) / "runs" / run_id / "finish").write_text("")
+
+
 # --- the sandbox's processes, for failure tests (a node made unreachable, then brought back) ----
 
 def sandbox_node(inventory: Path, node: str):
@@ -138,37 +146,71 @@ def signal_sshd(inventory: Path, node: str, sig: int) -> int:
     return sent
 
 
-def node_engine_containers(inventory: Path, node: str, run_id: str) -> list[str]:
-    """Container names of the run on the node's engine, asked through its socket on this machine
-    (not over SSH: works while the node's sshd is stopped)."""
+def node_docker(inventory: Path, node: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """The docker CLI against a sandbox node's own engine, through its socket on this machine (not
+    over SSH: works while the node's sshd is stopped)."""
     nd = sandbox_node(inventory, node)
-    res = subprocess.run(["docker", "-H", nd.docker_host, "ps", "-a", "--format", "{{.Names}}",
-                          "--filter", f"label={LABEL_RUN}={run_id}"], capture_output=True, text=True, timeout=60)
+    return subprocess.run(["docker", "-H", nd.docker_host, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def node_engine_containers(inventory: Path, node: str, run_id: str) -> list[str]:
+    """Container names of the run on the node's engine."""
+    res = node_docker(inventory, node, "ps", "-a", "--format", "{{.Names}}", "--filter", f"label={LABEL_RUN}={run_id}")
     assert res.returncode == 0, res.stderr
     return res.stdout.split()
 
 
-def build_scratch_image(tag: str, layers: list[bytes]) -> str:
-    """A FROM-scratch image on the host engine with one COPY (= one layer) per blob; its id.
-    Random blobs make layers no node can have yet."""
+def up_detached(inventory: Path, job: Path, *extra: str) -> str:
+    """`runner up --detach`; the run id."""
+    up = runner("up", "-i", str(inventory), "--job", str(job), "--detach", *extra)
+    assert up.returncode == 0, up.stdout + up.stderr
+    return re.search(r"run (\S+) started", up.stdout)[1]
+
+
+def unique_tag(name: str) -> str:
+    """An image tag of this pytest session only: a second run of the suite beside this one (another
+    checkout, CI next to a developer) shares the host engine and must not build over our tags."""
+    return f"runner-test-{name}:{os.getpid()}"
+
+
+def build_image(tag: str, files: dict[str, bytes | tuple[bytes, int]]) -> str:
+    """Build an image on the host engine from an in-memory context ({name: data or (data, mode)},
+    a "Dockerfile" among them); its id. The one in-memory build of the suite."""
     import io
     import tarfile
 
     import docker
     from runner.images import HOST_DOCKER
 
-    files = [("Dockerfile", ("FROM scratch\n" + "".join(f"COPY l{i} /l{i}\n" for i in range(len(layers)))).encode())]
-    files += [(f"l{i}", blob) for i, blob in enumerate(layers)]
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tf:
-        for name, data in files:
+        for name, spec in files.items():
+            data, mode = spec if isinstance(spec, tuple) else (spec, 0o644)
             info = tarfile.TarInfo(name)
-            info.size = len(data)
+            info.size, info.mode = len(data), mode
             tf.addfile(info, io.BytesIO(data))
     buf.seek(0)
     client = docker.DockerClient(base_url=HOST_DOCKER, version="auto", timeout=600)
     img, _ = client.images.build(fileobj=buf, custom_context=True, tag=tag, network_mode="host", rm=True)
     return img.id
+
+
+def build_scratch_image(tag: str, layers: list[bytes]) -> str:
+    """A FROM-scratch image on the host engine with one COPY (= one layer) per blob; its id.
+    Random blobs make layers no node can have yet."""
+    dockerfile = "FROM scratch\n" + "".join(f"COPY l{i} /l{i}\n" for i in range(len(layers)))
+    return build_image(tag, {"Dockerfile": dockerfile.encode(), **{f"l{i}": blob for i, blob in enumerate(layers)}})
+
+
+def remove_host_image(tag: str) -> None:
+    """Remove a test image from the host engine (tests leave no images of theirs behind)."""
+    import docker
+    from runner.images import HOST_DOCKER
+
+    try:
+        docker.DockerClient(base_url=HOST_DOCKER, version="auto").images.remove(tag, force=True)
+    except docker.errors.ImageNotFound:
+        pass
 
 
 def node_env(inventory: Path, node: str, var: str) -> str:
@@ -199,3 +241,44 @@ def start_attached(sandbox: Path, job: Path, logs_dir: Path, *extra: str,
     wait_for(lambda: all(len(v) == 1 for v in run_containers(sandbox, run_id, running_only=True).values()), 30)
     return proc, run_id
 
+
+
+def run_cli(*argv: str) -> tuple[int, str]:
+    """`runner ARGV` in this process (no subprocess): (exit code, stdout)."""
+    import io
+    from contextlib import redirect_stdout
+
+    from runner.cli import main as cli_main
+
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        rc = cli_main(list(argv))
+    return rc, buf.getvalue()
+
+
+def shipped(name: str, tmp_path: Path) -> Path:
+    """A copy of a shipped inventory (hosts/NAME), its job config swapped for a stub if that config
+    does not exist in this checkout."""
+    text = (REPO / "hosts" / name).read_text()
+    m = re.search(r"config: (\S+)", text)
+    if m and not (REPO / m.group(1)).exists():
+        stub = tmp_path / "stub-config.yaml"
+        stub.write_text("{}\n")
+        text = text.replace(m.group(0), f"config: {stub}")
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def no_socket_env(tmp_path: Path) -> dict[str, str]:
+    """Env for a child process in which creating any socket is fatal ('SOCKET OPENED'): a
+    sitecustomize on its PYTHONPATH."""
+    guard = tmp_path / "guard"
+    guard.mkdir(exist_ok=True)
+    (guard / "sitecustomize.py").write_text(
+        "import socket\n"
+        "class _NoSocket(socket.socket):\n"
+        "    def __init__(self, *a, **k):\n"
+        "        raise SystemExit('SOCKET OPENED')\n"
+        "socket.socket = _NoSocket\n")
+    return {**os.environ, "PYTHONPATH": f"{guard}{os.pathsep}{REPO}"}

@@ -15,12 +15,11 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.trainer_run import REPO, losses, trainer_env
+from tests.trainer_run import losses, start_trainer
 
 pytestmark = pytest.mark.multiproc
 
@@ -39,11 +38,7 @@ def run_nodes(outs: list[Path], *args: str, check: bool = True) -> list[subproce
     port = _free_port()
     procs = []
     for k, out in enumerate(outs):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(outs)), "--node-rank", str(k),
-               "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-               "-m", "trainer", *args, "--output-dir", str(out)]
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=trainer_env({"GLOO_SOCKET_IFNAME": "lo"}), text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        procs.append(start_trainer(out, *args, node=(len(outs), k, port), env={"GLOO_SOCKET_IFNAME": "lo"}))
     done = []
     for p in procs:
         out, err = p.communicate(timeout=600)

@@ -6,8 +6,12 @@
 - SIGUSR1 (Slurm `--signal`, `docker kill -s USR1`) and SIGTERM (`docker stop`) to torchrun
   itself, with the signal list the images set (read from the Dockerfiles): torchrun forwards
   it, every rank writes its shards of `step-N.preempt`, and the run resumes exactly.
-- kill -9 while a checkpoint is being written (TRAINER_TEST_SAVE_DELAY holds it before the
-  rename): `latest` still names the previous checkpoint, which loads and continues exactly.
+- kill -9 while a checkpoint is being written (held before the rename): `latest` still names the
+  previous checkpoint, which loads and continues exactly.
+
+Every signal lands at a known step: the ranks are held after step 3 (TRAINER_TEST_HOLD,
+trainer/test_hold.py) until the signal has reached them, so the run stops after step 4 on any
+machine, however loaded.
 """
 
 from __future__ import annotations
@@ -17,13 +21,12 @@ import os
 import re
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.trainer_run import REPO, losses, read_metrics, run_trainer, trainer_env
+from tests.runner_helpers import wait_for
+from tests.trainer_run import REPO, held, hold_env, losses, read_metrics, release, run_trainer, start_trainer
 from trainer.preempt import EXIT_PREEMPTED
 
 pytestmark = pytest.mark.multiproc
@@ -32,22 +35,19 @@ TINY = ("configs/tiny.yaml", "--parallel.sharding", "ddp")
 
 
 def _launch(out: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "trainer",
-           *args, "--output-dir", str(out)]
-    return subprocess.Popen(cmd, cwd=REPO, env=trainer_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    return start_trainer(out, *args, nproc=2, env=env)
 
 
 def _wait_for(cond, proc: subprocess.Popen, timeout: float = 300) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        if proc.poll() is not None:
-            out, err = proc.communicate()
-            raise AssertionError(f"trainer exited {proc.returncode} early\n{out[-3000:]}\n{err[-3000:]}")
-        if time.monotonic() > end:
-            _kill_all(proc)
-            raise AssertionError("timed out")
-        time.sleep(0.05)
+    """wait_for(cond), failing at once (with the run's output) if the trainer exits first."""
+    try:
+        wait_for(lambda: cond() or proc.poll() is not None, timeout, interval=0.05)
+    except AssertionError:
+        _kill_all(proc)
+        raise
+    if not cond():
+        out, err = proc.communicate()
+        raise AssertionError(f"trainer exited {proc.returncode} early\n{out[-3000:]}\n{err[-3000:]}")
 
 
 def _worker(torchrun_pid: int, rank: int) -> int:
@@ -70,9 +70,7 @@ def _kill_all(proc: subprocess.Popen) -> None:
             pass
 
 
-def _steps_logged(out: Path) -> int:
-    p = out / "metrics.jsonl"
-    return len(p.read_text().splitlines()) if p.is_file() else 0
+HOLD = hold_env("step:3")
 
 
 STEPS = ("--train.steps", "20")
@@ -91,7 +89,7 @@ def _assert_preempt_checkpoint(out: Path, total: int) -> int:
     ckpts = out / "checkpoints"
     name = (ckpts / "latest").read_text().strip()
     stopped = len(read_metrics(out))
-    assert name == f"step-{stopped}.preempt" and 1 <= stopped < total, (name, stopped)
+    assert name == f"step-{stopped}.preempt" and stopped == 4, (name, stopped)  # held after 3, signalled
     ck = ckpts / name
     for r in range(2):
         assert (ck / f"rank{r}.pt").is_file() and (ck / f"manifest.rank{r}.json").is_file()
@@ -108,9 +106,11 @@ def test_sigterm_writes_preempt_checkpoint_and_resume_continues(tmp_path, straig
     out = tmp_path / "run"
     # Periodic checkpoints written in the background (async_save) must not disturb the run either.
     steps = (*steps, "--checkpoint.interval", "2", "--checkpoint.async_save", "true")
-    proc = _launch(out, *TINY, *steps)
-    _wait_for(lambda: _steps_logged(out) >= 1, proc)
+    proc = _launch(out, *TINY, *steps, env=HOLD)
+    _wait_for(lambda: held(out, "step-3", range(2)), proc)
     os.kill(_worker(proc.pid, 1), signal.SIGTERM)  # one rank only: the ranks must agree
+    _wait_for(lambda: held(out, "step-3", [1], "signalled"), proc)
+    release(out, "step-3")
     _, err = proc.communicate(timeout=300)
     assert proc.returncode != 0
     assert f"exitcode  : {EXIT_PREEMPTED}" in err  # torchrun's report of each worker
@@ -152,18 +152,17 @@ def test_signal_to_torchrun_is_forwarded_and_resume_continues(tmp_path, straight
     (exit 138) and its workers run on, orphaned, with no checkpoint."""
     out = tmp_path / "run"
     env = _image_signal_env("Dockerfile")
-    proc = _launch(out, *TINY, *STEPS, env=env)
-    _wait_for(lambda: _steps_logged(out) >= 1, proc)
-    t0 = time.monotonic()
+    proc = _launch(out, *TINY, *STEPS, env={**env, **HOLD})
+    _wait_for(lambda: held(out, "step-3", range(2)), proc)
     os.kill(proc.pid, sig)
-    _, err = proc.communicate(timeout=120)
-    elapsed = time.monotonic() - t0
+    _wait_for(lambda: held(out, "step-3", range(2), "signalled"), proc)  # torchrun forwarded it to both ranks
+    release(out, "step-3")
+    _, err = proc.communicate(timeout=300)
     # torchrun forwards the signal, waits for its workers, then re-raises its own SignalException
-    # (exit 1); the workers exited 143 after the checkpoint. Well within torchrun's 30 s grace.
+    # (exit 1); the workers exited 143 after the checkpoint, within torchrun's grace.
     assert proc.returncode == 1, err[-3000:]
     assert "Sending process" in err and f"closing signal {sig.name}" in err
     assert "forcefully exiting" not in err  # no SIGKILL after the grace time
-    assert elapsed < 30, elapsed
 
     stopped = _assert_preempt_checkpoint(out, 20)
     for r in range(2):
@@ -179,10 +178,11 @@ def test_signal_to_torchrun_is_forwarded_and_resume_continues(tmp_path, straight
 def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
     out = tmp_path / "run"
     args = (*TINY, "--train.steps", "6", "--checkpoint.interval", "2")
-    proc = _launch(out, *args, env={"TRAINER_TEST_SAVE_DELAY": "4:120"})
+    proc = _launch(out, *args, env=hold_env("save:4"))
     tmp4 = out / "checkpoints" / ".tmp-step-4"
-    # Both ranks finished writing step 4 (their manifests exist); the rename has not happened.
-    _wait_for(lambda: all((tmp4 / f"manifest.rank{r}.json").is_file() for r in range(2)), proc)
+    # Both ranks finished writing step 4 (their manifests exist) and are held before the rename.
+    _wait_for(lambda: held(out, "save-4", range(2)), proc)
+    assert all((tmp4 / f"manifest.rank{r}.json").is_file() for r in range(2))
     _kill_all(proc)
     proc.communicate(timeout=60)
 

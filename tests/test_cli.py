@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
-
-import pytest
+from pathlib import Path
 
 from tests.conftest import REPO
 
@@ -14,18 +14,44 @@ def run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, cwd=REPO, timeout=120)
 
 
-@pytest.mark.parametrize("prog", ["runner", "trainer"])
-def test_help_exits_zero(prog):
-    r = run(prog, "--help")
+# The commands the README documents, each listed by `runner --help` with its one-line summary.
+RUNNER_COMMANDS = ("sandbox", "check", "push", "up", "status", "ls", "logs", "down", "collect")
+
+
+def listed_commands(help_text: str) -> list[str]:
+    block = help_text.split("positional arguments:", 1)[1].split("options:", 1)[0]
+    return [m[1] for m in re.finditer(r"^    (\w+)\s+\S", block, re.M)]
+
+
+def test_runner_help_lists_every_command():
+    r = run("runner", "--help")
     assert r.returncode == 0, r.stderr
-    assert "usage:" in r.stdout.lower()
+    assert r.stdout.startswith("usage: runner [-h] [-v] COMMAND ...")
+    assert set(RUNNER_COMMANDS) <= set(listed_commands(r.stdout)), r.stdout
+    for cmd in RUNNER_COMMANDS:  # each subcommand has its own help, naming itself
+        sub = run("runner", cmd, "--help")
+        assert sub.returncode == 0 and sub.stdout.startswith(f"usage: runner {cmd} "), (cmd, sub.stdout[:200])
 
 
-def test_console_scripts_installed():
-    bindir = __import__("pathlib").Path(sys.executable).parent
+def test_trainer_help_usage():
+    r = run("trainer", "--help")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("usage: trainer [train] [--config X.yaml | X.yaml]")
+
+
+def test_console_scripts_are_these_programs():
+    """The installed `runner` / `trainer` scripts run this checkout's code: same help, same version."""
+    from importlib.metadata import version
+
+    import tomllib
+
+    bindir = Path(sys.executable).parent
     for prog in ("runner", "trainer"):
         r = subprocess.run([str(bindir / prog), "--help"], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
+        assert r.stdout == run(prog, "--help").stdout
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    assert version("runner-trainer") == declared
 
 
 def test_runner_unknown_subcommand_is_one_line():

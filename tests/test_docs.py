@@ -4,15 +4,14 @@ and the seed-flag tables (every row maps to what the parser really does, every f
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 
+from tests import REPO
 from trainer.cli import parse_train_args
 from trainer.config import get_key, resolve
 from trainer.seed_flags import FLAGS, YAML_ALIASES
 
-REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
 FLAGS_DOC = (REPO / "docs" / "flags.md").read_text()
 

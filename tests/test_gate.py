@@ -6,9 +6,9 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import threading
 import time
 
+from tests.runner_helpers import wait_for
 from tests.trainer_run import REPO, trainer_env
 
 TORCHRUN_ARGS = ["--standalone", "--nproc-per-node", "1", "--no-python", "sh", "-c",
@@ -30,19 +30,24 @@ def test_no_go_file_no_torchrun(tmp_path):
 
 
 def test_go_file_starts_torchrun_with_its_arguments(tmp_path):
+    """The gate imports torch first, then waits: the go-file is written only once the import is
+    done (torch's library mapped into the gate), and torchrun's worker still ran after it."""
+    import psutil
+
     go = tmp_path / "go"
-    written = {}
-
-    def later():
-        time.sleep(4)  # well after the gate's torch import: it must be waiting, not done
+    proc = subprocess.Popen([sys.executable, "-m", "runner.gate", str(go), "120", "--", *TORCHRUN_ARGS],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=trainer_env())
+    try:
+        gate_proc = psutil.Process(proc.pid)
+        wait_for(lambda: proc.poll() is not None or any("libtorch" in m.path for m in gate_proc.memory_maps()), 300)
+        assert proc.poll() is None, proc.communicate()  # waiting for the go-file, not done
+        written = time.time()
         go.touch()
-        written["t"] = time.time()
-
-    t = threading.Thread(target=later)
-    t.start()
-    proc = gate(go, 60)
-    t.join()
-    assert proc.returncode == 0, proc.stderr
-    m = re.search(r"started rank=0 at ([\d.]+)", proc.stdout)
-    assert m, proc.stdout
-    assert float(m[1]) >= written["t"]  # torchrun's worker ran only after the go-file appeared
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    m = re.search(r"started rank=0 at ([\d.]+)", out)
+    assert m, out
+    assert float(m[1]) >= written  # torchrun's worker ran only after the go-file appeared

@@ -20,28 +20,28 @@ from pathlib import Path
 import pytest
 
 from runner.plan import LABEL_RUN
+from tests import IMAGE
 from tests.conftest import REPO
 from tests.runner_helpers import (
+    build_image,
     node_engine_containers,
     node_workdir,
     remotes,
+    remove_host_image,
     run_containers,
     runner,
     runner_cmd,
     signal_sshd,
     start_attached,
+    unique_tag,
+    up_detached,
     wait_for,
     write_job,
 )
+from tests.trainer_run import held, hold_env, release
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.docker]
 NODES = ("node-0", "node-1", "node-2")
-
-
-def _detached(sandbox: Path, job: Path, *extra: str) -> str:
-    up = runner("up", "-i", str(sandbox), "--job", str(job), "--detach", *extra)
-    assert up.returncode == 0, up.stdout + up.stderr
-    return re.search(r"run (\S+) started", up.stdout)[1]
 
 
 def _all_running(sandbox: Path, run_id: str) -> None:
@@ -84,7 +84,7 @@ class _Engines:
 
 
 def test_down_with_a_partitioned_node_stops_the_others_and_reruns_clean(sandbox, pushed, tmp_path):
-    run_id = _detached(sandbox, write_job(tmp_path, sleep=300, grace=5))
+    run_id = up_detached(sandbox, write_job(tmp_path, sleep=300, grace=5))
     _all_running(sandbox, run_id)
     try:
         assert signal_sshd(sandbox, "node-2", signal.SIGSTOP) >= 1
@@ -98,7 +98,7 @@ def test_down_with_a_partitioned_node_stops_the_others_and_reruns_clean(sandbox,
         res = {k: (p.communicate(timeout=120), p.returncode) for k, p in cmds.items()}
         # collect: what the live nodes hold arrives (and is summarised); the run is named incomplete.
         (col_out, col_err), col_rc = res.pop("collect")
-        assert col_rc == 2, col_out + col_err
+        assert col_rc == 3, col_out + col_err  # partial: rerun collect
         err_lines = [ln for ln in col_err.splitlines() if "runner: error:" in ln]
         assert len(err_lines) == 1 and "node-2: not reachable, nothing collected" in err_lines[0], col_err
         art = tmp_path / "art" / run_id
@@ -122,7 +122,7 @@ def test_down_with_a_partitioned_node_stops_the_others_and_reruns_clean(sandbox,
         down = runner("down", run_id, "-i", str(sandbox), timeout=120)
         took = time.time() - t0
         # Healthy nodes: stopped and removed. node-2: named, one line; exit non-zero (re-run needed).
-        assert down.returncode == 2, down.stdout + down.stderr
+        assert down.returncode == 3, down.stdout + down.stderr  # partial: rerun down
         assert f"run {run_id}: stopped and removed on node-0, node-1; NOT reached: node-2" in down.stdout
         err = down.stderr.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("runner: error: node node-2: cannot connect"), down.stderr
@@ -148,32 +148,37 @@ def test_down_with_a_partitioned_node_stops_the_others_and_reruns_clean(sandbox,
 
 
 def test_node_lost_mid_run_others_stopped_within_10s_then_reclaimed(sandbox, pushed, tmp_path):
-    """node-2 partitioned while the run is attached: the runner names it, stops node-0/1 within
-    10 s of the loss, and removes node-2's container when it answers again."""
+    """node-2 partitioned while the run is attached: the runner names it, stops node-0/1, and
+    removes node-2's container when it answers again. (How fast: the runner reports it, and
+    bench/ measures it; a test on a loaded machine asserts order, not seconds.)"""
     job = write_job(tmp_path, sleep=300, grace=30)
     proc, run_id = start_attached(sandbox, job, tmp_path / "l", "--reclaim-timeout", "90")
     engines = _Engines(sandbox, ("node-0", "node-1"))
     try:
-        time.sleep(2)  # a few heartbeats in: the loss, not the start-up, is what is measured
+        # every rank is running its program: the loss, not the start-up, is what is measured
+        wait_for(lambda: all((node_workdir(sandbox, n) / "runs" / run_id / f"probe-{n}.json").is_file()
+                             for n in NODES), 120)
         signal_sshd(sandbox, "node-2", signal.SIGSTOP)
         t_loss = time.time()
-        wait_for(lambda: sum(engines.count(run_id).values()) == 0, 20, interval=0.1)
+        wait_for(lambda: sum(engines.count(run_id).values()) == 0, 120, interval=0.1)
         stopped_in = time.time() - t_loss
         assert node_engine_containers(sandbox, "node-2", run_id) == [f"runner-{run_id}-node-2"]
-        time.sleep(3)  # the runner is now retrying node-2
+        # the runner is now retrying node-2 (it says so before its first try)
+        seen: list[str] = []
+        wait_for(lambda: "trying for 90s to reach it" in (seen.append(proc.stderr.readline()) or seen[-1]), 120,
+                 interval=0)
         signal_sshd(sandbox, "node-2", signal.SIGCONT)
         out, err = proc.communicate(timeout=120)
+        err = "".join(seen) + err
     finally:
         signal_sshd(sandbox, "node-2", signal.SIGCONT)
         engines.close()
         if proc.poll() is None:
             proc.kill()
     print(f"\n[figure] node lost -> node-0/1 containers gone in {stopped_in:.2f}s")
-    assert stopped_in <= 10.0, stopped_in
-    assert proc.returncode == 1, err
+    assert proc.returncode == 4, err  # the job failed
     assert f"runner: error: run {run_id}: node node-2 (rank 2) failed: node unreachable" in err, err
-    m = re.search(r"stopped the run on the other nodes \(([\d.]+)s after the loss\)", err)
-    assert m and float(m[1]) <= 10.0, err
+    assert re.search(r"stopped the run on the other nodes \([\d.]+s after the loss\)", err), err
     assert "runner: node node-2 is reachable again: stopped and removed its container" in err, err
     assert node_engine_containers(sandbox, "node-2", run_id) == []
     assert run_containers(sandbox, run_id) == {n: [] for n in NODES}
@@ -188,7 +193,7 @@ def test_dead_node_orphan_removed_by_resume_relaunch(sandbox, pushed, tmp_path):
     try:
         signal_sshd(sandbox, "node-2", signal.SIGKILL)
         out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 1, err
+        assert proc.returncode == 4, err  # the job failed
         assert "node node-2 (rank 2) failed: lost contact" in err or "node node-2 (rank 2) failed: node unreachable" in err
         assert "runner: error: node node-2 still unreachable" in err and f"runner down {run_id}" in err, err
         assert node_engine_containers(sandbox, "node-2", run_id) == [f"runner-{run_id}-node-2"]  # orphan
@@ -236,27 +241,12 @@ def test_resume_run_resolution(sandbox, pushed, tmp_path):
 
 def _fake_torchrun_image(tag: str) -> None:
     """The trainer image with a `torchrun` that never listens (a master stuck before rendezvous)."""
-    import io
-    import tarfile
-
-    import docker
-    from runner.images import HOST_DOCKER
-
-    files = {"Dockerfile": (b"FROM runner-trainer:latest\nCOPY torchrun /opt/venv/bin/torchrun\n", 0o644),
-             "torchrun": (b"#!/bin/sh\necho 'fake torchrun: never listens'\nexec sleep 600\n", 0o755)}
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tf:
-        for name, (data, mode) in files.items():
-            info = tarfile.TarInfo(name)
-            info.size, info.mode = len(data), mode
-            tf.addfile(info, io.BytesIO(data))
-    buf.seek(0)
-    docker.DockerClient(base_url=HOST_DOCKER, version="auto").images.build(
-        fileobj=buf, custom_context=True, tag=tag, network_mode="host", rm=True)
+    build_image(tag, {"Dockerfile": f"FROM {IMAGE}\n".encode() + b"COPY torchrun /opt/venv/bin/torchrun\n",
+                      "torchrun": (b"#!/bin/sh\necho 'fake torchrun: never listens'\nexec sleep 600\n", 0o755)})
 
 
 def test_rendezvous_timeout_is_one_line_and_leaves_nothing(sandbox, pushed, tmp_path):
-    tag = "runner-test-nolisten:1"
+    tag = unique_tag("nolisten")
     _fake_torchrun_image(tag)
     job = write_job(tmp_path, image=tag)
 
@@ -264,12 +254,10 @@ def test_rendezvous_timeout_is_one_line_and_leaves_nothing(sandbox, pushed, tmp_
         return set((node_workdir(sandbox, node) / "gates").glob("*"))
 
     before = {n: gate_dirs(n) for n in NODES}
-    t0 = time.time()
     try:
         proc = runner("up", "-i", str(sandbox), "--job", str(job), "--rendezvous-timeout", "3")
     finally:  # the shared host engine keeps only what the project builds
-        subprocess.run(["docker", "-H", "unix:///var/run/docker.sock", "rmi", tag], capture_output=True)
-    took = time.time() - t0
+        remove_host_image(tag)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("runner: error")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
@@ -280,7 +268,6 @@ def test_rendezvous_timeout_is_one_line_and_leaves_nothing(sandbox, pushed, tmp_
         with r:
             left = r.run(["docker", "ps", "-a", "--format", "{{.Names}}", "--filter", f"ancestor={tag}"]).out.split()
             assert left == [], (name, left)
-    assert took < 60, took
     # The workers' containers were started with the master's (the image carries runner.gate), but
     # the runner never saw the master listen, so it gave no worker the go to start torchrun.
     for n in ("node-1", "node-2"):
@@ -294,16 +281,18 @@ import json, os, time
 node = os.environ['NODE_NAME']
 with open('/out/metrics.jsonl', 'a') as f:
     f.write(json.dumps({'step': 7, 'loss': 1.25, 'node': node}) + '\n')
-for i in range(4):
+print('tick', 0, flush=True)
+while not os.path.exists('/out/finish'):  # the test says when the run may end
+    time.sleep(0.05)
+for i in range(1, 4):
     print('tick', i, flush=True)
-    time.sleep(3)
 print('end', flush=True)
 """
 
 
 def test_logs_follow_and_status_fields(sandbox, pushed, tmp_path):
     job = write_job(tmp_path, extra={"command": ["python", "-c", STATUS_JOB]})
-    run_id = _detached(sandbox, job)
+    run_id = up_detached(sandbox, job)
     try:
         follow = subprocess.Popen(runner_cmd("logs", run_id, "-f", "-i", str(sandbox)), stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True, cwd=REPO)
@@ -317,7 +306,7 @@ def test_logs_follow_and_status_fields(sandbox, pushed, tmp_path):
         assert doc["run_id"] == run_id
         for i, row in enumerate(doc["nodes"]):
             assert (row["node"], row["rank"], row["state"], row["exit_code"]) == (NODES[i], i, "running", None), row
-            assert re.fullmatch(r"\d+s", row["uptime"]) and int(row["uptime"][:-1]) < 60, row
+            assert re.fullmatch(r"\d+s", row["uptime"]), row  # seconds since the container started
             assert json.loads(row["last_metrics"]) == {"step": 7, "loss": 1.25, "node": NODES[i]}, row
         # A relaunch does not kill a run that is alive on every node.
         again = runner("up", "-i", str(sandbox), "--job", str(job), "--resume", run_id)
@@ -326,8 +315,10 @@ def test_logs_follow_and_status_fields(sandbox, pushed, tmp_path):
         # -f follows: it is still running after the first ticks, and ends on its own when the containers do.
         first = follow.stdout.readline()
         assert re.match(r"\[node-\d/\d\] (probe|tick 0)", first), first
-        assert follow.poll() is None
-        follow.wait(timeout=60)  # (its few KB of output fit in the pipe)
+        assert follow.poll() is None  # the ranks wait for /out/finish: the run is still going
+        for n in NODES:
+            (node_workdir(sandbox, n) / "runs" / run_id / "finish").write_text("")
+        follow.wait(timeout=120)  # (its few KB of output fit in the pipe)
         out, err = follow.stdout.read(), follow.stderr.read()
         lines = (first + out).splitlines()
         assert follow.returncode == 0, err
@@ -338,7 +329,7 @@ def test_logs_follow_and_status_fields(sandbox, pushed, tmp_path):
         rows = json.loads(st.stdout)["nodes"]
         assert [(r["state"], r["exit_code"], r["uptime"]) for r in rows] == [("exited", 0, "-")] * 3, rows
         table = runner("status", run_id, "-i", str(sandbox))
-        assert table.returncode == 0 and re.search(r'node-1\s*│\s*1\s*│\s*exited\s*│\s*0\s*│\s*-\s*│\s*\{"step": 7,',
+        assert table.returncode == 0 and re.search(r'node-1\s*│\s*1\s*│\s*exited\s*│\s*0\s*│\s*-\s*│\s*step 7  loss 1\.2500',
                                                    table.stdout), table.stdout
     finally:
         runner("down", run_id, "-i", str(sandbox))
@@ -360,8 +351,8 @@ def test_failure_prints_failed_nodes_last_lines_and_trainer_args_reach_the_comma
     job = write_job(tmp_path, grace=30, extra={"command": ["python", "-c", FAILING_JOB]})
     proc = runner("up", "-i", str(sandbox), "--job", str(job), "--logs-dir", str(tmp_path / "l"), "--",
                   "--alpha", "1", "--beta", "two words")
-    # torchrun reports its worker's failure with its own exit code, 1.
-    assert proc.returncode == 1, proc.stdout + proc.stderr
+    # torchrun reports its worker's failure with its own exit code, 1; the runner's says "the job failed".
+    assert proc.returncode == 4, proc.stdout + proc.stderr
     for i, node in enumerate(NODES):
         assert f"[{node}/{i}] args ['--alpha', '1', '--beta', 'two words']" in proc.stdout
     err = proc.stderr.splitlines()
@@ -383,7 +374,7 @@ def test_failure_prints_failed_nodes_last_lines_and_trainer_args_reach_the_comma
 
 def _ckpt_job(tmp: Path, name: str, **env: str) -> Path:
     """configs/tiny.yaml (DDP, fp32 CPU: bitwise reproducible), 8 steps, a checkpoint every 2."""
-    job = {"image": "runner-trainer:latest", "config": str(REPO / "configs" / "tiny.yaml"),
+    job = {"image": IMAGE, "config": str(REPO / "configs" / "tiny.yaml"),
            "args": ["--train.steps", "8", "--checkpoint.interval", "2"],
            "env": {"OMP_NUM_THREADS": "1", **env}, "master_port": "auto", "grace_period": 60}
     p = tmp / name
@@ -409,15 +400,20 @@ def test_down_then_resume_without_shared_storage_continues_exactly(sandbox, push
     expected = _losses(sandbox, re.search(r"run (\S+) started", ref.stdout)[1])
     assert [s for s, _ in expected] == list(range(1, 9))
 
-    # The save of step-2 pauses 10 s once every rank's files are written (the trainer's test hook):
-    # `runner down` lands in that window, so the preempt checkpoint is step 3 on every node.
-    job = _ckpt_job(tmp_path, "job.yaml", TRAINER_TEST_SAVE_DELAY="2:10")
-    run_id = _detached(sandbox, job)
-    ckroot = {n: node_workdir(sandbox, n) / "runs" / run_id / "checkpoints" for n in NODES}
-    wait_for(lambda: all((ckroot[n] / ".tmp-step-2" / f"manifest.rank{i}.json").is_file()
-                         for i, n in enumerate(NODES)), 300, interval=0.2)
-    down = runner("down", run_id, "-i", str(sandbox), timeout=300)
-    assert down.returncode == 0, down.stdout + down.stderr
+    # Every rank is held after step 2 (the trainer's test hook) until `runner down`'s SIGTERM has
+    # reached it, so the preempt checkpoint is step 3 on every node, on any machine.
+    job = _ckpt_job(tmp_path, "job.yaml", **hold_env("step:2"))
+    run_id = up_detached(sandbox, job)
+    out = {n: node_workdir(sandbox, n) / "runs" / run_id for n in NODES}
+    ckroot = {n: out[n] / "checkpoints" for n in NODES}
+    wait_for(lambda: all(held(out[n], "step-2", [i]) for i, n in enumerate(NODES)), 300)
+    down = subprocess.Popen(runner_cmd("down", run_id, "-i", str(sandbox)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO)
+    wait_for(lambda: all(held(out[n], "step-2", [i], "signalled") for i, n in enumerate(NODES)), 120)
+    for n in NODES:
+        release(out[n], "step-2")
+    stdout, stderr = down.communicate(timeout=300)
+    assert down.returncode == 0, stdout + stderr
     assert run_containers(sandbox, run_id) == {n: [] for n in NODES}
     for i, n in enumerate(NODES):
         assert (ckroot[n] / "latest").read_text().strip() == "step-3.preempt", n

@@ -8,11 +8,9 @@ asserted on); every other test reuses it.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import re
 import signal
-import tarfile
 import time
 from pathlib import Path
 
@@ -21,16 +19,22 @@ import pytest
 
 from runner.images import HOST_DOCKER
 from runner.inventory import load_inventory
+from tests import IMAGE
 from tests.runner_helpers import (
+    build_image,
+    finish_run,
     node_workdir,
     parse_push,
     remotes,
+    remove_host_image,
     run_containers,
     runner,
     start_attached,
+    unique_tag,
     wait_for,
     write_job,
 )
+from tests.trainer_run import read_metrics, run_trainer
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.docker]
 
@@ -49,28 +53,17 @@ def host_image_id(tag: str) -> str:
 
 def build_derived(tag: str, content: bytes) -> str:
     """FROM the trainer image + one small file: a 'code-only change' image."""
-    import docker
-
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tf:
-        for name, data in (("Dockerfile", b"FROM runner-trainer:latest\nCOPY marker.txt /opt/marker.txt\n"),
-                           ("marker.txt", content)):
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tf.addfile(info, io.BytesIO(data))
-    buf.seek(0)
-    client = docker.DockerClient(base_url=HOST_DOCKER, version="auto")
-    img, _ = client.images.build(fileobj=buf, custom_context=True, tag=tag, network_mode="host", rm=True)
-    return img.id
+    return build_image(tag, {"Dockerfile": f"FROM {IMAGE}\n".encode() + b"COPY marker.txt /opt/marker.txt\n",
+                             "marker.txt": content})
 
 
 def test_push_missing_layers_and_skip(sandbox, pushed, tmp_path):
     first = pushed["first"]
-    want = host_image_id("runner-trainer:latest")
+    want = host_image_id(IMAGE)
     assert set(first) == {"node-0", "node-1", "node-2"}
     for node, r in first.items():
         assert r["action"] == "layers" and r["sent"] == r["total"] > 1, r  # empty node: everything
-        assert node_image_id(sandbox, node, "runner-trainer:latest") == want
+        assert node_image_id(sandbox, node, IMAGE) == want
     # Present everywhere: skipped, nothing moved.
     again = runner("push", "-i", str(sandbox), "--job", str(pushed["job"]))
     assert again.returncode == 0, again.stderr
@@ -78,10 +71,13 @@ def test_push_missing_layers_and_skip(sandbox, pushed, tmp_path):
         assert r["action"] == "skipped" and r["mb"] == 0.0
     # A code-only change: only the one new layer travels.
     for i, content in enumerate((b"version 1\n" * 1000, b"version 2\n" * 1000)):
-        tag = f"runner-test-derived:{i}"
+        tag = unique_tag(f"derived-{i}")
         want = build_derived(tag, content)
-        job = write_job(tmp_path, f"d{i}.yaml", image=tag)
-        proc = runner("push", "-i", str(sandbox), "--job", str(job))
+        try:
+            job = write_job(tmp_path, f"d{i}.yaml", image=tag)
+            proc = runner("push", "-i", str(sandbox), "--job", str(job))
+        finally:
+            remove_host_image(tag)
         assert proc.returncode == 0, proc.stderr
         res = parse_push(proc.stdout)
         for node, r in res.items():
@@ -126,9 +122,7 @@ def test_up_three_nodes_env_order_prefixed_logs(sandbox, finished_run):
         kept = (finished_run["tmp"] / "logs" / run_id / node / "container.log").read_text().splitlines()
         assert kept == [f"probe {node} rank {rank} of 3", f"done {node}"]
     assert inv.master.name == "node-0"
-    # Master first: its container (torchrun = PID 1) started before any worker's.
-    t_master = docs["node-0"]["pid1_start"]
-    assert all(docs[n]["pid1_start"] > t_master for n in ("node-1", "node-2")), docs
+    # Master first (no worker's torchrun before the master listens): tests/test_master_first.py.
     # Finished runs leave no containers behind; `runner logs` then shows the logs `up` kept.
     assert run_containers(sandbox, run_id) == {"node-0": [], "node-1": [], "node-2": []}
     # The workers ran behind runner.gate, the master did not; go-files (outside the run dir) are
@@ -170,13 +164,10 @@ def test_killed_worker_stops_everything(sandbox, pushed, tmp_path):
     r = remotes(sandbox)["node-2"]
     with r:
         assert r.run(["docker", "kill", f"runner-{run_id}-node-2"]).rc == 0
-    t_kill = time.time()
-    wait_for(lambda: not any(run_containers(sandbox, run_id).values()), 10)  # zero containers, any state
-    gone = time.time() - t_kill
-    out, err = proc.communicate(timeout=30)
+    wait_for(lambda: not any(run_containers(sandbox, run_id).values()), 120)  # zero containers, any state
+    out, err = proc.communicate(timeout=120)
     assert proc.returncode != 0
     assert "node node-2 (rank 2) failed" in err and "exited with code 137" in err, err
-    assert gone <= 10
 
 
 def test_sigint_leaves_nothing_and_down_twice(sandbox, pushed, tmp_path):
@@ -216,7 +207,7 @@ def test_secret_never_leaks(sandbox, pushed, tmp_path):
     secret = "hf_" + hashlib.sha256(str(time.time()).encode()).hexdigest()[:24]
     envf = tmp_path / ".env"
     envf.write_text(f"HF_TOKEN={secret}\n")
-    job = write_job(tmp_path, sleep=4, env_file=str(envf))
+    job = write_job(tmp_path, hold=True, env_file=str(envf))
     dry = runner("up", "-i", str(sandbox), "--job", str(job), "--dry-run")
     assert dry.returncode == 0 and "HF_TOKEN=******" in dry.stdout
     proc, run_id = start_attached(sandbox, job, tmp_path / "logs")
@@ -230,6 +221,7 @@ def test_secret_never_leaks(sandbox, pushed, tmp_path):
             assert insp.rc == 0 and secret not in insp.out
             mode = r.run(["stat", "-c", "%a", f"{node_workdir(sandbox, name)}/secrets/{run_id}.env"]).out.strip()
             assert mode == "600"
+    finish_run(sandbox, run_id)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     for name in ("node-0", "node-1", "node-2"):  # removed with the containers
@@ -263,20 +255,29 @@ def test_host_keys_refused_unless_known_or_pinned(sandbox, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert len(empty.read_text().splitlines()) == 3
     assert runner("ls", "-i", str(unknown)).returncode == 0
-    # Pinned fingerprints: a wrong one is refused, the right one accepted (known_hosts not used).
-    r = remotes(sandbox)["node-1"]
-    with r:
-        right = r.host_key_fp
+    # Pinned fingerprints: a wrong one is refused, the right one accepted. The pinned inventory's
+    # known_hosts is empty, so only the pins can make the nodes trusted (an ignored pin would fail).
+    right = {}
+    for name, r in remotes(sandbox).items():
+        with r:
+            right[name] = r.host_key_fp
     wrong = "SHA256:" + "A" * 43
-    for fp, ok in ((wrong, False), (right, True)):
+    for fp, ok in ((wrong, False), (right["node-1"], True)):
+        blank = tmp_path / f"known_hosts-{ok}"
+        blank.write_text("")
+        pinned_text = re.sub(r"known_hosts: [^,}]+", f"known_hosts: {blank}", text)
+        for name in right:
+            h = inv.node(name).host
+            pin = fp if name == "node-1" else right[name]
+            pinned_text = pinned_text.replace(f"host: {h},", f"host: {h}, host_key: '{pin}',")
         pinned = tmp_path / "pinned.yaml"
-        h = inv.node("node-1").host
-        pinned.write_text(text.replace(f"host: {h},", f"host: {h}, host_key: '{fp}',"))
+        pinned.write_text(pinned_text)
         proc = runner("down", "-i", str(pinned))
         if ok:
             assert proc.returncode == 0, proc.stderr
         else:
-            assert proc.returncode == 2 and "node node-1: host key mismatch" in proc.stderr, proc.stderr
+            assert proc.returncode == 3 and "node node-1: host key mismatch" in proc.stderr, proc.stderr
+        assert blank.read_text() == ""  # a pin never writes known_hosts
 
 
 PP3 = """model: {preset: tiny-llama, num_hidden_layers: 3}
@@ -291,7 +292,7 @@ def test_pipeline_trainer_job_three_nodes(sandbox, pushed, tmp_path):
     cfg = tmp_path / "pp3.yaml"
     cfg.write_text(PP3)
     job = tmp_path / "job.yaml"
-    job.write_text(f"job:\n  image: runner-trainer:latest\n  config: {cfg}\n  env: {{OMP_NUM_THREADS: '1'}}\n"
+    job.write_text(f"job:\n  image: {IMAGE}\n  config: {cfg}\n  env: {{OMP_NUM_THREADS: '1'}}\n"
                    "  master_port: auto\n  grace_period: 10\n")
     proc = runner("up", "-i", str(sandbox), "--job", str(job), "--logs-dir", str(tmp_path / "logs"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -301,10 +302,25 @@ def test_pipeline_trainer_job_three_nodes(sandbox, pushed, tmp_path):
     assert col.returncode == 0, col.stderr
     metrics = [json.loads(x) for x in (tmp_path / "art" / run_id / "node-2" / "metrics.jsonl").read_text().splitlines()]
     losses = [m["loss"] for m in metrics if "loss" in m]
-    assert len(losses) == 3 and all(0 < v < 20 for v in losses)
+    # one stage per node equals the whole model in one process (fp32, 1e-5)
+    run_trainer(tmp_path / "one", "--config", str(cfg), "--parallel.pp", "1")
+    ref = [m["loss"] for m in read_metrics(tmp_path / "one")]
+    assert len(losses) == len(ref) == 3
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, ref, strict=True)), (losses, ref)
     assert f"final loss {losses[-1]:.4f} at step 3" in col.stdout
     for node, rank in (("node-0", 0), ("node-1", 1), ("node-2", 2)):
         assert (tmp_path / "art" / run_id / node / "logs" / f"rank{rank}.log").is_file()
+    # --no-plots: the same files, and no plot of collect's own (it rendered the loss plot above).
+    bare = runner("collect", run_id, "-i", str(sandbox), "--dest", str(tmp_path / "bare"), "--quiet", "--no-plots")
+    assert bare.returncode == 0, bare.stderr
+
+    def pngs(root: Path) -> set[str]:
+        return {str(p.relative_to(root)) for p in root.rglob("*.png")}
+
+    on_nodes = {f"{n}/{p}" for n in ("node-0", "node-1", "node-2")
+                for p in pngs(node_workdir(sandbox, n) / "runs" / run_id)}
+    assert pngs(tmp_path / "bare" / run_id) == on_nodes
+    assert "node-2/metrics.png" in pngs(tmp_path / "art" / run_id) - on_nodes
 
 
 def test_max_restarts_resumes_same_run(sandbox, pushed, tmp_path):

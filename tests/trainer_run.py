@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tests import REPO
 
 
 def trainer_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -26,21 +26,61 @@ def trainer_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def run_trainer(out_dir: Path, *args: str, nproc: int = 1, env: dict[str, str] | None = None,
-                timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
-    """Run `trainer` with --output-dir out_dir; nproc > 1 goes through torchrun --standalone."""
-    if nproc == 1:
+def trainer_cmd(out_dir: Path, *args: str, nproc: int = 1, node: tuple[int, int, int] | None = None) -> list[str]:
+    """`trainer ... --output-dir out_dir`; nproc > 1 goes through torchrun --standalone, and
+    node=(nnodes, node_rank, port) makes it one "node" of a static rendezvous on 127.0.0.1:port."""
+    run = [sys.executable, "-m", "torch.distributed.run"]
+    if node is not None:
+        nnodes, rank, port = node
+        cmd = [*run, "--nnodes", str(nnodes), "--node-rank", str(rank), "--nproc-per-node", str(nproc),
+               "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "trainer"]
+    elif nproc == 1:
         cmd = [sys.executable, "-m", "trainer"]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", "-m", "trainer"]
-    cmd += [*args, "--output-dir", str(out_dir)]
+        cmd = [*run, "--standalone", f"--nproc-per-node={nproc}", "-m", "trainer"]
+    return [*cmd, *args, "--output-dir", str(out_dir)]
+
+
+def run_trainer(out_dir: Path, *args: str, nproc: int = 1, env: dict[str, str] | None = None,
+                timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
+    """Run `trainer` to the end (see trainer_cmd); raise with its output if it fails and check is set."""
+    cmd = trainer_cmd(out_dir, *args, nproc=nproc)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=trainer_env(env),
                           cwd=REPO)
     if check and proc.returncode != 0:
         raise AssertionError(f"trainer exited {proc.returncode}\ncmd: {' '.join(cmd)}\n"
                              f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-6000:]}")
     return proc
+
+
+def start_trainer(out_dir: Path, *args: str, nproc: int = 1, env: dict[str, str] | None = None,
+                  log: Path | None = None, node: tuple[int, int, int] | None = None) -> subprocess.Popen:
+    """Start `trainer` in the background (its own session, so signals reach only what a test sends
+    them to); output to `log` (merged) or to pipes. `node`: see trainer_cmd."""
+    cmd = trainer_cmd(out_dir, *args, nproc=nproc, node=node)
+    if log is not None:
+        with log.open("w") as f:
+            return subprocess.Popen(cmd, cwd=REPO, env=trainer_env(env), stdout=f, stderr=subprocess.STDOUT,
+                                    text=True, start_new_session=True)
+    return subprocess.Popen(cmd, cwd=REPO, env=trainer_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+# --- holding a run at a known point (trainer/test_hold.py) ---------------------------------------
+
+def hold_env(*points: str) -> dict[str, str]:
+    """Env that holds every rank at each "POINT:STEP" until release() (e.g. hold_env("step:3"))."""
+    return {"TRAINER_TEST_HOLD": ",".join(points)}
+
+
+def held(out_dir: Path, point: str, ranks, what: str = "held") -> bool:
+    """Whether every rank in `ranks` is held at `point` ("step-3"), or (what="signalled") has also
+    received its preemption signal there."""
+    return all((Path(out_dir) / ".hold" / f"{point}.{what}.rank{r}").is_file() for r in ranks)
+
+
+def release(out_dir: Path, point: str) -> None:
+    (Path(out_dir) / ".hold" / f"{point}.go").write_text("")
 
 
 def read_metrics(out_dir: Path) -> list[dict]:
