@@ -1,10 +1,13 @@
 """Cumulative energy from a real sensor, sampled in a background thread; never invented.
 
 Sensors, in order: NVML total energy of this rank's GPU (the counter Perseus reads; pynvml from
-nvidia-ml-py; nvml.py finds the NVML device behind `cuda:i`), then RAPL through powercap (sum
-of the top-level /sys/class/powercap/intel-rapl:N packages, wrap-around handled) where readable. Neither on a
-Raspberry Pi, nor in most containers (powercap is absent or root-only since CVE-2020-8694):
-then `probe()` returns None and a reason, and time-energy-{rank}.csv says so in a comment line.
+nvidia-ml-py; nvml.py finds the NVML device behind `cuda:i`), a Jetson's INA3221 rails (jetson.py;
+Jetsons have no NVML), RAPL through powercap (sum of the top-level
+/sys/class/powercap/intel-rapl:N packages, wrap-around handled) where readable, then a Raspberry
+Pi 5's PMIC rails (pi_pmic.py, `vcgencmd pmic_read_adc`). The last two give Watts, integrated over
+time (power.py). None on a Pi 4, nor in most containers (powercap is absent or root-only since
+CVE-2020-8694): then `probe()` returns None and a reason, and time-energy-{rank}.csv says so in a
+comment line.
 """
 
 from __future__ import annotations
@@ -66,10 +69,14 @@ def probe(cuda_index: int, use_cuda: bool) -> tuple[Callable[[], float] | None, 
         if reader is not None:
             return reader, why
         reasons.append(why)
-    reader, why = _rapl_reader()
-    if reader is not None:
-        return reader, why
-    reasons.append(why)
+    from trainer.profiling.jetson import ina3221_reader
+    from trainer.profiling.pi_pmic import pmic_reader
+
+    for find in (ina3221_reader, lambda: _rapl_reader(POWERCAP), pmic_reader):
+        reader, why = find()
+        if reader is not None:
+            return reader, why
+        reasons.append(why)
     return None, "; ".join(reasons)
 
 
@@ -77,6 +84,8 @@ class EnergySampler:
     """Rows (local clock ns, Joules since the first reading), one each time the counter moves."""
 
     def __init__(self, clock: RankClock, reader: Callable[[], float], interval: float = 0.01):
+        # A sensor read by starting a process (the Pi's vcgencmd) says how often it bears it.
+        interval = max(interval, getattr(reader, "min_interval", 0.0))
         self.clock, self.reader, self.interval = clock, reader, interval
         self.rows: list[tuple[int, float]] = []
         self._base: float | None = None

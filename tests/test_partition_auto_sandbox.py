@@ -1,0 +1,112 @@
+"""parallel.partition auto end to end on the session sandbox, its nodes made unequal by the new
+inventory field `cpus` (Docker --cpus on the job's container): the middle node gets SLOW_CPUS, the
+others a whole CPU. `runner up` profiles the nodes in the job's image under those limits, picks the
+split (printed, written to partition.json, passed as custom:...), the trainer runs it and records it
+in config.yaml, `up --resume` keeps it, and the losses equal the uniform split's (a split changes
+speed, not numbers).
+
+The quotas separate the nodes' speeds only while the machine has CPU to spare: on a machine
+saturated by other work every process gets less than the slow node's quota and all measure alike.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests import IMAGE
+from tests.runner_helpers import node_workdir, runner
+from tests.trainer_run import losses, run_trainer
+
+SLOW_CPUS = 0.1  # a tenth of the others: their quotas separate the speeds while the machine has spare time
+LAYERS = 12
+ARGS = ["--batch_size", "16", "--microbatch_num", "4", "--model.num_hidden_layers", str(LAYERS),
+        "--profile_batch", "none", "--train_steps", "4"]
+CONFIG = "configs/pi-qwen3-3stage-tiny.yaml"
+
+
+@pytest.fixture
+def unequal(sandbox, tmp_path) -> Path:
+    """A copy of the session sandbox's inventory with per-node cpus and an auto-partitioned job."""
+    doc = yaml.safe_load(Path(sandbox).read_text())
+    for node, cpus in zip(doc["nodes"], [1.0, SLOW_CPUS, 1.0], strict=True):
+        node["cpus"] = cpus
+    doc["job"] = {"image": IMAGE, "config": CONFIG, "master_port": "auto",
+                  "args": [*ARGS, "--parallel.partition", "auto", "--train.exit_interval", "2"],
+                  "env": {"OMP_NUM_THREADS": "1"}}
+    p = tmp_path / "unequal.yaml"
+    p.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return p
+
+
+@pytest.mark.sandbox
+@pytest.mark.docker
+def test_auto_gives_the_slow_node_fewer_layers_and_the_same_losses(unequal, pushed, tmp_path):
+    t0 = time.time()
+    env = {"RUNNER_PROFILE_CACHE": str(tmp_path / "profile-cache")}
+    proc = runner("up", "-i", str(unequal), "--logs-dir", str(tmp_path / "logs"), timeout=1200, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_id = re.search(r"run (\S+) started", proc.stdout)[1]
+    spec = re.search(r"^parallel\.partition auto: (custom:[\d,]+)", proc.stdout, re.M)[1]
+    bounds = [int(x) for x in spec[len("custom:"):].split(",")]
+    counts = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+    assert counts[1] < min(counts[0], counts[2]), (spec, proc.stdout[-3000:])
+    assert counts[1] < LAYERS // 3  # fewer than uniform_transformer gives it
+
+    # The profile behind it: measured in the job's image under each node's limit, node-1 slowest.
+    runs = {n: node_workdir(unequal, n) / "runs" / run_id for n in ("node-0", "node-1", "node-2")}
+    record = json.loads((runs["node-0"] / "partition.json").read_text())
+    assert record["spec"] == spec and record["uniform"] == "custom:0,4,8,12"
+    nodes = record["profile"]["nodes"]
+    assert [n["cgroup_cpus"] for n in nodes] == [1.0, SLOW_CPUS, 1.0]
+    layer = [n["time_s"]["block"] for n in nodes]
+    assert layer[1] > 1.5 * max(layer[0], layer[2]), layer
+    assert record["profile"]["links"][0]["bandwidth_Bps"] > 0
+
+    # `runner profile` answers from the cache `up` filled: the same numbers, the same split, no probe.
+    prof = runner("profile", "-i", str(unequal), "--json", "--no-push", env=env, timeout=300)
+    assert prof.returncode == 0, prof.stderr[-2000:]
+    doc = json.loads(prof.stdout)
+    assert doc["cached"] == {"node-0": True, "node-1": True, "node-2": True} and "profile: measuring" not in prof.stderr
+    assert doc["split"]["spec"] == spec and doc["uniform"]["spec"] == "custom:0,4,8,12"
+    assert [n["time_s"] for n in doc["nodes"]] == [n["time_s"] for n in nodes]
+    table = runner("profile", "-i", str(unequal), "--no-push", env=env, timeout=300)
+    assert table.returncode == 0 and f"parallel.partition auto: {spec}" in table.stdout
+    assert "node-1" in table.stdout and "cpus 0.1" in table.stdout and "cached" in table.stdout
+
+    # The trainer ran that split and recorded it as the run's partition.
+    layers = f"layers {bounds[1]}-{bounds[2] - 1}" if counts[1] > 1 else f"layer {bounds[1]}"
+    assert f"[node-0/0] stage 1 (pp rank 1): {layers} ({counts[1]} layers" in proc.stdout
+    for run in runs.values():
+        assert yaml.safe_load((run / "config.yaml").read_text())["parallel"]["partition"] == spec
+
+    # up --resume continues with the recorded split (exit_interval 2 ended the first launch), even
+    # with the nodes equal now: no new profile, which would split 12 layers otherwise.
+    equal = yaml.safe_load(unequal.read_text())
+    for node in equal["nodes"]:
+        node.pop("cpus")
+    again = tmp_path / "equal.yaml"
+    again.write_text(yaml.safe_dump(equal, sort_keys=False))
+    res = runner("up", "-i", str(again), "--resume", run_id, "--logs-dir", str(tmp_path / "logs"), timeout=1200,
+                 env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f"parallel.partition auto: the run's split {spec} (from its partition.json)" in res.stdout
+    assert "profile: measuring" not in res.stdout + res.stderr
+    assert yaml.safe_load((runs["node-0"] / "config.yaml").read_text())["parallel"]["partition"] == spec
+    got = losses(runs["node-2"])
+    assert len(got) == 4
+
+    # Losses: the uniform split, three local processes, the same job (fp32 on CPU: a split moves
+    # work between ranks, never the arithmetic of a layer).
+    ref_dir = tmp_path / "uniform"
+    run_trainer(ref_dir, "--config", CONFIG, *ARGS, "--parallel.partition", "uniform_transformer", nproc=3)
+    ref = losses(ref_dir)
+    assert len(ref) == 4
+    for step, (a, b) in enumerate(zip(got, ref, strict=True), 1):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: auto {a} vs uniform {b}"
+    print(f"auto split {spec} on cpus 1.0/{SLOW_CPUS}/1.0, layer times {layer}; test took {time.time() - t0:.0f} s")
