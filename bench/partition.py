@@ -3,7 +3,7 @@ best contiguous split found by running every one, on three sandbox nodes whose j
 Docker --cpus 0.3 / 0.6 / 1.0. The job: the reduced Pi config (configs/pi-qwen3-3stage-tiny.yaml)
 at 12 layers, pp=3, 1F1B, batch 16 in 4 microbatches of 128 tokens, one thread per rank.
 
-    .venv/bin/python -m bench.partition [--steps 6] [--rounds 3] [--no-exhaustive]
+    .venv/bin/python -m bench.partition [--steps 6] [--rounds 3] [--no-exhaustive | --sweep RESULTS_JSON]
     .venv/bin/python -m bench.partition --measure-full    # re-measure the Qwen3-0.6B fixture
 
 Before the profile and each run it waits (up to 15 min) until at most one other thread competes
@@ -137,7 +137,10 @@ def bench_sandbox(args) -> dict:
     auto, uniform, problem = plan_from_profile(prof, sinv)
     print(render_plan(auto, uniform, problem), flush=True)
     sweep: dict[str, float] = {}
-    if args.exhaustive:
+    if args.sweep:  # the 55 runs of an earlier sweep on the same nodes (each split runs the same there)
+        sweep = json.loads(Path(args.sweep).read_text())["sandbox"]["sweep_s"]
+        print(f"  sweep: {len(sweep)} splits from {args.sweep}", flush=True)
+    elif args.exhaustive:
         for cuts in combinations(range(1, LAYERS), 2):
             spec = "custom:" + ",".join(map(str, (0, *cuts, LAYERS)))
             sweep[spec], _ = step_time(inv, spec)
@@ -156,7 +159,7 @@ def bench_sandbox(args) -> dict:
     predicted = {spec: make_split(problem, [int(x) for x in spec[7:].split(",")]).step_s(problem.microbatches)
                  for spec in sweep}
     return {
-        "nodes_cpus": CPUS, "layers": LAYERS, "steps": args.steps, "rounds": args.rounds, "image": IMAGE,
+        "sweep_from": args.sweep, "nodes_cpus": CPUS, "layers": LAYERS, "steps": args.steps, "rounds": args.rounds, "image": IMAGE,
         "profile": prof_doc, "auto_split": auto.spec, "auto_ran": ran_auto, "uniform_split": uniform.spec,
         "best_split": best, "step_s": med, "rounds_s": rounds, "sweep_s": sweep, "predicted_sweep_s": predicted,
         "predicted_s": {"auto": auto.step_s(problem.microbatches), "uniform": uniform.step_s(problem.microbatches),
@@ -274,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-exhaustive", dest="exhaustive", action="store_false")
+    ap.add_argument("--sweep", metavar="RESULTS_JSON", help="take the exhaustive sweep's step times from an earlier "
+                    "results file (same nodes and job) instead of running the 55 splits again")
     ap.add_argument("--measure-full", action="store_true", help="re-measure the Qwen3-0.6B fixture, then stop")
     ap.add_argument("--keep", action="store_true", help="leave the sandbox running")
     args = ap.parse_args(argv)
