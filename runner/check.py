@@ -61,9 +61,9 @@ def check_node(inv: Inventory, node: Node, accept_new: bool, port: int | None,
     with remote:
         nc.ssh = "ok"
         nc.host_key = ("pinned " if node.host_key else "known_hosts ") + (remote.host_key_fp or "")[:20] + "…"
-        p = probe(remote, inv.master.host)
+        p = probe(remote, inv.master.rank_addr)
         nc.probe = p
-        _node_problems(nc, node, p, inv.master.host)
+        _node_problems(nc, node, p, inv.master.rank_addr)
         if node.is_master:
             _master_port(nc, port, p.listening or set())
         nc.image = inv.job.image_for(node.arch or p.arch)

@@ -46,7 +46,7 @@ RESERVED_ENV = {
     "NODE_NAME": "the node's `name`",
     "NODE_RANK": "the node's place: the `role: master` node is 0, the others follow in inventory order",
     "NNODES": "the number of entries under `nodes:`",
-    "MASTER_ADDR": "the master node's `host`",
+    "MASTER_ADDR": "the master node's `addr` (default: its `host`)",
     "MASTER_PORT": "`job.master_port`",
     "OUTPUT_DIR": "the node's `workdir` (the run dir under it is mounted at /out)",
     "GLOO_SOCKET_IFNAME": "a probe of each node (the interface that routes to the master)",
@@ -79,7 +79,7 @@ def workdir_error(wd: str) -> str | None:
                 "(the path reaches a shell and a docker bind spec on the node)")
     return None
 
-NODE_FIELDS = {"name", "host", "port", "user", "identity_file", "known_hosts", "host_key", "arch",
+NODE_FIELDS = {"name", "host", "addr", "port", "user", "identity_file", "known_hosts", "host_key", "arch",
                "slots", "role", "workdir", "gpus", "env", "cpus", "memory"}
 # Node limits, applied as Docker limits on the job's container (--cpus, --memory): a node that
 # shares its machine, or sandbox nodes of unequal speed. Docker's own size syntax, its minimum 6m.
@@ -93,7 +93,7 @@ def memory_bytes(text: str) -> int | None:
     m = MEMORY_RE.match(text.strip())
     return int(m[1]) * MEMORY_UNITS[m[2].lower()] if m else None
 
-DEFAULT_FIELDS = NODE_FIELDS - {"name", "host", "role", "host_key"}
+DEFAULT_FIELDS = NODE_FIELDS - {"name", "host", "addr", "role", "host_key"}
 JOB_FIELDS = {"image", "config", "args", "env", "env_file", "master_port", "nproc_per_node",
               "grace_period", "command", "build"}
 BUILD_FIELDS = {"context", "dockerfile", "args", "platform"}
@@ -103,7 +103,8 @@ TOP_FIELDS = {"defaults", "nodes", "job", "slurm"}  # slurm: parsed by runner/sl
 @dataclass
 class Node:
     name: str
-    host: str
+    host: str                        # what SSH connects to
+    addr: str | None = None          # what the ranks use (MASTER_ADDR, the interface probe); None: host
     port: int = 22
     user: str = "root"
     identity_file: str | None = None
@@ -122,6 +123,11 @@ class Node:
     @property
     def is_master(self) -> bool:
         return self.role == "master"
+
+    @property
+    def rank_addr(self) -> str:
+        """The address other nodes' ranks reach this node at: `addr`, else the SSH `host`."""
+        return self.addr or self.host
 
 
 @dataclass
@@ -443,7 +449,7 @@ def _node_fields(c: _Checker, v: _Val, where: str, allowed: set[str], base: Path
             out[key] = c.str_(x, w)
             if not NAME_RE.match(out[key]):
                 c.fail(x.line, w, f"{out[key]!r}: use letters, digits, '.', '_' or '-' (it names containers)")
-        elif key == "host":
+        elif key in ("host", "addr"):
             out[key] = c.str_(x, w)
             if not _valid_host(out[key]):
                 c.fail(x.line, w, f"{out[key]!r} is not an IP address or host name")

@@ -163,7 +163,7 @@ class Launcher:
 
     def preflight(self, cl: Cluster) -> dict[str, Probe]:
         def one(r: Remote) -> Probe:
-            p = probe(r, self.inv.master.host, clock=False)
+            p = probe(r, self.inv.master.rank_addr, clock=False)
             if not p.docker_error:
                 r.docker()  # open the API connection now, off the launch's critical path
             return p
@@ -175,7 +175,7 @@ class Launcher:
             if p.docker_error:
                 bad.append(f"{name}: docker engine not reachable ({p.docker_error})")
             if not p.ifname:
-                bad.append(f"{name}: no interface routes to master {self.inv.master.host}")
+                bad.append(f"{name}: no interface routes to master {self.inv.master.rank_addr}")
             if node.arch and p.arch and node.arch != p.arch:
                 bad.append(f"{name}: inventory says arch {node.arch} but the node is {p.arch}")
         if bad:

@@ -183,8 +183,8 @@ def make_plan(inv: Inventory, run_id: str, facts: dict[str, Facts] | None = None
             if not image:
                 raise UserError(f"{inv.path}: job.image: no image for arch {arch} (node {node.name}); add `{arch}: <tag>`")
             if not f.ifname:
-                raise UserError(f"node {node.name}: no interface routes to master {master.host} "
-                                f"(`ip route get {master.host}` failed on the node)")
+                raise UserError(f"node {node.name}: no interface routes to master {master.rank_addr} "
+                                f"(`ip route get {master.rank_addr}` failed on the node)")
         paths = node_paths(node, f.home)
         workdir, run_dir = paths.workdir, paths.run(run_id)
         ifname = f.ifname or UNPROBED
@@ -198,12 +198,12 @@ def make_plan(inv: Inventory, run_id: str, facts: dict[str, Facts] | None = None
         # The contract with the trainer (shared/design.md); set last so user env cannot break it.
         env.update({
             "RUN_ID": run_id, "NODE_NAME": node.name, "NODE_RANK": str(rank), "NNODES": str(nnodes),
-            "MASTER_ADDR": master.host, "MASTER_PORT": str(port), "OUTPUT_DIR": OUT,
+            "MASTER_ADDR": master.rank_addr, "MASTER_PORT": str(port), "OUTPUT_DIR": OUT,
             "GLOO_SOCKET_IFNAME": ifname, "NCCL_SOCKET_IFNAME": ifname, "PYTHONUNBUFFERED": "1",
         })
         for k in secret_keys:
             env.pop(k, None)  # the env_file wins, and its value must not sit in container config
-        tr = torchrun_command(inv, nnodes, rank, nproc[node.name], master.host, port, bool(job.config))
+        tr = torchrun_command(inv, nnodes, rank, nproc[node.name], master.rank_addr, port, bool(job.config))
         secrets_file = paths.secrets(run_id) if secret_keys else None
         mounts = {run_dir: OUT}
         go_file = None
@@ -230,7 +230,7 @@ def make_plan(inv: Inventory, run_id: str, facts: dict[str, Facts] | None = None
             secret_keys=secret_keys, workdir=workdir, run_dir=run_dir, secrets_file=secrets_file,
             config_file=f"{run_dir}/config.yaml" if job.config else None, gpus=node.gpus, mounts=mounts,
             go_file=go_file, cpus=node.cpus, memory=node.memory))
-    return Plan(run_id=run_id, nnodes=nnodes, master=master.name, master_addr=master.host, master_port=port,
+    return Plan(run_id=run_id, nnodes=nnodes, master=master.name, master_addr=master.rank_addr, master_port=port,
                 nproc_per_node=nproc, nodes=plans, grace_period=job.grace_period,
                 config_src=job.config, env_file_src=job.env_file)
 

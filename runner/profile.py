@@ -76,7 +76,7 @@ def main(args) -> int:
         inv.job.args = list(inv.job.args) + list(args.trainer_args)
     refuse_custom_command(inv)  # before any connection
     with Cluster(inv, args.accept_new_host_keys, workers=args.parallel) as cl:
-        probes = cl.each(lambda r: probe(r, inv.master.host, clock=False))
+        probes = cl.each(lambda r: probe(r, inv.master.rank_addr, clock=False))
         if not args.no_push:
             from runner.push import push_to_nodes
 
@@ -182,7 +182,7 @@ def run_probes(cl: Cluster, order: list[Node], probes: dict[str, Probe], tags: d
         if i in servers:
             cmd += ["--serve", str(ports[i])]
         if i in need_link:
-            cmd += ["--peer", f"{order[i + 1].host}:{ports[i + 1]}"]
+            cmd += ["--peer", f"{order[i + 1].rank_addr}:{ports[i + 1]}"]
         if n.name not in need_compute:
             cmd += ["--no-compute"]
         return cmd + ["--"] + (["--config", f"{OUT}/config.yaml"] if config is not None else []) + list(inv.job.args)

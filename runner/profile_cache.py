@@ -47,7 +47,7 @@ def shape_args(args: list[str]) -> list[str]:
 
 def node_key(node: Node, job: Job, image_id: str | None, version: int, min_seconds: float) -> str:
     config = hashlib.sha256(Path(job.config).read_bytes()).hexdigest() if job.config else None
-    return _digest({"version": version, "node": node.name, "host": node.host, "port": node.port,
+    return _digest({"version": version, "node": node.name, "host": node.host, "addr": node.rank_addr, "port": node.port,
                     "image": image_id, "cpus": node.cpus, "memory": node.memory, "config": config,
                     "args": shape_args(job.args), "env": {**job.env, **node.env}, "min_seconds": min_seconds})
 

@@ -234,7 +234,7 @@ def main(args) -> int:
     with Cluster(inv, args.accept_new_host_keys, workers=args.parallel) as cl:
         arches: dict[str, str | None] = {}
         if any(n.arch is None for n in inv.nodes):
-            arches = {k: p.arch for k, p in cl.each(lambda r: probe(r, inv.master.host)).items()}
+            arches = {k: p.arch for k, p in cl.each(lambda r: probe(r, inv.master.rank_addr)).items()}
         results = push_to_nodes(cl, arches, force_full=args.full, build=args.build)
     for r in results:
         print(f"{r.node:12s} {r.tag:28s} {r.action:8s} layers {r.layers_sent}/{r.layers_total}  "

@@ -202,6 +202,15 @@ def build_scratch_image(tag: str, layers: list[bytes]) -> str:
     return build_image(tag, {"Dockerfile": dockerfile.encode(), **{f"l{i}": blob for i, blob in enumerate(layers)}})
 
 
+def torchrun_image(tag: str, torchrun: bytes, gate: bool = True) -> str:
+    """This session's trainer image with `torchrun` replaced by the given script (a master that
+    never listens, one held at a file, one deaf to signals, one that exits 2); gate=False labels it
+    as an image without runner.gate. Its id."""
+    label = "" if gate else "LABEL io.runner.gate=0\n"
+    return build_image(tag, {"Dockerfile": f"FROM {IMAGE}\n{label}COPY torchrun /opt/venv/bin/torchrun\n".encode(),
+                             "torchrun": (torchrun, 0o755)})
+
+
 def remove_host_image(tag: str) -> None:
     """Remove a test image from the host engine (tests leave no images of theirs behind)."""
     import docker

@@ -20,7 +20,6 @@ import yaml
 from runner.plan import LABEL_NODE, LABEL_RANK, LABEL_RUN, LABEL_RUN_DIR
 from tests import IMAGE
 from tests.runner_helpers import (
-    build_image,
     node_workdir,
     remotes,
     remove_host_image,
@@ -28,6 +27,7 @@ from tests.runner_helpers import (
     runner,
     sandbox_node,
     start_attached,
+    torchrun_image,
     unique_tag,
     write_job,
 )
@@ -226,14 +226,9 @@ def test_workers_never_join_a_listener_that_is_not_the_masters(sandbox, pushed, 
     assert all(not any("/go-" in p for p in files) for files in new.values()), new
 
 
-def _fake_image(tag: str, torchrun: bytes) -> None:
-    build_image(tag, {"Dockerfile": f"FROM {IMAGE}\n".encode() + b"COPY torchrun /opt/venv/bin/torchrun\n",
-                      "torchrun": (torchrun, 0o755)})
-
-
 def test_a_job_that_exits_2_is_not_a_user_error(sandbox, pushed, tmp_path):
     tag = unique_tag("exit2")
-    _fake_image(tag, b"#!/bin/sh\necho 'fake torchrun: exits 2'\nexit 2\n")
+    torchrun_image(tag, b"#!/bin/sh\necho 'fake torchrun: exits 2'\nexit 2\n")
     try:
         proc = runner("up", "-i", str(sandbox), "--job", str(write_job(tmp_path, image=tag)))
     finally:

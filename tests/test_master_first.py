@@ -18,14 +18,13 @@ import subprocess
 import pytest
 
 from runner.plan import LABEL_RUN
-from tests import IMAGE
 from tests.runner_helpers import (
     REPO,
-    build_image,
     node_docker,
     node_workdir,
     remove_host_image,
     runner_cmd,
+    torchrun_image,
     unique_tag,
     wait_for,
     write_job,
@@ -72,9 +71,7 @@ def _containers(sandbox, node: str, flt: str) -> list[tuple[str, str]]:
 @pytest.mark.parametrize("gated", [True, False], ids=["gate", "no-gate"])
 def test_no_worker_torchrun_before_the_master_listens(sandbox, pushed, tmp_path, gated):
     tag = unique_tag("held-master-gate" if gated else "held-master")
-    label = "" if gated else "LABEL io.runner.gate=0\n"
-    build_image(tag, {"Dockerfile": f"FROM {IMAGE}\n{label}COPY torchrun /opt/venv/bin/torchrun\n".encode(),
-                      "torchrun": (HOLD, 0o755)})
+    torchrun_image(tag, HOLD, gate=gated)
     job = write_job(tmp_path, image=tag, extra={"command": ["python", "-c", WAIT]})
     out_f, err_f = tmp_path / "up.out", tmp_path / "up.err"
     with out_f.open("w") as o, err_f.open("w") as e:

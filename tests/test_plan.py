@@ -32,6 +32,44 @@ NODES3 = ("  - {name: w1, host: 10.9.0.2, arch: arm64}\n"
           "  - {name: w2, host: 10.9.0.3, arch: arm64, env: {EXTRA: '1'}}\n")
 
 
+def test_addr_is_what_the_ranks_use_host_what_ssh_uses(tmp_path, no_network):
+    """A node's `addr` (default: its `host`) is MASTER_ADDR, torchrun's --master-addr and the
+    address every node's interface probe routes to; SSH still goes to `host`."""
+    nodes = ("  - {name: m, host: 198.51.100.7, addr: 10.9.0.1, arch: amd64, role: master}\n"
+             "  - {name: w1, host: 198.51.100.8, arch: arm64}\n")
+    inv = load_inventory(inventory(tmp_path, nodes, "  master_port: 29555\n"))
+    assert [(n.host, n.addr, n.rank_addr) for n in inv.nodes] == [
+        ("198.51.100.7", "10.9.0.1", "10.9.0.1"), ("198.51.100.8", None, "198.51.100.8")]
+    plan = make_plan(inv, "r1", {"m": Facts(ifname="eth0"), "w1": Facts(ifname="eth1")}, strict=True)
+    assert plan.master_addr == "10.9.0.1"
+    for n in plan.nodes:
+        assert n.env["MASTER_ADDR"] == "10.9.0.1"
+        assert n.command[n.command.index("--master-addr") + 1] == "10.9.0.1"
+    assert [n.host for n in plan.nodes] == ["198.51.100.7", "198.51.100.8"]
+    with pytest.raises(UserError, match=r"no interface routes to master 10\.9\.0\.1 \(`ip route get 10\.9\.0\.1`"):
+        make_plan(inv, "r1", {"m": Facts(ifname="eth0"), "w1": Facts()}, strict=True)
+    rc, out = run_cli("up", "-i", str(tmp_path / "inv.yaml"), "--dry-run")
+    assert rc == 0 and "master m (10.9.0.1:29555)" in out and out.count("MASTER_ADDR=10.9.0.1") == 2, out
+
+
+@pytest.mark.parametrize("text, where, why", [
+    ("  - {name: m, host: 10.9.0.1, addr: 'a b'}\n", "nodes[0].addr", "'a b' is not an IP address or host name"),
+    ("  - {name: m, host: 10.9.0.1, addr: [1]}\n", "nodes[0].addr", "must be a non-empty string, got a list (node m)"),
+])
+def test_bad_addr_is_one_line(tmp_path, no_network, text, where, why):
+    with pytest.raises(UserError) as e:
+        load_inventory(inventory(tmp_path, text))
+    msg = str(e.value)
+    assert "\n" not in msg and f"{tmp_path / 'inv.yaml'}:" in msg and where in msg and why in msg, msg
+
+
+def test_addr_is_per_node_not_a_default(tmp_path, no_network):
+    p = tmp_path / "inv.yaml"
+    p.write_text("defaults: {addr: 10.9.0.1}\nnodes:\n  - {name: m, host: 10.9.0.1}\njob: {image: t:x}\n")
+    with pytest.raises(UserError, match=r"inv\.yaml:1: .*defaults\.addr"):
+        load_inventory(p)
+
+
 def test_plan_ranks_env_commands(tmp_path, no_network):
     inv = load_inventory(inventory(tmp_path, NODES3, "  master_port: 29555\n  args: [--train_steps, '5']\n"))
     facts = {"m": Facts(ifname="eth0"), "w1": Facts(ifname="wlan0"), "w2": Facts(ifname="eth1")}

@@ -28,6 +28,7 @@ from tests.runner_helpers import (
     run_containers,
     runner,
     runner_cmd,
+    torchrun_image,
     unique_tag,
     up_detached,
     wait_for,
@@ -136,8 +137,7 @@ while True:
 
 def test_down_kills_after_the_grace_period(sandbox, pushed, tmp_path):
     tag = unique_tag("deaf")
-    build_image(tag, {"Dockerfile": f"FROM {IMAGE}\n".encode() + b"LABEL io.runner.gate=0\n"
-                                    b"COPY torchrun /opt/venv/bin/torchrun\n", "torchrun": (DEAF_TORCHRUN, 0o755)})
+    torchrun_image(tag, DEAF_TORCHRUN, gate=False)
     try:
         run_id = up_detached(sandbox, write_job(tmp_path, image=tag, grace=2))
         since = str(int(time.time()) - 1)

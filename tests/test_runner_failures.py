@@ -23,7 +23,6 @@ from runner.plan import LABEL_RUN
 from tests import IMAGE
 from tests.conftest import REPO
 from tests.runner_helpers import (
-    build_image,
     node_engine_containers,
     node_workdir,
     remotes,
@@ -33,6 +32,7 @@ from tests.runner_helpers import (
     runner_cmd,
     signal_sshd,
     start_attached,
+    torchrun_image,
     unique_tag,
     up_detached,
     wait_for,
@@ -239,15 +239,9 @@ def test_resume_run_resolution(sandbox, pushed, tmp_path):
                 shutil.rmtree(node_workdir(sandbox, node) / "runs" / name, ignore_errors=True)
 
 
-def _fake_torchrun_image(tag: str) -> None:
-    """The trainer image with a `torchrun` that never listens (a master stuck before rendezvous)."""
-    build_image(tag, {"Dockerfile": f"FROM {IMAGE}\n".encode() + b"COPY torchrun /opt/venv/bin/torchrun\n",
-                      "torchrun": (b"#!/bin/sh\necho 'fake torchrun: never listens'\nexec sleep 600\n", 0o755)})
-
-
 def test_rendezvous_timeout_is_one_line_and_leaves_nothing(sandbox, pushed, tmp_path):
     tag = unique_tag("nolisten")
-    _fake_torchrun_image(tag)
+    torchrun_image(tag, b"#!/bin/sh\necho 'fake torchrun: never listens'\nexec sleep 600\n")  # stuck before rendezvous
     job = write_job(tmp_path, image=tag)
 
     def gate_dirs(node: str) -> set[Path]:

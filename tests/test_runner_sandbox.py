@@ -104,6 +104,26 @@ def finished_run(sandbox, pushed, tmp_path_factory):
     return {"proc": proc, "run_id": run_id, "tmp": tmp}
 
 
+def test_ranks_rendezvous_at_the_masters_addr_not_its_ssh_host(sandbox, pushed, tmp_path):
+    """node-0 reached over SSH at its sandbox address, its ranks at `addr: 127.0.0.1` (an address
+    SSH never uses): every rank gets that MASTER_ADDR and torchrun's static rendezvous meets there."""
+    import yaml
+
+    doc = yaml.safe_load(Path(sandbox).read_text())
+    assert doc["nodes"][0]["host"] != "127.0.0.1"
+    doc["nodes"][0]["addr"] = "127.0.0.1"
+    inv = tmp_path / "addr.yaml"
+    inv.write_text(yaml.safe_dump(doc))
+    proc = runner("up", "-i", str(inv), "--job", str(write_job(tmp_path)), "--logs-dir", str(tmp_path / "logs"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_id = re.search(r"run (\S+) started", proc.stdout)[1]
+    assert "master listening on 127.0.0.1:" in proc.stderr + proc.stdout
+    docs = _probe_docs(sandbox, run_id)
+    assert {n: d["env"]["MASTER_ADDR"] for n, d in docs.items()} == dict.fromkeys(docs, "127.0.0.1")
+    assert {n: (d["env"]["RANK"], d["env"]["WORLD_SIZE"]) for n, d in docs.items()} == {
+        "node-0": ("0", "3"), "node-1": ("1", "3"), "node-2": ("2", "3")}
+
+
 def test_up_three_nodes_env_order_prefixed_logs(sandbox, finished_run):
     proc, run_id = finished_run["proc"], finished_run["run_id"]
     inv = load_inventory(sandbox, with_job=False)
