@@ -349,12 +349,7 @@ def load_inventory(path: str | os.PathLike, *, check_files: bool = True,
     known_hosts), so a dry-run works on a laptop without the cluster's keys. with_job=False
     ignores the job section (status, logs, down, collect only need the nodes)."""
     path = str(path)
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise UserError(f"{path}: cannot read inventory: {exc.strerror}") from None
-    root = _compose(path, text)
-    c = _Checker(path)
+    root, c = read_yaml(path, "inventory")
     if root is None:
         c.fail(1, "nodes", "inventory is empty; it needs at least a `nodes:` list")
     top = c.mapping(root, "", TOP_FIELDS)
@@ -420,6 +415,16 @@ def load_inventory(path: str | os.PathLike, *, check_files: bool = True,
                 c.fail(jv["image"][0] if isinstance(jv, dict) and "image" in jv else n.line, "job.image",
                        f"no image for arch {n.arch} (node {n.name}); add `{n.arch}: <tag>`")
     return Inventory(path=path, nodes=nodes, job=job)
+
+
+def read_yaml(path: str, what: str) -> tuple[_Val | None, _Checker]:
+    """The file's YAML with line numbers kept, and a checker whose errors name the file; an
+    unreadable file or bad YAML is one line naming it (`what`: inventory, job file)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read {what}: {exc.strerror}") from None
+    return _compose(path, text), _Checker(path)
 
 
 def _compose(path: str, text: str) -> _Val | None:
@@ -609,12 +614,7 @@ def _build_spec(c: _Checker, v: _Val, where: str, base: Path) -> BuildSpec:
 
 def _job_file(job_path: str, base: Path) -> Job:
     """`--job FILE`: a YAML file holding a job section (top-level `job:` or the fields directly)."""
-    try:
-        text = Path(job_path).read_text()
-    except OSError as exc:
-        raise UserError(f"{job_path}: cannot read job file: {exc.strerror}") from None
-    root = _compose(job_path, text)
-    c = _Checker(job_path)
+    root, c = read_yaml(job_path, "job file")
     if root is None or not isinstance(root.value, dict):
         c.fail(1, "job", "must be a mapping of job fields")
     if set(root.value) == {"job"}:

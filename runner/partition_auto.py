@@ -236,15 +236,6 @@ def brute_force(problem: Problem) -> Split | None:
     return None if best is None else make_split(problem, best[1])
 
 
-def uniform_bounds(num_layers: int, p: int) -> list[int]:
-    """The trainer's `uniform_transformer`: equal counts, earlier stages take the remainder."""
-    base, extra = divmod(num_layers, p)
-    bounds = [0]
-    for s in range(p):
-        bounds.append(bounds[-1] + base + (1 if s < extra else 0))
-    return bounds
-
-
 # ------------------------------------------------------------------ errors a user can act on
 
 

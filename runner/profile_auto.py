@@ -17,6 +17,7 @@ from pathlib import Path
 
 import yaml
 
+from contract.partition import uniform_bounds
 from runner.errors import UserError
 from runner.inventory import Inventory, Job
 from runner.partition_auto import (
@@ -27,7 +28,6 @@ from runner.partition_auto import (
     best_split,
     format_split,
     make_split,
-    uniform_bounds,
 )
 
 log = logging.getLogger("runner.profile")

@@ -34,13 +34,13 @@ from runner.inventory import (
     Job,
     Node,
     _Checker,
-    _compose,
     _job,
     _job_file,
     _kind,
     _node_fields,
     _show,
     _Val,
+    read_yaml,
 )
 
 CONTAINERS = ("pyxis", "oci", "none")
@@ -92,11 +92,7 @@ class SlurmInventory:
 def top_level_keys(path: str) -> set[str]:
     """The inventory's sections, without validating them (which scheduler a command is for)."""
     try:
-        text = Path(path).read_text()
-    except OSError:
-        return set()
-    try:
-        root = _compose(path, text)
+        root, _ = read_yaml(path, "inventory")
     except UserError:
         return set()
     return set(root.value) if root is not None and isinstance(root.value, dict) else set()
@@ -105,12 +101,7 @@ def top_level_keys(path: str) -> set[str]:
 def load_slurm_inventory(path: str, *, job_path: str | None = None, check_files: bool = True,
                          with_job: bool = True) -> SlurmInventory:
     path = str(path)
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise UserError(f"{path}: cannot read inventory: {exc.strerror}") from None
-    root = _compose(path, text)
-    c = _Checker(path)
+    root, c = read_yaml(path, "inventory")
     if root is None or not isinstance(root.value, dict) or "slurm" not in root.value:
         c.fail(1, "slurm", "missing: a Slurm inventory needs a `slurm:` section (nodes, partition, container, ...)")
     base = Path(path).resolve().parent

@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 
 from runner.errors import UserError
+from runner.runs import resolve as pick_run
 from runner.slurm_inventory import SlurmInventory
 from runner.slurm_plan import resolve
 from runner.slurm_shell import Shell
@@ -139,20 +140,13 @@ def list_runs(sh: Shell, wd: str) -> list[str]:
 
 
 def resolve_run(sh: Shell, wd: str, wanted: str | None) -> str:
+    """The Slurm run `wanted` names (an id or a unique prefix; the latest when None), by the SSH
+    runner's rule (runner/runs.py)."""
     runs = list_runs(sh, wd)
     where = f"{wd}/runs on {sh.where}"
     if not runs:
         raise UserError(f"no Slurm runs in {where}")
-    if wanted in (None, "latest"):
-        return runs[-1]
-    if wanted in runs:
-        return wanted
-    matches = [r for r in runs if r.startswith(wanted)]
-    if len(matches) == 1:
-        return matches[0]
-    if matches:
-        raise UserError(f"run {wanted}: ambiguous in {where}: {', '.join(matches[:5])}")
-    raise UserError(f"run {wanted}: no such Slurm run in {where} (latest: {runs[-1]})")
+    return pick_run(runs, wanted, where)
 
 
 def node_names(sh: Shell, run_dir: str, job_id: str) -> list[str]:

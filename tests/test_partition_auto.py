@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from contract.partition import uniform_bounds
 from runner.errors import UserError
 from runner.inventory import Inventory, Job, Node
 from runner.partition_auto import (
@@ -21,7 +22,6 @@ from runner.partition_auto import (
     brute_force,
     make_split,
     stage_memory,
-    uniform_bounds,
 )
 from runner.profile_auto import job_partition, plan_from_profile, problem_from_profile
 
@@ -120,7 +120,12 @@ def test_errors_name_the_node():
 
 
 def test_uniform_bounds_match_the_trainer():
+    """The runner prints the uniform split beside auto's; the trainer runs it: one function
+    (contract.partition), earlier stages taking the remainder."""
     from trainer.parallel.partition import partition_layers
+
+    assert uniform_bounds(28, 3) == [0, 10, 19, 28] and uniform_bounds(12, 3) == [0, 4, 8, 12]
+    assert uniform_bounds(7, 3) == [0, 3, 5, 7] and uniform_bounds(5, 1) == [0, 5]
 
     for layers in range(3, 30):
         for p in range(1, min(layers, 6) + 1):

@@ -162,19 +162,27 @@ def build_model(spec: ModelSpec, mcfg: ModelConfig, seed: int) -> nn.Module:
     return model.float()
 
 
-def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks (FSDP units, TP targets, pipeline split points)."""
-    blocks: list[nn.Module] = []
-    for path in ("model.layers", "transformer.h", "bert.encoder.layer", "vit.encoder.layer", "vit.layers",
-                 "decoder.decoder_layers"):
+BLOCK_PATHS = ("model.layers", "transformer.h", "bert.encoder.layer", "vit.encoder.layer", "vit.layers",
+               "decoder.decoder_layers")
+
+
+def block_containers(model: nn.Module) -> list[nn.ModuleList | nn.ModuleDict]:
+    """The containers holding a model's (or a pipeline stage's) repeated blocks, at the known paths."""
+    found: list[nn.ModuleList | nn.ModuleDict] = []
+    for path in BLOCK_PATHS:
         obj: Any = model
         for part in path.split("."):
             obj = getattr(obj, part, None)
             if obj is None:
                 break
-        if isinstance(obj, nn.ModuleList):
-            blocks.extend(obj)
-    return blocks
+        if isinstance(obj, (nn.ModuleList, nn.ModuleDict)):
+            found.append(obj)
+    return found
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks (FSDP units, TP targets, pipeline split points)."""
+    return [b for c in block_containers(model) if isinstance(c, nn.ModuleList) for b in c]
 
 
 # ---------------------------------------------------------------- losses

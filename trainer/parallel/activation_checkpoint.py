@@ -26,6 +26,8 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from trainer.models.build import block_containers
+
 MODES = ("none", "selective", "full")
 # Every spelling of "keep this output" the selective policy recognises (missing ones are skipped).
 _SAVE_OP_NAMES = ("mm", "addmm", "bmm", "baddbmm", "linear", "_scaled_mm",
@@ -73,17 +75,7 @@ class CheckpointedBlock(ActivationWrapper):
 
 def block_slots(module: nn.Module) -> list[tuple[nn.Module, str]]:
     """(container, key) of every transformer block of a full model or a pipeline stage, in order."""
-    slots: list[tuple[nn.Module, str]] = []
-    for path in ("model.layers", "transformer.h", "bert.encoder.layer", "vit.encoder.layer", "vit.layers",
-                 "decoder.decoder_layers"):
-        obj: Any = module
-        for part in path.split("."):
-            obj = getattr(obj, part, None)
-            if obj is None:
-                break
-        if isinstance(obj, (nn.ModuleList, nn.ModuleDict)):
-            slots += [(obj, key) for key, _ in obj.named_children()]
-    return slots
+    return [(c, key) for c in block_containers(module) for key, _ in c.named_children()]
 
 
 def blocks_of(module: nn.Module) -> list[nn.Module]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from contract.partition import uniform_bounds
 from trainer.config import ConfigError
 
 METHODS = ("uniform_transformer", "uniform", "parameters", "custom:a,b,...", "weighted:w0,w1,...", "auto")
@@ -51,7 +52,7 @@ def partition_layers(method: str, num_layers: int, num_stages: int, *,
     if method == "auto":  # no profile reached this process: the runner would have passed custom:...
         method = AUTO_FALLBACK
     if method == "uniform_transformer":
-        bounds = _uniform_bounds(num_layers, num_stages)
+        bounds = uniform_bounds(num_layers, num_stages)
     elif method == "uniform":
         # Merak's `uniform`: embeddings, every layer and the head each count as one item.
         bounds = _items_to_layer_bounds(_balanced_bounds([1] * (num_layers + 2), num_stages), num_layers)
@@ -93,15 +94,6 @@ def check_partition_syntax(method: str, key: str = "parallel.partition") -> None
             raise PartitionError(f"{key}: {m} weights must be positive numbers, one per stage (e.g. weighted:2,1)")
         return
     raise PartitionError(f"{key}: unknown partition method {method!r}; choose one of {', '.join(METHODS)}")
-
-
-def _uniform_bounds(num_layers: int, num_stages: int) -> list[int]:
-    # Earlier stages take the remainder, as picotron does.
-    base, extra = divmod(num_layers, num_stages)
-    bounds = [0]
-    for s in range(num_stages):
-        bounds.append(bounds[-1] + base + (1 if s < extra else 0))
-    return bounds
 
 
 def _balanced_bounds(weights: list[int], num_parts: int) -> list[int]:
