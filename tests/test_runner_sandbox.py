@@ -137,10 +137,15 @@ def test_up_three_nodes_env_order_prefixed_logs(sandbox, finished_run):
             "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo",  # `ip route get` on each node
             "RANK": str(rank), "WORLD_SIZE": "3", "OMP_NUM_THREADS": "1"}
         # Prefixed, in order per node.
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(f"[{node}/{rank}] ")]
+        # (The job's own lines: a worker's torchrun may add a warning after "done" when the master's
+        # torchrun, which holds the store, leaves the exit barrier first; torch's race, not the job's.)
+        lines = [ln for ln in proc.stdout.splitlines()
+                 if ln.startswith((f"[{node}/{rank}] probe ", f"[{node}/{rank}] done "))]
         assert lines == [f"[{node}/{rank}] probe {node} rank {rank} of 3", f"[{node}/{rank}] done {node}"]
         kept = (finished_run["tmp"] / "logs" / run_id / node / "container.log").read_text().splitlines()
-        assert kept == [f"probe {node} rank {rank} of 3", f"done {node}"]
+        assert [ln for ln in kept if ln.startswith(("probe ", "done "))] == [f"probe {node} rank {rank} of 3",
+                                                                              f"done {node}"]
+        assert kept[:2] == [f"probe {node} rank {rank} of 3", f"done {node}"]
     assert inv.master.name == "node-0"
     # Master first (no worker's torchrun before the master listens): tests/test_master_first.py.
     # Finished runs leave no containers behind; `runner logs` then shows the logs `up` kept.
