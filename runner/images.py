@@ -57,6 +57,16 @@ class Exported:
     def total_bytes(self) -> int:
         return sum(self.sizes)
 
+    @property
+    def tag_manifest(self) -> Path:
+        return self.dir / "tags" / hashlib.sha256(self.tag.encode()).hexdigest()[:24] / "manifest.json"
+
+    def archive_cmd(self, layers: list[int]) -> list[str]:
+        """tar argv writing a `docker load` archive to stdout: this tag's manifest, the config and
+        the given layers (by index)."""
+        return ["tar", "-cf", "-", "-C", str(self.tag_manifest.parent), "manifest.json",
+                "-C", str(self.dir), self.config, *(self.layers[i] for i in layers)]
+
 
 def host_client():
     import docker
@@ -183,7 +193,22 @@ def _load_export(tag: str, image_id: str, d: Path) -> Exported:
     diff_ids = config["rootfs"]["diff_ids"]
     layers = manifest["Layers"]
     sizes = [(d / p).stat().st_size for p in layers]
-    return Exported(tag, image_id, d, manifest["Config"], layers, diff_ids, sizes, config.get("architecture"))
+    exp = Exported(tag, image_id, d, manifest["Config"], layers, diff_ids, sizes, config.get("architecture"))
+    _write_tag_manifest(exp, manifest)
+    return exp
+
+
+def _write_tag_manifest(exp: Exported, manifest: dict) -> None:
+    """The export's manifest naming `exp.tag` alone. The cache is keyed by image id, and one id can
+    carry many tags (`docker tag`, a rebuild from cached layers): sending the manifest `docker save`
+    wrote would make `docker load` tag whatever name the first export had."""
+    path = exp.tag_manifest
+    if path.is_file():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"manifest.json.tmp{os.getpid()}")
+    tmp.write_text(json.dumps([{**manifest, "RepoTags": [exp.tag]}]))
+    os.replace(tmp, path)  # atomic: a concurrent push of the same tag reads one whole file
 
 
 def _prune(cache: Path, keep: Path, max_entries: int = 3) -> None:
@@ -251,9 +276,3 @@ def missing_layers(exp: Exported, have: set[str]) -> list[int]:
     return [i for i, c in enumerate(exp.chains) if c not in have]
 
 
-def partial_members(exp: Exported, missing: list[int]) -> list[str]:
-    """Archive members for a node lacking `missing`: manifest, config, and those layer tars."""
-    members = ["manifest.json", exp.config]
-    for i in missing:
-        members.append(exp.layers[i])
-    return members

@@ -29,7 +29,6 @@ from runner.images import (
     missing_layers,
     node_chains,
     node_image_id,
-    partial_members,
 )
 from runner.inventory import BuildSpec, Inventory
 from runner.session import Cluster, add_inventory_args, load, probe
@@ -56,14 +55,15 @@ STALL_S = 300.0        # no byte accepted (or produced) for this long: the node 
 LOAD_WAIT_S = 1800.0   # docker load still busy this long after the last byte: give up on this node
 
 
-def stream_to_load(remote: Remote, exp: Exported, members: list[str], progress=None, task=None,
+def stream_to_load(remote: Remote, exp: Exported, layers: list[int], progress=None, task=None,
                    gzip_: bool = False, stall_s: float = STALL_S) -> int:
-    """tar (members of the cached export) | [gzip] | ssh node docker load. Returns bytes streamed.
+    """tar (manifest, config and the given layers of the cached export) | [gzip] | ssh node docker
+    load. Returns bytes streamed.
 
     Every failure (load dying mid-stream, a stall, a timeout, a bad archive) ends as a UserError
     naming the node with no child process left behind, so push_one can fall back."""
     name = remote.node.name
-    local = [["tar", "-C", str(exp.dir), "-cf", "-", "--", *members]] + ([["gzip", "-1", "-c"]] if gzip_ else [])
+    local = [exp.archive_cmd(layers)] + ([["gzip", "-1", "-c"]] if gzip_ else [])
     on_chunk = (lambda n: progress.update(task, advance=n)) if progress is not None else None
     res = ssh_stream(remote, "docker load -q", local, upload=True, on_chunk=on_chunk, stall_s=stall_s,
                      aes=exp.arch == "amd64", finish_s=LOAD_WAIT_S)
@@ -111,7 +111,7 @@ def _push_layers(remote: Remote, exp: Exported, res: PushResult, progress) -> No
     if progress is not None:
         task = progress.add_task(f"{remote.node.name}: {len(missing)}/{len(exp.layers)} layers", total=size or 1)
     try:
-        res.bytes_sent = stream_to_load(remote, exp, partial_members(exp, missing), progress, task)
+        res.bytes_sent = stream_to_load(remote, exp, missing, progress, task)
     finally:
         if task is not None:
             progress.remove_task(task)
@@ -123,7 +123,7 @@ def _push_full(remote: Remote, exp: Exported, res: PushResult, progress) -> None
     if progress is not None:  # counts compressed bytes: the bar ends short of the image size
         task = progress.add_task(f"{remote.node.name}: full image (gzip)", total=exp.total_bytes)
     try:
-        res.bytes_sent = stream_to_load(remote, exp, ["manifest.json", exp.config, *exp.layers], progress, task,
+        res.bytes_sent = stream_to_load(remote, exp, list(range(len(exp.layers))), progress, task,
                                         gzip_=True)
     finally:
         if task is not None:

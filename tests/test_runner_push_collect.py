@@ -215,7 +215,7 @@ def test_push_stalled_node_is_stopped(sandbox, pushed, tmp_path):
     with connect(sandbox, "node-0") as remote:
         t0 = time.time()
         with pytest.raises(push_mod.UserError) as exc:
-            push_mod.stream_to_load(remote, exp, push_mod.partial_members(exp, [0]), stall_s=3)
+            push_mod.stream_to_load(remote, exp, [0], stall_s=3)
         took = time.time() - t0
     t.join()
     for p in stopped:
@@ -599,6 +599,28 @@ def test_push_to_current_nodes_exports_nothing(sandbox, pushed, tmp_path):
     res = parse_push(proc.stdout)
     assert set(res) == set(NODES) and all(r["action"] == "skipped" and r["mb"] == 0.0 for r in res.values()), res
     assert list(cache.iterdir()) == []
+
+
+def test_push_of_a_second_tag_of_a_cached_image_gives_the_nodes_that_tag(sandbox, pushed, tmp_path):
+    """The export cache is keyed by image id, and one id can carry many tags (a rebuild with cached
+    layers, `docker tag`, a new pytest session's tag). A push of tag B after tag A of the same id was
+    exported must leave B on the nodes, not A again (CI failed so: the cache held the trainer image
+    under an earlier session's tag)."""
+    import docker
+    from runner.images import HOST_DOCKER
+
+    a, b = f"runner-test-tag-a:{os.getpid()}", f"runner-test-tag-b:{os.getpid()}"
+    want = scratch(a, [os.urandom(64 << 10)])
+    client = docker.DockerClient(base_url=HOST_DOCKER, version="auto")
+    client.images.get(want).tag(b)
+    env = {"RUNNER_IMAGE_CACHE": str(tmp_path / "cache")}
+    for tag in (a, b):
+        job = write_job(tmp_path, image=tag)
+        proc = runner("push", "-i", str(sandbox), "--job", str(job), env=env)
+        assert proc.returncode == 0, proc.stderr
+        for node in NODES:
+            assert node_image_id(sandbox, node, tag) == want, (tag, node)
+    assert len(list((tmp_path / "cache").glob("*/.complete"))) == 1  # one export served both tags
 
 
 def test_push_of_a_tag_the_host_lacks_is_one_line(sandbox, pushed, tmp_path):
