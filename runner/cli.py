@@ -13,7 +13,7 @@ from runner.fanout import raise_open_file_limit
 # parser(s) and sets `func` to a callable taking the parsed args and returning an exit code.
 COMMAND_MODULES = [
     "runner.sandbox_cli",
-    "runner.check", "runner.push", "runner.launch", "runner.status", "runner.down", "runner.collect",
+    "runner.check", "runner.push", "runner.sync", "runner.launch", "runner.status", "runner.down", "runner.collect",
     # After the commands it extends: adds --scheduler to up/status/logs/ls/down/collect (Slurm runs).
     "runner.slurm_cli",
     "runner.kube_export",

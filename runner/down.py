@@ -1,6 +1,11 @@
 """`runner down [RUN]`: SIGTERM, a grace period for the trainer's preempt checkpoint, then stop and
 remove the run's containers on every node. Found by label, so it works from any shell and is
-idempotent (a second call finds nothing and says so)."""
+idempotent (a second call finds nothing and says so).
+
+`--keep-runs N` then removes old run dirs on every node (a Pi's SD card fills up with
+checkpoints): all but the N newest runner-made runs, never one that still has a container on the
+node, never a hand-named dir. Files an earlier runner's root containers left there are removed
+through the node's engine (runner/run_owner.py) when the SSH user cannot."""
 
 from __future__ import annotations
 
@@ -84,7 +89,53 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("run", nargs="?", help="run id (default: the latest run found on the nodes)")
     p.add_argument("--grace", type=float, default=None,
                    help="seconds between SIGTERM and SIGKILL (default: the run's job.grace_period)")
+    p.add_argument("--keep-runs", type=_count, default=None, metavar="N",
+                   help="then remove every node's run dirs but the N newest (runner-made ids only; never a run "
+                        "with a container left; 0 removes the stopped run's too)")
     p.set_defaults(func=main)
+
+
+def _count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a number of runs (0 or more), got {text!r}")
+    return int(text)
+
+
+def prune_runs(remote: Remote, keep: int) -> list[str]:
+    """Remove this node's run dirs (with their secrets files and gate dirs) but the `keep` newest
+    runner-made ones; the ids removed, oldest first."""
+    from runner.run_owner import remove_dirs
+    from runner.status import node_run_dirs, run_doc
+
+    made = sorted(i for i in node_run_dirs(remote) if runs.RUN_ID_RE.match(i))
+    busy = {c.labels.get(LABEL_RUN) for c in run_containers(remote, None)}
+    doomed = [i for i in made[:max(0, len(made) - keep)] if i not in busy]
+    if not doomed:
+        return []
+    paths = node_paths(remote.node, remote.home)
+
+    def image_of(left: list[str]) -> str | None:
+        """A run's own image can reach files a root container of it wrote (else: the node's trainer image)."""
+        images = (run_doc(remote, i).get("image") for i in reversed(left))
+        return next((i for i in images if isinstance(i, str)), None)
+
+    remove_dirs(remote, paths.runs, doomed, image_of)
+    remote.run(["rm", "-rf", "--", *(paths.secrets(i) for i in doomed), *(paths.gates(i) for i in doomed)])
+    return doomed
+
+
+def prune_all(cl: Cluster, keep: int) -> list[str]:
+    """prune_runs on every reachable node: one line per node; the errors ("node: reason")."""
+    errors = []
+    for r, gone, err in cl.map(list(cl.remotes.values()), lambda r: prune_runs(r, keep)):
+        if err is not None:
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            errors.append(first if first.startswith(f"node {r.node.name}") else f"node {r.node.name}: {first}")
+        elif gone:
+            print(f"{r.node.name}: removed {len(gone)} run dir(s): {', '.join(gone)}")
+        else:
+            print(f"{r.node.name}: no run dirs to remove (keeping the {keep} newest)")
+    return errors
 
 
 def main(args) -> int:
@@ -95,13 +146,18 @@ def main(args) -> int:
         run_id = args.run or latest_run(cl.remotes, cl.workers)
         if not run_id:
             print("nothing to stop: no runner containers on any " + ("reachable " if cl.unreachable else "") + "node")
-            return _unreachable(cl, None, inv.path)
-        stopped, errors = stop_run(cl.remotes, run_id, args.grace, workers=cl.workers)
-        print(f"run {run_id}: " + (f"stopped and removed on {', '.join(stopped)}" if stopped
-                                   else "nothing running (already down)")
-              + (f"; NOT reached: {', '.join(cl.unreachable)}" if cl.unreachable else ""))
-        for e in errors:
-            sys.stderr.write(f"runner: error: run {run_id}: could not stop on {e}\n")
+            errors = []
+        else:
+            stopped, errors = stop_run(cl.remotes, run_id, args.grace, workers=cl.workers)
+            print(f"run {run_id}: " + (f"stopped and removed on {', '.join(stopped)}" if stopped
+                                       else "nothing running (already down)")
+                  + (f"; NOT reached: {', '.join(cl.unreachable)}" if cl.unreachable else ""))
+            for e in errors:
+                sys.stderr.write(f"runner: error: run {run_id}: could not stop on {e}\n")
+        if args.keep_runs is not None and not errors:
+            for e in prune_all(cl, args.keep_runs):
+                errors.append(e)
+                sys.stderr.write(f"runner: error: removing old runs: {e}\n")
         code = _unreachable(cl, run_id, inv.path)
         return code or (EXIT_PARTIAL if errors else 0)
 

@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from runner.errors import UserError
+from runner.job_data import MountSpec, SyncSpec, check_destinations, parse_mounts, parse_registry, parse_sync
 
 log = logging.getLogger("runner.inventory")
 
@@ -80,7 +81,8 @@ def workdir_error(wd: str) -> str | None:
     return None
 
 NODE_FIELDS = {"name", "host", "addr", "port", "user", "identity_file", "known_hosts", "host_key", "arch",
-               "slots", "role", "workdir", "gpus", "env", "cpus", "memory"}
+               "slots", "role", "workdir", "gpus", "env", "cpus", "memory",
+               "ssh_config", "proxy_jump", "proxy_jump_host_key"}  # the last three: runner/ssh_config.py
 # Node limits, applied as Docker limits on the job's container (--cpus, --memory): a node that
 # shares its machine, or sandbox nodes of unequal speed. Docker's own size syntax, its minimum 6m.
 MEMORY_RE = re.compile(r"^([0-9]+)([bkmg]?)$", re.I)
@@ -95,9 +97,26 @@ def memory_bytes(text: str) -> int | None:
 
 DEFAULT_FIELDS = NODE_FIELDS - {"name", "host", "addr", "role", "host_key"}
 JOB_FIELDS = {"image", "config", "args", "env", "env_file", "master_port", "nproc_per_node",
-              "grace_period", "command", "build"}
+              "grace_period", "command", "build", "sync", "mounts", "registry"}
 BUILD_FIELDS = {"context", "dockerfile", "args", "platform"}
-TOP_FIELDS = {"defaults", "nodes", "job", "slurm"}  # slurm: parsed by runner/slurm_inventory.py
+TOP_FIELDS = {"defaults", "nodes", "job", "slurm"}
+# In job.env_file: how the nodes log in to job.registry (never passed to the job's containers).
+REGISTRY_AUTH_KEYS = ("RUNNER_REGISTRY_USER", "RUNNER_REGISTRY_PASSWORD")  # slurm: parsed by runner/slurm_inventory.py
+
+
+@dataclass(frozen=True)
+class Jump:
+    """A bastion (OpenSSH's ProxyJump host), resolved by runner/ssh_config.py: one hop only. Its
+    host key is verified like a node's (known_hosts of the node, or the pinned host_key)."""
+    host: str
+    port: int = 22
+    user: str = "root"
+    identity_file: str | None = None
+    host_key: str | None = None      # pinned "SHA256:..." (proxy_jump_host_key)
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{self.user}@{host}:{self.port}"
 
 
 @dataclass
@@ -118,6 +137,8 @@ class Node:
     cpus: float | None = None        # Docker --cpus of the job's container (None: no limit)
     memory: str | None = None        # Docker --memory of the job's container, e.g. "4g"
     env: dict[str, str] = field(default_factory=dict)
+    ssh_config: str | None = None    # the ssh_config file that filled fields the inventory left out
+    proxy_jump: Jump | None = None   # the bastion SSH goes through (inventory or ssh_config ProxyJump)
     line: int = 0
 
     @property
@@ -151,6 +172,9 @@ class Job:
     grace_period: float = 30.0        # seconds between SIGTERM and SIGKILL on down
     command: list[str] | None = None  # replaces `-m trainer --config ...` (tests, custom entrypoints)
     build: dict[str, BuildSpec] = field(default_factory=dict)  # {arch: spec}; one spec for all fills both
+    sync: list[SyncSpec] = field(default_factory=list)     # local data copied to every node (runner/sync.py)
+    mounts: list[MountSpec] = field(default_factory=list)  # data already on the nodes
+    registry: str | None = None       # nodes pull the job's tags from HOST:PORT instead of a push
 
     def image_for(self, arch: str | None) -> str | None:
         if isinstance(self.image, str):
@@ -160,8 +184,18 @@ class Job:
         return self.image.get(arch)
 
     def secrets(self) -> dict[str, str]:
-        """Parsed env_file (KEY=VALUE lines); values are secrets and never printed."""
-        return read_env_file(self.env_file) if self.env_file else {}
+        """Parsed env_file (KEY=VALUE lines) for the job's containers; values are secrets and never
+        printed. The registry credentials (REGISTRY_AUTH_KEYS) are the runner's, not the job's."""
+        every = read_env_file(self.env_file) if self.env_file else {}
+        return {k: v for k, v in every.items() if k not in REGISTRY_AUTH_KEYS}
+
+    def registry_auth(self) -> tuple[str, str] | None:
+        """(user, password) for job.registry from the env_file, or None (the node's own docker login)."""
+        every = read_env_file(self.env_file) if self.env_file else {}
+        user, password = (every.get(k) for k in REGISTRY_AUTH_KEYS)
+        if bool(user) != bool(password):
+            raise UserError(f"{self.env_file}: give both {' and '.join(REGISTRY_AUTH_KEYS)} or neither")
+        return (user, password) if user else None
 
 
 @dataclass
@@ -369,9 +403,12 @@ def load_inventory(path: str | os.PathLike, *, check_files: bool = True,
     if not isinstance(nv.value, list) or not nv.value:
         c.fail(nv.line if nv.value is not None else nline, "nodes",
                f"must be a non-empty list of nodes, got {_kind(nv.value) if nv.value else 'nothing'}")
+    from runner.ssh_config import Resolver
+
+    ssh_config = Resolver(c, check_files)
     nodes: list[Node] = []
     seen: dict[str, int] = {}
-    addrs: dict[tuple[str, int], str] = {}
+    addrs: dict[tuple, str] = {}
     for i, item in enumerate(nv.value):
         where = f"nodes[{i}]"
         named = item.value.get("name") if isinstance(item.value, dict) else None
@@ -382,11 +419,12 @@ def load_inventory(path: str | os.PathLike, *, check_files: bool = True,
                 c.fail(item.line, f"{where}.{req}", "missing (every node needs a name and a host)")
         merged = {**{k: v for k, v in defaults.items() if k != "env"}, **fields}
         merged["env"] = {**defaults.get("env", {}), **fields.get("env", {})}
+        merged = ssh_config.resolve(merged, item.line, where)  # ~/.ssh/config fills what is left out
         node = Node(**merged, line=item.line)
         if node.name in seen:
             c.fail(item.line, f"{where}.name", f"duplicate node name {node.name!r} (first at line {seen[node.name]})")
         seen[node.name] = item.line
-        key = (node.host, node.port)
+        key = (node.host, node.port, node.proxy_jump)  # one private address may sit behind two bastions
         if key in addrs:
             c.fail(item.line, f"{where}.host", f"{node.host}:{node.port} is also node {addrs[key]!r}")
         addrs[key] = node.name
@@ -469,7 +507,11 @@ def _node_fields(c: _Checker, v: _Val, where: str, allowed: set[str], base: Path
             if check_files and not os.path.isfile(p):
                 c.fail(x.line, w, f"file not found: {p}")
             out[key] = p
-        elif key == "host_key":
+        elif key in ("ssh_config", "proxy_jump"):
+            from runner.ssh_config import field_value
+
+            out[key] = field_value(c, key, x.line, w, c.str_(x, w), base, check_files)
+        elif key in ("host_key", "proxy_jump_host_key"):
             s = c.str_(x, w)
             if not FINGERPRINT_RE.match(s):
                 c.fail(x.line, w, "must be an OpenSSH SHA256 fingerprint like 'SHA256:<43 base64 chars>' "
@@ -568,6 +610,13 @@ def _job(c: _Checker, v: _Val, base: Path) -> Job:
             job.grace_period = float(x.value)
         elif key == "build":
             job.build = _build(c, x, w, base)
+        elif key == "sync":
+            job.sync = parse_sync(c, x, lambda p: _expand(p, base))
+        elif key == "mounts":
+            job.mounts = parse_mounts(c, x)
+        elif key == "registry":
+            job.registry = parse_registry(c, x)
+    check_destinations(c, job.sync, job.mounts)
     return job
 
 

@@ -26,6 +26,7 @@ import yaml
 
 from runner.errors import UserError
 from runner.inventory import Job
+from runner.job_data import refuse_for
 from runner.plan import MASK, OUT
 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
@@ -205,6 +206,7 @@ def main(args) -> int:
     from runner.launch import new_run_id
 
     job, nodes = _nodes_of(args.inventory, args.job, args.arch, args.gpus_per_node)
+    refuse_for(job, "export --to kubernetes")
     for flag, val in (("--namespace", args.namespace), ("--out-claim", args.out_claim)):
         if val is not None and not DNS_LABEL.match(val):
             raise UserError(f"{flag} {val!r}: must be a lowercase DNS label (a-z, 0-9, '-')")

@@ -99,7 +99,10 @@ def main(args) -> int:
         run_id = args.resume if args.resume not in (None, "latest") else "<new run id>"
         if args.resume:
             inv.job.args += RESUME_ARGS
-        plan = make_plan(inv, run_id, _dry_facts(inv, args.arch), secret_keys=list(secret_vals))
+        from runner.sync import scan
+
+        plan = make_plan(inv, run_id, _dry_facts(inv, args.arch), secret_keys=list(secret_vals),
+                         trees=scan(inv.job.sync))
         print(plan.render())
         return 0
     return Launcher(inv, args, secret_vals).run()
@@ -111,6 +114,7 @@ class Launcher:
         self.lost: str | None = None          # node lost during the last attempt
         self.lost_reclaimed = False           # ... and reached again, its container removed
         self.gates: dict[str, bool] = {}      # node -> its image carries runner.gate
+        self.trees: list = []                 # job.sync's sources, scanned (runner/sync.py)
 
     def run(self) -> int:
         t0 = time.time()
@@ -124,6 +128,12 @@ class Launcher:
 
                 push_to_nodes(cl, {n: p.arch for n, p in probes.items()}, quiet=False)
                 log.debug("images checked at %.2fs", time.time() - t0)
+            if self.inv.job.sync:
+                from runner.sync import scan, sync_to_nodes
+
+                self.trees = scan(self.inv.job.sync)
+                sync_to_nodes(cl, {n: p.home for n, p in probes.items()}, self.trees)
+                log.debug("job.sync done at %.2fs", time.time() - t0)
             self.gates = self.image_gates(cl, probes)
             # parallel.partition auto: the nodes measured (cached), the split pinned as custom:...
             pin_auto_partition(cl, probes, lambda n: node_paths(n, probes[n.name].home).run(run_id),
@@ -192,7 +202,7 @@ class Launcher:
             facts = {n: replace(p.facts(), gate=self.gates.get(n, False)) for n, p in probes.items()}
             return make_plan(self.inv, run_id, facts, master_port=port, secret_keys=list(self.secret_vals),
                              strict=True, launch_token=secrets.token_hex(4),
-                             gate_timeout=self.args.rendezvous_timeout + 60)
+                             gate_timeout=self.args.rendezvous_timeout + 60, trees=self.trees)
         finally:
             job.args = saved
 
@@ -237,6 +247,7 @@ class Launcher:
         plan = self.make_plan(probes, run_id, resume, port)
         if resume:
             self.clear_earlier_attempt(cl, run_id)
+            hand_back_runs(cl, plan, probes)  # before the sync writes into it as the SSH user
             # Only once nothing of the run is left running (a stale container could still write).
             synced = sync_checkpoints(cl.remotes, {np.node: np.run_dir for np in plan.nodes},
                                       progress=lambda msg: log.info("resume: copied %s", msg))
@@ -355,6 +366,23 @@ def resume_run(master: Remote, wanted: str) -> str:
         raise UserError(f"--resume {exc}") from None
 
 
+def hand_back_runs(cl: Cluster, plan: Plan, probes: dict[str, Probe]) -> None:
+    """A run an earlier runner's root containers wrote is made the (non-root) SSH user's before it
+    is resumed: the sync copies into it and the relaunched ranks, running as that user, write to it."""
+    from runner.run_owner import hand_back
+
+    def one(np_: NodePlan) -> str | None:
+        p = probes[np_.node]
+        return hand_back(cl[np_.node], np_.run_dir, np_.image, p.uid, p.gid) if p.uid else None
+
+    for np_, first, err in cl.map(plan.nodes, one):
+        if err:
+            raise err if isinstance(err, UserError) else UserError(f"node {np_.node}: {err}")
+        if first:
+            print(f"run {plan.run_id}: {np_.node}: files not owned by {probes[np_.node].user or probes[np_.node].uid} "
+                  f"handed back to it (first: {first})", flush=True)
+
+
 def start_all(cl: Cluster, made: list[tuple[NodePlan, object]]) -> None:
     """Start created containers in parallel; one error naming the first that failed."""
     for (np_, _), _, err in cl.map(made, lambda m: m[1].start()):
@@ -366,8 +394,10 @@ def create_container(remote: Remote, np: NodePlan):
     import docker
 
     d = remote.docker()
-    volumes = {src: {"bind": dst, "mode": "ro" if dst.startswith("/run/") else "rw"} for src, dst in np.mounts.items()}
+    volumes = {src: {"bind": dst, "mode": "rw" if dst in np.writable else "ro"} for src, dst in np.mounts.items()}
     kwargs = docker_limits(np.cpus, np.memory)  # the node's cpus/memory from the inventory
+    if np.user:
+        kwargs["user"] = np.user  # the SSH user's uid:gid: what the run writes on the node is the user's
     if np.gpus:
         count = -1 if np.gpus == "all" else int(np.gpus)
         kwargs["device_requests"] = [docker.types.DeviceRequest(count=count, capabilities=[["gpu"]])]

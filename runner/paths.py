@@ -3,6 +3,7 @@
     <workdir>/runs/<run-id>/          the run dir, mounted as /out
     <workdir>/secrets/<run-id>.env    the env_file's values (0600), removed with the run
     <workdir>/gates/<run-id>/         go-files for gated workers
+    <workdir>/data/                   job.sync's files by content (runner/sync.py)
 
 `workdir` is validated when the inventory loads (absolute, or `~/...` for the SSH user's home;
 no characters a shell or a bind spec would read). `~` is resolved here with the home the node
@@ -33,6 +34,24 @@ class NodePaths:
 
     def gates(self, run_id: str) -> str:
         return f"{self.workdir}/gates/{run_id}"
+
+    @property
+    def data_blobs(self) -> str:
+        """job.sync's files by sha256 (runner/sync.py)."""
+        return f"{self.workdir}/data/blobs"
+
+    @property
+    def data_trees(self) -> str:
+        return f"{self.workdir}/data/trees"
+
+    def data_tree(self, digest: str) -> str:
+        return f"{self.data_trees}/{digest}"
+
+    def on_node(self, path: str, home: str | None) -> str:
+        """A node path from the inventory (absolute or ~/...) made absolute with the node's home."""
+        if (path == "~" or path.startswith("~/")) and home:
+            return home.rstrip("/") + path[1:]
+        return path
 
 
 def node_paths(node: Node, home: str | None) -> NodePaths:

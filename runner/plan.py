@@ -11,7 +11,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from runner.errors import UserError
-from runner.inventory import Inventory, looks_secret
+from runner.inventory import Inventory, Node, looks_secret
 from runner.paths import node_paths
 
 LABEL_PREFIX = "io.runner"
@@ -40,6 +40,9 @@ class Facts:
     ifname: str | None = None   # interface whose route reaches the master address
     home: str | None = None     # to resolve `~` in workdir (docker mounts need absolute paths)
     gate: bool = False          # the node's image carries runner.gate (label io.runner.gate)
+    uid: int | None = None      # the SSH user's (`id -u`, `id -g`, `id -un`): containers run as uid:gid
+    gid: int | None = None
+    user: str | None = None
 
 
 @dataclass
@@ -60,6 +63,8 @@ class NodePlan:
     config_file: str | None       # on the node (inside run_dir)
     gpus: int | str | None = None
     mounts: dict[str, str] = field(default_factory=dict)  # node path -> container path
+    writable: frozenset[str] = frozenset({OUT})  # container paths mounted read-write; the rest read-only
+    user: str | None = None       # "uid:gid" the container runs as: the SSH user's; None: the image's (root SSH)
     go_file: str | None = None    # on the node: written once the master listens (gated workers)
     cpus: float | None = None     # the node's limits (inventory cpus/memory) on the job's container
     memory: str | None = None
@@ -67,6 +72,11 @@ class NodePlan:
     @property
     def is_master(self) -> bool:
         return self.rank == 0
+
+    @property
+    def data_dsts(self) -> set[str]:
+        """Mount points of the job's data (job.sync, job.mounts), not the runner's own."""
+        return {d for d in self.mounts.values() if d != OUT and not d.startswith("/run/runner")}
 
     @property
     def limits(self) -> str:
@@ -101,8 +111,12 @@ class Plan:
             lines.append(f"  env_file {self.env_file_src} -> 0600 file on every node (values masked)")
         for n in self.nodes:
             lines.append(f"[{n.node}/{n.rank}] {n.host}  arch={n.arch or UNPROBED}  image={n.image or UNPROBED}")
-            lines.append(f"    container {n.container}  network=host  gpus={n.gpus or 'none'}  limits {n.limits}")
+            lines.append(f"    container {n.container}  network=host  user={n.user or 'image default'}  "
+                         f"gpus={n.gpus or 'none'}  limits {n.limits}")
             lines.append(f"    run dir   {n.run_dir} -> {OUT}")
+            for src, dst in n.mounts.items():
+                if dst in n.data_dsts:
+                    lines.append(f"    mount     {src} -> {dst} ({'rw' if dst in n.writable else 'ro'})")
             lines.append(f"    command   {shlex.join(n.command)}")
             for k, v in sorted(masked(n.env).items()):
                 lines.append(f"    env       {k}={v}" + ("  (looks like a secret: use env_file)" if v == MASK else ""))
@@ -117,7 +131,7 @@ class Plan:
                 "nodes": [{"node": n.node, "rank": n.rank, "host": n.host, "arch": n.arch, "image": n.image,
                            "container": n.container, "command": n.command, "env": masked(n.env),
                            "secret_keys": n.secret_keys, "run_dir": n.run_dir, "labels": n.labels,
-                           "cpus": n.cpus, "memory": n.memory}
+                           "cpus": n.cpus, "memory": n.memory, "user": n.user}
                           for n in self.nodes]}
 
 
@@ -157,9 +171,11 @@ def torchrun_command(inv: Inventory, nnodes: int, rank: int, nproc: int, master_
 
 def make_plan(inv: Inventory, run_id: str, facts: dict[str, Facts] | None = None,
               master_port: int | None = None, secret_keys: list[str] | None = None,
-              strict: bool = False, launch_token: str | None = None, gate_timeout: float = 300) -> Plan:
+              strict: bool = False, launch_token: str | None = None, gate_timeout: float = 300,
+              trees: list | None = None) -> Plan:
     """strict=True (a real launch) demands every probed fact; dry-runs show placeholders.
-    launch_token (one per launch) turns on the gate for workers whose image has it."""
+    launch_token (one per launch) turns on the gate for workers whose image has it.
+    trees: job.sync's scanned sources (runner/sync.py Tree), mounted read-only."""
     facts = facts or {}
     nodes = inv.ordered()
     nnodes = len(nodes)
@@ -194,7 +210,8 @@ def make_plan(inv: Inventory, run_id: str, facts: dict[str, Facts] | None = None
         # cut off at torchrun's default 30 s. Env, not flags, so an older torchrun just ignores them.
         # Defaults: user env may override.
         env = {"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
-               "PET_SHUTDOWN_TIMEOUT": str(max(1, int(job.grace_period) - 2)), **job.env, **node.env}
+               "PET_SHUTDOWN_TIMEOUT": str(max(1, int(job.grace_period) - 2)),
+               **user_env(f), **job.env, **node.env}
         # The contract with the trainer (shared/design.md); set last so user env cannot break it.
         env.update({
             "RUN_ID": run_id, "NODE_NAME": node.name, "NODE_RANK": str(rank), "NNODES": str(nnodes),
@@ -206,6 +223,10 @@ def make_plan(inv: Inventory, run_id: str, facts: dict[str, Facts] | None = None
         tr = torchrun_command(inv, nnodes, rank, nproc[node.name], master.rank_addr, port, bool(job.config))
         secrets_file = paths.secrets(run_id) if secret_keys else None
         mounts = {run_dir: OUT}
+        for t in trees or []:
+            mounts[t.mount_source(paths)] = t.spec.dst
+        for m in job.mounts:
+            mounts[paths.on_node(m.node_path, f.home)] = m.dst
         go_file = None
         if rank > 0 and f.gate and launch_token:
             # Started with the master, not after it: runner.gate imports torchrun meanwhile and
@@ -229,10 +250,34 @@ def make_plan(inv: Inventory, run_id: str, facts: dict[str, Facts] | None = None
             container=container_name(run_id, node.name), labels=labels, command=command, env=env,
             secret_keys=secret_keys, workdir=workdir, run_dir=run_dir, secrets_file=secrets_file,
             config_file=f"{run_dir}/config.yaml" if job.config else None, gpus=node.gpus, mounts=mounts,
-            go_file=go_file, cpus=node.cpus, memory=node.memory))
+            go_file=go_file, cpus=node.cpus, memory=node.memory, user=container_user(node, f, strict),
+            writable=frozenset({OUT, *(m.dst for m in job.mounts if m.rw)})))
     return Plan(run_id=run_id, nnodes=nnodes, master=master.name, master_addr=master.rank_addr, master_port=port,
                 nproc_per_node=nproc, nodes=plans, grace_period=job.grace_period,
                 config_src=job.config, env_file_src=job.env_file)
+
+
+# HOME of a container run as a non-root SSH user: the image has no passwd entry for its uid, so
+# Docker would give it HOME=/ (not writable); caches (torch, Triton, HF, matplotlib) go under ~.
+CONTAINER_HOME = "/tmp"
+
+
+def container_user(node: Node, f: Facts, strict: bool) -> str | None:
+    """What the node's container runs as: the SSH user's uid:gid, so whatever the run writes on
+    the node is the user's (it can copy into it on resume, remove it); None for root, which keeps
+    the image's own user. A dry-run shows it unprobed (unless the inventory's user is root); a
+    launch whose probe could not tell (no `id` on the node) keeps the image's user, as before."""
+    if f.uid is None or f.gid is None:
+        return None if strict or node.user == "root" else UNPROBED
+    return None if f.uid == 0 else f"{f.uid}:{f.gid}"
+
+
+def user_env(f: Facts) -> dict[str, str]:
+    """Defaults (the job's env may override them) for a non-root container: a writable HOME, and
+    USER, which getpass (torch's compile caches) needs when the uid has no passwd entry."""
+    if not f.uid:
+        return {}
+    return {"HOME": CONTAINER_HOME, "USER": f.user or str(f.uid)}
 
 
 def render_secrets_file(secrets: dict[str, str]) -> str:

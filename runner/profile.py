@@ -26,7 +26,7 @@ from runner import profile_cache
 from runner.errors import UserError
 from runner.inventory import Inventory, Node
 from runner.paths import node_paths
-from runner.plan import LABEL_NODE, LABEL_PREFIX, OUT, docker_limits
+from runner.plan import LABEL_NODE, LABEL_PREFIX, OUT, docker_limits, user_env
 from runner.session import Cluster, Probe, add_inventory_args, load, probe
 
 log = logging.getLogger("runner.profile")
@@ -193,11 +193,15 @@ def run_probes(cl: Cluster, order: list[Node], probes: dict[str, Probe], tags: d
         r.makedirs(dirs[n.name])
         if config is not None:
             r.put_bytes(f"{dirs[n.name]}/config.yaml", config)
-        env = {**inv.job.env, **n.env, "NODE_NAME": n.name, "OUTPUT_DIR": OUT, "PYTHONUNBUFFERED": "1"}
+        p = probes[n.name]
+        env = {**user_env(p.facts()), **inv.job.env, **n.env, "NODE_NAME": n.name, "OUTPUT_DIR": OUT,
+               "PYTHONUNBUFFERED": "1"}
+        # As the job's containers: the SSH user's uid:gid, so the user can remove what the probe wrote.
+        run_as = {"user": f"{p.uid}:{p.gid}"} if p.uid else {}
         c = r.docker().containers.create(
             tags[n.name], command(i), name=f"runner-profile-{ident}-{n.name}", environment=env,
             labels={LABEL_PROFILE: ident, LABEL_NODE: n.name}, network_mode="host", ipc_mode="host",
-            volumes={dirs[n.name]: {"bind": OUT, "mode": "rw"}}, **docker_limits(n.cpus, n.memory))
+            volumes={dirs[n.name]: {"bind": OUT, "mode": "rw"}}, **docker_limits(n.cpus, n.memory), **run_as)
         c.start()
         return c
 

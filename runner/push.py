@@ -43,7 +43,7 @@ class PushResult:
     node: str
     tag: str
     image_id: str
-    action: str            # skipped | layers | full
+    action: str            # skipped | layers | full | pulled (job.registry)
     layers_sent: int = 0
     layers_total: int = 0
     bytes_sent: int = 0    # archive bytes streamed (before ssh compression)
@@ -136,6 +136,10 @@ def push_to_nodes(cl: Cluster, arches: dict[str, str | None], quiet: bool = Fals
     """Each node gets job.image for its arch; images are built first where job.build says how
     (when missing on this host, or always with build=True); exports happen once per tag."""
     tags = node_tags(cl.inv, arches)
+    if cl.inv.job.registry:  # the nodes pull instead (runner/registry.py)
+        from runner.registry import pull_to_nodes
+
+        return pull_to_nodes(cl, tags, host_image_ids(sorted(set(tags.values()))))
     specs = build_specs(cl.inv, tags, arches)
     if build and not any(specs.values()):
         raise UserError(f"{cl.inv.path}: push --build: the job has no build section saying how to build "
@@ -221,7 +225,8 @@ def ensure_built(tag: str, spec: BuildSpec | None, force: bool) -> None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("push", help="bring every node its image, moving only missing layers")
+    p = sub.add_parser("push", help="bring every node its image, moving only missing layers "
+                       "(with job.registry: the nodes pull it)")
     add_inventory_args(p)
     p.add_argument("--job", help="YAML file with a job section, overriding the inventory's")
     p.add_argument("--full", action="store_true", help="always stream the whole image (compressed save|load)")

@@ -307,7 +307,11 @@ def _put(remote: Remote, local: str, directory: str, f: str, sha256: str, size: 
     tmp = f"{directory}/{SYNC_TMP}{os.getpid()}-{f}"
     final = f"{directory}/{f}"
     try:
-        remote.sftp.put(local, tmp)
+        try:
+            remote.sftp.put(local, tmp)
+        except PermissionError:
+            raise UserError(f"node {node}: cannot write into {directory} (permission denied: owned by another "
+                            f"user than {remote.node.user}?); not resuming") from None
         st = remote.stat(tmp)
         got = sha256_node(remote, directory, [posixpath.basename(tmp)], size)[posixpath.basename(tmp)]
         if st is None or st.st_size != size or got != sha256:

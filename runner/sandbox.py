@@ -11,6 +11,14 @@ real sshd's session limits (MaxSessions 10), so the runner is held to them here 
 `--light` nodes (for measuring many nodes) are an sshd only: no engine of their own, their
 sessions talk to this machine's engine (RUNNER_HOST_DOCKER), whose containers the runner tells
 apart by their node label. Up to MAX_LIGHT_NODES of them.
+
+`--user NAME` nodes log in as a non-root account, as a Raspberry Pi's `pi` does: the account is
+made if missing (home, bash, no password, no sudo) and kept by `down` (`userdel -r NAME` removes
+it). Each node's dockerd serves its socket to NAME's primary group (dockerd --group), the way a
+Pi's engine serves the `docker` group, and sshd refuses root. The account cannot reach the state
+dir (the tests keep it in a 0700 tmp dir), so what it must read or own lives in its home:
+`~NAME/runner-sandbox-<tag>/` holds the authorized key and one workdir per node; `down` removes
+that dir (as root here, so files a container wrote as root go too).
 """
 
 from __future__ import annotations
@@ -20,6 +28,8 @@ import hashlib
 import ipaddress
 import logging
 import os
+import pwd
+import re
 import shutil
 import signal
 import socket
@@ -32,6 +42,7 @@ import psutil
 import yaml
 
 from runner.errors import UserError
+from runner.sandbox_net import SandboxNet, parse_shape
 
 log = logging.getLogger("runner.sandbox")
 
@@ -45,6 +56,9 @@ HOST_ENGINE = os.environ.get("RUNNER_HOST_DOCKER", "unix:///var/run/docker.sock"
 # processes, 0.1-0.25 s per exec). Full nodes keep it: a real node's heavy bashrc costs as much.
 LIGHT_ENV = " SHLVL=1"
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
+ROOT = "root"
+# useradd's own rule for a portable name (and what the inventory's `user` accepts).
+USER_RE = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
 DOCKERD = shutil.which("dockerd") or "/usr/sbin/dockerd"
 
 
@@ -56,6 +70,7 @@ class Node:
     root: Path  # <state>/node-i: keys, configs, data root, workdir
     run: Path  # short path under /run for sockets (unix socket paths are limited to 108 bytes)
     light: bool = False  # sshd only; sessions use this machine's engine
+    work: Path | None = None  # --user: the workdir in the account's home (default: root/work)
 
     @property
     def name(self) -> str:
@@ -95,7 +110,7 @@ class Node:
 
     @property
     def workdir(self) -> Path:
-        return self.root / "work"
+        return self.work or self.root / "work"
 
     @property
     def docker_host(self) -> str:
@@ -106,13 +121,20 @@ class Sandbox:
     """State lives in files under `state_dir`; every method can be re-run safely."""
 
     def __init__(self, state_dir: Path | str = ".sandbox", base_addr: str = DEFAULT_BASE_ADDR,
-                 port: int = DEFAULT_PORT, light: bool = False):
+                 port: int = DEFAULT_PORT, light: bool = False, user: str = ROOT, user_dir: Path | None = None,
+                 net: dict | None = None):
         self.state = Path(state_dir).resolve()
+        # Nodes in their own network namespaces (runner/sandbox_net.py): {"link": RATE[,DELAY] or
+        # None, "uplink": ...}; None: every node on this machine's loopback.
+        self.net_spec = net
         self.base_addr = base_addr
         self.port = port
         self.light = light
-        tag = hashlib.sha1(str(self.state).encode()).hexdigest()[:8]
-        self.run_root = Path("/run/runner-sandbox") / tag
+        self.user = user
+        self.tag = hashlib.sha1(str(self.state).encode()).hexdigest()[:8]
+        self.run_root = Path("/run/runner-sandbox") / self.tag
+        # --user: the sandbox's files the account reads or owns (set by up(), or from sandbox.yaml).
+        self.user_dir = user_dir
 
     # ---- layout ---------------------------------------------------------------------------
     @property
@@ -127,9 +149,20 @@ class Sandbox:
     def authorized_keys(self) -> Path:
         return self.state / "authorized_keys"
 
+    @property
+    def user_authorized_keys(self) -> Path | None:
+        """--user: the key sshd reads AS the account (it drops to the user to open it)."""
+        return self.user_dir / "authorized_keys" if self.user_dir else None
+
+    @property
+    def net(self) -> SandboxNet | None:
+        return SandboxNet.for_state_dir(self.state) if self.net_spec is not None else None
+
     def node(self, i: int) -> Node:
-        addr = str(ipaddress.IPv4Address(self.base_addr) + i)
-        return Node(i, addr, self.port, self.state / f"node-{i}", self.run_root / f"node-{i}", self.light)
+        net = self.net
+        addr = net.addr(i) if net else str(ipaddress.IPv4Address(self.base_addr) + i)
+        return Node(i, addr, self.port, self.state / f"node-{i}", self.run_root / f"node-{i}", self.light,
+                    self.user_dir / f"node-{i}" if self.user_dir else None)
 
     def existing_nodes(self) -> list[Node]:
         if not self.state.is_dir():
@@ -138,7 +171,8 @@ class Sandbox:
         meta = self._read_meta()
         base = meta.get("base_addr", self.base_addr)
         port = meta.get("port", self.port)
-        sb = Sandbox(self.state, base, port, bool(meta.get("light", self.light)))
+        sb = Sandbox(self.state, base, port, bool(meta.get("light", self.light)), meta.get("user", ROOT),
+                     Path(meta["user_dir"]) if meta.get("user_dir") else None, meta.get("net"))
         return [sb.node(i) for i in idx]
 
     def _read_meta(self) -> dict:
@@ -155,7 +189,13 @@ class Sandbox:
             base = ipaddress.IPv4Address(self.base_addr)
         except ValueError:
             raise UserError(f"--base-addr {self.base_addr!r} is not an IPv4 address") from None
-        if base not in ipaddress.IPv4Network("127.0.0.0/8") or int(base) + n - 1 > int(
+        if self.net_spec is not None:
+            if self.light:
+                raise UserError("--link/--uplink/--netns are for full nodes: --light nodes share this machine's engine")
+            for what in ("link", "uplink"):  # one line for a bad RATE[,DELAY], before anything starts
+                if self.net_spec.get(what):
+                    parse_shape(self.net_spec[what], f"--{what}")
+        elif base not in ipaddress.IPv4Network("127.0.0.0/8") or int(base) + n - 1 > int(
                 ipaddress.IPv4Address("127.255.255.254")):
             raise UserError(f"--base-addr {self.base_addr} must leave {n} addresses inside 127.0.0.0/8 "
                             "(sandbox traffic stays on loopback)")
@@ -164,14 +204,29 @@ class Sandbox:
         for tool in (SSHD, DOCKERD, "ssh-keygen"):
             if not shutil.which(tool) and not os.path.exists(tool):
                 raise UserError(f"{tool} not found: run scripts/setup.sh (installs openssh-server, docker.io)")
+        if self.user != ROOT:
+            if self.light:
+                raise UserError("--user is for full nodes: --light nodes share this machine's engine")
+            if not USER_RE.match(self.user):
+                raise UserError(f"--user {self.user!r}: not a user name (lower-case letters, digits, '_', '-'; "
+                                "at most 32; not starting with a digit or '-')")
 
         meta = self._read_meta()
-        if meta and (meta.get("base_addr"), meta.get("port"), bool(meta.get("light"))) != (
-                self.base_addr, self.port, self.light):
+        if meta and (meta.get("base_addr"), meta.get("port"), bool(meta.get("light")), meta.get("user", ROOT),
+                     meta.get("net") is not None) != (self.base_addr, self.port, self.light, self.user,
+                                                     self.net_spec is not None):
             if any(self._node_running(nd) for nd in self.existing_nodes()):
                 raise UserError(f"sandbox in {self.state} is running on {meta.get('base_addr')}:"
-                                f"{meta.get('port')}; run 'runner sandbox down' before changing address/port/--light")
+                                f"{meta.get('port')} as user {meta.get('user', ROOT)}"
+                                f"{' in namespaces' if meta.get('net') is not None else ''}; run 'runner sandbox "
+                                "down' before changing address/port/--light/--user/--netns")
+        account = ensure_account(self.user) if self.user != ROOT else None
+        if account is not None:
+            self.user_dir = Path(account.pw_dir) / f"runner-sandbox-{self.tag}"
         nodes = [self.node(i) for i in range(n)]
+        net = self.net
+        if net is not None:  # (re)made and (re)shaped before any node starts; safe to re-run
+            net.create(n, self.net_spec.get("link"), self.net_spec.get("uplink"))
         # Check every address before starting anything, so a taken one leaves nothing running.
         for nd in nodes:
             if not self._sshd_alive(nd) and not _port_free(nd.addr, nd.port):
@@ -179,8 +234,12 @@ class Sandbox:
                                 "pick another --base-addr or --port")
         self.state.mkdir(parents=True, exist_ok=True)
         (self.state / "sandbox.yaml").write_text(yaml.safe_dump(
-            {"base_addr": self.base_addr, "port": self.port, **({"light": True} if self.light else {})}))
+            {"base_addr": self.base_addr, "port": self.port, **({"light": True} if self.light else {}),
+             **({"user": self.user, "user_dir": str(self.user_dir)} if account else {}),
+             **({"net": self.net_spec} if self.net_spec is not None else {})}))
         self._ensure_user_key()
+        if account is not None:
+            self._ensure_user_files(account, nodes)
         started: list[Node] = []
         try:
             for nd in nodes:
@@ -195,6 +254,8 @@ class Sandbox:
         except BaseException:
             for nd in started:
                 self._stop_node(nd)
+            if net is not None and not any(self._node_running(nd) for nd in self.existing_nodes()):
+                net.destroy()
             raise
         # Nodes beyond N from an earlier, larger sandbox are stopped (their data is kept).
         for nd in self.existing_nodes():
@@ -212,10 +273,21 @@ class Sandbox:
         self.authorized_keys.write_text(Path(f"{self.user_key}.pub").read_text())
         os.chmod(self.authorized_keys, 0o600)
 
+    def _ensure_user_files(self, account: pwd.struct_passwd, nodes: list[Node]) -> None:
+        """The account's own: its sandbox dir, the authorized key (0600) and each node's workdir."""
+        uid, gid = account.pw_uid, account.pw_gid
+        for d in (self.user_dir, *(nd.workdir for nd in nodes)):
+            d.mkdir(parents=True, exist_ok=True)
+            os.chown(d, uid, gid)
+        keys = self.user_authorized_keys
+        keys.write_text(Path(f"{self.user_key}.pub").read_text())
+        os.chown(keys, uid, gid)
+        os.chmod(keys, 0o600)
+
     def _start_node(self, nd: Node) -> bool:
         """Start what is not running; True if anything was started."""
         for d in (nd.root, nd.workdir, nd.run) + (() if nd.light else (nd.data_root, nd.exec_root)):
-            d.mkdir(parents=True, exist_ok=True)
+            d.mkdir(parents=True, exist_ok=True)  # (--user: made and chowned by _ensure_user_files)
         for kind, key in (("ed25519", nd.host_key), ("ecdsa", nd.host_key_ecdsa)):
             if not key.exists():
                 _run(["ssh-keygen", "-q", "-t", kind, "-N", "", "-C", f"runner-sandbox-{nd.name}", "-f", str(key)])
@@ -224,11 +296,13 @@ class Sandbox:
             _remove_stale_pid(nd.docker_pid)
             logf = open(nd.root / "dockerd.log", "ab")
             subprocess.Popen(
-                [DOCKERD, "--host", nd.docker_host, "--data-root", str(nd.data_root),
+                [*self._in_node(nd), DOCKERD, "--host", nd.docker_host, "--data-root", str(nd.data_root),
                  "--exec-root", str(nd.exec_root), "--pidfile", str(nd.docker_pid),
                  "--bridge", "none", "--iptables=false", "--ip-masq=false",
                  "--containerd-namespace", f"sandbox-{nd.name}",
-                 "--containerd-plugins-namespace", f"sandbox-{nd.name}-plugins"],
+                 "--containerd-plugins-namespace", f"sandbox-{nd.name}-plugins",
+                 # --user: the socket is the account's group's (0660), as a Pi's is the docker group's.
+                 *(["--group", engine_group(self.user)] if self.user != ROOT else [])],
                 stdout=logf, stderr=logf, stdin=subprocess.DEVNULL, start_new_session=True)
             started = True
         if not self._sshd_alive(nd):
@@ -239,11 +313,32 @@ class Sandbox:
                 raise UserError(f"{SSHD} -f failed: host key {nd.host_key} is unreadable "
                                 f"({(check.stderr.strip().splitlines() or ['?'])[-1]}); remove it for a new one")
             _remove_stale_pid(nd.sshd_pid)
-            nd.sshd_config.write_text(_sshd_config(nd, self.authorized_keys))
+            nd.sshd_config.write_text(_sshd_config(nd, self.user_authorized_keys or self.authorized_keys,
+                                                   root_login=self.user == ROOT))
             Path("/run/sshd").mkdir(exist_ok=True)  # privilege separation dir sshd insists on
-            _run([SSHD, "-f", str(nd.sshd_config), "-E", str(nd.root / "sshd.log")])
+            _run([*self._in_node(nd), SSHD, "-f", str(nd.sshd_config), "-E", str(nd.root / "sshd.log")])
             started = True
         return started
+
+    def _in_node(self, nd: Node) -> list[str]:
+        """argv prefix running a node's daemon inside its network namespace (none on loopback)."""
+        net = self.net
+        return net.exec_prefix(nd.index) if net is not None else []
+
+    def set_link(self, name: str, up: bool) -> None:
+        """`runner sandbox link NODE down|up`: a real partition of one node (its processes run on)."""
+        net = self.net_of_meta()
+        if net is None:
+            raise UserError(f"sandbox in {self.state}: its nodes share this machine's loopback and have no link "
+                            "to cut; start it with --netns (or --link/--uplink)")
+        nd = next((x for x in self.existing_nodes() if x.name == name), None)
+        if nd is None:
+            known = ", ".join(x.name for x in self.existing_nodes()) or "none"
+            raise UserError(f"sandbox in {self.state}: no node named {name!r} (nodes: {known})")
+        net.set_link(nd.index, up)
+
+    def net_of_meta(self) -> SandboxNet | None:
+        return SandboxNet.for_state_dir(self.state) if self._read_meta().get("net") is not None else None
 
     def _wait_ready(self, nd: Node, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
@@ -267,6 +362,14 @@ class Sandbox:
         for nd in self.existing_nodes():
             if self._stop_node(nd):
                 stopped.append(nd.name)
+        # --user: the workdirs in the account's home (as root: files a container wrote as root go
+        # too). The account itself is kept: another sandbox may be using it.
+        user_dir = self._read_meta().get("user_dir")
+        if user_dir and Path(user_dir).name.startswith("runner-sandbox-"):
+            shutil.rmtree(user_dir, ignore_errors=True)
+        net = self.net_of_meta()
+        if net is not None:  # every namespace, veth, bridge and qdisc it made
+            net.destroy()
         return stopped
 
     def _stop_node(self, nd: Node) -> bool:
@@ -298,10 +401,17 @@ class Sandbox:
     # ---- status ---------------------------------------------------------------------------
     def status(self) -> list[dict]:
         rows = []
+        net = self.net_of_meta()
+        links = {x["node"]: x for x in net.status()["nodes"]} if net is not None else {}
         for nd in self.existing_nodes():
-            row = {"node": nd.name, "address": f"{nd.addr}:{nd.port}", "sshd": self._sshd_alive(nd),
+            row = {"node": nd.name, "address": f"{nd.addr}:{nd.port}", "user": self._read_meta().get("user", ROOT),
+                   "sshd": self._sshd_alive(nd),
                    "dockerd": "shared" if nd.light else self._docker_alive(nd), "images": None, "containers": None,
                    "workdir": str(nd.workdir)}
+            if net is not None:
+                ln = links.get(nd.index, {})
+                row["link"] = ln.get("link", "missing")
+                row["shaping"] = ln.get("to_node")
             if row["dockerd"] is True:
                 out = subprocess.run(["docker", "-H", nd.docker_host, "info", "--format",
                                       "{{.Images}} {{.ContainersRunning}}"], capture_output=True, text=True)
@@ -336,11 +446,59 @@ def _unmount_below(root: Path) -> None:
         subprocess.run(["umount", "-l", mp], capture_output=True)
 
 
+def ensure_account(name: str) -> pwd.struct_passwd:
+    """The non-root account `--user NAME` logs in as, made if missing: a home, bash, no password
+    ('*': sshd without PAM refuses a locked '!' account, which useradd makes by default), no sudo.
+    An existing account is used as it is, if sshd can log it in."""
+    try:
+        account = pwd.getpwnam(name)
+    except KeyError:
+        made = subprocess.run(["useradd", "--create-home", "--shell", "/bin/bash", "--user-group",
+                               "--password", "*", name], capture_output=True, text=True)
+        try:
+            account = pwd.getpwnam(name)  # (another sandbox may have made it meanwhile)
+        except KeyError:
+            why = (made.stderr or made.stdout).strip().splitlines()[-1:] or ["?"]
+            raise UserError(f"--user {name}: useradd failed: {why[0]}") from None
+    if account.pw_uid == 0:
+        raise UserError(f"--user {name}: uid 0 is root; give a non-root account")
+    if os.path.basename(account.pw_shell) in ("nologin", "false"):
+        raise UserError(f"--user {name}: its shell is {account.pw_shell}, so sshd cannot run commands for it; "
+                        f"`usermod -s /bin/bash {name}` or pick another name")
+    if _shadow_field(name).startswith("!"):
+        raise UserError(f"--user {name}: the account is locked ('!' in /etc/shadow) and sshd without PAM refuses "
+                        f"it; `usermod -p '*' {name}` unlocks it with no password, or pick another name")
+    return account
+
+
+def engine_group(user: str) -> str:
+    """The group a --user node's engine serves its socket to: the account's primary group."""
+    import grp
+
+    gid = pwd.getpwnam(user).pw_gid
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
+
+
+def _shadow_field(name: str) -> str:
+    try:
+        for line in Path("/etc/shadow").read_text().splitlines():
+            user, _, rest = line.partition(":")
+            if user == name:
+                return rest.split(":", 1)[0]
+    except OSError:
+        pass
+    return ""
+
+
 def write_inventory(path: Path, nodes: list[Node], sb: Sandbox, cpus: list[float] | None = None) -> None:
     """The inventory `runner` consumes for the sandbox: real SSH, verified host keys."""
     doc = {
-        "defaults": {"user": "root", "port": sb.port, "identity_file": str(sb.user_key),
-                     "known_hosts": str(sb.known_hosts)},
+        # ssh_config none: the sandbox's own nodes; a user's `Host *` ProxyJump must not apply.
+        "defaults": {"user": sb.user, "port": sb.port, "identity_file": str(sb.user_key),
+                     "known_hosts": str(sb.known_hosts), "ssh_config": "none"},
         "nodes": [{"name": nd.name, "host": nd.addr, "arch": "amd64", "workdir": str(nd.workdir),
                    **({"role": "master"} if nd.index == 0 else {}),
                    **({"cpus": cpus[nd.index]} if cpus else {})} for nd in nodes],
@@ -351,19 +509,20 @@ def write_inventory(path: Path, nodes: list[Node], sb: Sandbox, cpus: list[float
                 "env": {"OMP_NUM_THREADS": "1"}, "master_port": "auto"},
     }
     path.parent.mkdir(parents=True, exist_ok=True)
+    where = "own network namespace and address" if sb.net_spec is not None else "own loopback address"
     header = ("# Sandbox cluster inventory, written by `runner sandbox up`: each node is an sshd on its\n"
-              "# own loopback address with its own dockerd. Re-running `runner sandbox up` rewrites it.\n")
+              f"# {where} with its own dockerd. Re-running `runner sandbox up` rewrites it.\n")
     path.write_text(header + yaml.safe_dump(doc, sort_keys=False, default_flow_style=None, width=120))
 
 
-def _sshd_config(nd: Node, authorized_keys: Path) -> str:
+def _sshd_config(nd: Node, authorized_keys: Path, root_login: bool = True) -> str:
     return f"""# sandbox {nd.name}: written by runner sandbox
 ListenAddress {nd.addr}:{nd.port}
 HostKey {nd.host_key}
 HostKey {nd.host_key_ecdsa}
 PidFile {nd.sshd_pid}
 AuthorizedKeysFile {authorized_keys}
-PermitRootLogin prohibit-password
+PermitRootLogin {"prohibit-password" if root_login else "no"}
 PasswordAuthentication no
 KbdInteractiveAuthentication no
 UsePAM no

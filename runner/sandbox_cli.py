@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from runner.errors import UserError
-from runner.sandbox import DEFAULT_BASE_ADDR, DEFAULT_PORT, Sandbox
+from runner.sandbox import DEFAULT_BASE_ADDR, DEFAULT_PORT, ROOT, Sandbox
 from runner.sandbox_slurm import DEFAULT_SLURM_BASE_ADDR, SlurmSandbox
 
 SLURM_INVENTORY = "hosts/slurm-local.yaml"
@@ -30,6 +30,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--cpus", metavar="C0,C1,...",
                     help="CPUs per node (Docker --cpus of the job's container, e.g. 0.3,0.6,1.0; one value for all): "
                          "nodes of unequal speed")
+    up.add_argument("--user", default=ROOT, metavar="NAME",
+                    help="log in as this non-root account (made if missing; its group may use each node's engine, "
+                         "as a Pi's pi user in the docker group); default root")
+    up.add_argument("--netns", action="store_true",
+                    help="each node in its own network namespace on a bridge (a real link: shapeable, cuttable)")
+    up.add_argument("--link", metavar="RATE[,DELAY]",
+                    help="shape every node's link, e.g. 100mbit or 1gbit (implies --netns; DELAY needs netem)")
+    up.add_argument("--uplink", metavar="RATE[,DELAY]",
+                    help="shape this machine's own link to the nodes, e.g. 100mbit (implies --netns)")
     up.add_argument("--light", action="store_true",
                     help="sshd-only nodes sharing this machine's engine (to measure many nodes; up to 128)")
     up.add_argument("--slurm", action="store_true",
@@ -39,6 +48,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     down = ss.add_parser("down", help="stop every node's sshd, dockerd and containers")
     down.add_argument("--purge", action="store_true", help="also delete node data (images, workdirs)")
     down.set_defaults(func=_down)
+    ln = ss.add_parser("link", help="cut or restore one node's link (--netns sandboxes): a real partition")
+    ln.add_argument("node", help="node name, e.g. node-1")
+    ln.add_argument("state", choices=("down", "up"))
+    ln.set_defaults(func=_link)
     st = ss.add_parser("status", help="show the nodes")
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=_status)
@@ -46,13 +59,22 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _up(args) -> int:
     if args.slurm:
+        if args.user != ROOT:
+            raise UserError("--user is for SSH sandbox nodes, not --slurm (its jobs run as root)")
         return _up_slurm(args)
     cpus = parse_cpus(args.cpus, args.nodes)  # before anything starts
-    sb = Sandbox(args.dir, args.base_addr, args.port, light=args.light)
+    net = {"link": args.link, "uplink": args.uplink} if (args.netns or args.link or args.uplink) else None
+    sb = Sandbox(args.dir, args.base_addr, args.port, light=args.light, user=args.user, net=net)
     nodes = sb.up(args.nodes, Path(args.inventory), cpus)
     for nd in nodes:
-        print(f"{nd.name}  ssh root@{nd.addr} -p {nd.port}  docker {nd.docker_host}  workdir {nd.workdir}")
+        print(f"{nd.name}  ssh {sb.user}@{nd.addr} -p {nd.port}  docker {nd.docker_host}  workdir {nd.workdir}")
     print(f"inventory: {args.inventory}")
+    return 0
+
+
+def _link(args) -> int:
+    Sandbox(args.dir).set_link(args.node, args.state == "up")
+    print(f"{args.node}: link {args.state}")
     return 0
 
 
@@ -116,10 +138,14 @@ def _status(args) -> int:
     if not rows:
         print("no sandbox nodes (run 'runner sandbox up --nodes N')")
         return 0
-    table = Table("node", "address", "sshd", "dockerd", "images", "containers", "workdir")
+    netns = any("link" in r for r in rows)
+    table = Table("node", "address", "user", "sshd", "dockerd", "images", "containers",
+                  *(("link", "shaping") if netns else ()), "workdir")
     for r in rows:
-        table.add_row(r["node"], r["address"], "up" if r["sshd"] else "down", r["dockerd"] if isinstance(r["dockerd"], str) else "up" if r["dockerd"] else "down",
+        table.add_row(r["node"], r["address"], r["user"], "up" if r["sshd"] else "down",
+                      r["dockerd"] if isinstance(r["dockerd"], str) else "up" if r["dockerd"] else "down",
                       str(r["images"] if r["images"] is not None else "-"),
-                      str(r["containers"] if r["containers"] is not None else "-"), r["workdir"])
+                      str(r["containers"] if r["containers"] is not None else "-"),
+                      *((r.get("link", "-"), r.get("shaping") or "-") if netns else ()), r["workdir"])
     Console().print(table)
     return 0 if all(r["sshd"] and r["dockerd"] for r in rows) else 1

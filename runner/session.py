@@ -110,9 +110,13 @@ class Probe:
     docker_error: str | None = None
     clock_offset_s: float | None = None
     listening: set[int] | None = None
+    uid: int | None = None        # the SSH user's: its containers run as uid:gid (plan.py)
+    gid: int | None = None
+    user: str | None = None
 
     def facts(self) -> Facts:
-        return Facts(arch=self.arch, ifname=self.ifname, home=self.home)
+        return Facts(arch=self.arch, ifname=self.ifname, home=self.home, uid=self.uid, gid=self.gid,
+                     user=self.user)
 
 
 UNAME_ARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
@@ -130,6 +134,9 @@ echo "route=$R"
 case "$R" in local*) echo "addrdev=$(ip -o addr show to "$A" 2>/dev/null | awk 'NR==1{{print $2}}')";; esac
 echo "arch=$(uname -m)"
 echo "home=$HOME"
+echo "uid=$(id -u)"
+echo "gid=$(id -g)"
+echo "user=$(id -un 2>/dev/null)"
 echo "nproc=$(nproc 2>/dev/null || getconf _NPROCESSORS_ONLN)"
 echo "mem_kb=$(awk '/MemTotal/{{print $2}}' /proc/meminfo)"
 d={wd_sh}; while [ ! -e "$d" ]; do d=$(dirname "$d"); done
@@ -147,6 +154,7 @@ echo "docker=$V"
     p = Probe()
     p.arch = UNAME_ARCH.get(kv.get("arch", ""), kv.get("arch") or None)
     p.home = kv.get("home") or None
+    p.uid, p.gid, p.user = _int(kv.get("uid")), _int(kv.get("gid")), kv.get("user") or None
     p.master_ip = kv.get("master_ip")
     route = kv.get("route", "").split()
     if "dev" in route:
@@ -166,6 +174,11 @@ echo "docker=$V"
         p.docker = v.strip()
     else:
         p.docker_error = v.strip()[:160] or "docker not found"
+        if "permission denied" in v.lower():
+            # A Pi's `pi` is in the docker group; an account that is not may not use the engine.
+            who = p.user or remote.node.user
+            p.docker_error = (f"permission denied on the engine's socket: the SSH user {who} is not in its group; "
+                              f"`sudo usermod -aG docker {who}` on the node, then connect again")
     p.clock_offset_s = offset
     p.listening = remote.listening_ports()
     return p

@@ -18,6 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from runner.errors import Terminated, UserError
+from runner.job_data import refuse_for
 from runner.slurm_inventory import SlurmInventory
 from runner.slurm_jobs import (
     JobState,
@@ -38,6 +39,7 @@ def cmd_up(args, inv: SlurmInventory) -> int:
     if getattr(args, "max_restarts", 0):
         raise UserError("--max-restarts is for SSH runs; on Slurm use --requeue (the job requeues itself "
                         "after a preemption and resumes from the latest checkpoint)")
+    refuse_for(inv.job, "--scheduler slurm")
     if args.trainer_args:
         inv.job.args = list(inv.job.args) + list(args.trainer_args)
     secrets = inv.job.secrets()

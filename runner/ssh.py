@@ -7,6 +7,11 @@ StrictHostKeyChecking=no anywhere.
 
 The Docker client talks to the node's engine through the same verified SSH connection
 (runner/docker_ssh.py: one `docker system dial-stdio` channel per API connection).
+
+A node with a `proxy_jump` (a bastion, from the inventory or the user's ssh config: runner/ssh_config.py)
+is reached over a `direct-tcpip` channel of one connection to the bastion, shared by every node
+behind it (runner/ssh_jump.py); the bastion's host key is verified exactly as a node's is, then
+the node's over that channel.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from runner.errors import UserError
 from runner.fanout import DEFAULT_PARALLEL, parallel
 from runner.hostkeys import fingerprint, known_hosts_name
 from runner.inventory import Node
+from runner.ssh_jump import BASTIONS, proxy_command
 
 log = logging.getLogger(__name__)
 # Its INFO lines are noise per node, and it logs a traceback at ERROR for every connection that
@@ -48,11 +54,12 @@ class _Verify(paramiko.MissingHostKeyPolicy):
     """Called for every connection (the client holds no keys of its own): checks the presented key
     against the pin or the known_hosts files."""
 
-    def __init__(self, node: Node, user_file: str, files: list[hostkeys.KnownHostsFile], accept_new: bool):
-        self.node, self.user_file, self.files, self.accept_new = node, user_file, files, accept_new
+    def __init__(self, node: Node, user_file: str, files: list[hostkeys.KnownHostsFile], accept_new: bool,
+                 who: str):
+        self.node, self.user_file, self.files, self.accept_new, self.who = node, user_file, files, accept_new, who
 
     def missing_host_key(self, client, hostname, key):
-        n = self.node
+        n, who = self.node, self.who
         if n.host_key:
             if fingerprint(key).rstrip("=") != n.host_key.rstrip("="):
                 raise _PinMismatch(key)
@@ -62,19 +69,19 @@ class _Verify(paramiko.MissingHostKeyPolicy):
             return
         fp = fingerprint(key)
         if v.revoked:
-            raise UserError(f"node {n.name}: host key {key.get_name()} {fp} of {n.host}:{n.port} is marked "
+            raise UserError(f"{who}: host key {key.get_name()} {fp} of {n.host}:{n.port} is marked "
                             "@revoked in known_hosts; refusing to connect")
         if v.changed:
-            raise UserError(f"node {n.name}: HOST KEY CHANGED for {n.host}:{n.port}: got {key.get_name()} {fp}, "
+            raise UserError(f"{who}: HOST KEY CHANGED for {n.host}:{n.port}: got {key.get_name()} {fp}, "
                             f"known_hosts has another; refusing to connect (possible man-in-the-middle; fix "
                             "known_hosts if the node was reinstalled)")
         if not self.accept_new:
             also = f"; known_hosts has only {', '.join(v.known_types)} keys for it" if v.known_types else ""
-            raise UserError(f"node {n.name}: unknown host key {key.get_name()} {fp} for {n.host}:{n.port} (not in "
+            raise UserError(f"{who}: unknown host key {key.get_name()} {fp} for {n.host}:{n.port} (not in "
                             f"{self.user_file} or {hostkeys.system_known_hosts()}{also}); verify it, then pin it as "
                             "host_key in the inventory or rerun with --accept-new-host-keys")
         hostkeys.append(self.user_file, hostname, key)
-        log.warning("node %s: accepted new host key %s (saved to %s)", n.name, fp, self.user_file)
+        log.warning("%s: accepted new host key %s (saved to %s)", who, fp, self.user_file)
 
 
 def _preferring(types: list[str]):
@@ -99,10 +106,14 @@ class Result:
 class Remote:
     """One verified SSH connection to one node (thread-safe for independent channels)."""
 
-    def __init__(self, node: Node, accept_new_host_keys: bool = False):
+    def __init__(self, node: Node, accept_new_host_keys: bool = False, who: str | None = None):
         self.node = node
         self.accept_new = accept_new_host_keys
+        self.who = who or f"node {node.name}"  # how messages name it ("bastion USER@HOST:PORT" for one)
+        self.bastion: Remote | None = None      # the shared connection this node's SSH rides, if any
+        self._lease = None
         self.client: paramiko.SSHClient | None = None
+        self.host_key: paramiko.PKey | None = None  # the key verified on connect
         self.host_key_fp: str | None = None
         self._docker = None
         self._sftp: paramiko.SFTPClient | None = None
@@ -113,7 +124,17 @@ class Remote:
     def connect(self) -> Remote:
         n = self.node
         if n.identity_file and not os.path.isfile(n.identity_file):
-            raise UserError(f"node {n.name}: identity_file not found: {n.identity_file}")
+            raise UserError(f"{self.who}: identity_file not found: {n.identity_file}")
+        if n.proxy_jump is not None and self.bastion is None:
+            self._open_bastion()
+        try:
+            return self._connect()
+        except BaseException:
+            self._release_bastion()
+            raise
+
+    def _connect(self) -> Remote:
+        n = self.node
         user_file = n.known_hosts or os.path.expanduser("~/.ssh/known_hosts")
         files = [] if n.host_key else [hostkeys.load(user_file), hostkeys.load(hostkeys.system_known_hosts())]
         name = known_hosts_name(n.host, n.port)
@@ -121,7 +142,7 @@ class Remote:
         seen: dict[str, str] = {}  # key type -> fingerprint the node presented
         while True:
             try:
-                self.client = self._handshake(_Verify(n, user_file, files, self.accept_new), types)
+                self.client = self._handshake(_Verify(n, user_file, files, self.accept_new, self.who), types)
                 break
             except _PinMismatch as exc:
                 # A pin may be of any of the node's key types (`ssh-keyscan` prints them all); the
@@ -133,14 +154,52 @@ class Remote:
                 types = [t for t in hostkeys.ALL_TYPES if t not in tried]
                 if again or not types:
                     keys = ", ".join(f"{t} {fp}" for t, fp in seen.items())
-                    raise UserError(f"node {n.name}: host key mismatch for {n.host}:{n.port}: pinned {n.host_key}, "
+                    raise UserError(f"{self.who}: host key mismatch for {n.host}:{n.port}: pinned {n.host_key}, "
                                     f"the node's keys are {keys}; if the node was reinstalled, verify and update "
                                     "host_key in the inventory") from None
         transport = self.client.get_transport()
         assert transport is not None
         transport.set_keepalive(5)  # notice a node that vanished
-        self.host_key_fp = fingerprint(transport.get_remote_server_key())
+        self.host_key = transport.get_remote_server_key()
+        self.host_key_fp = fingerprint(self.host_key)
         return self
+
+    def _open_bastion(self) -> None:
+        """Hold the shared, verified connection to this node's bastion (connected by the first
+        node that needs it). Its failure is this node's, named with the bastion."""
+        n, j = self.node, self.node.proxy_jump
+        via = Node(name=n.name, host=j.host, port=j.port, user=j.user, identity_file=j.identity_file,
+                   known_hosts=n.known_hosts, host_key=j.host_key)
+        key = (j, n.known_hosts, self.accept_new)
+        try:
+            self.bastion, self._lease = BASTIONS.acquire(
+                key, lambda: Remote(via, self.accept_new, who=f"bastion {j}").connect(), lambda r: r.alive)
+        except UserError as exc:
+            raise UserError(f"{self.who}: {exc}") from None
+
+    def _release_bastion(self) -> None:
+        if self._lease is not None:
+            lease, self._lease, self.bastion = self._lease, None, None
+            BASTIONS.release(lease)
+
+    def _where(self) -> str:
+        n = self.node
+        return f"{n.host}:{n.port}" + (f" via bastion {n.proxy_jump}" if n.proxy_jump else "")
+
+    def _open_socket(self):
+        """A TCP connection to the node, or a direct-tcpip channel to it through the bastion."""
+        n = self.node
+        if self.bastion is None:
+            sock = socket.create_connection((n.host, n.port), timeout=CONNECT_TIMEOUT)
+            # Small SSH messages back to back (open a channel, then exec in it) otherwise wait out
+            # the peer's delayed ACK: 40 ms per command, 5 ms per SFTP call, measured on loopback.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return sock
+        t = self.bastion.client.get_transport() if self.bastion.client else None
+        if t is None or not t.is_active():
+            raise paramiko.SSHException("the bastion's connection was lost")
+        # The bastion connects to the node; the originator address is only informational.
+        return t.open_channel("direct-tcpip", (n.host, n.port), ("127.0.0.1", 0), timeout=CONNECT_TIMEOUT)
 
     def _handshake(self, policy: _Verify, types: list[str]) -> paramiko.SSHClient:
         n = self.node
@@ -148,10 +207,7 @@ class Remote:
         client.set_missing_host_key_policy(policy)
         sock = None
         try:
-            sock = socket.create_connection((n.host, n.port), timeout=CONNECT_TIMEOUT)
-            # Small SSH messages back to back (open a channel, then exec in it) otherwise wait out
-            # the peer's delayed ACK: 40 ms per command, 5 ms per SFTP call, measured on loopback.
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock = self._open_socket()
             client.connect(n.host, port=n.port, username=n.user, key_filename=n.identity_file,
                            look_for_keys=n.identity_file is None, allow_agent=n.identity_file is None,
                            timeout=CONNECT_TIMEOUT, banner_timeout=CONNECT_TIMEOUT, auth_timeout=CONNECT_TIMEOUT,
@@ -162,7 +218,7 @@ class Remote:
             raise
         except paramiko.AuthenticationException as exc:
             client.close()
-            raise UserError(f"node {n.name}: SSH authentication failed for {n.user}@{n.host}:{n.port} ({exc}); "
+            raise UserError(f"{self.who}: SSH authentication failed for {n.user}@{self._where()} ({exc}); "
                             "check user and identity_file") from None
         except (OSError, paramiko.SSHException) as exc:
             client.close()
@@ -171,8 +227,8 @@ class Remote:
             why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             if isinstance(exc, paramiko.SSHException) and ("banner" in why or "No existing session" in why):
                 # TCP got through but sshd never spoke: a hung host or a partitioned network.
-                why = f"no SSH answer within {CONNECT_TIMEOUT:.0f}s (node hung or network partitioned)"
-            raise UserError(f"node {n.name}: cannot connect to {n.host}:{n.port}: {why}") from None
+                why = f"no SSH answer within {CONNECT_TIMEOUT:.0f}s ({self.who.split()[0]} hung or network partitioned)"
+            raise UserError(f"{self.who}: cannot connect to {self._where()}: {why}") from None
 
     @property
     def alive(self) -> bool:
@@ -193,6 +249,7 @@ class Remote:
         self.close()
 
     def close(self) -> None:
+        """Also lets go of the bastion (closed once no node behind it is connected)."""
         if self._docker is not None:
             try:
                 self._docker.close()
@@ -215,6 +272,7 @@ class Remote:
 
             shutil.rmtree(self._kh_dir, ignore_errors=True)
             del self._kh_dir
+        self._release_bastion()
 
     def __enter__(self) -> Remote:
         return self.connect() if self.client is None else self
@@ -270,19 +328,33 @@ class Remote:
         host key paramiko already verified on this connection, so it is just as strict.
         aes=True prefers AES-GCM (hardware AES on x86: ~12% faster image loads measured on
         loopback); otherwise OpenSSH's default, ChaCha20, the faster one on a Pi 4's CPU, which
-        has no AES instructions."""
+        has no AES instructions.
+
+        `-F /dev/null`: no ssh config (the user's, or the system's) may change where this goes or
+        how (a HostName, a ProxyCommand, a stale ControlMaster socket): what was resolved and
+        verified is spelled out here. Behind a bastion, both hops are pinned to the keys paramiko
+        verified (runner/ssh_jump.py)."""
         n = self.node
         assert self.client is not None, "not connected"
         key = self.client.get_transport().get_remote_server_key()
         if not hasattr(self, "_kh_dir"):
             self._kh_dir = tempfile.mkdtemp(prefix="runner-kh-")
         kh = os.path.join(self._kh_dir, "known_hosts")
+        lines = [f"{known_hosts_name(n.host, n.port)} {key.get_name()} {key.get_base64()}\n"]
+        bastion_key = self.bastion.host_key if self.bastion else None
+        if bastion_key is not None:
+            j = n.proxy_jump
+            lines.append(f"{known_hosts_name(j.host, j.port)} {bastion_key.get_name()} {bastion_key.get_base64()}\n")
         with open(kh, "w") as fh:
-            fh.write(f"{known_hosts_name(n.host, n.port)} {key.get_name()} {key.get_base64()}\n")
-        argv = ["ssh", "-p", str(n.port), "-l", n.user, "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
-                "-o", f"UserKnownHostsFile={kh}", "-o", "GlobalKnownHostsFile=/dev/null",
-                "-o", f"ConnectTimeout={int(CONNECT_TIMEOUT)}", "-o", "LogLevel=ERROR",
-                "-o", f"ServerAliveInterval={ALIVE_S}", "-o", f"ServerAliveCountMax={ALIVE_COUNT}"]
+            fh.writelines(lines)
+        strict = ["-F", "/dev/null", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
+                  "-o", f"UserKnownHostsFile={kh}", "-o", "GlobalKnownHostsFile=/dev/null",
+                  "-o", "ControlMaster=no", "-o", "ControlPath=none",
+                  "-o", f"ConnectTimeout={int(CONNECT_TIMEOUT)}", "-o", "LogLevel=ERROR",
+                  "-o", f"ServerAliveInterval={ALIVE_S}", "-o", f"ServerAliveCountMax={ALIVE_COUNT}"]
+        argv = ["ssh", "-p", str(n.port), "-l", n.user, *strict]
+        if bastion_key is not None:
+            argv += ["-o", f"ProxyCommand={proxy_command(n.proxy_jump, strict, n.host, n.port)}"]
         if n.identity_file:
             argv += ["-i", n.identity_file, "-o", "IdentitiesOnly=yes"]
         if compress:

@@ -117,6 +117,43 @@ def pushed(sandbox, trainer_image, tmp_path_factory):
     return {"first": parse_push(proc.stdout), "seconds": time.time() - t0, "job": job}
 
 
+# The non-root account of the `nonroot_sandbox` nodes: one fixed name, so suites on one machine
+# reuse one account (`runner sandbox down` keeps it; every sandbox has its own dir in its home).
+NONROOT_USER = "runnerpi"
+NONROOT_NODES = 3  # node-0 (master), node-1, ...: its tests take the count from here
+
+
+@pytest.fixture(scope="session")
+def nonroot_sandbox(tmp_path_factory, host_docker, have_sshd):
+    """A second, small sandbox (NONROOT_NODES nodes from <TEST_NET>.12.11) logging in as NONROOT_USER,
+    as a Raspberry Pi's `pi`: no root, no sudo, its group allowed on each node's engine. Torn down
+    at the end of the session. Yields the path of its inventory."""
+    import subprocess
+    state = tmp_path_factory.mktemp("sandbox-nonroot")
+    inv = state / "local.yaml"
+    up = subprocess.run(_sandbox_cmd("--dir", str(state / "s"), "up", "--nodes", str(NONROOT_NODES), "--base-addr",
+                                     net_addr(12, 11), "--user", NONROOT_USER, "--inventory", str(inv)),
+                        capture_output=True, text=True, cwd=REPO)
+    assert up.returncode == 0, up.stderr
+    inv.write_text(inv.read_text().replace("image: runner-trainer:latest", f"image: {IMAGE}"))
+    try:
+        yield inv
+    finally:
+        subprocess.run(_sandbox_cmd("--dir", str(state / "s"), "down"), capture_output=True, cwd=REPO)
+
+
+@pytest.fixture(scope="session")
+def nonroot_pushed(nonroot_sandbox, trainer_image, tmp_path_factory):
+    """The trainer image pushed onto the non-root sandbox (as its user: `docker load` through the
+    engine's group); the push table's rows."""
+    from tests.runner_helpers import parse_push, runner, write_job
+
+    job = write_job(tmp_path_factory.mktemp("push-nonroot"))
+    proc = runner("push", "-i", str(nonroot_sandbox), "--job", str(job), timeout=1200)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return parse_push(proc.stdout)
+
+
 @pytest.fixture
 def no_network(monkeypatch):
     """Any socket, SSH client or docker client creation fails the test (the Pi and EC2 addresses

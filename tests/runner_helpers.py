@@ -42,7 +42,7 @@ print('done', os.environ['NODE_NAME'], flush=True)
 """
 
 
-PUSH_RE = re.compile(r"^(\S+)\s+(\S+)\s+(skipped|layers|full)\s+layers (\d+)/(\d+)\s+([\d.]+) MB of ([\d.]+) MB", re.M)
+PUSH_RE = re.compile(r"^(\S+)\s+(\S+)\s+(skipped|layers|full|pulled)\s+layers (\d+)/(\d+)\s+([\d.]+) MB of ([\d.]+) MB", re.M)
 
 
 def parse_push(out: str) -> dict[str, dict]:

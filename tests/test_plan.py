@@ -277,3 +277,27 @@ def test_gated_workers_wait_for_the_go_file_and_the_master_does_not(tmp_path):
     torchrun = plain.nodes[1].command
     assert torchrun[0] == "torchrun"
     assert w1.command == ["python", "-m", "runner.gate", "/run/runner/gate/go-t0k3n", "180", "--", *torchrun[1:]]
+
+
+def test_containers_run_as_the_ssh_users_uid_gid(tmp_path, no_network):
+    """A non-root SSH user's containers run as its uid:gid with a writable HOME (the image has no
+    passwd entry for it) and USER (getpass); root keeps the image's own user and env. The
+    dry-run shows it: probed for `pi`, the image's for root."""
+    nodes = ("  - {name: m, host: 10.9.0.1, arch: amd64, role: master, user: pi}\n"
+             "  - {name: w1, host: 10.9.0.2, arch: amd64}\n")
+    p = inventory(tmp_path, nodes, "  master_port: 29555\n")
+    inv = load_inventory(p)
+    facts = {"m": Facts(ifname="eth0", uid=1000, gid=1001, user="pi"), "w1": Facts(ifname="eth0", uid=0, gid=0)}
+    m, w1 = make_plan(inv, "r", facts, strict=True).nodes
+    assert (m.user, m.env["HOME"], m.env["USER"]) == ("1000:1001", "/tmp", "pi")
+    assert w1.user is None and "HOME" not in w1.env and "USER" not in w1.env
+    nameless = {**facts, "m": Facts(ifname="eth0", uid=1000, gid=1001)}  # `id -un` printed nothing
+    assert make_plan(inv, "r", nameless, strict=True).nodes[0].env["USER"] == "1000"
+    # The job's env may set its own HOME.
+    inv.job.env["HOME"] = "/data/home"
+    assert make_plan(inv, "r", facts, strict=True).nodes[0].env["HOME"] == "/data/home"
+    assert make_plan(inv, "r", facts, strict=True).as_dict()["nodes"][0]["user"] == "1000:1001"
+    rc, out = run_cli("up", "-i", str(p), "--dry-run")
+    assert rc == 0
+    assert "container runner-<new run id>-m  network=host  user=<probed at launch>  gpus=none" in out, out
+    assert "container runner-<new run id>-w1  network=host  user=image default  gpus=none" in out, out

@@ -1,0 +1,101 @@
+"""`job.registry`: the nodes `docker pull` the job's tags from a registry instead of receiving a
+push from this machine (a cluster with its own registry, EC2 boxes pulling from a cloud one).
+
+Each node pulls REGISTRY/TAG (or TAG itself when it already names the registry) with its own
+docker CLI and tags the result as the job's tag, so plans, `check` and `status` see the same tag
+either way. Credentials: RUNNER_REGISTRY_USER / RUNNER_REGISTRY_PASSWORD in job.env_file, or the
+node's own `docker login` when those are absent. The env_file's credentials reach the node as a
+0600 config.json in a private 0700 directory (DOCKER_CONFIG) that is removed after the pull:
+never in an argv, a log line, or the job's containers.
+
+A node whose registry does not answer or lacks the tag: one line naming the node, job.registry
+and docker's own reason, before any container starts.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import secrets
+import shlex
+import time
+
+from runner.errors import UserError
+from runner.job_data import registry_ref
+from runner.ssh import Remote
+
+log = logging.getLogger("runner.registry")
+PULL_TIMEOUT_S = 3600.0  # a 2 GB image onto a Pi over Wi-Fi
+
+
+def docker_config(registry: str, user: str, password: str) -> bytes:
+    token = base64.b64encode(f"{user}:{password}".encode()).decode()
+    return json.dumps({"auths": {registry: {"auth": token}}}).encode()
+
+
+def pull_one(remote: Remote, registry: str, tag: str, auth: tuple[str, str] | None, home: str
+             ) -> tuple[dict, float]:
+    """Pull and tag on one node; (the node's image attrs for tag, seconds)."""
+    import docker
+
+    name = remote.node.name
+    ref = registry_ref(registry, tag)
+    t0 = time.time()
+    cfg_dir = None
+    try:
+        prefix: list[str] = []
+        if auth is not None:
+            cfg_dir = f"{home.rstrip('/')}/.runner-registry-{secrets.token_hex(6)}"
+            remote.makedirs(cfg_dir, 0o700)
+            remote.put_bytes(f"{cfg_dir}/config.json", docker_config(registry, *auth), 0o600)
+            prefix = ["env", f"DOCKER_CONFIG={cfg_dir}"]
+        res = remote.run([*prefix, "docker", "pull", "-q", ref], timeout=PULL_TIMEOUT_S)
+        if res.rc != 0:
+            why = " ".join(res.err.strip().splitlines())[-300:] or f"exit {res.rc}"
+            raise UserError(f"node {name}: job.registry {registry}: pulling {ref} failed: {why}")
+        if ref != tag:
+            res = remote.run(["docker", "tag", ref, tag], timeout=60)
+            if res.rc != 0:
+                raise UserError(f"node {name}: tagging {ref} as {tag} failed: {res.err.strip()[-200:]}")
+    finally:
+        if cfg_dir is not None:
+            remote.run(["rm", "-rf", "--", cfg_dir], timeout=60)
+    try:
+        attrs = remote.docker().images.get(tag).attrs
+    except docker.errors.ImageNotFound:
+        raise UserError(f"node {name}: {tag} is missing after pulling {ref}") from None
+    return attrs, time.time() - t0
+
+
+def pull_to_nodes(cl, tags: dict[str, str], host_ids: dict[str, str | None]) -> list:
+    """Every node pulls its tag; where this machine has the tag too, the node must end with the
+    same image id (a registry holding another build of the tag is an error, not a surprise)."""
+    from runner.push import PushResult
+
+    job = cl.inv.job
+    auth = job.registry_auth()
+    remotes = [cl[n.name] for n in cl.inv.nodes]
+
+    def one(r: Remote) -> PushResult:
+        tag = tags[r.node.name]
+        attrs, seconds = pull_one(r, job.registry, tag, auth, r.home)
+        got, want = attrs["Id"], host_ids.get(tag)
+        if want is not None and got != want:
+            raise UserError(f"node {r.node.name}: {registry_ref(job.registry, tag)} is image {got[7:19]}, but this "
+                            f"machine's {tag} is {want[7:19]}: push the current build to the registry "
+                            f"(docker push {shlex.quote(registry_ref(job.registry, tag))})")
+        # The node fetched the bytes itself: none went through this machine.
+        return PushResult(r.node.name, tag, got, "pulled", layers_total=len(attrs["RootFS"]["Layers"]),
+                          image_bytes=int(attrs.get("Size") or 0), seconds=seconds)
+
+    out, errors = [], []
+    for r, val, err in cl.map(remotes, one):
+        if err is not None:
+            errors.append(str(err) if isinstance(err, UserError) else f"node {r.node.name}: job.registry: {err}")
+        else:
+            out.append(val)
+            log.info("pull %s: %s from %s (%.1fs)", val.node, val.tag, job.registry, val.seconds)
+    if errors:
+        raise UserError("; ".join(errors))
+    return out

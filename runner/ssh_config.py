@@ -1,0 +1,213 @@
+"""The user's OpenSSH client config (`~/.ssh/config`, or the inventory's `ssh_config:`) applied to
+the inventory's nodes, so a node reachable as `ssh gpu-0` is reachable by the runner as `host: gpu-0`.
+
+Why: paramiko reads no ssh config, and a cluster behind a bastion is usually described in one
+(`Host gpu-*  ProxyJump bastion`). The file is parsed by paramiko's own `SSHConfig` (OpenSSH's
+matching rules: first value wins, `Host` patterns, `Match`), never by a parser of ours.
+
+The rule: the node's `host` is looked up as a Host alias. Its HostName replaces `host` (what SSH
+connects to, and the ranks' address unless `addr` is set); User, Port, IdentityFile and ProxyJump
+fill `user`, `port`, `identity_file` and `proxy_jump` only where the inventory (the node, or
+`defaults:`) does not set them: the inventory wins. Nothing else in the file is used: host keys are
+still checked by the runner (a `StrictHostKeyChecking no` there changes nothing), and the OpenSSH
+streams run with `-F /dev/null` so the file cannot redirect them (runner/ssh.py).
+
+One bastion hop only. A ProxyJump chain (`a,b`), a bastion that itself needs a jump, or a
+ProxyCommand is refused in one line: the runner verifies the host key of every hop itself, which it
+cannot do for a command's connection, and one hop is what it tests. Every value taken from the file
+reaches an argv or a shell (the OpenSSH streams' ProxyCommand): host names, users and ports are
+validated as strictly as the inventory's own fields, so `-oProxyCommand=...` as a HostName or a
+user starting with `-` is refused, never passed on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import paramiko
+
+from runner.inventory import USER_RE, Jump, _Checker, _expand, _valid_host
+
+log = logging.getLogger("runner.ssh_config")
+
+DEFAULT_PATH = "~/.ssh/config"
+NONE = "none"  # `ssh_config: none` / `proxy_jump: none`: turn it off (OpenSSH's own word for it)
+# [ssh://][user@]host[:port], host maybe a [bracketed] IPv6 address: OpenSSH's ProxyJump forms.
+JUMP_RE = re.compile(r"^(?:ssh://)?(?:(?P<user>[^@/]*)@)?(?P<host>\[[^\]/]*\]|[^:@/\[\]]*)(?::(?P<port>[^/]*))?/?$")
+JUMP_FORM = "use one bastion as [user@]host[:port]"
+
+
+def parse_jump(text: str) -> tuple[str | None, str, int | None]:
+    """'ubuntu@bastion:2222' -> ('ubuntu', 'bastion', 2222); ValueError with a one-line reason."""
+    if "," in text:
+        hops = len(text.split(","))
+        raise ValueError(f"{text!r} is a chain of {hops} jump hosts; only one bastion is supported: "
+                         "set proxy_jump to a bastion this machine reaches directly")
+    m = JUMP_RE.match(text.strip())
+    if not m or not m["host"]:
+        raise ValueError(f"{text!r} is not a jump host: {JUMP_FORM}")
+    user, host, port = m["user"], m["host"].strip("[]"), m["port"]
+    if user is not None and not USER_RE.match(user):
+        raise ValueError(f"{text!r}: {user!r} is not a user name (letters, digits, '.', '_', '-')")
+    if not _valid_host(host):
+        raise ValueError(f"{text!r}: {host!r} is not an IP address or host name ({JUMP_FORM})")
+    if port is not None and not (port.isdigit() and 1 <= int(port) <= 65535):
+        raise ValueError(f"{text!r}: port {port!r} is not in 1..65535")
+    return user, host, int(port) if port is not None else None
+
+
+def field_value(c: _Checker, key: str, line: int, where: str, text: str, base: Path, check_files: bool) -> str:
+    """An inventory `ssh_config:` or `proxy_jump:` value, checked where it is written."""
+    if text.strip().lower() == NONE:
+        return NONE
+    if key == "ssh_config":
+        p = _expand(text, base)
+        if check_files and not os.path.isfile(p):
+            c.fail(line, where, f"file not found: {p} (or `ssh_config: none` to read no ssh config)")
+        return p
+    try:
+        parse_jump(text)
+    except ValueError as exc:
+        c.fail(line, where, str(exc))
+    return text.strip()
+
+
+class Resolver:
+    """Applies one inventory's ssh configs to its nodes; each file is parsed once per load."""
+
+    def __init__(self, c: _Checker, check_files: bool):
+        self.c = c
+        self.check_files = check_files
+        self._parsed: dict[str, paramiko.SSHConfig] = {}
+        self._exists: dict[str, bool] = {}  # one stat per file per load, not one per node
+        self._warned: set[str] = set()
+
+    def resolve(self, merged: dict[str, Any], line: int, where: str) -> dict[str, Any]:
+        """The node's merged inventory fields with the ssh config's filled in and its proxy_jump
+        resolved to a Jump (or None)."""
+        out = dict(merged)
+        path = self._path(out.pop("ssh_config", None))
+        jump_text = out.pop("proxy_jump", None)
+        pin = out.pop("proxy_jump_host_key", None)
+        alias = out["host"]
+        opts = self._lookup(path, alias, line, where) if path else {}
+        if path:
+            out["ssh_config"] = path
+            what = f"{alias!r} in {path}"
+            if "hostname" in opts:
+                out["host"] = self._host(opts["hostname"], line, f"{where}.host", f"{what}: HostName")
+            if "user" not in out and "user" in opts:
+                out["user"] = self._user(opts["user"], line, f"{where}.user", f"{what}: User")
+            if "port" not in out and "port" in opts:
+                out["port"] = self._port(opts["port"], line, f"{where}.port", f"{what}: Port")
+            if "identity_file" not in out:
+                if (key := self._identity(opts, line, f"{where}.identity_file", f"{what}: IdentityFile")):
+                    out["identity_file"] = key
+            if jump_text is None:
+                if opts.get("proxycommand"):
+                    self.c.fail(line, f"{where}.host", f"{what}: ProxyCommand is not supported (the runner verifies "
+                                "every hop's host key itself): use `ProxyJump user@bastion` there, or `proxy_jump:` "
+                                "in the inventory, or `ssh_config: none`")
+                if opts.get("proxyjump"):
+                    jump_text = opts["proxyjump"]
+                    try:
+                        parse_jump(jump_text)
+                    except ValueError as exc:
+                        self.c.fail(line, f"{where}.proxy_jump", f"{what}: ProxyJump {exc}")
+        out["proxy_jump"] = None
+        if jump_text and jump_text.lower() != NONE:
+            out["proxy_jump"] = self._jump(path, jump_text, out, pin, line, f"{where}.proxy_jump")
+        return out
+
+    # -- the file -------------------------------------------------------------------------
+    def _path(self, value: str | None) -> str | None:
+        if value == NONE:
+            return None
+        path = os.path.expanduser(DEFAULT_PATH) if value is None else value  # not set: OpenSSH's own default
+        if path not in self._exists:
+            self._exists[path] = os.path.isfile(path)
+        return path if self._exists[path] else None  # an explicit missing one was refused unless check_files=False
+
+    def _lookup(self, path: str, host: str, line: int, where: str) -> dict[str, Any]:
+        try:
+            cfg = self._parsed.get(path)
+            if cfg is None:
+                cfg = self._parsed[path] = paramiko.SSHConfig.from_path(path)
+            opts = dict(cfg.lookup(host))
+        # paramiko raises ConfigParseError for a bad line, ImportError for `Match exec` without
+        # `invoke`, OSError for an unreadable file: each is one line here, not a traceback.
+        except Exception as exc:  # noqa: BLE001
+            why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            self.c.fail(line, where, f"cannot use ssh config {path}: {why}; fix it or set `ssh_config: none`")
+        if "include" in opts and path not in self._warned:
+            self._warned.add(path)
+            self.c.warn(line, where, f"{path}: Include is not followed (paramiko's parser); put the Host blocks "
+                        "the inventory needs in this file, or name the included file as ssh_config")
+        return opts
+
+    # -- values from it, checked as strictly as the inventory's own --------------------------
+    def _host(self, value: str, line: int, where: str, what: str) -> str:
+        if not _valid_host(value):
+            self.c.fail(line, where, f"{what} {value!r} is not an IP address or host name; fix the ssh config "
+                        "or set host to the address in the inventory")
+        return value
+
+    def _user(self, value: str, line: int, where: str, what: str) -> str:
+        if not USER_RE.match(value):
+            self.c.fail(line, where, f"{what} {value!r} is not a user name (letters, digits, '.', '_', '-'); fix "
+                        "the ssh config or set user in the inventory")
+        return value
+
+    def _port(self, value: str, line: int, where: str, what: str) -> int:
+        if not (str(value).isdigit() and 1 <= int(value) <= 65535):
+            self.c.fail(line, where, f"{what} {value!r} is not a port in 1..65535; fix the ssh config or set "
+                        "port in the inventory")
+        return int(value)
+
+    def _identity(self, opts: dict[str, Any], line: int, where: str, what: str) -> str | None:
+        """The first IdentityFile that exists (OpenSSH skips missing ones too); None: none does."""
+        for p in opts.get("identityfile") or []:
+            if any(ord(ch) < 32 or ord(ch) == 127 for ch in p):
+                self.c.fail(line, where, f"{what} {p!r} has a control character; fix the ssh config")
+            p = os.path.expanduser(p)
+            if os.path.isfile(p) or not self.check_files:
+                return p
+            log.debug("%s %s not found, skipped", what, p)
+        return None
+
+    def _jump(self, path: str | None, text: str, node: dict[str, Any], pin: str | None, line: int,
+              where: str) -> Jump:
+        """The bastion: its own Host block in the same file fills what `[user@]host[:port]` leaves
+        out (as `ssh -J` does); then the node's user and identity_file, then port 22."""
+        user, host, port = parse_jump(text)
+        identity = None
+        if path:
+            opts = self._lookup(path, host, line, where)
+            what = f"bastion {host!r} in {path}"
+            hop = opts.get("proxyjump")
+            if hop and hop.lower() != NONE and _same_host(hop, host, opts.get("hostname")):
+                hop = None  # `Host *  ProxyJump bastion` reaching the bastion itself: ssh ignores it too
+            if (hop and hop.lower() != NONE) or opts.get("proxycommand"):
+                how = f"ProxyJump {hop!r}" if hop and hop.lower() != NONE else "a ProxyCommand"
+                self.c.fail(line, where, f"{what} has {how} of its own: a chain of jump hosts; only one bastion is "
+                            f"supported (if a `Host *` line gives it, exclude the bastion: `Host * !{host}`)")
+            if "hostname" in opts:
+                host = self._host(opts["hostname"], line, where, f"{what}: HostName")
+            if user is None and "user" in opts:
+                user = self._user(opts["user"], line, where, f"{what}: User")
+            if port is None and "port" in opts:
+                port = self._port(opts["port"], line, where, f"{what}: Port")
+            identity = self._identity(opts, line, where, f"{what}: IdentityFile")
+        return Jump(host=host, port=port or 22, user=user or node.get("user") or Jump.user,
+                    identity_file=identity or node.get("identity_file"), host_key=pin)
+
+
+def _same_host(hop: str, alias: str, hostname: str | None) -> bool:
+    try:
+        return parse_jump(hop)[1] in (alias, hostname)
+    except ValueError:
+        return False

@@ -1,0 +1,110 @@
+"""The reduced Pi experiment the way a user runs it (issue 12): a Qwen3 model saved with
+save_pretrained and a text corpus on this machine, synced with job.sync to three sandbox nodes
+that log in as a non-root user (a Pi's `pi`), trained as the 3-stage pipeline with --model.path
+and --data.source on the read-only mounts, stopped with `runner down` (preempt checkpoint),
+resumed with `runner up --resume`, collected. Asserted on numbers and files: the losses equal one
+process training the same local files (1e-5), the resume continues at the checkpoint's step, the
+second launch moves no sync data, the node's files belong to the SSH user and the collected ones
+to the caller."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests import IMAGE, REPO
+from tests.conftest import NONROOT_USER
+from tests.runner_helpers import node_workdir, runner, runner_cmd, up_detached, wait_for
+from tests.trainer_run import held, hold_env, read_metrics, release, run_trainer
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.docker]
+NODES = ("node-0", "node-1", "node-2")
+STEPS = 6
+SYNC_RE = re.compile(r"^(\S+)\s+(\S+)\s+(present|updated)\s+files (\d+)/(\d+)\s+([\d.]+) MB", re.M)
+
+
+def host_files(tmp: Path) -> tuple[Path, Path]:
+    """The user's laptop: a save_pretrained Qwen3 (the tiny experiment's shape, vocab of the
+    corpus's tokenizer) and the corpus."""
+    from trainer.config import DataConfig, ModelConfig
+    from trainer.data import load_texts, load_tokenizer
+    from trainer.models import build_model, model_spec
+
+    corpus = tmp / "corpus.txt"
+    shutil.copy(REPO / "trainer" / "data" / "corpus.txt", corpus)
+    dcfg = DataConfig(source=str(corpus), seq_len=128, tokenizer_vocab_size=512)
+    vocab = load_tokenizer(dcfg, load_texts(dcfg)).vocab_size
+    mc = ModelConfig(preset="tiny-qwen3", num_hidden_layers=7)
+    build_model(model_spec(mc, vocab), mc, 1234).save_pretrained(tmp / "qwen3-tiny")
+    return tmp / "qwen3-tiny", corpus
+
+
+def test_pi_experiment_synced_weights_on_nonroot_nodes_down_resume_collect(nonroot_sandbox, nonroot_pushed,
+                                                                          tmp_path):
+    inv = Path(nonroot_sandbox)
+    assert [n["name"] for n in yaml.safe_load(inv.read_text())["nodes"]] == list(NODES)
+    model, corpus = host_files(tmp_path)
+    args = ["--train_steps", str(STEPS), "--batch_size", "16", "--microbatch_num", "4",
+            "--model.path", "/data/model", "--data.source", "/data/corpus.txt"]
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"job": {
+        "image": IMAGE, "config": str(REPO / "configs" / "pi-qwen3-3stage-tiny.yaml"), "args": args,
+        "env": {"OMP_NUM_THREADS": "1", **hold_env("step:2")}, "grace_period": 60,
+        "sync": [{"src": str(model), "dst": "/data/model"}, {"src": str(corpus), "dst": "/data/corpus.txt"}]}}))
+    env = {"RUNNER_SYNC_CACHE": str(tmp_path / "hashes.json")}
+
+    # Held after step 2 on every rank until `down`'s SIGTERM reached it: the preempt checkpoint is step 3.
+    run_id = up_detached(inv, job)
+    out = {n: node_workdir(inv, n) / "runs" / run_id for n in NODES}
+    wait_for(lambda: all(held(out[n], "step-2", [i]) for i, n in enumerate(NODES)), 300)
+    down = subprocess.Popen(runner_cmd("down", run_id, "-i", str(inv)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO)
+    wait_for(lambda: all(held(out[n], "step-2", [i], "signalled") for i, n in enumerate(NODES)), 120)
+    for n in NODES:
+        release(out[n], "step-2")
+    stdout, stderr = down.communicate(timeout=300)
+    assert down.returncode == 0, stdout + stderr
+    for n in NODES:
+        assert (out[n] / "checkpoints" / "latest").read_text().strip() == "step-3.preempt", n
+
+    # The same job again: its data is on every node already.
+    again = runner("sync", "-i", str(inv), "--job", str(job), env=env)
+    assert again.returncode == 0, again.stderr
+    rows = [m.groups() for m in SYNC_RE.finditer(again.stdout)]
+    assert sorted((r[0], r[1]) for r in rows) == sorted((n, d) for n in NODES for d in ("/data/model", "/data/corpus.txt"))
+    assert all(r[2] == "present" and r[3] == "0" and r[5] == "0.0" for r in rows), rows
+
+    res = runner("up", "-i", str(inv), "--job", str(job), "--resume", run_id, "--logs-dir", str(tmp_path / "logs"),
+                 timeout=900, env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f"run {run_id}: resuming from step-3.preempt (step 3)" in res.stdout, res.stdout[:2000]
+
+    col = runner("collect", run_id, "-i", str(inv), "--dest", str(tmp_path / "art"), "--quiet")
+    assert col.returncode == 0, col.stderr
+    art = tmp_path / "art" / run_id
+    got = [(m["step"], m["loss"]) for m in read_metrics(art / "node-2") if "loss" in m]
+    assert [s for s, _ in got] == list(range(1, STEPS + 1)), got
+
+    # One process, the same files from this machine's disk: the same losses.
+    one = tmp_path / "one-process"
+    run_trainer(one, "--config", "configs/pi-qwen3-3stage-tiny.yaml", *args[:6], "--model.path", str(model),
+                "--data.source", str(corpus), "--parallel.pp", "1")
+    ref = [m["loss"] for m in read_metrics(one)]
+    assert len(ref) == STEPS
+    for (step, a), b in zip(got, ref, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: 3 non-root nodes {a} vs one process {b}"
+
+    # Ownership: on the nodes the SSH user's, here the caller's.
+    uid = pwd.getpwnam(NONROOT_USER).pw_uid
+    for n in NODES:
+        made = [p for p in out[n].rglob("*") if p.is_file()]
+        assert made and {p.stat().st_uid for p in made} == {uid}, n
+    collected = [p for p in art.rglob("*") if p.is_file()]
+    assert collected and {p.stat().st_uid for p in collected} == {os.getuid()}

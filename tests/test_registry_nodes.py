@@ -1,0 +1,176 @@
+"""job.registry against a real registry (Debian's docker-registry, on loopback, htpasswd auth) and
+the sandbox nodes: they pull the job's tag instead of receiving a push, with the env_file's
+credentials that never show in an argv, a log or the job's container; a registry that is down or
+lacks the tag is one line naming the node, with nothing started."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from runner.images import HOST_DOCKER
+from tests.conftest import IN_CI, net_addr
+from tests.runner_helpers import (
+    build_scratch_image,
+    parse_push,
+    remotes,
+    run_containers,
+    runner,
+    wait_for,
+    write_job,
+)
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.docker]
+NODES = ("node-0", "node-1", "node-2")
+USER, PASSWORD = "trainer-bot", "pw-never-in-argv-5b1e"
+REG_ADDR = net_addr(5, 1)
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory):
+    """A registry server on REG_ADDR:5000 requiring USER/PASSWORD; its address."""
+    binary, htpasswd = shutil.which("docker-registry"), shutil.which("htpasswd")
+    if not (binary and htpasswd):
+        if IN_CI:
+            pytest.fail("docker-registry and htpasswd are required in CI (scripts/setup.sh installs them)")
+        pytest.skip("docker-registry/apache2-utils missing (run scripts/setup.sh)")
+    d = tmp_path_factory.mktemp("registry")
+    pw = subprocess.run([htpasswd, "-niB", USER], input=PASSWORD, capture_output=True, text=True, check=True)
+    (d / "htpasswd").write_text(pw.stdout)
+    (d / "config.yml").write_text(
+        "version: 0.1\nlog: {level: warn}\n"
+        f"storage: {{filesystem: {{rootdirectory: {d / 'data'}}}}}\n"
+        f"http: {{addr: '{REG_ADDR}:5000'}}\n"
+        f"auth: {{htpasswd: {{realm: runner-test, path: {d / 'htpasswd'}}}}}\n")
+    log = open(d / "registry.log", "wb")
+    proc = subprocess.Popen([binary, "serve", str(d / "config.yml")], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        import socket
+
+        def up() -> bool:
+            with socket.socket() as s:
+                s.settimeout(0.5)
+                return s.connect_ex((REG_ADDR, 5000)) == 0
+        wait_for(up, 30)
+        yield f"{REG_ADDR}:5000"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        log.close()
+
+
+def host_push(registry: str, tag: str, tmp: Path) -> None:
+    """docker login + push from this machine's engine, with a private DOCKER_CONFIG: the nodes'
+    sessions (root's own ~/.docker here) must not find this login."""
+    env = {**os.environ, "DOCKER_CONFIG": str(tmp / "docker-config")}
+    subprocess.run(["docker", "-H", HOST_DOCKER, "login", "-u", USER, "--password-stdin", registry], input=PASSWORD,
+                   text=True, capture_output=True, check=True, env=env)
+    subprocess.run(["docker", "-H", HOST_DOCKER, "tag", tag, f"{registry}/{tag}"], check=True, capture_output=True)
+    push = subprocess.run(["docker", "-H", HOST_DOCKER, "push", f"{registry}/{tag}"], capture_output=True, text=True,
+                          env=env)
+    assert push.returncode == 0, push.stderr
+
+
+@pytest.fixture(scope="module")
+def small_image(registry, tmp_path_factory):
+    tag = f"runner-test-reg:{os.getpid()}"
+    image_id = build_scratch_image(tag, [os.urandom(256 << 10), os.urandom(64 << 10)])
+    host_push(registry, tag, tmp_path_factory.mktemp("login"))
+    yield tag, image_id
+    subprocess.run(["docker", "-H", HOST_DOCKER, "rmi", "-f", image_id], capture_output=True)
+
+
+def env_file(tmp: Path, user: str = USER, password: str = PASSWORD) -> str:
+    p = tmp / "secrets.env"
+    p.write_text(f"RUNNER_REGISTRY_USER={user}\nRUNNER_REGISTRY_PASSWORD={password}\nHF_TOKEN=hf_x\n")
+    return str(p)
+
+
+def node_ids(sandbox: Path, tag: str) -> dict[str, str | None]:
+    out = {}
+    for name, r in remotes(sandbox).items():
+        with r:
+            res = r.run(["docker", "image", "inspect", "--format", "{{.Id}}", tag])
+            out[name] = res.out.strip() if res.rc == 0 else None
+    return out
+
+
+def test_nodes_pull_with_env_file_credentials_never_in_argv(sandbox, pushed, registry, small_image, tmp_path):
+    tag, image_id = small_image
+    job = write_job(tmp_path, image=tag, env_file=env_file(tmp_path), extra={"registry": registry})
+    seen_in_argv: list[str] = []
+    done = threading.Event()
+
+    def watch_argv() -> None:  # every process on this machine (the nodes' sessions too) while it runs
+        while not done.is_set():
+            for p in psutil.process_iter(["cmdline"]):
+                cmd = " ".join(p.info["cmdline"] or [])
+                if PASSWORD in cmd or "dHJhaW5lci1ib3Q6" in cmd:  # the password, or base64("trainer-bot:")
+                    seen_in_argv.append(cmd)
+            time.sleep(0.01)
+
+    t = threading.Thread(target=watch_argv, daemon=True)
+    t.start()
+    try:
+        proc = runner("-v", "push", "-i", str(sandbox), "--job", str(job))
+    finally:
+        done.set()
+        t.join()
+    assert proc.returncode == 0, proc.stderr
+    rows = parse_push(proc.stdout)
+    assert set(rows) == set(NODES) and all(r["action"] == "pulled" and r["tag"] == tag for r in rows.values()), rows
+    assert node_ids(sandbox, tag) == dict.fromkeys(NODES, image_id)
+    assert seen_in_argv == []
+    assert PASSWORD not in proc.stdout + proc.stderr
+    for r in remotes(sandbox).values():  # the 0600 login was removed after the pull
+        with r:
+            assert r.run(["sh", "-c", "ls -d ~/.runner-registry-* 2>/dev/null | wc -l"]).out.strip() == "0"
+
+
+def test_without_credentials_the_pull_is_refused_in_one_line(sandbox, pushed, registry, small_image, tmp_path):
+    """The node has no docker login of its own: the registry's refusal, one line per node."""
+    tag, _ = small_image
+    job = write_job(tmp_path, image=tag, extra={"registry": registry})
+    proc = runner("push", "-i", str(sandbox), "--job", str(job))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    for node in NODES:
+        assert f"node {node}: job.registry {registry}: pulling {registry}/{tag} failed:" in line, line
+    assert "no basic auth credentials" in line or "unauthorized" in line, line
+
+
+@pytest.mark.parametrize("case", ["absent_tag", "registry_down", "wrong_password"])
+def test_a_bad_registry_starts_nothing(sandbox, pushed, registry, small_image, tmp_path, case):
+    tag, _ = small_image
+    reg = registry if case != "registry_down" else f"{net_addr(5, 2)}:5000"  # nothing listens there
+    image = f"runner-test-reg-absent:{os.getpid()}" if case == "absent_tag" else tag
+    password = "wrong" if case == "wrong_password" else PASSWORD
+    job = write_job(tmp_path, image=image, env_file=env_file(tmp_path, password=password), extra={"registry": reg})
+    proc = runner("up", "-i", str(sandbox), "--job", str(job), "--logs-dir", str(tmp_path / "logs"))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    errs = [ln for ln in proc.stderr.splitlines() if ln.startswith("runner: error:")]
+    assert len(errs) == 1 and all(f"node {n}: job.registry {reg}: pulling {reg}/{image} failed:" in errs[0]
+                                  for n in NODES), proc.stderr
+    why = {"absent_tag": "not found", "registry_down": "connection refused", "wrong_password": "unauthorized"}[case]
+    assert why in errs[0], errs[0]
+    assert "started" not in proc.stdout
+    assert all(cs == [] for cs in run_containers(sandbox, None, running_only=True).values())
+
+
+def test_registry_credentials_stay_out_of_the_jobs_container(tmp_path):
+    """RUNNER_REGISTRY_* are the runner's: the plan's secrets (the container's env file) lack them."""
+    from runner.inventory import load_inventory
+
+    inv_p = tmp_path / "inv.yaml"
+    inv_p.write_text(f"nodes:\n  - {{name: a, host: 10.9.0.1}}\njob:\n  image: t:1\n  registry: r.lan:5000\n"
+                     f"  env_file: {env_file(tmp_path)}\n")
+    job = load_inventory(inv_p, check_files=False).job
+    assert job.secrets() == {"HF_TOKEN": "hf_x"}
+    assert job.registry_auth() == (USER, PASSWORD)
