@@ -225,10 +225,11 @@ class Sandbox:
             self.user_dir = Path(account.pw_dir) / f"runner-sandbox-{self.tag}"
         nodes = [self.node(i) for i in range(n)]
         net = self.net
+        fresh = not any(self._node_running(nd) for nd in self.existing_nodes())
         if net is not None:  # (re)made and (re)shaped before any node starts; safe to re-run
             net.create(n, self.net_spec.get("link"), self.net_spec.get("uplink"))
         # Check every address before starting anything, so a taken one leaves nothing running.
-        for nd in nodes:
+        for nd in nodes if net is None else []:  # (a node's own namespace has nothing else in it)
             if not self._sshd_alive(nd) and not _port_free(nd.addr, nd.port):
                 raise UserError(f"{nd.addr}:{nd.port} ({nd.name}) is already in use by another process; "
                                 "pick another --base-addr or --port")
@@ -254,7 +255,7 @@ class Sandbox:
         except BaseException:
             for nd in started:
                 self._stop_node(nd)
-            if net is not None and not any(self._node_running(nd) for nd in self.existing_nodes()):
+            if net is not None and fresh:  # nothing of this sandbox ran before: nothing of it is left
                 net.destroy()
             raise
         # Nodes beyond N from an earlier, larger sandbox are stopped (their data is kept).
@@ -320,6 +321,14 @@ class Sandbox:
             started = True
         return started
 
+    def _listening(self, nd: Node) -> bool:
+        """Its sshd accepts connections: bound here on loopback; in a namespace, reached over the bridge."""
+        if self.net_spec is None:
+            return not _port_free(nd.addr, nd.port)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.settimeout(1.0)
+            return s.connect_ex((nd.addr, nd.port)) == 0
+
     def _in_node(self, nd: Node) -> list[str]:
         """argv prefix running a node's daemon inside its network namespace (none on loopback)."""
         net = self.net
@@ -343,7 +352,7 @@ class Sandbox:
     def _wait_ready(self, nd: Node, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self._sshd_alive(nd) and not _port_free(nd.addr, nd.port) and (nd.light or self._docker_alive(nd)):
+            if self._sshd_alive(nd) and self._listening(nd) and (nd.light or self._docker_alive(nd)):
                 return
             time.sleep(0.25)
         raise UserError(f"{nd.name} did not come up within {timeout:.0f} s "

@@ -171,8 +171,10 @@ class SandboxNet:
         return str(self.subnet.network_address + FIRST_NODE_HOST + i)
 
     def exec_prefix(self, i: int) -> list[str]:
-        """argv prefix that runs a command (a node's sshd, dockerd) inside node i's namespace."""
-        return ["ip", "netns", "exec", self.netns(i)]
+        """argv prefix that runs a command (a node's sshd, dockerd) inside node i's network
+        namespace and no other: `ip netns exec` would also give it a private mount namespace with
+        a fresh /sys, hiding the cgroup mounts dockerd needs ("Devices cgroup isn't mounted")."""
+        return ["nsenter", f"--net=/run/netns/{self.netns(i)}", "--"]
 
     # ---- create -------------------------------------------------------------------------------
     def create(self, n_nodes: int, link: str | Shape | None = None, uplink: str | Shape | None = None) -> None:

@@ -334,7 +334,7 @@ def test_names_fit_ifnamsiz_and_prefixes_differ(tmp_path):
         assert len(net.bridge) <= IFNAMSIZ and len(net.host_veth(MAX_NODES - 1)) <= IFNAMSIZ
         assert net.subnet == subnet_for(net.prefix) and str(net.subnet).startswith("10.")
         assert net.addr(0).endswith(".11") and net.host_addr.endswith(".1")
-        assert net.exec_prefix(2) == ["ip", "netns", "exec", net.netns(2)]
+        assert net.exec_prefix(2) == ["nsenter", f"--net=/run/netns/{net.netns(2)}", "--"]
 
 
 def test_a_subnet_already_routed_is_refused(lab):
