@@ -86,18 +86,23 @@ def _sandbox_cmd(*args: str) -> list[str]:
 def sandbox(tmp_path_factory, host_docker, have_sshd):
     """A 3-node sandbox cluster of its own (own state dir, own addresses <TEST_NET>.2.11-13), torn down
     at the end of the session. Yields the path of its inventory (hosts/local.yaml format)."""
+    yield from _sandbox_cluster(tmp_path_factory.mktemp("sandbox"), "--nodes", "3", "--base-addr", net_addr(2, 11))
+
+
+def _sandbox_cluster(state, *up_args: str):
+    """`runner sandbox up` in state/s, its inventory (state/local.yaml, this session's image) yielded,
+    `runner sandbox down` after: the body of every session sandbox fixture."""
     import subprocess
-    state = tmp_path_factory.mktemp("sandbox")
     inv = state / "local.yaml"
-    up = subprocess.run(_sandbox_cmd("--dir", str(state / "s"), "up", "--nodes", "3", "--base-addr",
-                                     net_addr(2, 11), "--inventory", str(inv)), capture_output=True, text=True,
-                        cwd=REPO)
+    up = subprocess.run(_sandbox_cmd("--dir", str(state / "s"), "up", *up_args, "--inventory", str(inv)),
+                        capture_output=True, text=True, cwd=REPO)
     assert up.returncode == 0, up.stderr
     inv.write_text(inv.read_text().replace("image: runner-trainer:latest", f"image: {IMAGE}"))
     try:
         yield inv
     finally:
-        subprocess.run(_sandbox_cmd("--dir", str(state / "s"), "down"), capture_output=True, cwd=REPO)
+        # --purge: each node keeps a copy of the image (GBs); a suite must not leave them behind.
+        subprocess.run(_sandbox_cmd("--dir", str(state / "s"), "down", "--purge"), capture_output=True, cwd=REPO)
 
 
 @pytest.fixture(scope="session")
@@ -128,18 +133,8 @@ def nonroot_sandbox(tmp_path_factory, host_docker, have_sshd):
     """A second, small sandbox (NONROOT_NODES nodes from <TEST_NET>.12.11) logging in as NONROOT_USER,
     as a Raspberry Pi's `pi`: no root, no sudo, its group allowed on each node's engine. Torn down
     at the end of the session. Yields the path of its inventory."""
-    import subprocess
-    state = tmp_path_factory.mktemp("sandbox-nonroot")
-    inv = state / "local.yaml"
-    up = subprocess.run(_sandbox_cmd("--dir", str(state / "s"), "up", "--nodes", str(NONROOT_NODES), "--base-addr",
-                                     net_addr(12, 11), "--user", NONROOT_USER, "--inventory", str(inv)),
-                        capture_output=True, text=True, cwd=REPO)
-    assert up.returncode == 0, up.stderr
-    inv.write_text(inv.read_text().replace("image: runner-trainer:latest", f"image: {IMAGE}"))
-    try:
-        yield inv
-    finally:
-        subprocess.run(_sandbox_cmd("--dir", str(state / "s"), "down"), capture_output=True, cwd=REPO)
+    yield from _sandbox_cluster(tmp_path_factory.mktemp("sandbox-nonroot"), "--nodes", str(NONROOT_NODES),
+                                "--base-addr", net_addr(12, 11), "--user", NONROOT_USER)
 
 
 @pytest.fixture(scope="session")

@@ -291,3 +291,20 @@ def no_socket_env(tmp_path: Path) -> dict[str, str]:
         "        raise SystemExit('SOCKET OPENED')\n"
         "socket.socket = _NoSocket\n")
     return {**os.environ, "PYTHONPATH": f"{guard}{os.pathsep}{REPO}"}
+
+
+def down_while_held(inventory: Path, run_id: str, out: dict[str, Path], point: str,
+                    release_fn=None) -> subprocess.CompletedProcess:
+    """`runner down RUN` of a run whose ranks (one per node, rank = the node's place in `out`) are
+    held at `point` ("step-2", tests/trainer_run.py): once down's SIGTERM has reached every held
+    rank, they are released (release_fn, default release) to write their preempt checkpoint.
+    down's result, finished."""
+    from tests.trainer_run import held, release
+
+    down = subprocess.Popen(runner_cmd("down", run_id, "-i", str(inventory)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO)
+    wait_for(lambda: all(held(d, point, [i], "signalled") for i, d in enumerate(out.values())), 120)
+    for d in out.values():
+        (release_fn or release)(d, point)
+    stdout, stderr = down.communicate(timeout=300)
+    return subprocess.CompletedProcess(down.args, down.returncode, stdout, stderr)

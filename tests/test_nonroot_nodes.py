@@ -28,6 +28,7 @@ from runner.plan import container_name
 from tests import IMAGE, REPO
 from tests.conftest import NONROOT_NODES, NONROOT_USER
 from tests.runner_helpers import (
+    down_while_held,
     node_docker,
     node_workdir,
     remotes,
@@ -169,13 +170,9 @@ def test_a_run_as_the_ssh_user_through_down_resume_restart_and_collect(nonroot_s
     assert f"[node-0/0] [rank0] step 4 loss {step4['loss']:.4f}" in logs.stdout.splitlines(), logs.stdout[-2000:]
 
     # down: SIGTERM reaches every held rank, then they go on and write the preempt checkpoint.
-    down = subprocess.Popen(runner_cmd("down", run_id, "-i", str(inv)), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=REPO)
-    wait_for(lambda: all(held(out[n], "step-4", [i], "signalled") for i, n in enumerate(NODES)), 120)
-    for n in NODES:
-        release_as_user(out[n], "step-4")
-    stdout, stderr = down.communicate(timeout=300)
-    assert down.returncode == 0 and f"run {run_id}: stopped and removed on {', '.join(NODES)}" in stdout, stdout + stderr
+    down = down_while_held(inv, run_id, out, "step-4", release_as_user)
+    assert down.returncode == 0 and f"run {run_id}: stopped and removed on {', '.join(NODES)}" in down.stdout, \
+        down.stdout + down.stderr
     for n in NODES:
         assert (out[n] / "checkpoints" / "latest").read_text().strip() == "step-5.preempt"
         assert not_owned_by(out[n], ids) == {}

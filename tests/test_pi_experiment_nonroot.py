@@ -13,7 +13,6 @@ import os
 import pwd
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -21,8 +20,8 @@ import yaml
 
 from tests import IMAGE, REPO
 from tests.conftest import NONROOT_USER
-from tests.runner_helpers import node_workdir, runner, runner_cmd, up_detached, wait_for
-from tests.trainer_run import held, hold_env, read_metrics, release, run_trainer
+from tests.runner_helpers import down_while_held, node_workdir, runner, up_detached, wait_for
+from tests.trainer_run import held, hold_env, read_metrics, run_trainer
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.docker]
 NODES = ("node-0", "node-1", "node-2")
@@ -64,13 +63,8 @@ def test_pi_experiment_synced_weights_on_nonroot_nodes_down_resume_collect(nonro
     run_id = up_detached(inv, job)
     out = {n: node_workdir(inv, n) / "runs" / run_id for n in NODES}
     wait_for(lambda: all(held(out[n], "step-2", [i]) for i, n in enumerate(NODES)), 300)
-    down = subprocess.Popen(runner_cmd("down", run_id, "-i", str(inv)), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=REPO)
-    wait_for(lambda: all(held(out[n], "step-2", [i], "signalled") for i, n in enumerate(NODES)), 120)
-    for n in NODES:
-        release(out[n], "step-2")
-    stdout, stderr = down.communicate(timeout=300)
-    assert down.returncode == 0, stdout + stderr
+    down = down_while_held(inv, run_id, out, "step-2")
+    assert down.returncode == 0, down.stdout + down.stderr
     for n in NODES:
         assert (out[n] / "checkpoints" / "latest").read_text().strip() == "step-3.preempt", n
 

@@ -23,6 +23,7 @@ from runner.plan import LABEL_RUN
 from tests import IMAGE
 from tests.conftest import REPO
 from tests.runner_helpers import (
+    down_while_held,
     node_engine_containers,
     node_workdir,
     remotes,
@@ -38,7 +39,7 @@ from tests.runner_helpers import (
     wait_for,
     write_job,
 )
-from tests.trainer_run import held, hold_env, release
+from tests.trainer_run import held, hold_env
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.docker]
 NODES = ("node-0", "node-1", "node-2")
@@ -401,13 +402,8 @@ def test_down_then_resume_without_shared_storage_continues_exactly(sandbox, push
     out = {n: node_workdir(sandbox, n) / "runs" / run_id for n in NODES}
     ckroot = {n: out[n] / "checkpoints" for n in NODES}
     wait_for(lambda: all(held(out[n], "step-2", [i]) for i, n in enumerate(NODES)), 300)
-    down = subprocess.Popen(runner_cmd("down", run_id, "-i", str(sandbox)), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=REPO)
-    wait_for(lambda: all(held(out[n], "step-2", [i], "signalled") for i, n in enumerate(NODES)), 120)
-    for n in NODES:
-        release(out[n], "step-2")
-    stdout, stderr = down.communicate(timeout=300)
-    assert down.returncode == 0, stdout + stderr
+    down = down_while_held(sandbox, run_id, out, "step-2")
+    assert down.returncode == 0, down.stdout + down.stderr
     assert run_containers(sandbox, run_id) == {n: [] for n in NODES}
     for i, n in enumerate(NODES):
         assert (ckroot[n] / "latest").read_text().strip() == "step-3.preempt", n

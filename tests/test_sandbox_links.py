@@ -63,7 +63,7 @@ def netns_sandbox(tmp_path_factory, host_docker, have_sshd, trainer_image):
         assert {r["action"] for r in parse_push(push.stdout).values()} == {"layers"}
         yield {"state": state, "inv": inv, "net": net}
     finally:
-        down = sandbox_cmd(state, "down")
+        down = sandbox_cmd(state, "down", "--purge")  # the nodes' image copies (GBs) go too
         assert down.returncode == 0, down.stderr
         assert leftovers(net.prefix) == []
 
