@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import paramiko
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
 from contract.timeline import seed_to_chrome  # noqa: F401 - the format runner.merge writes merged timelines in
 from runner import stream
@@ -198,8 +197,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def collect(cl: Cluster, run_id: str, dest: Path, quiet: bool = False) -> tuple[list[NodeCollect], list[str]]:
     """Every node that answers, --parallel at a time: (results, one error string per failure). A
     node's failure never costs another node's files, nor the files this node already delivered."""
-    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                  disable=quiet, transient=True) as progress:
+    with stream.transfer_progress(quiet, eta=False) as progress:
         res = cl.map([cl[n.name] for n in cl.reachable()], lambda r: collect_node(r, run_id, dest, progress))
     out, errors = [], []
     for r, val, err in res:

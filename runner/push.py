@@ -9,15 +9,6 @@ import logging
 import time
 from dataclasses import dataclass
 
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
-
 from runner.errors import UserError
 from runner.images import (
     Exported,
@@ -33,7 +24,7 @@ from runner.images import (
 from runner.inventory import BuildSpec, Inventory
 from runner.session import Cluster, add_inventory_args, load, probe
 from runner.ssh import Remote
-from runner.stream import ssh_stream
+from runner.stream import ssh_stream, transfer_progress
 
 log = logging.getLogger("runner.push")
 
@@ -155,8 +146,7 @@ def push_to_nodes(cl: Cluster, arches: dict[str, str | None], quiet: bool = Fals
         for r, same, err in cl.map(remotes, lambda r: node_image_id(r, tags[r.node.name]) == host[tags[r.node.name]][0]):
             current[r.node.name] = err is None and same
     exports = {t: export(t) for t in sorted({tags[n] for n in tags if not current.get(n)})}
-    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                  TimeRemainingColumn(), disable=quiet, transient=True) as progress:
+    with transfer_progress(quiet) as progress:
         def one(r: Remote) -> PushResult:
             tag = tags[r.node.name]
             if current.get(r.node.name):

@@ -45,6 +45,21 @@ class Watchdog:
         self._done.set()
 
 
+def transfer_progress(quiet: bool = False, eta: bool = True):
+    """The bytes bar of every bulk transfer (push, sync, collect): one per node, gone when done."""
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    cols = [TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn()]
+    return Progress(*cols, *([TimeRemainingColumn()] if eta else []), disable=quiet, transient=True)
+
+
 def pump(src, dst, dog: Watchdog, on_chunk: Callable[[int], None] | None = None) -> tuple[int, bool]:
     """Copy src to dst as bytes arrive; (bytes, True) when the reader went away mid-stream."""
     moved = 0

@@ -37,7 +37,7 @@ from runner.errors import UserError
 from runner.job_data import SyncSpec
 from runner.paths import NodePaths
 from runner.ssh import Remote
-from runner.stream import ssh_stream
+from runner.stream import ssh_stream, transfer_progress
 
 log = logging.getLogger("runner.sync")
 HASH_CACHE = Path(os.environ.get("RUNNER_SYNC_CACHE", os.path.expanduser("~/.cache/runner/sync-hashes.json")))
@@ -276,20 +276,10 @@ def _send(remote: Remote, blobs: str, entries: list[Entry], spec: SyncSpec, prog
 
 def sync_to_nodes(cl, homes: dict[str, str], trees: list[Tree], quiet: bool = False) -> list[SyncResult]:
     """Every tree onto every connected node, nodes in parallel; one error naming each node that failed."""
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
-
     from runner.paths import node_paths
 
     remotes = [cl[n.name] for n in cl.inv.nodes]
-    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                  TimeRemainingColumn(), disable=quiet, transient=True) as progress:
+    with transfer_progress(quiet) as progress:
         res = cl.map(remotes, lambda r: sync_node(r, node_paths(r.node, homes[r.node.name]), trees, progress))
     out, errors = [], []
     for r, val, err in res:
