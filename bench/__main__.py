@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 BENCHES = ["trainer_throughput", "pipeline_schedules", "launch", "push", "collect", "fanout", "gpu_throughput",
-           "partition", "links"]
+           "partition", "links", "push_relay"]
 
 
 def main(argv: list[str]) -> int:

@@ -30,6 +30,18 @@ class _Pool(SSHConnectionPool):
     def _new_conn(self) -> _Channel:
         return _Channel(self.ssh_transport, self.timeout, self.ssh_host)
 
+    def _get_conn(self, timeout=None):
+        """A kept connection whose channel the node closed (its `docker system dial-stdio` ended:
+        killed, or the engine restarted) is replaced, not reused: urllib3's dropped-connection
+        check cannot see a paramiko channel's close, and a reused one fails the call with
+        "Socket is closed" (seen after a 5-minute push over a saturated link)."""
+        conn = super()._get_conn(timeout)
+        chan = getattr(conn, "sock", None)
+        if chan is not None and (chan.closed or chan.eof_received or chan.exit_status_ready()):
+            conn.close()
+            conn = self._new_conn()
+        return conn
+
 
 class VerifiedSSHAdapter(SSHHTTPAdapter):
     """SSHHTTPAdapter on a connected paramiko client it does not own (never reconnects, never closes it)."""

@@ -96,8 +96,9 @@ def memory_bytes(text: str) -> int | None:
     return int(m[1]) * MEMORY_UNITS[m[2].lower()] if m else None
 
 DEFAULT_FIELDS = NODE_FIELDS - {"name", "host", "addr", "role", "host_key"}
+PUSH_MODES = ("relay", "direct")
 JOB_FIELDS = {"image", "config", "args", "env", "env_file", "master_port", "nproc_per_node",
-              "grace_period", "command", "build", "sync", "mounts", "registry"}
+              "grace_period", "command", "build", "sync", "mounts", "registry", "push"}
 BUILD_FIELDS = {"context", "dockerfile", "args", "platform"}
 TOP_FIELDS = {"defaults", "nodes", "job", "slurm"}
 # In job.env_file: how the nodes log in to job.registry (never passed to the job's containers).
@@ -175,6 +176,7 @@ class Job:
     sync: list[SyncSpec] = field(default_factory=list)     # local data copied to every node (runner/sync.py)
     mounts: list[MountSpec] = field(default_factory=list)  # data already on the nodes
     registry: str | None = None       # nodes pull the job's tags from HOST:PORT instead of a push
+    push: str = "relay"               # relay: this host sends each layer once, nodes pass it on; direct: one stream each
 
     def image_for(self, arch: str | None) -> str | None:
         if isinstance(self.image, str):
@@ -616,6 +618,10 @@ def _job(c: _Checker, v: _Val, base: Path) -> Job:
             job.mounts = parse_mounts(c, x)
         elif key == "registry":
             job.registry = parse_registry(c, x)
+        elif key == "push":
+            job.push = c.str_(x, w)
+            if job.push not in PUSH_MODES:
+                c.fail(x.line, w, f"must be {' or '.join(PUSH_MODES)}, got {job.push!r}")
     check_destinations(c, job.sync, job.mounts)
     return job
 

@@ -1,13 +1,21 @@
-"""`runner push`: bring every node the image for its arch, all nodes in parallel, moving only the
-layers a node lacks; fall back to a compressed full `docker save | docker load`. The node's image
-id is verified afterwards; nodes that already have it are skipped."""
+"""`runner push`: bring every node the image for its arch, moving only the layers a node lacks.
+
+In one direction: plan (which node has the image, what each lacks, who sends it what) ->
+transfer -> verify (each node's image id against this host's). With two or more nodes of an arch
+needing an image, they form a relay chain (runner/relay.py): this host sends the layers any of
+them lacks once, to the first, and each node passes the stream on as it loads it, so the host's
+uplink carries one copy whatever the node count. A node that cannot take part, or whose relay
+fails, gets its own stream from this host (`job.push: direct` or `push --direct` for every node):
+the missing layers, then a compressed full `docker save | docker load` if that fails.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from runner.errors import UserError
 from runner.images import (
@@ -34,14 +42,37 @@ class PushResult:
     node: str
     tag: str
     image_id: str
-    action: str            # skipped | layers | full | pulled (job.registry)
+    action: str            # skipped | layers | full | relay | pulled (job.registry)
     layers_sent: int = 0
     layers_total: int = 0
-    bytes_sent: int = 0    # archive bytes streamed (before ssh compression)
+    bytes_sent: int = 0    # archive bytes streamed to it (before ssh compression)
     image_bytes: int = 0
     seconds: float = 0.0
+    source: str = ""       # who sent them: "host", or (relay) the node before it in the chain
 
 
+@dataclass
+class Chain:
+    """Nodes that get one tag through one stream: host -> nodes[0] -> nodes[1] ..."""
+    tag: str
+    nodes: list[str]
+    missing: dict[str, list[int]]  # node -> indices of the layers it lacks (the stream carries their union)
+
+
+@dataclass
+class PushPlan:
+    tags: dict[str, str]                                       # node -> tag
+    current: set[str] = field(default_factory=set)             # nodes that already run the host's image
+    direct: list[str] = field(default_factory=list)            # nodes that get their own stream
+    chains: list[Chain] = field(default_factory=list)
+    exports: dict[str, Exported] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)        # node -> why it is not in a chain
+    host: dict[str, tuple[str, int, int]] = field(default_factory=dict)  # tag -> host_image_facts
+    innocent: set[str] = field(default_factory=set)            # cut off by a failure before them in a chain
+
+
+MAX_CHAIN = 32         # nodes per relay chain: one failure cuts off at most the rest of its chain
+CHAINS_AT_ONCE = 4     # relay chains running at once (each holds one ssh process per node)
 STALL_S = 300.0        # no byte accepted (or produced) for this long: the node or the source is stuck
 LOAD_WAIT_S = 1800.0   # docker load still busy this long after the last byte: give up on this node
 
@@ -75,7 +106,7 @@ def stream_to_load(remote: Remote, exp: Exported, layers: list[int], progress=No
 def push_one(remote: Remote, exp: Exported, progress=None, force_full: bool = False) -> PushResult:
     t0 = time.time()
     res = PushResult(remote.node.name, exp.tag, exp.image_id, "skipped", layers_total=len(exp.layers),
-                     image_bytes=exp.total_bytes)
+                     image_bytes=exp.total_bytes, source="host")
     if not force_full and node_image_id(remote, exp.tag) == exp.image_id:
         res.seconds = time.time() - t0
         return res
@@ -123,9 +154,10 @@ def _push_full(remote: Remote, exp: Exported, res: PushResult, progress) -> None
 
 
 def push_to_nodes(cl: Cluster, arches: dict[str, str | None], quiet: bool = False,
-                  force_full: bool = False, build: bool = False) -> list[PushResult]:
+                  force_full: bool = False, build: bool = False, relay: bool | None = None) -> list[PushResult]:
     """Each node gets job.image for its arch; images are built first where job.build says how
-    (when missing on this host, or always with build=True); exports happen once per tag."""
+    (when missing on this host, or always with build=True); exports happen once per tag.
+    relay: None follows job.push; False gives every node its own stream."""
     tags = node_tags(cl.inv, arches)
     if cl.inv.job.registry:  # the nodes pull instead (runner/registry.py)
         from runner.registry import pull_to_nodes
@@ -137,28 +169,16 @@ def push_to_nodes(cl: Cluster, arches: dict[str, str | None], quiet: bool = Fals
                         f"{', '.join(sorted(specs))} (job.build: {{context, dockerfile, args}})")
     for tag, spec in specs.items():
         ensure_built(tag, spec, build)
-    # Which nodes already run the host's image: an inspect each, no `docker save` (a full export
-    # costs ~11 s for this project's image, and `up` pushes on every launch).
-    host = host_image_facts(sorted(set(tags.values())))
-    remotes = [cl[n.name] for n in cl.inv.nodes]
-    current: dict[str, bool] = {}
-    if not force_full:
-        for r, same, err in cl.map(remotes, lambda r: node_image_id(r, tags[r.node.name]) == host[tags[r.node.name]][0]):
-            current[r.node.name] = err is None and same
-    exports = {t: export(t) for t in sorted({tags[n] for n in tags if not current.get(n)})}
+    use_relay = (cl.inv.job.push == "relay") if relay is None else relay
+    plan = plan_push(cl, tags, force_full, use_relay and not force_full)
     with transfer_progress(quiet) as progress:
-        def one(r: Remote) -> PushResult:
-            tag = tags[r.node.name]
-            if current.get(r.node.name):
-                image_id, n_layers, size = host[tag]
-                return PushResult(r.node.name, tag, image_id, "skipped", layers_total=n_layers, image_bytes=size)
-            return push_one(r, exports[tag], progress, force_full)
-
-        res = cl.map(remotes, one)
+        results, failed = transfer(cl, plan, progress, force_full)
+        results.update(verify(cl, plan, failed, progress))
     out, errors = [], []
-    for r, val, err in res:
-        if err is not None:
-            errors.append(f"{r.node.name}: {str(err).removeprefix(f'node {r.node.name}: ')}")
+    for n in cl.inv.nodes:
+        val = results[n.name]
+        if isinstance(val, Exception):
+            errors.append(f"{n.name}: {str(val).removeprefix(f'node {n.name}: ')}")
         else:
             out.append(val)
             log.info("push %s: %s %s (%d/%d layers, %.1f MB, %.1fs)", val.node, val.tag, val.action,
@@ -166,6 +186,149 @@ def push_to_nodes(cl: Cluster, arches: dict[str, str | None], quiet: bool = Fals
     if errors:
         raise UserError("push failed: " + "; ".join(errors))
     return out
+
+
+def plan_push(cl: Cluster, tags: dict[str, str], force_full: bool, relay: bool) -> PushPlan:
+    """Who needs what, and from whom. Which nodes already run the host's image: an inspect each, no
+    `docker save` (a full export costs ~11 s for this project's image, and `up` pushes on every
+    launch). With relay, the nodes of each tag that need it are asked which layers they lack and
+    whether they can run the relay agent (python3); those that can form that tag's chain."""
+    plan = PushPlan(tags)
+    host = plan.host = host_image_facts(sorted(set(tags.values())))
+    remotes = [cl[n.name] for n in cl.inv.nodes]
+    if not force_full:
+        for r, same, err in cl.map(remotes, lambda r: node_image_id(r, tags[r.node.name]) == host[tags[r.node.name]][0]):
+            if err is None and same:
+                plan.current.add(r.node.name)
+    need = [r for r in remotes if r.node.name not in plan.current]
+    plan.exports = {t: export(t) for t in sorted({tags[r.node.name] for r in need})}
+    if not relay:
+        plan.direct = [r.node.name for r in need]
+        return plan
+    for tag, exp in plan.exports.items():
+        group = [r for r in need if tags[r.node.name] == tag]
+        if len(group) < 2:
+            plan.direct += [r.node.name for r in group]
+            continue
+        facts = {r.node.name: (v, e) for r, v, e in cl.map(group, _relay_facts)}
+        lacks: dict[str, list[int]] = {}
+        for r in group:
+            (have, why), err = facts[r.node.name]
+            if err is not None or why:
+                plan.notes[r.node.name] = why or str(err)
+                log.warning("node %s: not in the relay (%s); it gets its own stream from this host",
+                            r.node.name, plan.notes[r.node.name])
+                plan.direct.append(r.node.name)
+            else:
+                lacks[r.node.name] = missing_layers(exp, have)
+        if len(lacks) >= 2:
+            # Who lacks most first: the stream thins as it goes (each node passes on only what
+            # the nodes after it lack), so a node that has most layers sits where it is thinnest.
+            order = sorted(lacks, key=lambda n: -sum(exp.sizes[i] for i in lacks[n]))
+            for i in range(0, len(order), MAX_CHAIN):
+                part = order[i:i + MAX_CHAIN]
+                if len(part) >= 2:
+                    plan.chains.append(Chain(tag, part, {n: lacks[n] for n in part}))
+                else:
+                    plan.direct += part
+        else:
+            plan.direct += list(lacks)
+    return plan
+
+
+def _relay_facts(r: Remote) -> tuple[set[str], str | None]:
+    """(the chain ids the node holds, why it cannot relay or None)."""
+    res = r.run(["sh", "-c", "command -v python3"], timeout=30)
+    return node_chains(r), None if res.rc == 0 else "no python3 for the relay agent"
+
+
+def transfer(cl: Cluster, plan: PushPlan, progress, force_full: bool
+             ) -> tuple[dict[str, PushResult | Exception], dict[str, str]]:
+    """Run the plan: every direct stream and every chain at once. Returns the results so far and
+    {node: why its relay failed} for push.verify to mend."""
+    results: dict[str, PushResult | Exception] = {}
+    for name in plan.current:
+        tag = plan.tags[name]
+        image_id, n_layers, size = plan.host[tag]
+        results[name] = PushResult(name, tag, image_id, "skipped", layers_total=n_layers, image_bytes=size)
+    failed: dict[str, str] = {}
+    chains_at_once = threading.BoundedSemaphore(CHAINS_AT_ONCE)
+
+    def job(item):
+        if isinstance(item, Chain):
+            with chains_at_once:
+                return _run_chain(cl, item, plan.exports[item.tag], progress, failed, plan.innocent)
+        return {item: push_one(cl[item], plan.exports[plan.tags[item]], progress, force_full)}
+
+    for item, val, err in cl.map([*plan.chains, *plan.direct], job):
+        if err is None:
+            results.update(val)
+        elif isinstance(item, Chain):  # not a node's failure (relay_chain reports those): try each directly
+            failed.update(dict.fromkeys(item.nodes, f"relay failed: {err}"))
+        else:
+            results[item] = err  # a direct push: its error names the node
+    return results, failed
+
+
+def _run_chain(cl: Cluster, chain: Chain, exp: Exported, progress, failed: dict[str, str],
+               innocent: set[str] | None = None) -> dict[str, PushResult]:
+    """One relay chain; nodes that did not load go to `failed` (with why), and those that failed
+    only because a node before them did also to `innocent`."""
+    from runner.relay import relay_chain
+
+    res = relay_chain([cl[n] for n in chain.nodes], exp, [chain.missing[n] for n in chain.nodes], progress)
+    out: dict[str, PushResult] = {}
+    log.info("relay %s: %s, this host sent %.1f MB in %.1fs", exp.tag, " -> ".join(chain.nodes),
+             res.host_bytes / 1e6, res.seconds)
+    for h in res.hops:
+        if h.loaded:
+            out[h.node] = PushResult(h.node, exp.tag, exp.image_id, "relay", len(chain.missing[h.node]),
+                                     len(exp.layers), h.received if h.source != "host" else res.host_bytes,
+                                     exp.total_bytes, res.seconds, h.source)
+        else:
+            failed[h.node] = h.error or "relay failed"
+            if h.cut_off and innocent is not None:
+                innocent.add(h.node)
+    return out
+
+
+def verify(cl: Cluster, plan: PushPlan, failed: dict[str, str], progress) -> dict[str, PushResult | Exception]:
+    """Every relayed node's image id against the host's. Nodes cut off by a failure before them in
+    a chain form one more chain (one more copy from this host, not one per node); a node whose
+    relay failed, or whose id is wrong, then gets its own stream (push_one verifies itself)."""
+    _check_ids(cl, plan, [n for c in plan.chains for n in c.nodes if n not in failed], failed)
+    out: dict[str, PushResult | Exception] = {}
+    again: dict[str, dict[str, list[int]]] = {}
+    for c in plan.chains:
+        for n in c.nodes:
+            if n in plan.innocent and n in failed:
+                again.setdefault(c.tag, {})[n] = c.missing[n]
+    for tag, lacks in again.items():
+        if len(lacks) < 2:
+            continue
+        log.warning("relay %s: %s cut off by a failure before them (%s); relaying to them again",
+                    tag, ", ".join(lacks), failed[next(iter(lacks))])
+        for n in lacks:
+            del failed[n]
+        retry = Chain(tag, list(lacks), lacks)
+        plan.chains.append(retry)
+        got = _run_chain(cl, retry, plan.exports[tag], progress, failed)
+        _check_ids(cl, plan, list(got), failed)
+        out.update({n: r for n, r in got.items() if n not in failed})
+    for name, why in failed.items():
+        log.warning("node %s: relay push failed (%s); sending it the image directly", name, why)
+    for r, val, err in cl.map([cl[n] for n in failed],
+                              lambda r: push_one(r, plan.exports[plan.tags[r.node.name]], progress)):
+        out[r.node.name] = err if err is not None else val
+    return out
+
+
+def _check_ids(cl: Cluster, plan: PushPlan, nodes: list[str], failed: dict[str, str]) -> None:
+    """Each node's image id for its tag against the host's; a mismatch goes to `failed`."""
+    for r, got, err in cl.map([cl[n] for n in nodes], lambda r: node_image_id(r, plan.tags[r.node.name])):
+        want = plan.exports[plan.tags[r.node.name]].image_id
+        if err is not None or got != want:
+            failed[r.node.name] = f"image id after the relay is {got}, expected {want}" if err is None else str(err)
 
 
 def host_image_facts(tags: list[str]) -> dict[str, tuple[str, int, int]]:
@@ -221,6 +384,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--job", help="YAML file with a job section, overriding the inventory's")
     p.add_argument("--full", action="store_true", help="always stream the whole image (compressed save|load)")
     p.add_argument("--build", action="store_true", help="build every image job.build describes, even if present")
+    p.add_argument("--direct", action="store_true", help="one stream from this host to each node, no relay "
+                   "(job.push: direct)")
     p.set_defaults(func=main)
 
 
@@ -230,8 +395,10 @@ def main(args) -> int:
         arches: dict[str, str | None] = {}
         if any(n.arch is None for n in inv.nodes):
             arches = {k: p.arch for k, p in cl.each(lambda r: probe(r, inv.master.rank_addr)).items()}
-        results = push_to_nodes(cl, arches, force_full=args.full, build=args.build)
+        results = push_to_nodes(cl, arches, force_full=args.full, build=args.build,
+                                 relay=False if args.direct else None)
     for r in results:
         print(f"{r.node:12s} {r.tag:28s} {r.action:8s} layers {r.layers_sent}/{r.layers_total}  "
-              f"{r.bytes_sent / 1e6:9.1f} MB of {r.image_bytes / 1e6:.1f} MB  {r.seconds:.1f}s  id {r.image_id[7:19]}")
+              f"{r.bytes_sent / 1e6:9.1f} MB of {r.image_bytes / 1e6:.1f} MB  {r.seconds:.1f}s  id {r.image_id[7:19]}"
+              + (f"  from {r.source}" if r.source else ""))
     return 0

@@ -42,13 +42,15 @@ print('done', os.environ['NODE_NAME'], flush=True)
 """
 
 
-PUSH_RE = re.compile(r"^(\S+)\s+(\S+)\s+(skipped|layers|full|pulled)\s+layers (\d+)/(\d+)\s+([\d.]+) MB of ([\d.]+) MB", re.M)
+PUSH_RE = re.compile(r"^(\S+)\s+(\S+)\s+(skipped|layers|full|pulled|relay)\s+layers (\d+)/(\d+)\s+([\d.]+) MB of "
+                     r"([\d.]+) MB\s+[\d.]+s\s+id \w+(?:\s+from (\S+))?$", re.M)
 
 
 def parse_push(out: str) -> dict[str, dict]:
-    """`runner push` table rows -> {node: {tag, action, sent, total, mb, image_mb}}."""
+    """`runner push` table rows -> {node: {tag, action, sent, total, mb, image_mb, source}}; source:
+    who sent it the layers ("host", or in a relay the node before it; "" when nothing moved)."""
     return {m[1]: {"tag": m[2], "action": m[3], "sent": int(m[4]), "total": int(m[5]), "mb": float(m[6]),
-                   "image_mb": float(m[7])} for m in PUSH_RE.finditer(out)}
+                   "image_mb": float(m[7]), "source": m[8] or ""} for m in PUSH_RE.finditer(out)}
 
 
 def runner_cmd(*args: str) -> list[str]:

@@ -127,6 +127,7 @@ MALFORMED = [
      ":3: nodes[1].host: 127.0.0.1:22 is also node 'a'"),
     ("bad_node_name", "nodes:\n  - {name: 'a b', host: 127.0.0.1}\n", ":2: nodes[0].name: 'a b': use letters"),
     ("grace_negative", N + "job: {grace_period: -1}\n", ":3: job.grace_period: must be seconds"),
+    ("push_mode", N + "job: {push: torrent}\n", ":3: job.push: must be relay or direct, got 'torrent'"),
     ("nproc_zero", N + "job: {nproc_per_node: 0}\n", ":3: job.nproc_per_node: must be an integer in 1..1024"),
     ("defaults_not_mapping", "defaults: [1]\n" + N, ":1: defaults: must be a mapping"),
     ("name_in_defaults", "defaults: {name: x}\n" + N, ":1: defaults.name: unknown field"),
@@ -190,3 +191,11 @@ def test_no_socket_module_used_by_parsing(monkeypatch, files):
     monkeypatch.setattr(socket, "create_connection", boom)
     inv = load_inventory(write(files["dir"], GOOD.format(**files)))
     assert len(inv.nodes) == 3
+
+
+def test_job_push_mode(tmp_path):
+    p = tmp_path / "inv.yaml"
+    p.write_text("nodes:\n  - {name: a, host: 127.0.0.1}\n")
+    assert load_inventory(p).job.push == "relay"  # the default: this host sends each layer once
+    p.write_text("nodes:\n  - {name: a, host: 127.0.0.1}\njob: {push: direct}\n")
+    assert load_inventory(p).job.push == "direct"

@@ -34,6 +34,7 @@ from tests.runner_helpers import (
     parse_push,
     remotes,
     runner,
+    wait_for,
     write_job,
 )
 
@@ -188,21 +189,15 @@ def test_push_invalid_partial_archive_falls_back(sandbox, pushed, tmp_path, monk
     assert own_children() == []
 
 
-def test_push_stalled_node_is_stopped(sandbox, pushed, tmp_path):
-    """A node whose `docker load` stops reading (SIGSTOP) must not hang the push: the stall watchdog
-    kills the stream and the error names the node."""
-    tag = f"runner-test-stall:{os.getpid()}"
-    scratch(tag, [os.urandom(32 << 20)])
-    exp = export(tag, cache=tmp_path / "cache")
-    host = node_env(sandbox, "node-0", "DOCKER_HOST")
-    stopped: list[psutil.Process] = []
-
-    def stop_load():
-        end = time.time() + 30
+def suspend_first_load(docker_host: str, stopped: list, within: float = 30) -> threading.Thread:
+    """A thread that SIGSTOPs the first `docker load` run for that node (by its DOCKER_HOST) and
+    appends it to `stopped`: a node whose load stops reading."""
+    def run():
+        end = time.time() + within
         while time.time() < end and not stopped:
             for p in psutil.process_iter(["cmdline"]):
                 try:
-                    if p.info["cmdline"][:2] == ["docker", "load"] and p.environ().get("DOCKER_HOST") == host:
+                    if p.info["cmdline"][:2] == ["docker", "load"] and p.environ().get("DOCKER_HOST") == docker_host:
                         p.suspend()
                         stopped.append(p)
                         return
@@ -210,8 +205,19 @@ def test_push_stalled_node_is_stopped(sandbox, pushed, tmp_path):
                     continue
             time.sleep(0.02)
 
-    t = threading.Thread(target=stop_load)
+    t = threading.Thread(target=run)
     t.start()
+    return t
+
+
+def test_push_stalled_node_is_stopped(sandbox, pushed, tmp_path):
+    """A node whose `docker load` stops reading (SIGSTOP) must not hang the push: the stall watchdog
+    kills the stream and the error names the node."""
+    tag = f"runner-test-stall:{os.getpid()}"
+    scratch(tag, [os.urandom(32 << 20)])
+    exp = export(tag, cache=tmp_path / "cache")
+    stopped: list[psutil.Process] = []
+    t = suspend_first_load(node_env(sandbox, "node-0", "DOCKER_HOST"), stopped)
     with connect(sandbox, "node-0") as remote:
         t0 = time.time()
         with pytest.raises(push_mod.UserError) as exc:
@@ -553,7 +559,7 @@ def test_push_builds_from_job_build(sandbox, pushed, tmp_path):
     CREATED.append(img.id)
     assert img.labels["mark"] == mark and f"building {tag} from {ctx}" in first.stderr
     for node, r in parse_push(first.stdout).items():
-        assert r["action"] == "layers" and r["sent"] == r["total"] == 2
+        assert r["action"] == "relay" and r["sent"] == r["total"] == 2
         assert node_image_id(sandbox, node, tag) == img.id
     # Present on the host: no build, and every node is skipped.
     again = runner("push", "-i", str(sandbox), "--job", str(job), env=env)
@@ -567,7 +573,7 @@ def test_push_builds_from_job_build(sandbox, pushed, tmp_path):
     CREATED.append(new.id)
     assert new.id != img.id and f"building {tag}" in rebuilt.stderr
     for node, r in parse_push(rebuilt.stdout).items():
-        assert r["action"] == "layers" and r["sent"] == 1 and r["mb"] < 0.01, r
+        assert r["action"] == "relay" and r["sent"] == 1 and r["mb"] < 0.01, r
         assert node_image_id(sandbox, node, tag) == new.id
     # A failing build: one line naming the tag and the Dockerfile, nothing pushed.
     (ctx / "Dockerfile.bad").write_text("FROM scratch\nCOPY missing-file /x\n")
@@ -599,6 +605,46 @@ def test_push_to_current_nodes_exports_nothing(sandbox, pushed, tmp_path):
     res = parse_push(proc.stdout)
     assert set(res) == set(NODES) and all(r["action"] == "skipped" and r["mb"] == 0.0 for r in res.values()), res
     assert list(cache.iterdir()) == []
+
+
+def test_relay_with_a_stalled_node_stops_it_and_leaves_nothing_running(sandbox, pushed, tmp_path):
+    """node-1's `docker load` stops reading (SIGSTOP) mid-relay: the chain backs up behind it (each
+    node forwards only as fast as the next takes). After stall_s node-1 is stopped with the reason;
+    node-2 (whose stream ends early) loads nothing and counts as cut off (push relays to such
+    nodes again, or streams to them directly). The host's
+    processes are reaped and no agent or `docker load` survives on a node."""
+    from runner.relay import relay_chain
+
+    tag = f"runner-test-relay-stall:{os.getpid()}"
+    scratch(tag, [os.urandom(48 << 20)])
+    exp = export(tag, cache=tmp_path / "cache")
+    stopped: list[psutil.Process] = []
+    t = suspend_first_load(node_env(sandbox, "node-1", "DOCKER_HOST"), stopped, within=60)
+    chain = [connect(sandbox, n) for n in NODES]
+    try:
+        t0 = time.time()
+        res = relay_chain(chain, exp, [[0]] * len(chain), stall_s=3)
+        took = time.time() - t0
+    finally:
+        t.join()
+        for r in chain:
+            r.close()
+    assert stopped, "docker load never seen"
+    # node-0 backs up too (whether it is stopped as stalled before node-1's end frees it is a race);
+    # node-1 is the stalled one; node-2 never gets the whole archive.
+    n0, n1, n2 = res.hops
+    assert n0.loaded or n0.error == "relay stalled (nothing received for 3s); stopped it", n0
+    assert not n1.loaded and n1.error == "relay stalled (nothing received for 3s); stopped it", n1
+    assert not n2.loaded and n2.error and n2.cut_off, n2
+    assert took < 40 and own_children() == []
+
+    def agents_left() -> list:
+        return [p for p in psutil.process_iter(["cmdline"])
+                if any("relay_agent" in a or "TarCheck" in a for a in (p.info["cmdline"] or []))]
+    wait_for(lambda: not agents_left() and not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+                                                   for p in stopped), 30)
+    for h in res.hops:  # the image where a load finished, nothing half-loaded elsewhere
+        assert node_image_id(sandbox, h.node, tag) == (exp.image_id if h.loaded else None), h
 
 
 def test_push_of_a_second_tag_of_a_cached_image_gives_the_nodes_that_tag(sandbox, pushed, tmp_path):

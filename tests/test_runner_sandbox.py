@@ -61,8 +61,10 @@ def test_push_missing_layers_and_skip(sandbox, pushed, tmp_path):
     first = pushed["first"]
     want = host_image_id(IMAGE)
     assert set(first) == {"node-0", "node-1", "node-2"}
+    # Three empty nodes: one relay chain, this host -> node-0 -> node-1 -> node-2, every layer.
+    assert {n: r["source"] for n, r in first.items()} == {"node-0": "host", "node-1": "node-0", "node-2": "node-1"}
     for node, r in first.items():
-        assert r["action"] == "layers" and r["sent"] == r["total"] > 1, r  # empty node: everything
+        assert r["action"] == "relay" and r["sent"] == r["total"] > 1, r  # empty node: everything
         assert node_image_id(sandbox, node, IMAGE) == want
     # Present everywhere: skipped, nothing moved.
     again = runner("push", "-i", str(sandbox), "--job", str(pushed["job"]))
@@ -80,10 +82,32 @@ def test_push_missing_layers_and_skip(sandbox, pushed, tmp_path):
             remove_host_image(tag)
         assert proc.returncode == 0, proc.stderr
         res = parse_push(proc.stdout)
+        assert set(res) == set(first)
         for node, r in res.items():
-            assert r["action"] == "layers" and r["sent"] == 1 and r["total"] == first[node]["total"] + 1, r
+            assert r["action"] == "relay" and r["sent"] == 1 and r["total"] == first[node]["total"] + 1, r
             assert r["mb"] < 0.01 * r["image_mb"], r   # bytes moved << image size
             assert node_image_id(sandbox, node, tag) == want
+
+
+def test_a_docker_api_connection_the_node_closed_is_replaced(sandbox, pushed):
+    """The node's Docker API rides SSH channels running `docker system dial-stdio`, kept for reuse.
+    One whose dial-stdio ended while idle (seen after a 5-minute push over a saturated link) must
+    not fail the next call with "Socket is closed": it is replaced."""
+    r = remotes(sandbox)["node-1"]
+    with r:
+        want = r.docker().images.get(IMAGE).id
+        sock = r.run("echo $DOCKER_HOST").out.strip()
+        killed = 0
+        for p in psutil.process_iter(["cmdline"]):
+            try:
+                if p.info["cmdline"][:3] == ["docker", "system", "dial-stdio"] and p.environ().get("DOCKER_HOST") == sock:
+                    p.kill()
+                    killed += 1
+            except (psutil.Error, TypeError):
+                continue
+        assert killed >= 1
+        time.sleep(0.5)  # the channel's close reaches this side
+        assert r.docker().images.get(IMAGE).id == want
 
 
 def _probe_docs(sandbox: Path, run_id: str) -> dict[str, dict]:

@@ -21,13 +21,17 @@ import yaml
 from runner.sandbox_net import SandboxNet
 from tests import IMAGE, REPO
 from tests.runner_helpers import (
+    build_image,
+    build_scratch_image,
     node_docker,
     node_workdir,
     parse_push,
     remotes,
+    remove_host_image,
     run_containers,
     runner,
     start_attached,
+    unique_tag,
     wait_for,
     write_job,
 )
@@ -47,6 +51,12 @@ def leftovers(prefix: str) -> list[str]:
     return [w for w in (ns + links).split() if w.startswith(f"rt{prefix}") or w.startswith(f"rtbr{prefix}")]
 
 
+def uplink_bytes(net: SandboxNet) -> int:
+    """Bytes this machine has sent into the sandbox network: the bridge device's own transmit
+    counter (bridged node <-> node traffic never passes it; see runner/sandbox_net.py)."""
+    return int(Path(f"/sys/class/net/{net.bridge}/statistics/tx_bytes").read_text())
+
+
 @pytest.fixture(scope="module")
 def netns_sandbox(tmp_path_factory, host_docker, have_sshd, trainer_image):
     if os.geteuid() != 0:
@@ -58,9 +68,19 @@ def netns_sandbox(tmp_path_factory, host_docker, have_sshd, trainer_image):
     inv.write_text(inv.read_text().replace("image: runner-trainer:latest", f"image: {IMAGE}"))
     net = SandboxNet.for_state_dir(state)
     try:
+        sent = uplink_bytes(net)
         push = runner("push", "-i", str(inv), "--job", str(write_job(state.parent)), timeout=1200)
+        sent = uplink_bytes(net) - sent
         assert push.returncode == 0, push.stderr
-        assert {r["action"] for r in parse_push(push.stdout).values()} == {"layers"}
+        rows = parse_push(push.stdout)
+        # The first push is one relay chain; what crossed the bridge from this machine is one copy
+        # of the image at most (ssh compression may make it less), not three.
+        assert {n: (r["action"], r["source"]) for n, r in rows.items()} == {
+            "node-0": ("relay", "host"), "node-1": ("relay", "node-0"), "node-2": ("relay", "node-1")}, rows
+        image = rows["node-0"]["image_mb"] * 1e6
+        print(f"\n[figure] relay push of the trainer image to 3 namespaced nodes: this host sent {sent / 1e6:.0f} MB "
+              f"for a {image / 1e6:.0f} MB image")
+        assert sent < 1.05 * image, (sent, image)
         yield {"state": state, "inv": inv, "net": net}
     finally:
         down = sandbox_cmd(state, "down", "--purge")  # the nodes' image copies (GBs) go too
@@ -175,3 +195,149 @@ def test_sandbox_net_cli_is_documented():
     for needle in ("runner sandbox up --nodes 3 --netns", "runner sandbox link node-1 down", "--link 100mbit"):
         assert needle in text, needle
     assert re.search(r"no netem", text)
+
+
+# ---------------------------------------------------------------------------- relay push
+
+def _scratch_push(netns_sandbox, tmp_path, name: str, *extra: str) -> tuple[subprocess.CompletedProcess, int, int, str]:
+    """Push a new 3-layer image of random bytes (20 MiB: no compression helps); (the push, bytes
+    this host sent into the sandbox network, the layers' bytes, the host's image id)."""
+    inv, net = netns_sandbox["inv"], netns_sandbox["net"]
+    tag = unique_tag(name)
+    layers = [os.urandom(8 << 20), os.urandom(8 << 20), os.urandom(4 << 20)]
+    want = build_scratch_image(tag, layers)
+    try:
+        before = uplink_bytes(net)
+        proc = runner("push", "-i", str(inv), "--job", str(write_job(tmp_path, image=tag)), *extra, timeout=600)
+        sent = uplink_bytes(net) - before
+        ids = {n: node_docker(inv, n, "image", "inspect", "-f", "{{.Id}}", tag).stdout.strip() for n in NODES}
+    finally:
+        remove_host_image(tag)
+        for n in NODES:
+            node_docker(inv, n, "rmi", "-f", tag)
+    assert proc.returncode == 0, proc.stderr
+    assert ids == dict.fromkeys(NODES, want), ids  # every node ends with the host's image
+    return proc, sent, sum(len(x) for x in layers), want
+
+
+def test_relay_push_sends_each_layer_once(netns_sandbox, tmp_path):
+    proc, sent, size, _ = _scratch_push(netns_sandbox, tmp_path, "relay")
+    rows = parse_push(proc.stdout)
+    assert {n: (r["action"], r["source"], r["sent"], r["total"]) for n, r in rows.items()} == {
+        "node-0": ("relay", "host", 3, 3), "node-1": ("relay", "node-0", 3, 3), "node-2": ("relay", "node-1", 3, 3)}
+    direct, sent_direct, size_direct, _ = _scratch_push(netns_sandbox, tmp_path, "direct", "--direct")
+    assert {(r["action"], r["source"]) for r in parse_push(direct.stdout).values()} == {("layers", "host")}
+    print(f"\n[figure] 20 MiB of random layers to 3 nodes: this host sent {sent / 1e6:.1f} MB relayed, "
+          f"{sent_direct / 1e6:.1f} MB direct")
+    # Counted on the wire: the relay's uplink carries one copy (+ tar headers, TCP/SSH framing and
+    # the control connections), the direct push one per node.
+    assert size <= sent < 1.1 * size, (sent, size)
+    assert sent_direct > 2.9 * size_direct, (sent_direct, size_direct)
+
+
+def test_relay_gives_each_node_only_what_it_lacks(netns_sandbox, tmp_path):
+    """node-0 already has the base image; the new one adds a layer. The chain puts who lacks most
+    first (node-1, node-2, then node-0), and each node passes on only what the nodes after it lack:
+    node-0 receives and loads the one new layer, not the 20 MiB base."""
+    inv, net = netns_sandbox["inv"], netns_sandbox["net"]
+    base, top = unique_tag("relay-base"), unique_tag("relay-top")
+    build_scratch_image(base, [os.urandom(8 << 20), os.urandom(8 << 20), os.urandom(4 << 20)])
+    want = build_image(top, {"Dockerfile": f"FROM {base}\nCOPY new /new\n".encode(), "new": os.urandom(1 << 20)})
+    only0 = tmp_path / "node-0.yaml"
+    doc = yaml.safe_load(inv.read_text())
+    only0.write_text(yaml.safe_dump({**doc, "nodes": doc["nodes"][:1]}))
+    try:
+        first = runner("push", "-i", str(only0), "--job", str(write_job(tmp_path, "b.yaml", image=base)))
+        assert first.returncode == 0, first.stderr
+        before = uplink_bytes(net)
+        proc = runner("push", "-i", str(inv), "--job", str(write_job(tmp_path, "t.yaml", image=top)))
+        sent = uplink_bytes(net) - before
+        ids = {n: node_docker(inv, n, "image", "inspect", "-f", "{{.Id}}", top).stdout.strip() for n in NODES}
+    finally:
+        for tag in (top, base):
+            remove_host_image(tag)
+            for n in NODES:
+                node_docker(inv, n, "rmi", "-f", tag)
+    assert proc.returncode == 0, proc.stderr
+    assert ids == dict.fromkeys(NODES, want), ids
+    rows = parse_push(proc.stdout)
+    assert {n: (r["source"], r["sent"], r["total"]) for n, r in rows.items()} == {
+        "node-1": ("host", 4, 4), "node-2": ("node-1", 4, 4), "node-0": ("node-2", 1, 4)}, rows
+    assert 1.0 <= rows["node-0"]["mb"] <= 1.1, rows       # just the new layer crossed node-0's link
+    assert 21.0e6 < sent < 1.1 * 22.0e6, sent             # the host sent each layer once
+
+
+@pytest.mark.parametrize("walled, rows, copies", [
+    # node-1 refuses node-0: node-1 and node-2 were cut off, so they form a second chain from this
+    # host (node-1's own outgoing connections work): two copies on the uplink, not three.
+    (1, {"node-0": ("relay", "host"), "node-1": ("relay", "host"), "node-2": ("relay", "node-1")}, 2),
+    # node-2 refuses node-1: it is alone, so it gets its own stream.
+    (2, {"node-0": ("relay", "host"), "node-1": ("relay", "node-0"), "node-2": ("layers", "host")}, 2),
+])
+def test_relay_past_a_firewalled_node(netns_sandbox, tmp_path, walled, rows, copies):
+    """A node refuses every new TCP connection but SSH (an EC2 security group that opens only port
+    22): the node before it cannot pass the stream on. The push still succeeds, says why, and
+    costs the uplink one more copy, not one per node left."""
+    ns = netns_sandbox["net"].netns(walled)
+    rule = ["INPUT", "-p", "tcp", "--syn", "!", "--dport", "2222", "-j", "REJECT", "--reject-with", "tcp-reset"]
+    subprocess.run(["ip", "netns", "exec", ns, "iptables", "-w", "-I", *rule], check=True)
+    try:
+        proc, sent, size, _ = _scratch_push(netns_sandbox, tmp_path, f"walled{walled}")
+    finally:
+        subprocess.run(["ip", "netns", "exec", ns, "iptables", "-w", "-D", *rule], check=True)
+    got = parse_push(proc.stdout)
+    assert {n: (r["action"], r["source"]) for n, r in got.items()} == rows, got
+    before = f"node-{walled - 1}"
+    assert re.search(rf"node node-{walled}: relay push failed \(cut off: {before} could not pass the archive on "
+                     rf"\(connect 10\.[\d.]+:\d+: .*refused\)\)|relay .*: node-{walled}, .* cut off by a failure before "
+                     rf"them \(cut off: {before} could not pass", proc.stderr), proc.stderr
+    assert copies * size < sent < (copies + 0.3) * size, (sent, size)
+
+
+def test_relay_agent_loads_nothing_from_a_stranger(netns_sandbox, tmp_path):
+    """The listening agent is reachable by anyone on the nodes' network. A connection without the
+    transfer's token is dropped and the agent keeps waiting; one with the token that sends a real
+    `docker save` archive of another image (tagged as something the node runs) is refused before
+    the node's engine loads a byte of it."""
+    import socket
+
+    from runner.images import HOST_DOCKER
+    from runner.relay import agent_command
+
+    inv, net = netns_sandbox["inv"], netns_sandbox["net"]
+    victim = unique_tag("victim")
+    build_scratch_image(victim, [b"not the image the host is pushing\n"])
+    try:
+        archive = subprocess.run(["docker", "-H", HOST_DOCKER, "save", victim], capture_output=True, check=True).stdout
+    finally:
+        remove_host_image(victim)
+    token = os.urandom(32).hex()
+    header = {"mode": "listen", "token": token, "forward": None,
+              "expect": {"manifest": "0" * 64, "config": "c.json", "config_sha256": "1" * 64, "layers": []}}
+    with remotes(inv)["node-1"] as r:
+        agent = subprocess.Popen([*r.openssh_argv(), agent_command()], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            agent.stdin.write(json.dumps(header).encode() + b"\n")
+            agent.stdin.flush()
+            port = int(agent.stdout.readline().split()[1])
+            agent.stdin.write(json.dumps({"forward": None, "layers": []}).encode() + b"\n")  # the last node
+            agent.stdin.flush()
+            with socket.create_connection((net.addr(1), port), timeout=10) as s:
+                s.sendall(b"f" * 64 + b"\n")  # wrong token
+                s.settimeout(10)
+                try:
+                    assert s.recv(1) == b""  # dropped
+                except ConnectionResetError:
+                    pass
+            with socket.create_connection((net.addr(1), port), timeout=10) as s:
+                s.sendall(token.encode() + b"\n" + archive)
+                s.shutdown(socket.SHUT_WR)
+                lines = [agent.stdout.readline().decode().strip() for _ in range(4)]
+        finally:
+            agent.stdin.close()
+            agent.wait(timeout=30)
+    report = [x for x in lines if x and not x.startswith("BYTES")]
+    assert report[0] == f"PEER {net.host_addr}", lines
+    assert report[1].startswith("ERROR refused: "), lines  # its first entry is not the host's
+    assert node_docker(inv, "node-1", "image", "inspect", victim).returncode != 0  # nothing loaded

@@ -1,0 +1,306 @@
+"""Relay push, the host's half: one `docker save` stream from this host feeds a chain of nodes of
+one architecture, host -> n0 -> n1 -> ..., each node loading it while passing it on (the node's
+half, its checks and its protocol: runner/relay_agent.py). The host's uplink carries each layer
+once whatever the node count; node <-> node links carry the rest, one copy per link.
+
+Why a chain, not a tree: every node sends at most one copy and receives one, so no link carries
+more than one copy and the chain moves at its slowest link's rate (a tree's inner nodes send two
+or more). Its depth costs only buffering, since every node forwards as bytes arrive.
+
+What can go wrong stays per node: a node whose agent does not start is left out of the chain
+(the one before it forwards past it); a node that breaks mid-stream takes the nodes after it out
+of this transfer; either way `RelayHop.error` says why and push.py falls back to a direct push
+for exactly those nodes, then verifies every node by image id.
+
+Node <-> node bytes travel plain TCP on an ephemeral port of the receiving node (the ports torch's
+own rendezvous and NCCL use are just as open between training nodes). They are authenticated by a
+per-transfer token sent over SSH, and checked against the host's digests by the receiving agent
+before its engine loads anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import queue
+import secrets
+import shlex
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from runner.images import Exported
+from runner.ssh import Remote, is_loopback
+from runner.stream import CHUNK
+
+log = logging.getLogger("runner.relay")
+
+AGENT = Path(__file__).with_name("relay_agent.py")
+START_S = 30.0        # an agent that has not bound its port by then is left out
+STALL_S = 300.0       # a node whose received count has not moved for this long is stopped
+LOAD_WAIT_S = 1800.0  # after the host's last byte, how long a node's `docker load` may take
+NO_PYTHON = 97
+
+
+@dataclass
+class RelayHop:
+    node: str
+    source: str = "host"          # what it received from: "host" or the node before it
+    received: int = 0             # archive bytes it took in
+    loaded: bool = False          # its agent checked the archive and its `docker load` exited 0
+    error: str | None = None      # why not (push falls back to a direct push for it)
+    cut_off: bool = False         # through no fault of its own: a node before it failed
+    lines: queue.Queue = field(default_factory=queue.Queue, repr=False)
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+    err: object = field(default=None, repr=False)  # its ssh's stderr (a temporary file)
+    last_move: float = field(default_factory=time.monotonic, repr=False)
+    loading_since: float | None = field(default=None, repr=False)  # all received; its own load runs
+
+
+@dataclass
+class RelayResult:
+    hops: list[RelayHop]
+    host_bytes: int = 0           # archive bytes this host sent (to the chain's first node only)
+    seconds: float = 0.0
+
+
+def agent_command() -> str:
+    """The remote command: the agent's source as python3's -c argument, in `sh -c` whatever the
+    user's login shell; a node without python3 says so (exit 97) and is left out of the chain."""
+    inner = (f"command -v python3 >/dev/null 2>&1 || {{ echo 'ERROR no python3 on this node'; exit {NO_PYTHON}; }}; "
+             f"exec python3 -u -c {shlex.quote(AGENT.read_text())}")
+    return shlex.join(["sh", "-c", inner])
+
+
+def expectation(exp: Exported, layers: list[int], load: list[int]) -> dict:
+    """What an agent checks the archive against (the digests of the two small files that decide
+    what gets loaded under which name, the layer paths that may appear) and what it loads."""
+    return {"manifest": hashlib.sha256(exp.tag_manifest.read_bytes()).hexdigest(),
+            "config": exp.config, "config_sha256": exp.image_id.split(":", 1)[1],
+            "layers": [exp.layers[i] for i in layers], "load": [exp.layers[i] for i in load]}
+
+
+def relay_chain(chain: list[Remote], exp: Exported, missing: list[list[int]], progress=None,
+                stall_s: float = STALL_S) -> RelayResult:
+    """Stream host -> chain[0] -> chain[1] ... the layers (indices into exp.layers) any node lacks;
+    node k loads missing[k] and passes on what the nodes after it lack. Returns per node whether
+    it loaded; never raises for a node's failure."""
+    t0 = time.monotonic()
+    hops = [RelayHop(r.node.name) for r in chain]
+    layers = sorted(set().union(*missing))
+    tasks: dict[str, int] = {}
+    sender = None
+    try:
+        # Every agent at once: the listeners bind and report their ports; then each started one
+        # learns where the next started one listens and what the nodes after it lack (a node
+        # whose agent did not start is passed over).
+        tokens = [secrets.token_hex(32) for _ in chain]
+        for k, (r, hop) in enumerate(zip(chain, hops, strict=True)):
+            head = {"mode": "listen" if k else "root", "expect": expectation(exp, layers, missing[k]),
+                    **({"token": tokens[k]} if k else {})}
+            _spawn(r, hop, head, bulk=k == 0)
+        ports = _await_ports(hops[1:])
+        started = [k for k, h in enumerate(hops) if h.error is None]
+        for i, k in enumerate(started):
+            later = started[i + 1:]
+            nxt = None if not later else {"host": chain[later[0]].node.rank_addr, "port": ports[hops[later[0]].node],
+                                          "token": tokens[later[0]]}
+            after = sorted(set().union(*(missing[j] for j in later)))
+            _write(hops[k], {"forward": nxt, "layers": [exp.layers[i] for i in after]})
+            if i:
+                hops[k].source = hops[started[i - 1]].node
+            if progress is not None:  # a bar per node: the bytes reaching it (for itself and those after it)
+                comes = set(missing[k]).union(after)
+                tasks[hops[k].node] = progress.add_task(
+                    f"{hops[k].node}: {len(missing[k])}/{len(exp.layers)} layers, relay from {hops[k].source}",
+                    total=sum(exp.sizes[i] for i in comes) or 1)
+        host_bytes = [0]
+        if hops[0].error is None:
+            sender = threading.Thread(target=_send, args=(exp, layers, hops[0], host_bytes), daemon=True)
+            sender.start()
+        _watch([hops[k] for k in started], tasks, progress, stall_s)
+        return RelayResult(hops, host_bytes[0], time.monotonic() - t0)
+    finally:
+        for h in hops:
+            _stop(h)
+        if sender is not None:
+            sender.join(timeout=10)  # the root's stdin is closed: its last write fails at once
+            if h.err is not None:
+                h.err.close()
+        for t in tasks.values():
+            progress.remove_task(t)
+
+
+def _spawn(r: Remote, hop: RelayHop, header: dict, bulk: bool) -> None:
+    """Start the node's agent over OpenSSH and hand it the first line. Only the first node's
+    stream is bulk over SSH (compressed off loopback, AES where the node is amd64)."""
+    hop.err = tempfile.TemporaryFile()
+    compress = bulk and not is_loopback(r.node.host)
+    argv = [*r.openssh_argv(compress=compress, aes=bulk), agent_command()]
+    hop.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=hop.err)
+    threading.Thread(target=_read_lines, args=(hop,), daemon=True, name=f"relay-{hop.node}").start()
+    _write(hop, header)
+
+
+def _write(hop: RelayHop, line: dict) -> None:
+    try:
+        hop.proc.stdin.write(json.dumps(line).encode() + b"\n")
+        hop.proc.stdin.flush()
+    except OSError:
+        pass  # it died already: its exit says why
+
+
+def _await_ports(hops: list[RelayHop]) -> dict[str, int]:
+    """{node: port} of every listener that reported one within START_S; the rest get an error."""
+    ports: dict[str, int] = {}
+    deadline = time.monotonic() + START_S
+    waiting = list(hops)
+    while waiting and time.monotonic() < deadline:
+        time.sleep(0.02)
+        for h in waiting[:]:
+            try:
+                line = h.lines.get_nowait()
+            except queue.Empty:
+                continue
+            if line is not None and line.startswith("PORT "):
+                ports[h.node] = int(line.split()[1])
+            elif line is not None and not line.startswith("ERROR "):
+                continue
+            else:
+                h.error = f"relay agent: {line[6:]}" if line else f"relay agent did not start{_tail(h)}"
+            waiting.remove(h)
+    for h in waiting:
+        h.error = f"relay agent did not report a port within {START_S:.0f}s"
+    for h in hops:
+        if h.error is not None:
+            _stop(h)
+    return ports
+
+
+def _tail(h: RelayHop) -> str:
+    """': ' + the last of its ssh's stderr (why a connection or the node's shell failed), or ''."""
+    if h.err is None:
+        return ""
+    h.err.seek(0)
+    text = " ".join(h.err.read().decode(errors="replace").split())[-200:]
+    return f": {text}" if text else ""
+
+
+def _read_lines(hop: RelayHop) -> None:
+    for raw in hop.proc.stdout:
+        hop.lines.put(raw.decode(errors="replace").rstrip("\n"))
+    hop.lines.put(None)
+
+
+def _send(exp: Exported, layers: list[int], root: RelayHop, sent: list[int]) -> None:
+    """tar of the cached export -> the root agent's stdin; counts what this host sends."""
+    tar = subprocess.Popen(exp.archive_cmd(layers), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        while buf := tar.stdout.read1(CHUNK):
+            root.proc.stdin.write(buf)
+            sent[0] += len(buf)
+        root.proc.stdin.close()  # the end of the archive: the agent checks it is complete
+    except (OSError, ValueError):
+        pass  # the root went away: its agent's last line, or its exit, says why
+    finally:
+        if tar.poll() is None:
+            tar.kill()
+        tar.wait()
+
+
+def _watch(hops: list[RelayHop], tasks: dict, progress, stall_s: float) -> None:
+    """Follow every agent's report until each has said DONE or ERROR (or died); stop a node that
+    moves nothing for stall_s, or that is still loading LOAD_WAIT_S after the host's last byte.
+    A node that fails takes the nodes after it that have received nothing yet out at once (they
+    would wait for a connection that is not coming)."""
+    pending = {h.node: h for h in hops}
+
+    def fail(h: RelayHop, why: str) -> None:
+        h.error = h.error or why
+        h.cut_off = h.cut_off or any(x.error for x in hops[:hops.index(h)])  # its upstream broke first
+        pending.pop(h.node, None)
+        _stop(h)
+        for later in hops[hops.index(h) + 1:]:
+            if later.node in pending and later.received == 0:
+                later.error = f"cut off: {h.node} failed before passing the archive on ({h.error})"
+                later.cut_off = True
+                pending.pop(later.node)
+                _stop(later)
+
+    while pending:
+        now = time.monotonic()
+        for name, h in list(pending.items()):
+            while name in pending:
+                try:
+                    line = h.lines.get_nowait()
+                except queue.Empty:
+                    break
+                if line is None:
+                    fail(h, f"relay agent exited ({_rc(h)}) before it finished{_tail(h)}")
+                    break
+                word, _, rest = line.partition(" ")
+                if word == "BYTES":
+                    h.received, h.last_move = int(rest), now
+                    if name in tasks:
+                        progress.update(tasks[name], completed=h.received)
+                elif word == "LOADING":
+                    h.loading_since = now
+                elif word == "FORWARD_ERROR":  # the nodes after it get nothing more: stop them now
+                    log.warning("node %s: relay to the next node failed: %s", name, rest)
+                    for later in hops[hops.index(h) + 1:]:
+                        if later.node in pending:
+                            later.error = f"cut off: {name} could not pass the archive on ({rest})"
+                            later.cut_off = True
+                            pending.pop(later.node)
+                            _stop(later)
+                elif word == "DONE":
+                    rc, _, msg = rest.partition(" ")
+                    h.loaded = rc == "0"
+                    pending.pop(name)
+                    if not h.loaded:
+                        h.error = f"docker load failed (exit {rc}): {msg or 'no output'}"
+                elif word == "ERROR":
+                    fail(h, rest)
+            if name in pending:
+                # Until a node has the whole archive, a stall anywhere before or after it (a
+                # full pipe backs up the chain) shows as nothing received; after, only its load runs.
+                if h.loading_since is None and now - h.last_move > stall_s:
+                    fail(h, f"relay stalled (nothing received for {stall_s:.0f}s); stopped it")
+                elif h.loading_since is not None and now - h.loading_since > LOAD_WAIT_S:
+                    fail(h, f"still loading {LOAD_WAIT_S:.0f}s after the last byte; gave up")
+        time.sleep(0.1)
+
+
+def _rc(h: RelayHop) -> str:
+    try:
+        rc = h.proc.wait(timeout=2) if h.proc is not None else None
+    except subprocess.TimeoutExpired:
+        rc = None
+    return "no python3" if rc == NO_PYTHON else f"exit {rc}"
+
+
+def _stop(h: RelayHop) -> None:
+    """Reap the node's agent: a failed one is killed first (the host's sender may be blocked
+    writing into its stdin, and closing that would wait for the write); a finished one has its
+    stdin closed (in listen mode: the host is done with it) and a moment to exit."""
+    p = h.proc
+    if p is None:
+        return
+    if h.error is not None and p.poll() is None:
+        p.kill()
+    try:
+        p.stdin.close()
+    except OSError:
+        pass
+    try:
+        p.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
