@@ -9,8 +9,9 @@ or more). Its depth costs only buffering, since every node forwards as bytes arr
 
 What can go wrong stays per node: a node whose agent does not start is left out of the chain
 (the one before it forwards past it); a node that breaks mid-stream takes the nodes after it out
-of this transfer; either way `RelayHop.error` says why and push.py falls back to a direct push
-for exactly those nodes, then verifies every node by image id.
+of this transfer; either way `RelayHop.error` says why (`cut_off` marks the nodes that failed only
+because one before them did). push.verify relays to the cut-off ones once more, gives the rest a
+direct push, and checks every node's image id.
 
 Node <-> node bytes travel plain TCP on an ephemeral port of the receiving node (the ports torch's
 own rendezvous and NCCL use are just as open between training nodes). They are authenticated by a
