@@ -66,7 +66,6 @@ class PushPlan:
     direct: list[str] = field(default_factory=list)            # nodes that get their own stream
     chains: list[Chain] = field(default_factory=list)
     exports: dict[str, Exported] = field(default_factory=dict)
-    notes: dict[str, str] = field(default_factory=dict)        # node -> why it is not in a chain
     host: dict[str, tuple[str, int, int]] = field(default_factory=dict)  # tag -> host_image_facts
     innocent: set[str] = field(default_factory=set)            # cut off by a failure before them in a chain
 
@@ -215,9 +214,8 @@ def plan_push(cl: Cluster, tags: dict[str, str], force_full: bool, relay: bool) 
         for r in group:
             (have, why), err = facts[r.node.name]
             if err is not None or why:
-                plan.notes[r.node.name] = why or str(err)
                 log.warning("node %s: not in the relay (%s); it gets its own stream from this host",
-                            r.node.name, plan.notes[r.node.name])
+                            r.node.name, why or err)
                 plan.direct.append(r.node.name)
             else:
                 lacks[r.node.name] = missing_layers(exp, have)

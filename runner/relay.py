@@ -43,7 +43,7 @@ log = logging.getLogger("runner.relay")
 AGENT = Path(__file__).with_name("relay_agent.py")
 START_S = 30.0        # an agent that has not bound its port by then is left out
 STALL_S = 300.0       # a node whose received count has not moved for this long is stopped
-LOAD_WAIT_S = 1800.0  # after the host's last byte, how long a node's `docker load` may take
+LOAD_WAIT_S = 1800.0  # once a node has the whole archive, how long its `docker load` may take
 NO_PYTHON = 97
 
 
@@ -53,7 +53,7 @@ class RelayHop:
     source: str = "host"          # what it received from: "host" or the node before it
     received: int = 0             # archive bytes it took in
     loaded: bool = False          # its agent checked the archive and its `docker load` exited 0
-    error: str | None = None      # why not (push falls back to a direct push for it)
+    error: str | None = None      # why not (push relays to it again or streams to it directly)
     cut_off: bool = False         # through no fault of its own: a node before it failed
     lines: queue.Queue = field(default_factory=queue.Queue, repr=False)
     proc: subprocess.Popen | None = field(default=None, repr=False)
@@ -128,10 +128,10 @@ def relay_chain(chain: list[Remote], exp: Exported, missing: list[list[int]], pr
     finally:
         for h in hops:
             _stop(h)
-        if sender is not None:
-            sender.join(timeout=10)  # the root's stdin is closed: its last write fails at once
             if h.err is not None:
                 h.err.close()
+        if sender is not None:
+            sender.join(timeout=10)  # the root's stdin is closed: its last write fails at once
         for t in tasks.values():
             progress.remove_task(t)
 
@@ -215,22 +215,25 @@ def _send(exp: Exported, layers: list[int], root: RelayHop, sent: list[int]) -> 
 
 def _watch(hops: list[RelayHop], tasks: dict, progress, stall_s: float) -> None:
     """Follow every agent's report until each has said DONE or ERROR (or died); stop a node that
-    moves nothing for stall_s, or that is still loading LOAD_WAIT_S after the host's last byte.
+    moves nothing for stall_s before it has the whole archive, or that is still loading
+    LOAD_WAIT_S after that.
     A node that fails takes the nodes after it that have received nothing yet out at once (they
     would wait for a connection that is not coming)."""
     pending = {h.node: h for h in hops}
+
+    def cut_after(h: RelayHop, why: str, idle_only: bool) -> None:
+        for later in hops[hops.index(h) + 1:]:
+            if later.node in pending and (later.received == 0 or not idle_only):
+                later.error, later.cut_off = f"cut off: {why}", True
+                pending.pop(later.node)
+                _stop(later)
 
     def fail(h: RelayHop, why: str) -> None:
         h.error = h.error or why
         h.cut_off = h.cut_off or any(x.error for x in hops[:hops.index(h)])  # its upstream broke first
         pending.pop(h.node, None)
         _stop(h)
-        for later in hops[hops.index(h) + 1:]:
-            if later.node in pending and later.received == 0:
-                later.error = f"cut off: {h.node} failed before passing the archive on ({h.error})"
-                later.cut_off = True
-                pending.pop(later.node)
-                _stop(later)
+        cut_after(h, f"{h.node} failed before passing the archive on ({h.error})", idle_only=True)
 
     while pending:
         now = time.monotonic()
@@ -252,12 +255,7 @@ def _watch(hops: list[RelayHop], tasks: dict, progress, stall_s: float) -> None:
                     h.loading_since = now
                 elif word == "FORWARD_ERROR":  # the nodes after it get nothing more: stop them now
                     log.warning("node %s: relay to the next node failed: %s", name, rest)
-                    for later in hops[hops.index(h) + 1:]:
-                        if later.node in pending:
-                            later.error = f"cut off: {name} could not pass the archive on ({rest})"
-                            later.cut_off = True
-                            pending.pop(later.node)
-                            _stop(later)
+                    cut_after(h, f"{name} could not pass the archive on ({rest})", idle_only=False)
                 elif word == "DONE":
                     rc, _, msg = rest.partition(" ")
                     h.loaded = rc == "0"
