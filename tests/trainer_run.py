@@ -94,7 +94,7 @@ def losses(out_dir: Path) -> list[float]:
 
 # Fields of a metrics.jsonl record that measure time or memory: different on every run.
 TIMING_FIELDS = frozenset({"tokens_per_s", "tokens_per_s_per_device", "samples_per_s", "mfu", "memory_bytes",
-                           "memory_mb", "step_time_s", "time"})
+                           "memory_gib", "memory_reserved_gib", "step_time_s", "time"})
 
 
 def numeric_metrics(out_dir: Path) -> list[dict]:

@@ -61,10 +61,15 @@ class TrainConfig:
                                         # pipeline stages (the Pi guide's), else 1 (no needless splitting)
     grad_acc_steps: int = 1             # batches accumulated per optimizer step
     dtype: str = "auto"                 # auto (bf16 on CUDA with native bf16, else fp32) | fp32 | bf16
-    compile: str = "auto"               # auto (on for CUDA, off on CPU) | true | false: each block compiled
+    compile: str = "auto"               # auto (true on CUDA, false on CPU) | true | try | false: each block
+                                        # compiled whole (fullgraph, static shapes); try: eager where it cannot
+    compile_backend: str = "inductor"   # torch.compile backend: inductor | aot_eager | eager (tests, debugging)
+    param_dtype: str = "auto"           # auto (bf16 when dtype is bf16 on CUDA, else fp32) | fp32 | bf16:
+                                        # bf16 = bf16 weights in compute, fp32 master weights and optimizer
+                                        # state (FSDP2 MixedPrecisionPolicy on every layout, one GPU too)
     activation_checkpointing: str = "none"  # none | selective (recompute all but matmuls/attention) | full
-    loss_chunks: int | str = "auto"     # LM head + loss in N token chunks (no full logits); auto: 8 for
-                                        # vocabularies >= 32768, else 1
+    loss_chunks: int | str = "auto"     # LM head + loss in N token chunks (no full logits); auto: as few
+                                        # as keep each chunk's logits <= 2^28 elements (tokens x vocab)
     grad_clip: float = 1.0              # max grad norm; 0 = no clipping (the norm is logged anyway)
     eval_interval: int = 0              # evaluate every N steps (0 = never)
     eval_batches: int = 2
@@ -104,6 +109,8 @@ class ParallelConfig:
     device: str = "auto"                # auto (cuda if available) | cpu | cuda
     backend: str = "auto"               # auto (gloo on cpu, nccl on cuda) | gloo | nccl
     timeout_s: int = 1800
+    sequence_parallel: bool = True      # with tp > 1 (decoder families, pp 1): norms and residual stream
+                                        # sharded over the sequence between TP regions (torchtitan's plan)
 
 
 @dataclass
@@ -133,7 +140,7 @@ class ProfileConfig:
 
 @dataclass
 class LoggingConfig:
-    log_interval: int = 1
+    log_interval: int | str = "auto"    # auto: 1 on CPU, 10 on CUDA (a log step waits for the device)
     line: str = "picotron"              # console line: picotron (tokens/s, MFU, memory) | minimal-3d (samples/s)
     seed_line: bool = True              # also print the Pi guide's `[rank0] step N loss X.XXXX`
     peak_flops: float | None = None     # per-device peak for MFU; default GPU table / CPU matmul probe

@@ -15,11 +15,12 @@ from typing import Any
 from trainer.config import Config, ConfigError, get_key
 
 OPTIMIZERS = ("adamw",)
-COMPILE = {"auto": "auto", "true": "true", "false": "false", "on": "true", "off": "false", "yes": "true",
-           "no": "false", "1": "true", "0": "false"}
+COMPILE = {"auto": "auto", "true": "true", "false": "false", "try": "try", "on": "true", "off": "false",
+           "yes": "true", "no": "false", "1": "true", "0": "false"}
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+PARAM_DTYPES = {"auto": "auto", "fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
+LOSS_CHUNK_ELEMENTS = 2 ** 28  # train.loss_chunks auto: logits elements (tokens x vocab) per chunk at most
 AC_MODES = ("none", "selective", "full")
-AUTO_LOSS_CHUNKS = 8          # train.loss_chunks auto, for vocabularies of at least ...
-LARGE_VOCAB = 32768           # ... this many tokens (where [tokens, vocab] fp32 logits dominate memory)
 
 # key -> smallest accepted value (integers)
 AT_LEAST = {
@@ -29,7 +30,7 @@ AT_LEAST = {
     "parallel.tp": 1, "parallel.pp": 1, "parallel.virtual_stages": 1, "parallel.timeout_s": 1,
     "schedule.warmup_steps": 0,
     "checkpoint.interval": 0, "checkpoint.keep_last": 0, "checkpoint.preempt_interval": 0,
-    "profile.num_prof_steps": 0, "logging.log_interval": 1,
+    "profile.num_prof_steps": 0,
 }
 # optional integers (None = default/derived) -> smallest accepted value when given
 AT_LEAST_OPTIONAL = {
@@ -86,8 +87,19 @@ def check_ranges(cfg: Config) -> None:
     # The GPU-server knobs.
     mode = COMPILE.get(str(t.compile).strip().lower())
     if mode is None:
-        raise ConfigError(f"train.compile: '{t.compile}' (auto, true or false)")
+        raise ConfigError(f"train.compile: '{t.compile}' (auto, true, try or false)")
     t.compile = mode
+    if t.compile_backend not in COMPILE_BACKENDS:
+        raise ConfigError(f"train.compile_backend: '{t.compile_backend}' ({', '.join(COMPILE_BACKENDS)})")
+    if str(t.param_dtype).lower() not in PARAM_DTYPES:
+        raise ConfigError(f"train.param_dtype: '{t.param_dtype}' (auto, fp32 or bf16)")
+    t.param_dtype = PARAM_DTYPES[str(t.param_dtype).lower()]
+    if t.param_dtype == "bf16" and t.dtype == "fp32":
+        raise ConfigError("train.param_dtype bf16 computes in bf16 but train.dtype is fp32; set train.dtype bf16 "
+                          "(or auto) or train.param_dtype fp32")
+    li = cfg.logging.log_interval
+    if li != "auto" and (not isinstance(li, int) or li < 1):
+        raise ConfigError(f"logging.log_interval must be auto or >= 1, got {li!r}")
     if t.activation_checkpointing not in AC_MODES:
         raise ConfigError(f"train.activation_checkpointing: '{t.activation_checkpointing}' "
                           f"({', '.join(AC_MODES)})")
@@ -114,11 +126,31 @@ def max_positions(hf: Any) -> int | None:
     return None
 
 
-def resolve_loss_chunks(value: int | str, task: str, vocab_size: int) -> int:
-    """train.loss_chunks: auto -> 8 for large vocabularies (LM tasks), else 1 (one head + loss call)."""
+def resolve_loss_chunks(value: int | str, task: str, vocab_size: int, tokens: int) -> int:
+    """train.loss_chunks: auto -> the fewest chunks of a microbatch's `tokens` whose logits hold at most
+    LOSS_CHUNK_ELEMENTS each, rounded up to a divisor of `tokens` (equal chunks: one compiled graph).
+    1 for ViT-MAE (no LM head) and wherever one chunk fits."""
     if value != "auto":
         return int(value)
-    return AUTO_LOSS_CHUNKS if task != "mae" and vocab_size >= LARGE_VOCAB else 1
+    if task == "mae" or tokens <= 0:
+        return 1
+    need = math.ceil(tokens * max(vocab_size, 1) / LOSS_CHUNK_ELEMENTS)
+    if need <= 1:
+        return 1
+    return next(n for n in range(need, tokens + 1) if tokens % n == 0)
+
+
+def resolve_log_interval(value: int | str, device_type: str) -> int:
+    """logging.log_interval: auto -> 1 on CPU, 10 on CUDA, where every log step waits for the device
+    (reading the loss and the step time), a wait that leaves the GPU idle while the host catches up."""
+    if value != "auto":
+        return int(value)
+    return 10 if device_type == "cuda" else 1
+
+
+def microbatch_tokens(cfg: Config) -> int:
+    """Tokens of one microbatch (what one loss call sees): batch_size / microbatch_num x seq_len."""
+    return cfg.train.batch_size // cfg.train.microbatch_num * cfg.data.seq_len
 
 
 def check_model(cfg: Config, hf: Any, task: str) -> None:
@@ -132,7 +164,7 @@ def check_model(cfg: Config, hf: Any, task: str) -> None:
     if t.loss_chunks != "auto":
         if task == "mae" and t.loss_chunks > 1:
             raise ConfigError(f"train.loss_chunks {t.loss_chunks}: ViT-MAE has no LM head to chunk; use auto or 1")
-        tokens = t.batch_size // t.microbatch_num * seq
+        tokens = microbatch_tokens(cfg)
         if t.loss_chunks > tokens:
             raise ConfigError(f"train.loss_chunks {t.loss_chunks} is more than the {tokens} tokens of a microbatch "
                               f"(batch_size / microbatch_num x seq_len); use at most {tokens}")

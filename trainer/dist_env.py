@@ -101,6 +101,59 @@ def training_dtype(requested: str, device_type: str, native_bf16: bool | None = 
                     "(torch.cuda.is_bf16_supported(including_emulation=False) is False); training in fp32")
 
 
+def resolve_param_dtype(requested: str, dtype: str, device_type: str) -> str:
+    """train.param_dtype for this run: auto -> bf16 where the run computes in bf16 on CUDA (FSDP2's
+    mixed precision: bf16 activations throughout), else fp32 (autocast over fp32 weights)."""
+    if requested == "auto":
+        return "bf16" if dtype == "bf16" and device_type == "cuda" else "fp32"
+    return requested
+
+
+def cuda_index(local_rank: int, device_count: int) -> int:
+    """The CUDA device of a local rank among the visible ones: a launcher that gives each task only
+    its own GPU (Slurm --gpus-per-task=1, CUDA_VISIBLE_DEVICES per rank) leaves local rank 3 one
+    device, cuda:0."""
+    return local_rank % max(device_count, 1)
+
+
+def local_device(device_type: str, local_rank: int):
+    import torch
+
+    if device_type != "cuda":
+        return torch.device(device_type)
+    return torch.device("cuda", cuda_index(local_rank, torch.cuda.device_count()))
+
+
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def configure_allocator(environ: dict | None = None) -> str | None:
+    """expandable_segments for the CUDA caching allocator (less fragmentation at changing shapes:
+    chunked loss, eval, pipeline microbatches), unless the user set an allocator config. Must run
+    before the first CUDA allocation. Returns what it set."""
+    env = os.environ if environ is None else environ
+    if any(env.get(v) for v in ALLOC_CONF_VARS):
+        return None
+    env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    return "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+
+
+def init_one_rank_group(device) -> None:
+    """A process group of this process alone (world size 1) on an in-memory store: no address, no
+    port. For FSDP2 on one device (train.param_dtype bf16); does nothing when a group exists."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    kwargs = {}
+    if device.type == "cuda":
+        kwargs["device_id"] = torch.device("cuda", device.index if device.index is not None
+                                           else torch.cuda.current_device())
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                            world_size=1, **kwargs)
+
+
 def _native_bf16(known: bool | None) -> bool:
     if known is not None:
         return known
@@ -139,8 +192,9 @@ def init_process_group(env: DistEnv, device_type: str, backend: str = "auto", ti
                        "MASTER_PORT": str(env.master_port)})
     kwargs = {}
     if device_type == "cuda":
-        torch.cuda.set_device(env.local_rank)
-        kwargs["device_id"] = torch.device("cuda", env.local_rank)
+        device = local_device("cuda", env.local_rank)
+        torch.cuda.set_device(device)
+        kwargs["device_id"] = device
     dist.init_process_group(backend=backend, init_method="env://", rank=env.rank, world_size=env.world_size,
                             timeout=timedelta(seconds=timeout_s), **kwargs)
     return backend

@@ -6,6 +6,11 @@ attention width, heads x head_dim: the hidden size for most families, 2048 for Q
 16 heads of 128 span more than its hidden 1024).
 Peak: a table for known GPUs (dense bf16 tensor-core; tf32 for fp32 runs), or on CPU a matmul
 probe measured once per process with the threads this process uses; `logging.peak_flops` wins.
+
+Memory, in GiB (2^30 bytes), the largest over all ranks (the trainer all-reduces it at log steps):
+on CUDA the peak allocated since the start (`max_memory_allocated`: weights, optimizer state,
+activations) and beside it the peak reserved by the caching allocator (what the device lends the
+process); on CPU the process's resident set size, with no reserved figure.
 """
 
 from __future__ import annotations
@@ -69,12 +74,17 @@ def peak_flops(device: torch.device, dtype: str, override: float | None = None) 
     return measure_cpu_peak(tdtype), f"CPU matmul probe ({torch.get_num_threads()} threads, {dtype})"
 
 
-def memory_bytes(device: torch.device) -> int:
+def memory_bytes(device: torch.device) -> tuple[int, int | None]:
+    """(peak allocated, peak reserved) bytes of this process on CUDA; (resident set size, None) on CPU."""
     if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
+        return int(torch.cuda.max_memory_allocated(device)), int(torch.cuda.max_memory_reserved(device))
     import psutil
 
-    return int(psutil.Process(os.getpid()).memory_info().rss)
+    return int(psutil.Process(os.getpid()).memory_info().rss), None
+
+
+def gib(x: float) -> str:
+    return f"{x / 2**30:.2f}GiB"
 
 
 def human(x: float, unit: str = "") -> str:
@@ -98,6 +108,7 @@ class StepStats:
     flops_per_token: float
     peak_flops: float
     memory_bytes: int
+    memory_reserved_bytes: int | None = None
 
     def record(self) -> dict[str, Any]:
         tps = self.global_batch_tokens / self.step_time_s
@@ -108,7 +119,8 @@ class StepStats:
             "tokens_per_s": tps, "tokens_per_s_per_device": tps_dev,
             "samples_per_s": self.global_batch_samples / self.step_time_s,
             "mfu": tps_dev * self.flops_per_token / self.peak_flops,
-            "memory_bytes": self.memory_bytes, "memory_mb": self.memory_bytes / 2**20,
+            "memory_bytes": self.memory_bytes, "memory_gib": self.memory_bytes / 2**30,
+            "memory_reserved_gib": None if self.memory_reserved_bytes is None else self.memory_reserved_bytes / 2**30,
             "step_time_s": self.step_time_s, "tokens": self.tokens_seen, "time": time.time(),
         }
 
@@ -118,7 +130,12 @@ def console_line(r: dict[str, Any]) -> str:
     return (f"Step: {r['step']:<5d} | Loss: {r['loss']:.4f} | Global batch size: {human(r['global_batch_tokens']):>7s} | "
             f"Tokens/s: {human(r['tokens_per_s']):>7s} | Tokens/s/GPU: {human(r['tokens_per_s_per_device']):>7s} | "
             f"Tokens: {human(r['tokens']):>7s} | MFU: {100 * r['mfu']:5.2f}% | "
-            f"Memory usage: {human(r['memory_bytes'], 'B'):>8s} | LR: {r['lr']:.2e}")
+            f"Memory usage: {gib(r['memory_bytes']):>8s}{_reserved(r)} | LR: {r['lr']:.2e}")
+
+
+def _reserved(r: dict[str, Any]) -> str:
+    res = r.get("memory_reserved_gib")
+    return "" if res is None else f" ({res:.2f}GiB reserved)"
 
 
 def minimal3d_line(r: dict[str, Any]) -> str:

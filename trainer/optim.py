@@ -16,6 +16,9 @@ def build_optimizer(params: list[nn.Parameter], cfg: Config) -> torch.optim.Opti
     decay = [p for p in params if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in params if p.requires_grad and p.ndim < 2]
     groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # A fused/foreach step takes one tensor type: sequence-parallel norms are (replicated) DTensors
+    # beside plain per-head norms (Qwen3's q_norm/k_norm), so each group splits by type.
+    groups = [{**g, "params": [p for p in g["params"] if _is_dtensor(p) == dt]} for g in groups for dt in (False, True)]
     groups = [g for g in groups if g["params"]]
     kwargs = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
     try:
@@ -23,6 +26,10 @@ def build_optimizer(params: list[nn.Parameter], cfg: Config) -> torch.optim.Opti
         return torch.optim.AdamW(groups, fused=True, **kwargs)
     except (RuntimeError, ValueError):  # a device/dtype/tensor type fused does not support
         return torch.optim.AdamW(groups, foreach=True, **kwargs)
+
+
+def _is_dtensor(p: torch.Tensor) -> bool:
+    return hasattr(p, "device_mesh")
 
 
 def warmup_steps(cfg: Config, total_steps: int) -> int:

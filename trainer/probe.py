@@ -180,13 +180,14 @@ def measure_compute(train_argv: list[str], min_seconds: float) -> dict:
     parts, _ = split_model(model, [StageRange(0, 0, 0), StageRange(1, 0, 1), StageRange(2, 1, 1)])
     del model
     mods = dict(zip(KINDS, (parts[0], parts[1], parts[2]), strict=True))
-    mods["head"].loss_chunks = resolve_loss_chunks(t.loss_chunks, spec.task, int(spec.hf_config.vocab_size))
-    compile_on = resolve_compile(t.compile, device.type)
+    mods["head"].loss_chunks = resolve_loss_chunks(t.loss_chunks, spec.task, int(spec.hf_config.vocab_size),
+                                                   t.batch_size // t.microbatch_num * cfg.data.seq_len)
+    compile_mode = resolve_compile(t.compile, device.type)
     for m in mods.values():
         m.to(device)
         apply_activation_checkpointing(m, t.activation_checkpointing)
-        if compile_on:
-            compile_blocks(m, tp=1, announce=False)
+        if compile_mode != "false":
+            compile_blocks(m, mode=compile_mode, backend=t.compile_backend)
     mb, seq = t.batch_size // t.microbatch_num, cfg.data.seq_len
     hidden = int(spec.hidden_size)
     gen = torch.Generator().manual_seed(0)
@@ -260,7 +261,7 @@ def measure_compute(train_argv: list[str], min_seconds: float) -> dict:
                   "microbatches": t.microbatch_num * t.grad_acc_steps, "dtype": dtype, "params": full.num_params,
                   "pp": p.pp, "pp_schedule": p.pp_schedule, "virtual_stages": p.virtual_stages, "tp": p.tp,
                   "partition": p.partition, "activation_checkpointing": t.activation_checkpointing,
-                  "compile": bool(compile_on)},
+                  "compile": compile_mode != "false"},
         "boundary_bytes": mb * seq * hidden * 4,  # fp32 on the wire, as the schedules send
         "model_bytes": full.num_params * 4,  # the full fp32 model every rank builds before cutting
         "runtime_bytes": runtime,

@@ -6,8 +6,10 @@ dp. The loss of a step is the mean over the global batch, identical for every la
 
 Nothing in a step waits for the device: the loss, the gradient norm and the running minimum loss
 stay device tensors; they are read (and the device synchronised) only at log steps (every
-logging.log_interval steps, the last step and eval steps), where step time and tokens/s are
-averaged over the steps since the previous read. The next batch is built while the device runs.
+logging.log_interval steps, the last step and eval steps; `auto` = every step on CPU, every 10th
+on CUDA, where each read leaves the GPU idle while the host catches up), where step time and
+tokens/s are averaged over the steps since the previous read, and memory is the largest over all
+ranks. The next batch is built while the device runs.
 
 Other features hook in through callbacks (checkpointing, profiling): objects with any of
 on_train_start(trainer), on_step_start(trainer, step), on_step_end(trainer, record),
@@ -31,13 +33,13 @@ import torch
 
 from trainer import dist_env
 from trainer.config import Config, ConfigError, resolve
-from trainer.config_checks import resolve_loss_chunks
+from trainer.config_checks import microbatch_tokens, resolve_log_interval, resolve_loss_chunks
 from trainer.data import DataStream, build_data, load_texts, load_tokenizer
 from trainer.metrics import MetricsWriter, StepStats, flops_per_token, format_line, memory_bytes, peak_flops
 from trainer.models.build import build_model, model_spec
 from trainer.optim import build_optimizer, build_scheduler
-from trainer.parallel.compile import resolve_compile
-from trainer.parallel.compose import Parallelized, check_supported, parallelize
+from trainer.parallel.compile import blocks_running_eager, compile_report, resolve_compile
+from trainer.parallel.compose import Parallelized, builds_on_meta, check_supported, parallelize
 from trainer.parallel.mesh import ParallelDims
 from trainer.parallel.ordered_reduce import ordered_mean
 
@@ -86,13 +88,19 @@ class Trainer:
                  self.spec.family, self.spec.num_layers, self.spec.hidden_size, self.spec.num_params / 1e6)
         # What `auto` means here, recorded in config.yaml as what ran.
         t.loss_chunks = resolve_loss_chunks(t.loss_chunks, self.spec.task, int(getattr(self.spec.hf_config,
-                                                                                        "vocab_size", 0) or 0))
-        t.compile = "true" if resolve_compile(t.compile, device.type) else "false"
+                                                                                        "vocab_size", 0) or 0),
+                                            microbatch_tokens(cfg))
+        t.compile = resolve_compile(t.compile, device.type)
         t.dtype = dist_env.training_dtype(t.dtype, device.type)[0]
-        log.info("training in %s, compile %s, activation checkpointing %s, loss in %d chunk(s), "
-                 "%d microbatch(es) per batch", t.dtype, t.compile, t.activation_checkpointing, t.loss_chunks,
-                 t.microbatch_num)
-        model = build_model(self.spec, cfg.model, t.seed)
+        t.param_dtype = dist_env.resolve_param_dtype(t.param_dtype, t.dtype, device.type)
+        cfg.logging.log_interval = resolve_log_interval(cfg.logging.log_interval, device.type)
+        log.info("training in %s (parameters %s), compile %s, activation checkpointing %s, loss in %d chunk(s), "
+                 "%d microbatch(es) per batch, log every %d step(s)", t.dtype, t.param_dtype, t.compile,
+                 t.activation_checkpointing, t.loss_chunks, t.microbatch_num, cfg.logging.log_interval)
+        meta = builds_on_meta(dims)
+        if meta:
+            log.info("model built on the meta device: its weights come from the stage's first rank")
+        model = build_model(self.spec, cfg.model, t.seed, meta=meta)
         self.par: Parallelized = parallelize(model, self.spec, dims, cfg, device, backend)
         self.optimizer = build_optimizer(self.par.parameters(), cfg)
 
@@ -185,6 +193,28 @@ class Trainer:
             torch.cuda.synchronize(self.device)  # a log step: the steps since `since` have run
         return time.perf_counter() - since
 
+    def _memory(self) -> tuple[int, int | None]:
+        """(allocated, reserved) bytes, the largest over all ranks: every rank calls it at a log step."""
+        alloc, reserved = memory_bytes(self.device)
+        if not self.env.distributed:
+            return alloc, reserved
+        import torch.distributed as dist
+
+        both = torch.tensor([alloc, -1 if reserved is None else reserved], dtype=torch.int64,
+                            device=self.device if self.backend == "nccl" else "cpu")
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        alloc, reserved = (int(v) for v in both.tolist())
+        return alloc, (None if reserved < 0 else reserved)
+
+    def _report_compile(self) -> None:
+        """After the first step: the graphs torch.compile built (proof that compiled code runs)."""
+        if self.cfg.train.compile == "false":
+            return
+        r = compile_report()
+        eager = [b for m in self.par.model_parts for b in blocks_running_eager(m)]
+        log.info("torch.compile: %d graph(s) compiled in the first step, %d graph break(s)%s", r["graphs"],
+                 r["graph_breaks"], f"; {len(eager)} block(s) run eager (train.compile try)" if eager else "")
+
     def fit(self) -> None:
         cfg = self.cfg
         self.par.train(True)
@@ -196,6 +226,8 @@ class Trainer:
             lr = self.scheduler.get_last_lr()[0]
             loss, grad_norm = self.train_step()
             self.step += 1
+            if self.step == 1:
+                self._report_compile()
             steps_since += 1
             self.tokens_seen += self.global_samples * self.tokens_per_sample
             if loss is not None:
@@ -206,11 +238,11 @@ class Trainer:
             if log_step or evaluate:
                 dt = self._elapsed(since) / steps_since
                 steps_since = 0
+                memory = self._memory()
                 if loss is not None:
                     record = StepStats(self.step, float(loss), lr, float(grad_norm), self.global_samples,
                                        self.global_samples * self.tokens_per_sample, dt, self.tokens_seen,
-                                       self.env.world_size, self.flops_per_token, self.peak,
-                                       memory_bytes(self.device)).record()
+                                       self.env.world_size, self.flops_per_token, self.peak, *memory).record()
                 if evaluate:
                     eval_loss = self.evaluate()
                     if record is not None and eval_loss is not None:
@@ -243,18 +275,23 @@ def run(cfg: Config, env: dist_env.DistEnv) -> int:
     setup_logging(env.rank, out, console=env.rank == 0)
     os.environ["PROFILE_BATCH"] = str(cfg.profile.batch)  # the Pi guide writes it back for its recorder
     device = dist_env.pick_device(cfg.parallel.device)
+    if device.type == "cuda":
+        allocator = dist_env.configure_allocator()  # before the first CUDA allocation
+        if allocator and env.rank == 0:
+            log.info("CUDA allocator: %s (set PYTORCH_CUDA_ALLOC_CONF to choose another)", allocator)
     cfg.train.dtype, why = dist_env.training_dtype(cfg.train.dtype, device.type)
     if why and env.rank == 0:
         log.warning("%s", why)
     precision = dist_env.configure_matmul_precision(device.type, cfg.train.dtype)
     if precision and env.rank == 0:
         log.info("train.dtype fp32 on CUDA: %s", precision)
-    cfg.train.compile = "true" if resolve_compile(cfg.train.compile, device.type) else "false"
+    cfg.train.compile = resolve_compile(cfg.train.compile, device.type)
+    cfg.train.param_dtype = dist_env.resolve_param_dtype(cfg.train.param_dtype, cfg.train.dtype, device.type)
+    cfg.logging.log_interval = resolve_log_interval(cfg.logging.log_interval, device.type)
     dims = ParallelDims.from_config(cfg.parallel, env.world_size, env.local_world_size)
     if env.rank == 0:
         log.info("resolved config:\n%s", cfg.to_yaml().rstrip())
-    if device.type == "cuda":
-        device = torch.device("cuda", env.local_rank)
+    device = dist_env.local_device(device.type, env.local_rank)
     backend = dist_env.init_process_group(env, device.type, cfg.parallel.backend, cfg.parallel.timeout_s)
     trainer = None
     try:

@@ -147,9 +147,13 @@ def model_spec(mcfg: ModelConfig, vocab_size: int | None = None) -> ModelSpec:
                      int(cfg.num_hidden_layers), int(cfg.hidden_size), attention_width(cfg))
 
 
-def build_model(spec: ModelSpec, mcfg: ModelConfig, seed: int) -> nn.Module:
-    """Full model on CPU in fp32, initialised from `seed` (or loaded from model.path)."""
+def build_model(spec: ModelSpec, mcfg: ModelConfig, seed: int, meta: bool = False) -> nn.Module:
+    """Full model on CPU in fp32, initialised from `seed` (or loaded from model.path); with `meta`,
+    its structure only (no memory, no values: a rank that receives them, parallel/materialize.py)."""
     cls = _transformers_attr(FAMILIES[spec.family].model_cls)
+    if meta:
+        with torch.device("meta"):
+            return cls(spec.hf_config).float()
     torch.manual_seed(seed)
     if mcfg.path is not None and mcfg.load_weights:
         try:

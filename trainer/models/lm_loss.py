@@ -12,9 +12,18 @@ parameters (embeddings, final norm, head) in hooks around the root module's forw
 outside it would miss both. The forward is added by swapping the model's class for a subclass (as
 FSDP2's fully_shard does), so parameter names, state dicts and checkpoints are unchanged.
 
+How many chunks (train.loss_chunks auto): as few as keep each chunk's logits at most 2^28
+elements (config_checks.resolve_loss_chunks), so the memory they take does not grow with the batch.
+
+Compiled (`compile_loss`, with train.compile): one chunk's head + cross-entropy is one graph
+(fullgraph, static shapes; every chunk has the same shape), so the bf16 logits, their fp32 copy,
+the log-softmax and its gradient fuse into a few kernels instead of materialising each.
+
 Under tensor parallelism the head leaves its logits sharded over the vocabulary (a DTensor) and
 the cross-entropy runs vocab-parallel (torch's loss_parallel): no TP rank ever holds full logits.
-The caller wraps forward and backward in `loss_context(tp)`.
+The caller wraps forward and backward in `loss_context(tp)`. With sequence parallelism the final
+hidden states arrive sharded over the sequence and are gathered first. The vocab-parallel loss
+runs eager: loss_parallel is a dispatch mode torch.compile does not trace.
 """
 
 from __future__ import annotations
@@ -41,14 +50,35 @@ def _head_loss_sum(head: nn.Module, h: torch.Tensor, targets: torch.Tensor) -> t
                                   reduction="sum"))
 
 
+_COMPILED: dict[str, Any] = {}
+_COMPILE_ATTR = "_trainer_loss_backend"  # set on the head module by compile_loss
+
+
+def compile_loss(head: nn.Module, backend: str = "inductor") -> None:
+    """Run `head`'s chunks of head + cross-entropy compiled (one graph per chunk shape)."""
+    setattr(head, _COMPILE_ATTR, backend)
+
+
+def _chunk_fn(head: nn.Module) -> Any:
+    backend = getattr(head, _COMPILE_ATTR, None)
+    if backend is None:
+        return _head_loss_sum
+    if backend not in _COMPILED:
+        _COMPILED[backend] = torch.compile(_head_loss_sum, fullgraph=True, dynamic=False, backend=backend)
+    return _COMPILED[backend]
+
+
 def lm_loss_sum(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, chunks: int = 1) -> torch.Tensor:
     """Sum of token cross-entropies of head(hidden) against targets, in fp32, `chunks` tokens groups at a time."""
+    if hasattr(hidden, "full_tensor"):  # sequence-parallel hidden states: the head needs every token
+        hidden = hidden.full_tensor()
+    fn = _chunk_fn(head)
     if chunks <= 1:
-        return _head_loss_sum(head, hidden, targets)  # one call: the same numbers as the plain model's logits
+        return fn(head, hidden, targets)  # one call: the same numbers as the plain model's logits
     total = None
     for h, y in zip(hidden.flatten(0, -2).tensor_split(chunks), targets.flatten().tensor_split(chunks), strict=True):
         # Only h (and y) are kept for backward; the chunk's logits are recomputed there.
-        part = checkpoint(_head_loss_sum, head, h, y, use_reentrant=False)
+        part = checkpoint(fn, head, h, y, use_reentrant=False)
         total = part if total is None else total + part
     return total
 
@@ -79,6 +109,15 @@ class LossForward:
 
 
 _CLASSES: dict[type, type] = {}
+
+
+def loss_head(model: nn.Module) -> nn.Module | None:
+    """The module the loss applies to the final hidden states: LM head, or BERT's `cls`."""
+    for name in ("lm_head", "cls"):
+        head = getattr(model, name, None)
+        if isinstance(head, nn.Module):
+            return head
+    return None
 
 
 def install_loss_forward(model: nn.Module, chunks: int) -> nn.Module:

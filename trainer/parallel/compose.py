@@ -2,7 +2,8 @@
 
 Order (torchtitan's): split for PP first; then on each part TP, activation checkpointing, compile
 of each block, FSDP/DDP. Sharded layouts (FSDP2, TP) are composed on the meta device and each rank
-then materialises only its shards from the seeded CPU model (materialize.py).
+then materialises only its shards from the seeded CPU model, which one rank per stage builds
+(materialize.py).
 PP: trainer/parallel/pipeline.py (+ stages.py, partition.py); TP: tensor_parallel.py; activation
 checkpointing: activation_checkpoint.py; compile: compile.py. The LM loss runs inside the root
 forward (trainer/models/lm_loss.py), chunked over tokens (train.loss_chunks).
@@ -35,12 +36,13 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer.config import Config, ConfigError
-from trainer.config_checks import resolve_loss_chunks
+from trainer.config_checks import microbatch_tokens, resolve_loss_chunks
+from trainer.dist_env import resolve_param_dtype
 from trainer.models.build import ModelSpec, Task
-from trainer.models.lm_loss import install_loss_forward, loss_context
+from trainer.models.lm_loss import compile_loss, install_loss_forward, loss_context, loss_head
 from trainer.parallel.activation_checkpoint import apply_activation_checkpointing, blocks_of
 from trainer.parallel.compile import compile_blocks, resolve_compile
-from trainer.parallel.data_parallel import apply_ddp, apply_fsdp, set_grad_sync
+from trainer.parallel.data_parallel import apply_ddp, apply_fsdp, one_rank_mesh, set_grad_sync
 from trainer.parallel.materialize import materialize, to_meta
 from trainer.parallel.mesh import ParallelDims
 
@@ -74,6 +76,11 @@ def check_supported(cfg: Config) -> None:
                        hf.num_hidden_layers)
         partition_layers(p.partition, hf.num_hidden_layers, p.pp * p.virtual_stages, layer_params=1)
     check_tp(hf, p.tp, check_vocab=False)
+    from trainer.parallel.tensor_parallel import sequence_parallel_applies
+
+    if p.tp > 1 and p.sequence_parallel and sequence_parallel_applies(hf, p.pp > 1) and cfg.data.seq_len % p.tp:
+        raise ConfigError(f"data.seq_len {cfg.data.seq_len} is not divisible by parallel.tp {p.tp} (sequence "
+                          f"parallelism shards the sequence); change one, or set parallel.sequence_parallel false")
 
 
 @dataclass
@@ -159,30 +166,52 @@ def parallelize(model: nn.Module, spec: ModelSpec, dims: ParallelDims, cfg: Conf
                 backend: str) -> Parallelized:
     check_supported(cfg)
     t = cfg.train
-    chunks = resolve_loss_chunks(t.loss_chunks, spec.task, int(getattr(spec.hf_config, "vocab_size", 0) or 0))
-    compile_on = resolve_compile(t.compile, device.type)
+    chunks = resolve_loss_chunks(t.loss_chunks, spec.task, int(getattr(spec.hf_config, "vocab_size", 0) or 0),
+                                 microbatch_tokens(cfg))
+    compile_mode = resolve_compile(t.compile, device.type)
     task = Task(spec.task, fused=spec.task != "mae")
     if task.fused:
         install_loss_forward(model, chunks)
     if dims.pp > 1:
-        return _parallelize_pipeline(model, spec, dims, cfg, device, backend, task, chunks, compile_on)
-    data_parallel = dims.mesh is not None and dims.dp > 1
+        return _parallelize_pipeline(model, spec, dims, cfg, device, backend, task, chunks, compile_mode)
+    # bf16 parameters (train.param_dtype) are FSDP2's mixed precision: FSDP2 on every layout then.
+    mixed = resolve_param_dtype(t.param_dtype, t.dtype, device.type) == "bf16"
+    data_parallel = dims.mesh is not None and (dims.dp > 1 or mixed)
     ref = to_meta(model) if _sharded(dims) else None
     if ref is None:
         model.to(device)
     if dims.tp > 1:
-        from trainer.parallel.tensor_parallel import apply_tp
-
-        apply_tp(model, dims.mesh["tp"], spec.hf_config)
-        log.info("TP over %d ranks: attention/MLP column+row parallel, vocab-parallel embedding, head and loss",
-                 dims.tp)
-    _checkpoint_and_compile(model, cfg, dims, compile_on)
+        _apply_tp(model, spec, dims, cfg, pipeline=False)
+    _checkpoint_and_compile(model, cfg, dims, compile_mode)
     par = Parallelized([model], task, dims, device, cfg.train.dtype)
     if data_parallel:
         par.model_parts = [_apply_dp(par, model, blocks_of(model), dims, cfg, backend)]
+    elif mixed:  # one process: FSDP2 over a mesh of this rank alone, for its mixed precision
+        _apply_fsdp(par, model, blocks_of(model), one_rank_mesh(device), cfg, backend, reshard=False)
+        log.info("train.param_dtype bf16: FSDP2 mixed precision on one rank (bf16 compute, fp32 master weights)")
     if ref is not None:
-        materialize(model, ref, device)
+        materialize(model, ref, device, group=dims.stage_group, source=dims.builds_weights)
     return par
+
+
+def builds_on_meta(dims: ParallelDims) -> bool:
+    """This rank builds the model on the meta device and receives its weights (materialize.py)."""
+    return _sharded(dims) and not dims.builds_weights
+
+
+def _apply_tp(module: nn.Module, spec: ModelSpec, dims: ParallelDims, cfg: Config, pipeline: bool,
+              announce: bool = True) -> None:
+    from trainer.parallel.tensor_parallel import apply_tp, sequence_parallel_applies
+
+    sp = cfg.parallel.sequence_parallel and sequence_parallel_applies(spec.hf_config, pipeline)
+    apply_tp(module, dims.mesh["tp"], spec.hf_config, sequence_parallel=sp)
+    if not announce:
+        return
+    log.info("TP over %d ranks: attention/MLP column+row parallel, vocab-parallel embedding, head and loss%s",
+             dims.tp, "; sequence parallel norms and residual stream" if sp else "")
+    if cfg.parallel.sequence_parallel and not sp:
+        log.info("parallel.sequence_parallel: not applied (%s)", "pipeline stages send replicated activations"
+                 if pipeline else f"{spec.family}: decoder families only")
 
 
 def _sharded(dims: ParallelDims) -> bool:
@@ -190,29 +219,43 @@ def _sharded(dims: ParallelDims) -> bool:
     return dims.mesh is not None and (dims.tp > 1 or (dims.fsdp and dims.dp > 1))
 
 
-def _checkpoint_and_compile(module: nn.Module, cfg: Config, dims: ParallelDims, compile_on: bool,
+def _checkpoint_and_compile(module: nn.Module, cfg: Config, dims: ParallelDims, compile_mode: str,
                             announce: bool = True) -> None:
-    """Activation checkpointing, then torch.compile, of every block of a model or stage (in place)."""
+    """Activation checkpointing, then torch.compile, of every block of a model or stage (in place),
+    and of the chunked LM head + loss where this rank computes it (not vocab-parallel: see lm_loss)."""
     mode = cfg.train.activation_checkpointing
     n = apply_activation_checkpointing(module, mode)
     if n and announce:
         log.info("activation checkpointing %s on %d blocks", mode, n)
-    if compile_on:
-        n = compile_blocks(module, tp=dims.tp, announce=announce)
-        if n and announce:
-            log.info("torch.compile: %d blocks compiled in place", n)
+    if compile_mode == "false":
+        return
+    backend = cfg.train.compile_backend
+    n = compile_blocks(module, mode=compile_mode, backend=backend)
+    head = loss_head(module)
+    loss = head is not None and dims.tp == 1 and hasattr(module, "loss_chunks")
+    if loss:
+        compile_loss(head, backend)
+    if announce:
+        log.info("torch.compile: %d blocks compiled in place%s (backend %s, fullgraph, static shapes, %s)", n,
+                 " + LM head and loss" if loss else "", backend,
+                 "eager where a block cannot compile" if compile_mode == "try" else "errors end the run")
 
 
 def _apply_dp(par: Parallelized, model: nn.Module, blocks: list[nn.Module], dims: ParallelDims, cfg: Config,
               backend: str, pipeline: bool = False) -> nn.Module:
     """FSDP2 (zero2/zero3/hybrid) or DDP on one model or pipeline stage; returns what to run."""
     if dims.fsdp:
-        param_dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else None
-        apply_fsdp(model, blocks, dims.fsdp_mesh, reshard_after_forward=dims.sharding.startswith("zero3"),
-                   param_dtype=param_dtype, backend=backend, pipeline=pipeline)
-        par.fsdp = True
-        par.sync_every_microbatch = dims.sharding.startswith("zero3")
+        _apply_fsdp(par, model, blocks, dims.fsdp_mesh, cfg, backend, reshard=dims.sharding.startswith("zero3"),
+                    pipeline=pipeline)
         log.info("FSDP2 %s over mesh %s: %d blocks + root", dims.sharding, dims.fsdp_mesh.mesh_dim_names, len(blocks))
+        return model
+    if resolve_param_dtype(cfg.train.param_dtype, cfg.train.dtype, par.device.type) == "bf16":
+        # DDP with bf16 parameters: FSDP2 over (replicate dp, shard 1), i.e. replicated weights
+        # whose gradients are all-reduced, with FSDP2's mixed precision.
+        mesh = dims.mesh["dp_replicate", "dp_shard"]
+        _apply_fsdp(par, model, blocks, mesh, cfg, backend, reshard=False, pipeline=pipeline)
+        log.info("DDP as FSDP2 over (replicate %d, shard 1) for train.param_dtype bf16: %d blocks + root",
+                 dims.dp_replicate, len(blocks))
         return model
     if dims.tp > 1:
         raise ConfigError("parallel.sharding: ddp with tensor parallelism is not supported; use zero2 or zero3")
@@ -224,12 +267,27 @@ def _apply_dp(par: Parallelized, model: nn.Module, blocks: list[nn.Module], dims
         log.info("DDP (replicate) over %d ranks on each pipeline stage", dims.dp)
         return replicate(model, mesh=dims.fsdp_mesh)
     log.info("DDP over %d ranks", dims.dp)
-    return apply_ddp(model, dims.fsdp_mesh, device=par.device, backend=backend)
+    from trainer.profiling.batches import parse_batches
+
+    # The Python comm hook only where it is needed: ordered sums (gloo, >= 3 ranks) or a profile
+    # that times each bucket's reduction (reduce_timing.py).
+    observe = bool(parse_batches(cfg.profile.batch) or cfg.profile.num_prof_steps)
+    return apply_ddp(model, dims.fsdp_mesh, device=par.device, backend=backend, observe=observe)
+
+
+def _apply_fsdp(par: Parallelized, model: nn.Module, blocks: list[nn.Module], mesh: Any, cfg: Config, backend: str,
+                reshard: bool, pipeline: bool = False) -> None:
+    bf16 = resolve_param_dtype(cfg.train.param_dtype, cfg.train.dtype, par.device.type) == "bf16" or \
+        cfg.train.dtype == "bf16"
+    apply_fsdp(model, blocks, mesh, reshard_after_forward=reshard, param_dtype=torch.bfloat16 if bf16 else None,
+               backend=backend, pipeline=pipeline)
+    par.fsdp = True
+    par.sync_every_microbatch = reshard
 
 
 def _parallelize_pipeline(model: nn.Module, spec: ModelSpec, dims: ParallelDims, cfg: Config,
                           device: torch.device, backend: str, task: Task, chunks: int,
-                          compile_on: bool) -> Parallelized:
+                          compile_mode: str) -> Parallelized:
     """PP first (this rank's stages), then on each stage TP, checkpointing, compile, FSDP/DDP."""
     from trainer.parallel.materialize import cpu_reference
     from trainer.parallel.pipeline import (
@@ -240,8 +298,6 @@ def _parallelize_pipeline(model: nn.Module, spec: ModelSpec, dims: ParallelDims,
         split_for_pipeline,
         tied_groups,
     )
-    from trainer.parallel.tensor_parallel import apply_tp
-
     p, t = cfg.parallel, cfg.train
     if task.kind not in ("causal_lm", "masked_lm"):
         raise ConfigError(f"parallel.pp: pipeline parallelism supports language models, not {spec.family}")
@@ -258,12 +314,12 @@ def _parallelize_pipeline(model: nn.Module, spec: ModelSpec, dims: ParallelDims,
         part.loss_chunks = chunks  # the last stage computes the loss in its forward, chunked
         part.to("meta" if sharded else device)
         if dims.tp > 1:
-            apply_tp(part, dims.mesh["tp"], spec.hf_config)
-        _checkpoint_and_compile(part, cfg, dims, compile_on, announce=i == 0)
-        if dims.dp > 1:
+            _apply_tp(part, spec, dims, cfg, pipeline=True, announce=i == 0)
+        _checkpoint_and_compile(part, cfg, dims, compile_mode, announce=i == 0)
+        if dims.dp > 1 or resolve_param_dtype(t.param_dtype, t.dtype, device.type) == "bf16":
             parts[s] = _apply_dp(par, part, blocks_of(part), dims, cfg, backend, pipeline=True)
     for s in refs:
-        materialize(parts[s], refs[s], device)
+        materialize(parts[s], refs[s], device, group=dims.stage_group, source=dims.builds_weights)
     pp_group = dims.mesh["pp"].get_group()
     pgs = tied_groups(tied, sched, p.pp, num_stages, pp_lines(dims.mesh))
     par.runner = PipelineRunner(parts, sched, num_stages, pp_group, device, tied=tied, tied_pgs=pgs, tp=dims.tp)

@@ -5,6 +5,14 @@
 - zero2: the same with reshard_after_forward=False (params stay gathered until backward ends;
   grads and optimizer state sharded).
 - *_hybrid: the same over a 2-D (dp_replicate, dp_shard) mesh: HSDP, replicate across nodes.
+- train.param_dtype bf16: FSDP2's MixedPrecisionPolicy (bf16 weights in compute, fp32 master
+  weights, fp32 gradient reduction) on every layout: ddp becomes FSDP2 over (replicate dp, shard 1)
+  and one process FSDP2 over a mesh of itself (`one_rank_mesh`), so activations are bf16 throughout
+  instead of autocast's bf16 matmuls over an fp32 residual stream.
+
+DDP reduces into its buckets' memory (gradient_as_bucket_view: no second copy of the gradients)
+with its own C++ all-reduce; the Python communication hook only where it is needed (ordered
+sums on gloo with >= 3 ranks, or a profile that times each bucket).
 
 Known trap: over gloo, ReduceOp.AVG has been a silent SUM (pytorch/pytorch#162338), so FSDP2
 on gloo is told to reduce with SUM and divide itself (`set_force_sum_reduction_for_comms`).
@@ -51,19 +59,34 @@ class GradReduceHook:
         return self.observer(bucket, self.reduce)
 
 
-def apply_ddp(model: nn.Module, dp_mesh: Any, device: torch.device, backend: str) -> nn.Module:
+def apply_ddp(model: nn.Module, dp_mesh: Any, device: torch.device, backend: str, observe: bool = True) -> nn.Module:
+    """DDP over `dp_mesh`; the comm hook (GradReduceHook, as `ddp.grad_reduce`) only when the sums must
+    be ordered or `observe` (a profile will time the reduction)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from trainer.parallel.ordered_reduce import needs_ordered_grads
 
     # Parameters are already identical on every rank (same seed), but DDP broadcasts rank 0's anyway.
-    kwargs: dict[str, Any] = {"device_mesh": dp_mesh}
+    kwargs: dict[str, Any] = {"device_mesh": dp_mesh, "gradient_as_bucket_view": True}
     if device.type == "cuda":
         kwargs["device_ids"] = [device.index]
     ddp = DDP(model, **kwargs)
-    ddp.grad_reduce = GradReduceHook(dp_mesh.get_group(), needs_ordered_grads(backend, dp_mesh.size()))
-    ddp.register_comm_hook(None, ddp.grad_reduce.hook)
+    ordered = needs_ordered_grads(backend, dp_mesh.size())
+    if ordered or observe:
+        ddp.grad_reduce = GradReduceHook(dp_mesh.get_group(), ordered)
+        ddp.register_comm_hook(None, ddp.grad_reduce.hook)
     return ddp
+
+
+def one_rank_mesh(device: torch.device) -> Any:
+    """A 1-D mesh of this process alone (FSDP2 needs a mesh, also on one device); starts a process
+    group of one rank on an in-memory store (no network) when none is running."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from trainer.dist_env import init_one_rank_group
+
+    init_one_rank_group(device)
+    return init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
 
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: Any, *, reshard_after_forward: bool,

@@ -3,7 +3,8 @@
 Mesh dims, outermost first: ("pp", "dp_replicate", "dp_shard", "tp") — tp fastest so TP peers
 sit on the same node, pp slowest. dp = dp_replicate x dp_shard; dp = world / (tp x pp) when not
 given. Sub-meshes by name: `mesh["pp"]`, `mesh["tp"]`, `dims.dp_mesh` (1-D "dp" for data
-sharding and loss averaging), `dims.fsdp_mesh` (what fully_shard/DDP receive).
+sharding and loss averaging), `dims.fsdp_mesh` (what fully_shard/DDP receive), "stage" (every
+rank of one pipeline stage: dp x tp flattened, over which set-up broadcasts the seeded weights).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class ParallelDims:
         self.mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
                                      mesh_dim_names=DIM_NAMES)
         self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        self.mesh["dp_replicate", "dp_shard", "tp"]._flatten("stage")
         return self.mesh
 
     # --- sub-meshes and coordinates (single-process runs have no mesh: everything is rank 0 of 1)
@@ -89,6 +91,16 @@ class ParallelDims:
         if self.mesh is None:
             return 0
         return self.mesh[name].get_local_rank()
+
+    @property
+    def stage_group(self) -> Any:
+        """The process group of this rank's pipeline stage (all its dp and tp ranks)."""
+        return None if self.mesh is None else self.mesh["stage"].get_group()
+
+    @property
+    def builds_weights(self) -> bool:
+        """The one rank of its stage that builds the seeded model on the CPU (materialize.py)."""
+        return all(self.coord(n) == 0 for n in DIM_NAMES if n != "pp")
 
     @property
     def dp_rank(self) -> int:

@@ -7,6 +7,19 @@ head is column-parallel on the vocabulary with its logits LEFT sharded (a DTenso
 the cross-entropy runs vocab-parallel (torch's loss_parallel, trainer/models/lm_loss.py), so no
 TP rank ever holds the full [tokens, vocab] logits.
 
+Sequence parallelism (parallel.sequence_parallel, decoder families, whole models), torchtitan's
+plan: between the TP regions the residual stream, the norms and their activations are sharded
+over the sequence (Shard(1)) instead of replicated: the embedding's partial sums are
+reduce-scattered over the sequence, each norm runs on its sequence shard (SequenceParallel), each
+attention/MLP input is all-gathered (PrepareModuleInput) and each output projection's partial sums
+reduce-scattered back (RowwiseParallel(output_layouts=Shard(1))): the same two collectives' worth
+of traffic per block as the all-reduces they replace, with 1/tp of the norm and residual
+activations per rank. The residual stream stays a DTensor (global shape), so the transformers
+model still computes positions, rotary embeddings and the causal mask for the whole sequence;
+the final norm's output is gathered before the vocab-parallel head (lm_loss.py).
+BERT (post-norm, its LayerNorms inside the output modules) and pipeline stages (which send plain
+tensors between ranks) keep the replicated layout.
+
 Works on a whole model or on a pipeline stage module (trainer.parallel.stages): submodules a
 stage does not hold are simply skipped.
 """
@@ -45,13 +58,38 @@ def check_tp(config, tp: int, check_vocab: bool = True) -> None:
                                       f"choose a tp that divides it")
 
 
-def _plan(mt: str, tp_mesh) -> tuple[dict, dict, list[str]]:
+def sequence_parallel_applies(config, pipeline: bool) -> bool:
+    """Whether parallel.sequence_parallel can shard this model's sequence (see the module doc)."""
+    return getattr(config, "model_type", None) in DECODER_TYPES and not pipeline
+
+
+def _plan(mt: str, tp_mesh, sequence_parallel: bool = False) -> tuple[dict, dict, list[str]]:
     """(top-level plan, per-layer plan, attention submodule name) for a family."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     vocab_embed = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     vocab_head = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    if mt in DECODER_TYPES and sequence_parallel:
+        from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
+
+        seq = Shard(1)
+        top = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq,
+                                                     use_local_output=False),
+               "model.norm": SequenceParallel(), "lm_head": vocab_head}
+        layer = {"input_layernorm": SequenceParallel(),
+                 "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": seq},
+                                                 desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                                                 use_local_output=True),
+                 "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+                 "self_attn.v_proj": ColwiseParallel(),
+                 "self_attn.o_proj": RowwiseParallel(output_layouts=seq, use_local_output=False),
+                 "post_attention_layernorm": SequenceParallel(),
+                 "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
+                                           use_local_output=True),
+                 "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                 "mlp.down_proj": RowwiseParallel(output_layouts=seq, use_local_output=False)}
+        return top, layer, ["self_attn"]
     if mt in DECODER_TYPES:
         top = {"model.embed_tokens": vocab_embed, "lm_head": vocab_head}
         layer = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
@@ -77,8 +115,9 @@ def _present(module: nn.Module, plan: dict) -> dict:
     return {k: v for k, v in plan.items() if k in names}
 
 
-def apply_tp(module: nn.Module, tp_mesh, config) -> nn.Module:
-    """Parallelize a full model or a stage module in place over the 1-D `tp_mesh`."""
+def apply_tp(module: nn.Module, tp_mesh, config, sequence_parallel: bool = False) -> nn.Module:
+    """Parallelize a full model or a stage module in place over the 1-D `tp_mesh` (with sequence
+    parallelism where asked and `sequence_parallel_applies`)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     tp = tp_mesh.size()
@@ -86,7 +125,7 @@ def apply_tp(module: nn.Module, tp_mesh, config) -> nn.Module:
     if tp == 1:
         return module
     mt = config.model_type
-    top, layer_plan, attn_names = _plan(mt, tp_mesh)
+    top, layer_plan, attn_names = _plan(mt, tp_mesh, sequence_parallel and mt in DECODER_TYPES)
     # A weight tied inside this module (single-stage embedding/head) must stay one Parameter.
     ties = _find_ties(module)
     parallelize_module(module, tp_mesh, _present(module, top))

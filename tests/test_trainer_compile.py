@@ -1,0 +1,196 @@
+"""torch.compile in the trainer, on CPU: every layout compiled equals one eager process, nothing
+falls back to eager silently, and the chunked LM head + loss compiles too.
+
+The layouts run dynamo + AOTAutograd (`aot_eager` backend: the graphs, the autograd split and the
+DTensor/FSDP2/DDP/pipeline interplay, without inductor's C++ code generation, which costs ~30 s
+of CPU per process here); test_trainer_speed.py::test_compile_true_keeps_the_losses runs the
+inductor backend itself in one process, tests/test_gpu.py on CUDA.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from tests.parallel_equiv import assert_equivalent, run_layout
+
+COMPILE = ("--train.compile", "true", "--train.compile_backend", "aot_eager", "--profile.batch", "none")
+# layout -> (processes, trainer args, microbatches per batch, dp)
+LAYOUTS = {
+    "ddp2-chunked-loss": (2, ("--parallel.sharding", "ddp", "--train.loss_chunks", "4"), 1, 2),
+    "zero3x2-ac-selective": (2, ("--parallel.sharding", "zero3", "--train.activation_checkpointing", "selective"),
+                             2, 2),
+    "pp2-1f1b-ac-full": (2, ("--parallel.pp", "2", "--parallel.pp_schedule", "1f1b",
+                             "--train.activation_checkpointing", "full"), 4, 1),
+    "tp2-sequence-parallel": (2, ("--parallel.tp", "2"), 1, 1),
+}
+GRAPHS = re.compile(r"torch\.compile: (\d+) graph\(s\) compiled in the first step, (\d+) graph break\(s\)")
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_compiled_layout_equals_one_eager_process(tmp_path, layout):
+    nproc, args, micro, dp = LAYOUTS[layout]
+    metrics = run_layout(tmp_path, "llama", nproc, *args, *COMPILE, micro=micro, dp=dp)
+    assert_equivalent(metrics, "llama")  # losses within 1e-5 of the single eager process
+    for rank in range(nproc):
+        log = (tmp_path / "logs" / f"rank{rank}.log").read_text()
+        assert "blocks compiled in place" in log, log[-2000:]
+        m = GRAPHS.search(log)
+        assert m and int(m[1]) >= 1 and int(m[2]) == 0, log[-2000:]  # compiled code ran, in whole graphs
+    if layout.startswith("tp2"):
+        assert "sequence parallel norms and residual stream" in (tmp_path / "logs" / "rank0.log").read_text()
+
+
+# ------------------------------------------------------------------ no silent eager
+
+
+class _Breaks(nn.Module):
+    """A block dynamo cannot trace whole (an explicit graph break)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.lin(x)
+        torch._dynamo.graph_break()
+        return x * 2
+
+
+class _Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleList([_Breaks(), _Breaks()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.model.layers:
+            x = b(x)
+        return x
+
+
+def test_a_graph_break_ends_the_run_with_compile_true():
+    from trainer.parallel.compile import CompileError, compile_blocks
+
+    torch.manual_seed(0)
+    model = _Model()
+    assert compile_blocks(model, mode="true", backend="eager") == 2
+    with pytest.raises(CompileError, match=r"block model\.layers\.0 does not compile .*train\.compile try"):
+        model(torch.randn(2, 4))
+
+
+def test_compile_try_runs_the_blocks_eager_with_one_warning(caplog):
+    from trainer.parallel.compile import blocks_running_eager, compile_blocks
+
+    torch.manual_seed(0)
+    model, ref = _Model(), _Model()
+    ref.load_state_dict(model.state_dict())
+    compile_blocks(model, mode="try", backend="eager")
+    x = torch.randn(2, 4)
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        for _ in range(2):
+            out = model(x)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "block model.layers.0 does not compile" in warnings[0], warnings
+    assert "all 2 blocks of this model run eager" in warnings[0]
+    assert torch.equal(out, ref(x))
+    assert blocks_running_eager(model) == ["model.layers.0", "model.layers.1"]
+
+
+def test_blocks_compile_whole_with_static_shapes():
+    """fullgraph + dynamic=False: one graph serves both blocks; another batch shape (evaluation)
+    adds a second static graph, never a shape-generic one."""
+    from torch._dynamo.utils import counters
+
+    from trainer.config import ModelConfig
+    from trainer.models import build_model, model_spec
+    from trainer.parallel.compile import compile_blocks, compile_report
+
+    mc = ModelConfig(preset="tiny-llama")
+    model = build_model(model_spec(mc), mc, 0)
+    compile_blocks(model, backend="eager")
+    torch._dynamo.reset()
+    counters.clear()
+    model(input_ids=torch.randint(0, 500, (2, 16)))
+    assert compile_report() == {"graphs": 1, "graph_breaks": 0}
+    model(input_ids=torch.randint(0, 500, (3, 16)))
+    assert compile_report()["graphs"] == 2
+    model(input_ids=torch.randint(0, 500, (3, 16)))
+    assert compile_report()["graphs"] == 2
+
+
+# ------------------------------------------------------------------ the chunked loss, compiled
+
+
+def _peak_cpu_bytes(fn) -> int:
+    """Peak bytes the CPU allocator held above its level at the start of `fn` (profiler memory events)."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text())["traceEvents"]
+    mem = [e["args"] for e in events if e.get("name") == "[memory]"]
+    start = mem[0]["Total Allocated"] - mem[0]["Bytes"]
+    return max(m["Total Allocated"] for m in mem) - start
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "compiled"])
+def test_peak_memory_falls_as_loss_chunks_grow(backend):
+    """Loss chunks 1 / 4 / 16 on a 8192-token vocabulary: the same loss and gradients, and the
+    allocator's peak over forward + backward falls with every step up."""
+    from trainer.config import ModelConfig
+    from trainer.models import build_model, model_spec
+    from trainer.models.lm_loss import compile_loss, install_loss_forward
+
+    mc = ModelConfig(preset="tiny-llama", vocab_size=8192)
+    spec = model_spec(mc)
+    x = torch.randint(0, 8192, (4, 128))
+    results = {}
+    for chunks in (1, 4, 16):
+        model = install_loss_forward(build_model(spec, mc, 0), chunks)
+        if backend:
+            compile_loss(model.lm_head, backend)
+            model(input_ids=x, targets=x).backward()  # compiles outside the measured step
+            model.zero_grad(set_to_none=True)
+        out = {}
+
+        def step(model=model, out=out) -> None:
+            loss = model(input_ids=x, targets=x)
+            loss.backward()
+            out["loss"] = loss.detach()
+
+        peak = _peak_cpu_bytes(step)
+        results[chunks] = (peak, out["loss"], model.lm_head.weight.grad.clone())
+    (p1, l1, g1), (p4, l4, g4), (p16, l16, g16) = results[1], results[4], results[16]
+    assert p16 < p4 < p1, (p1, p4, p16)
+    assert p1 - p16 > 2 * 4 * 128 * 8192 * 4 * 0.5  # at least half the fp32 logits and their gradient
+    for loss, grad in ((l4, g4), (l16, g16)):
+        assert torch.allclose(loss, l1, rtol=1e-6)
+        assert torch.allclose(grad, g1, rtol=1e-4, atol=1e-6)
+
+
+def test_loss_chunks_auto_sizes_chunks_by_logits_elements():
+    from trainer.config_checks import LOSS_CHUNK_ELEMENTS, resolve_loss_chunks
+
+    assert LOSS_CHUNK_ELEMENTS == 2 ** 28
+    # qwen3-0.6b, batch 8 x 2048: 16384 x 151936 logits = 9.3 x 2^28 -> 16 equal chunks of 1024 tokens
+    assert resolve_loss_chunks("auto", "causal_lm", 151936, 8 * 2048) == 16
+    assert resolve_loss_chunks("auto", "causal_lm", 151936, 32 * 2048) == 64   # grows with the batch
+    assert resolve_loss_chunks("auto", "causal_lm", 49152, 4 * 2048) == 2      # smollm-1.7b, batch 4
+    assert resolve_loss_chunks("auto", "causal_lm", 49152, 1 * 2048) == 1
+    assert resolve_loss_chunks("auto", "causal_lm", 512, 128) == 1
+    assert resolve_loss_chunks("auto", "causal_lm", 2 * 10 ** 6, 3 * 7 * 11) == 3  # 1.7 -> 2 -> first divisor: 3
+    assert resolve_loss_chunks("auto", "mae", 0, 64) == 1
+    assert resolve_loss_chunks(3, "causal_lm", 512, 128) == 3

@@ -1,0 +1,169 @@
+"""The GPU-server defaults, checked on CPU: bf16 parameters through FSDP2's mixed precision (one
+process and DDP) against autocast, DDP's gradient buckets and hook, the log cadence, the CUDA
+allocator setting, the device index of a local rank, and memory in GiB, the largest over ranks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from tests.trainer_run import REPO, checkpoint_tensors, read_metrics, run_trainer, trainer_env
+
+BF16 = ("--config", "configs/tiny.yaml", "--train.steps", "4", "--optim.lr", "0.01", "--train.dtype", "bf16",
+        "--profile.batch", "none")
+BF16_RTOL = 2e-2  # bf16 keeps 8 bits of mantissa: activations in bf16 vs fp32 residual stream and norms
+
+
+@pytest.fixture(scope="module")
+def autocast_losses(tmp_path_factory) -> list[float]:
+    """One process, bf16 autocast over fp32 weights (train.param_dtype fp32)."""
+    out = tmp_path_factory.mktemp("autocast")
+    run_trainer(out, *BF16, "--train.param_dtype", "fp32")
+    assert yaml.safe_load((out / "config.yaml").read_text())["train"]["param_dtype"] == "fp32"
+    return [r["loss"] for r in read_metrics(out)]
+
+
+def _close_not_equal(got: list[float], want: list[float]) -> None:
+    assert len(got) == len(want) == 4
+    for step, (a, b) in enumerate(zip(got, want, strict=True), 1):
+        assert abs(a - b) <= BF16_RTOL * abs(b), f"step {step}: {a} vs autocast {b}"
+    assert got != want  # bf16 activations are not autocast's numbers: the setting took effect
+
+
+def test_bf16_parameters_on_one_process_match_autocast(tmp_path, autocast_losses):
+    """train.param_dtype bf16 in one process: FSDP2 over a one-rank mesh, bf16 compute, and the
+    master weights and AdamW state the checkpoint holds are fp32."""
+    proc = run_trainer(tmp_path, *BF16, "--train.param_dtype", "bf16", "--checkpoint.enabled", "true")
+    assert "FSDP2 mixed precision on one rank" in proc.stdout
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["train"]["param_dtype"] == "bf16"
+    _close_not_equal([r["loss"] for r in read_metrics(tmp_path)], autocast_losses)
+    saved = checkpoint_tensors(tmp_path / "checkpoints" / "step-4")
+    weights = {k: v for k, v in saved.items() if k.startswith("app.model.")}
+    state = {k: v for k, v in saved.items() if k.startswith("app.optim.state.") and v.dim() > 0}
+    assert weights and state
+    assert {v.dtype for v in weights.values()} == {v.dtype for v in state.values()} == {torch.float32}
+
+
+@pytest.mark.multiproc
+def test_bf16_parameters_with_ddp_match_autocast(tmp_path, autocast_losses):
+    proc = run_trainer(tmp_path, *BF16, "--train.param_dtype", "bf16", "--parallel.sharding", "ddp",
+                       "--train.batch_size", "2", nproc=2)
+    assert "DDP as FSDP2 over (replicate 2, shard 1)" in proc.stdout
+    _close_not_equal([r["loss"] for r in read_metrics(tmp_path)], autocast_losses)
+
+
+def test_param_dtype_resolution_and_errors():
+    from trainer.config import ConfigError, resolve
+    from trainer.dist_env import resolve_param_dtype
+
+    assert resolve_param_dtype("auto", "bf16", "cuda") == "bf16"
+    assert resolve_param_dtype("auto", "bf16", "cpu") == "fp32"  # CPU runs keep autocast unless asked
+    assert resolve_param_dtype("auto", "fp32", "cuda") == "fp32"
+    assert resolve(None, [("train.steps", 1), ("train.param_dtype", "bfloat16")], environ={}).train.param_dtype == "bf16"
+    with pytest.raises(ConfigError, match="train.param_dtype: 'fp16'"):
+        resolve(None, [("train.steps", 1), ("train.param_dtype", "fp16")], environ={})
+    with pytest.raises(ConfigError, match="train.param_dtype bf16 .* train.dtype is fp32"):
+        resolve(None, [("train.steps", 1), ("train.param_dtype", "bf16"), ("train.dtype", "fp32")], environ={})
+
+
+def test_ddp_reduces_in_its_buckets_with_a_python_hook_only_where_needed():
+    import torch.distributed as dist
+
+    from trainer.parallel.data_parallel import apply_ddp, one_rank_mesh
+
+    try:
+        mesh = one_rank_mesh(torch.device("cpu"))
+        plain = apply_ddp(torch.nn.Linear(4, 4), mesh, torch.device("cpu"), "gloo", observe=False)
+        assert plain.gradient_as_bucket_view and not hasattr(plain, "grad_reduce")
+        plain(torch.randn(2, 4)).sum().backward()
+        assert plain.module.weight.grad is not None
+        timed = apply_ddp(torch.nn.Linear(4, 4), mesh, torch.device("cpu"), "gloo", observe=True)
+        assert timed.grad_reduce.ordered is False  # the profiler's observer needs the hook; no ordering
+    finally:
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ log cadence, allocator, device index
+
+
+def test_log_interval_auto_is_every_step_on_cpu_and_every_tenth_on_cuda():
+    from trainer.config import ConfigError, resolve
+    from trainer.config_checks import resolve_log_interval
+
+    assert resolve_log_interval("auto", "cpu") == 1 and resolve_log_interval("auto", "cuda") == 10
+    assert resolve_log_interval(3, "cuda") == 3
+    assert resolve(None, [("train.steps", 1)], environ={}).logging.log_interval == "auto"
+    assert resolve(None, [("train.steps", 1), ("logging.log_interval", "4")], environ={}).logging.log_interval == 4
+    with pytest.raises(ConfigError, match="logging.log_interval must be auto or >= 1"):
+        resolve(None, [("train.steps", 1), ("logging.log_interval", "0")], environ={})
+
+
+def test_expandable_segments_unless_the_user_chose_an_allocator_config():
+    from trainer.dist_env import configure_allocator
+
+    env: dict[str, str] = {}
+    assert configure_allocator(env) and env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        mine = {var: "max_split_size_mb:128"}
+        assert configure_allocator(mine) is None and mine == {var: "max_split_size_mb:128"}
+
+
+def test_local_rank_maps_onto_the_visible_devices():
+    from trainer.dist_env import cuda_index
+
+    assert cuda_index(3, 1) == 0    # Slurm --gpus-per-task=1: every task sees one device
+    assert cuda_index(5, 4) == 1
+    assert [cuda_index(r, 8) for r in range(8)] == list(range(8))
+
+
+# ------------------------------------------------------------------ memory: GiB, max over ranks
+
+
+def test_memory_record_and_line_in_gib():
+    from trainer.metrics import StepStats, console_line
+
+    gib = 2 ** 30
+    r = StepStats(1, 2.0, 1e-3, 1.0, 4, 128, 0.5, 128, 1, 1e6, 1e12, 3 * gib // 2, 2 * gib).record()
+    assert r["memory_gib"] == 1.5 and r["memory_reserved_gib"] == 2.0 and r["memory_bytes"] == 3 * gib // 2
+    assert "| Memory usage:  1.50GiB (2.00GiB reserved) |" in console_line(r)
+    cpu = StepStats(1, 2.0, 1e-3, 1.0, 4, 128, 0.5, 128, 1, 1e6, 1e12, gib).record()
+    assert cpu["memory_reserved_gib"] is None and "| Memory usage:  1.00GiB | LR" in console_line(cpu)
+
+
+MEMORY_SCRIPT = """
+import json, os, sys
+import torch
+import torch.distributed as dist
+import trainer.train as train
+from types import SimpleNamespace
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+out = {}
+for reserved in (None, 10):
+    train.memory_bytes = lambda device, r=rank, res=reserved: (1000 * (r + 1), None if res is None else res * (2 - r))
+    me = SimpleNamespace(env=SimpleNamespace(distributed=True), device=torch.device("cpu"), backend="gloo")
+    out[str(reserved)] = train.Trainer._memory(me)
+open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w").write(json.dumps(out))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.multiproc
+def test_memory_is_the_largest_over_ranks(tmp_path):
+    """Every rank reports the largest allocated and the largest reserved figure of all ranks
+    (here rank 1 allocates more, rank 0 reserves more)."""
+    script = tmp_path / "memory.py"
+    script.write_text(MEMORY_SCRIPT)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(script), str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          env=trainer_env(), cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got == {"None": [2000, None], "10": [2000, 20]}
