@@ -14,3 +14,41 @@ from bench.__main__ import BENCHES
 def test_bench_module_imports_as_a_package_module(name):
     mod = importlib.import_module(f"bench.{name}")
     assert callable(getattr(mod, "main", None)), f"bench/{name}.py has no main()"
+
+
+def test_gpu_session_smoke_keeps_every_row_and_its_bookkeeping(tmp_path):
+    """bench/gpu_session.sh --smoke on CPU: the bench's real rows (trainer defaults, both compiled
+    plain loops) measure and agree on the loss, a forced out-of-memory and a hung row are recorded
+    as such, the row after the budget as skipped, and the GPU tests skip; every file lands in OUT."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import xml.etree.ElementTree as ET
+
+    from tests import REPO
+
+    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_session.sh"), "--smoke", "1500"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    session = json.loads((tmp_path / "session.json").read_text())
+    assert [(p["name"], p["rc"], p["cut_off"]) for p in session["phases"]] == [
+        ("environment", 0, False), ("gpu_throughput", 0, False), ("pytest_gpu", 0, False)]
+    doc = json.loads((tmp_path / "gpu_throughput.json").read_text())
+    assert [(r["name"], r["status"]) for r in doc["rows"]] == [
+        ("trainer (defaults)", "ok"), ("plain compiled, per layer", "ok"), ("plain compiled, whole model", "ok"),
+        ("smoke: forced out-of-memory", "oom"), ("smoke: hangs into its timeout", "timeout")]
+    assert [(r["name"], r["status"], r["why"]) for r in doc["not_run"]] == [("smoke: after the budget", "skipped",
+                                                                              "budget")]
+    assert doc["complete"] is False and doc["torch"] and doc["transformers"]
+    ok = doc["rows"][:3]
+    assert all(r["graphs"] >= 1 and r["graph_breaks"] >= 0 and r["sdpa"] == ["flash"] for r in ok), ok
+    assert all(r["reps"] == r["reps_planned"] == 2 and len(r["tokens_per_s_windows"]) == 2 for r in ok)
+    assert doc["loss_agreement"]["tiny-llama"]["agree"] and doc["loss_agreement"]["tiny-llama"]["rows"] == 3
+    assert doc["targets"]["tiny-llama"]["baselines_measured"] == ["plain compiled, per layer",
+                                                                  "plain compiled, whole model"]
+    assert len(list((tmp_path / "gpu_throughput_logs").iterdir())) == 5
+    suite = ET.parse(tmp_path / "pytest_gpu.xml").getroot().find("testsuite")
+    assert int(suite.get("tests")) >= 5 and int(suite.get("skipped")) == int(suite.get("tests"))
+    assert "torch" in (tmp_path / "environment.txt").read_text()
