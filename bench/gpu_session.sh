@@ -4,12 +4,13 @@
 #   OUT=/some/dir bench/gpu_session.sh [--smoke] [BUDGET_S]      (from anywhere; BUDGET_S default 450)
 #
 # 1. environment.txt: nvidia-smi, torch / CUDA / transformers versions.
-# 2. bench gpu_throughput (bench/gpu_throughput.py) with the budget minus a reserve for the tests
-#    (PYTEST_RESERVE_S, default 120): gpu_throughput.json, rewritten after every row (a row cut off
-#    keeps the ones before it), gpu_throughput.log, and each row's output in gpu_throughput_logs/.
-#    The headline rows run first; rows the budget cannot fit are listed in the JSON as skipped.
-# 3. pytest -m gpu tests/test_gpu.py with the time left: pytest_gpu.txt (one line per test as it
-#    finishes, so a cut-off run still shows what passed) and pytest_gpu.xml (JUnit, at the end).
+# 2. pytest -m gpu tests/test_gpu.py, at most PYTEST_MAX_S (default 150 s): pytest_gpu.txt (one
+#    line per test as it finishes, so a cut-off run still shows what passed) and pytest_gpu.xml
+#    (JUnit, written at the end).
+# 3. bench gpu_throughput (bench/gpu_throughput.py) with all the time left: gpu_throughput.json,
+#    rewritten after every row (a run cut off keeps the rows before), gpu_throughput.log, and each
+#    row's output in gpu_throughput_logs/. The headline rows run first; rows the budget cannot fit
+#    are listed in the JSON as skipped.
 # 4. session.json: each phase's exit code and seconds, the budget, and whether a phase was cut off.
 #
 # Runs with the machine's python3 (PYTHON to choose another) and PYTHONPATH=<repo>: torch with CUDA
@@ -24,7 +25,7 @@ case "$BUDGET" in ''|*[!0-9]*) echo "gpu_session: BUDGET_S must be a whole numbe
 if [ -z "${OUT:-}" ]; then echo "gpu_session: set OUT to the directory that receives the results" >&2; exit 2; fi
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-RESERVE=${PYTEST_RESERVE_S:-120}
+PYTEST_MAX=${PYTEST_MAX_S:-150}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 START=$(date +%s)
 PHASES=""
@@ -46,10 +47,23 @@ t0=$(date +%s)
 } > "$OUT/environment.txt" 2>&1
 phase environment $? $(( $(date +%s) - t0 )) false
 
-# The bench: what is left minus the tests' reserve; its own --budget stops it starting rows that
-# cannot fit, and `timeout` is only the backstop.
+# The GPU tests first, capped (PYTEST_MAX_S, default 150): what they leave goes to the bench, which
+# can always use more time (more rows).
 t0=$(date +%s)
-bench_budget=$(( $(left) - RESERVE ))
+test_budget=$(left)
+[ "$test_budget" -gt "$PYTEST_MAX" ] && test_budget=$PYTEST_MAX
+[ "$test_budget" -lt 30 ] && test_budget=30
+say "pytest -m gpu, at most ${test_budget}s"
+timeout -k 10 "$test_budget" $PY -m pytest -m gpu tests/test_gpu.py -v -rA -p no:cacheprovider \
+  --junitxml="$OUT/pytest_gpu.xml" > "$OUT/pytest_gpu.txt" 2>&1
+rc=$?
+phase pytest_gpu $rc $(( $(date +%s) - t0 )) $([ $rc = 124 ] || [ $rc = 137 ] && echo true || echo false)
+say "pytest exit $rc: $(tail -n 1 "$OUT/pytest_gpu.txt")"
+
+# The bench: everything left; its own --budget stops it starting rows that cannot fit, and
+# `timeout` is only the backstop.
+t0=$(date +%s)
+bench_budget=$(left)
 [ "$bench_budget" -lt 60 ] && bench_budget=60
 args=(--budget "$bench_budget" --json "$OUT/gpu_throughput.json" --logs "$OUT/gpu_throughput_logs")
 [ "$SMOKE" = 1 ] && args+=(--smoke)
@@ -58,16 +72,6 @@ timeout -k 10 $(( bench_budget + 30 )) $PY -m bench.gpu_throughput "${args[@]}" 
 rc=$?
 phase gpu_throughput $rc $(( $(date +%s) - t0 )) $([ $rc = 124 ] || [ $rc = 137 ] && echo true || echo false)
 say "bench exit $rc; $(grep -c '^  ' "$OUT/gpu_throughput.log" || true) row line(s)"
-
-t0=$(date +%s)
-test_budget=$(left)
-[ "$test_budget" -lt 30 ] && test_budget=30
-say "pytest -m gpu, ${test_budget}s"
-timeout -k 10 "$test_budget" $PY -m pytest -m gpu tests/test_gpu.py -v -rA -p no:cacheprovider \
-  --junitxml="$OUT/pytest_gpu.xml" > "$OUT/pytest_gpu.txt" 2>&1
-rc=$?
-phase pytest_gpu $rc $(( $(date +%s) - t0 )) $([ $rc = 124 ] || [ $rc = 137 ] && echo true || echo false)
-say "pytest exit $rc: $(tail -n 1 "$OUT/pytest_gpu.txt")"
 
 printf '{"budget_s": %s, "smoke": %s, "wall_s": %s, "phases": [%s]}\n' "$BUDGET" \
   "$([ "$SMOKE" = 1 ] && echo true || echo false)" "$(elapsed)" "$PHASES" > "$OUT/session.json"

@@ -34,7 +34,7 @@ def test_gpu_session_smoke_keeps_every_row_and_its_bookkeeping(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     session = json.loads((tmp_path / "session.json").read_text())
     assert [(p["name"], p["rc"], p["cut_off"]) for p in session["phases"]] == [
-        ("environment", 0, False), ("gpu_throughput", 0, False), ("pytest_gpu", 0, False)]
+        ("environment", 0, False), ("pytest_gpu", 0, False), ("gpu_throughput", 0, False)]
     doc = json.loads((tmp_path / "gpu_throughput.json").read_text())
     assert [(r["name"], r["status"]) for r in doc["rows"]] == [
         ("trainer (defaults)", "ok"), ("plain compiled, per layer", "ok"), ("plain compiled, whole model", "ok"),
