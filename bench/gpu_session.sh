@@ -71,7 +71,7 @@ say "bench gpu_throughput, budget ${bench_budget}s"
 timeout -k 10 $(( bench_budget + 30 )) $PY -m bench.gpu_throughput "${args[@]}" > "$OUT/gpu_throughput.log" 2>&1
 rc=$?
 phase gpu_throughput $rc $(( $(date +%s) - t0 )) $([ $rc = 124 ] || [ $rc = 137 ] && echo true || echo false)
-say "bench exit $rc; $(grep -c '^  ' "$OUT/gpu_throughput.log" || true) row line(s)"
+say "bench exit $rc; $(grep -cE '^  \S+ batch [0-9]+ ' "$OUT/gpu_throughput.log" || true) row(s) measured or failed"
 
 printf '{"budget_s": %s, "smoke": %s, "wall_s": %s, "phases": [%s]}\n' "$BUDGET" \
   "$([ "$SMOKE" = 1 ] && echo true || echo false)" "$(elapsed)" "$PHASES" > "$OUT/session.json"

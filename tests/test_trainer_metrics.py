@@ -12,7 +12,8 @@ from trainer.metrics import console_line, flops_per_token
 from trainer.optim import lr_at
 
 FIELDS = {"step", "loss", "lr", "grad_norm", "global_batch_samples", "global_batch_tokens", "tokens_per_s",
-          "tokens_per_s_per_device", "samples_per_s", "mfu", "memory_bytes", "step_time_s"}
+          "tokens_per_s_per_device", "samples_per_s", "mfu", "memory_bytes", "memory_gib", "memory_reserved_gib",
+          "step_time_s"}
 
 
 @pytest.fixture(scope="module")
