@@ -97,8 +97,8 @@ def plan(args: argparse.Namespace) -> list[Row]:
         return [*tiny, Row("smoke: forced out-of-memory", "plain", "tiny-llama", 2, group="smoke-oom"),
                 Row("smoke: hangs into its timeout", "plain", "tiny-llama", 2, group="smoke-hang"),
                 Row("smoke: after the budget", "plain", "tiny-llama", 2, group="smoke-skip")]
-    rows = [Row(n, LOOPS[n][0], p, b, dict(LOOPS[n][1])) for n in (TRAINER_DEFAULTS, COMPILED_PLAIN[0])
-            for p, b in PRESETS.items()]
+    rows = [Row(n, LOOPS[n][0], p, b, dict(LOOPS[n][1])) for p, b in PRESETS.items()
+            for n in (TRAINER_DEFAULTS, COMPILED_PLAIN[0])]
     rows += [Row(COMPILED_PLAIN[1], "plain-model", p, b) for p, b in PRESETS.items()]
     if args.quick:
         return rows
@@ -180,8 +180,9 @@ def _trainer_step(cfg, device):
     return trainer.spec, step
 
 
-SDPA_KINDS = (("flash", ("flash_fwd", "flash_bwd", "_scaled_dot_product_flash_attention", "flash_attention")),
-              ("cudnn", ("cudnn_attention", "_scaled_dot_product_cudnn", "sdpa_cudnn", "cudnn_generated_fort_native_sdpa")),
+# First match wins per name: cuDNN's kernels carry "flash" in their names too.
+SDPA_KINDS = (("cudnn", ("cudnn_attention", "_scaled_dot_product_cudnn", "sdpa_cudnn", "cudnn_generated_fort_native_sdpa")),
+              ("flash", ("flash_fwd", "flash_bwd", "_scaled_dot_product_flash_attention", "flash_attention")),
               ("efficient", ("fmha_cutlass", "efficient_attention", "_scaled_dot_product_efficient", "mem_eff")),
               ("math", ("_scaled_dot_product_attention_math",)))
 
@@ -189,9 +190,12 @@ SDPA_KINDS = (("flash", ("flash_fwd", "flash_bwd", "_scaled_dot_product_flash_at
 def sdpa_kernels(names: list[str]) -> list[str]:
     """The SDPA implementations among profiler event names (CUDA kernels and aten ops), e.g.
     ["flash"]; ["none seen"] where attention ran as plain matmuls (a decomposed math path)."""
-    low = [n.lower() for n in names]
-    found = [kind for kind, marks in SDPA_KINDS if any(m in n for n in low for m in marks)]
-    return found or ["none seen"]
+    found = set()
+    for name in (n.lower() for n in names):
+        kind = next((k for k, marks in SDPA_KINDS if any(m in name for m in marks)), None)
+        if kind:
+            found.add(kind)
+    return [k for k, _ in SDPA_KINDS if k in found] or ["none seen"]
 
 
 def _profile_step(step, device) -> tuple[list[str], list[str]]:
@@ -304,7 +308,7 @@ def worker(job: dict) -> int:
 def run_row(row: Row, args: argparse.Namespace, timeout: float, log: Path) -> dict:
     job = {"loop": row.loop, "preset": row.preset, "batch": row.batch, "overrides": row.overrides,
            "steps": args.steps, "warmup": args.warmup, "reps": args.reps, "seq": args.seq,
-           "device": "cpu" if args.smoke else "cuda", "backend": args.backend, "deadline": time.time() + timeout,
+           "device": "cpu" if args.smoke else "cuda:0", "backend": args.backend, "deadline": time.time() + timeout,
            "fault": {"smoke-oom": "oom", "smoke-hang": "hang"}.get(row.group)}
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.time()

@@ -52,3 +52,23 @@ def test_gpu_session_smoke_keeps_every_row_and_its_bookkeeping(tmp_path):
     suite = ET.parse(tmp_path / "pytest_gpu.xml").getroot().find("testsuite")
     assert int(suite.get("tests")) >= 5 and int(suite.get("skipped")) == int(suite.get("tests"))
     assert "torch" in (tmp_path / "environment.txt").read_text()
+
+
+def test_gpu_bench_plans_the_headline_first_and_names_sdpa_kernels():
+    import argparse
+
+    from bench.gpu_throughput import plan, sdpa_kernels
+
+    rows = plan(argparse.Namespace(smoke=False, quick=False))
+    head = [(r.preset, r.name) for r in rows[:9]]
+    assert head[:6] == [(p, n) for p in ("smollm-360m", "qwen3-0.6b", "smollm-1.7b")
+                        for n in ("trainer (defaults)", "plain compiled, per layer")]
+    assert head[6:] == [(p, "plain compiled, whole model") for p in ("smollm-360m", "qwen3-0.6b", "smollm-1.7b")]
+    assert {r.group for r in rows[:9]} == {"headline"} and rows[-1].group == "search"
+    assert len(plan(argparse.Namespace(smoke=False, quick=True))) == 9
+    assert sdpa_kernels(["void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128>>", "ampere_gemm"]) == [
+        "flash"]
+    assert sdpa_kernels(["cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3"]) == ["cudnn"]
+    assert sdpa_kernels(["fmha_cutlassF_bf16_aligned_64x64_rf_sm80", "aten::_efficient_attention_forward"]) == [
+        "efficient"]
+    assert sdpa_kernels(["aten::bmm", "aten::softmax"]) == ["none seen"]
