@@ -23,7 +23,9 @@ Under tensor parallelism the head leaves its logits sharded over the vocabulary 
 the cross-entropy runs vocab-parallel (torch's loss_parallel): no TP rank ever holds full logits.
 The caller wraps forward and backward in `loss_context(tp)`. With sequence parallelism the final
 hidden states arrive sharded over the sequence and are gathered first. The vocab-parallel loss
-runs eager: loss_parallel is a dispatch mode torch.compile does not trace.
+runs eager: compiled (torch 2.13, CPU/gloo, aot_eager) it returns a DTensor where eager returns a
+tensor, and the next add fails in DTensor's dispatch (an AssertionError): loss_parallel swaps
+DTensor's cross-entropy handling at run time, which the traced graph does not follow.
 """
 
 from __future__ import annotations

@@ -222,7 +222,8 @@ def _sharded(dims: ParallelDims) -> bool:
 def _checkpoint_and_compile(module: nn.Module, cfg: Config, dims: ParallelDims, compile_mode: str,
                             announce: bool = True) -> None:
     """Activation checkpointing, then torch.compile, of every block of a model or stage (in place),
-    and of the chunked LM head + loss where this rank computes it (not vocab-parallel: see lm_loss)."""
+    and of the chunked LM head + loss where this rank computes it (not the vocab-parallel one of
+    TP, which does not compile: lm_loss.py says why)."""
     mode = cfg.train.activation_checkpointing
     n = apply_activation_checkpointing(module, mode)
     if n and announce:
