@@ -171,6 +171,29 @@ def test_materialize_fills_meta_parameters_and_buffers_and_keeps_ties(preset):
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
 
 
+def test_a_stage_built_on_cpu_keeps_the_ties_of_one_built_on_meta():
+    """In a sharded pipeline, the stage's source rank builds on the CPU and moves its stage to meta,
+    the other ranks build on meta: both must hold the same parameters (BERT ties decoder.bias to
+    predictions.bias inside the last stage), else materialize's collectives differ between them."""
+    from trainer.config import ModelConfig
+    from trainer.models import build_model, model_spec
+    from trainer.parallel.materialize import move
+    from trainer.parallel.pipeline import plan_ranges
+    from trainer.parallel.stages import split_model
+
+    mc = ModelConfig(preset="tiny-bert")
+    spec = model_spec(mc)
+    last = []
+    for meta in (False, True):
+        model = build_model(spec, mc, 0, meta=meta)
+        part = split_model(model, plan_ranges(model, "uniform_transformer", 2), keep=[1])[0][1]
+        move(part, "meta")
+        last.append(part)
+    assert [n for n, _ in last[0].named_parameters()] == [n for n, _ in last[1].named_parameters()]
+    head = last[0].cls.predictions
+    assert head.decoder.bias is head.bias
+
+
 # ------------------------------------------------------------------ defaults a GPU user meets
 
 

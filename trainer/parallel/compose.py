@@ -43,7 +43,7 @@ from trainer.models.lm_loss import compile_loss, install_loss_forward, loss_cont
 from trainer.parallel.activation_checkpoint import apply_activation_checkpointing, blocks_of
 from trainer.parallel.compile import compile_blocks, resolve_compile
 from trainer.parallel.data_parallel import apply_ddp, apply_fsdp, one_rank_mesh, set_grad_sync
-from trainer.parallel.materialize import materialize, to_meta
+from trainer.parallel.materialize import materialize, move, to_meta
 from trainer.parallel.mesh import ParallelDims
 
 log = logging.getLogger("trainer")
@@ -313,7 +313,10 @@ def _parallelize_pipeline(model: nn.Module, spec: ModelSpec, dims: ParallelDims,
     par = PipelineParallelized([], task, dims, device, cfg.train.dtype)
     for i, (s, part) in enumerate(sorted(parts.items())):
         part.loss_chunks = chunks  # the last stage computes the loss in its forward, chunked
-        part.to("meta" if sharded else device)
+        if sharded:
+            move(part, "meta")
+        else:
+            part.to(device)
         if dims.tp > 1:
             _apply_tp(part, spec, dims, cfg, pipeline=True, announce=i == 0)
         _checkpoint_and_compile(part, cfg, dims, compile_mode, announce=i == 0)
