@@ -100,3 +100,47 @@ def test_a_match_block_for_other_hosts_is_silent_one_for_a_node_is_named(tmp_pat
     assert len(warned) == 1 and f"{cfg}:3:" in warned[0] and "ProxyJump" in warned[0], warned
     assert "worker" not in warned[0]
 
+
+# --- YAML built from a few bytes into millions of values -----------------------------------------
+
+ALIAS_BOMB = "".join(f"{k}: &{k} [{', '.join([f'*{p}' if p else 'x'] * 9)}]\n"
+                     for p, k in zip(["", *"abcdefgh"], "abcdefghi", strict=True))
+
+
+@pytest.mark.timeout(60)  # before: still expanding 9^9 values (26 s and 650 MB when killed)
+@pytest.mark.parametrize("where", ["inventory", "job file", "slurm inventory"])
+def test_a_yaml_alias_bomb_is_refused_before_it_is_built(tmp_path, where):
+    from runner.slurm_inventory import load_slurm_inventory
+
+    assert len(ALIAS_BOMB) < 1024
+    bomb = tmp_path / "bomb.yaml"
+    plain = tmp_path / "inv.yaml"
+    plain.write_text("nodes:\n  - {name: a, host: 10.9.0.1, arch: amd64}\n")
+    with pytest.raises(UserError) as exc:
+        if where == "inventory":
+            bomb.write_text(ALIAS_BOMB.replace("a: &a", "nodes: [{name: a, host: 10.9.0.1}]\na: &a"))
+            load_inventory(bomb)
+        elif where == "job file":
+            bomb.write_text("job:\n  image: t:1\n" + ALIAS_BOMB)
+            load_inventory(plain, job_path=str(bomb))
+        else:
+            bomb.write_text("slurm: {nodes: 1}\n" + ALIAS_BOMB)
+            load_slurm_inventory(str(bomb))
+    msg = str(exc.value)
+    first = next(i for i, ln in enumerate(bomb.read_text().splitlines(), 1) if "&a" in ln)
+    assert msg.startswith(f"{bomb}:{first}: YAML anchors and aliases") and "\n" not in msg, msg
+
+
+def test_a_merge_key_is_an_alias_too(tmp_path):
+    inv = tmp_path / "inv.yaml"
+    inv.write_text("base: &base {arch: amd64}\nnodes:\n  - {<<: *base, name: a, host: 10.9.0.1}\n")
+    with pytest.raises(UserError, match=rf"^{inv}:1: YAML anchors and aliases"):
+        load_inventory(inv)
+
+
+def test_yaml_nested_past_any_inventory_is_one_line(tmp_path):
+    inv = tmp_path / "inv.yaml"
+    inv.write_text("nodes: [{name: a, host: 10.9.0.1}]\njob: {args: " + "[" * 900 + "]" * 900 + "}\n")
+    with pytest.raises(UserError) as exc:  # a RecursionError traceback before
+        load_inventory(inv)
+    assert str(exc.value).startswith(f"{inv}:2: job.args") and "nested more than 32 levels" in str(exc.value)
