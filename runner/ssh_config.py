@@ -44,14 +44,14 @@ from typing import Any
 import paramiko
 
 from runner.hostkeys import match_pattern_list
-from runner.inventory import USER_RE, Jump, _Checker, _expand, _valid_host
+from runner.inventory import USER_RE, Jump, _Checker, _expand, canonical_host, host_error, same_host
 
 log = logging.getLogger("runner.ssh_config")
 
 DEFAULT_PATH = "~/.ssh/config"
 NONE = "none"  # `ssh_config: none` / `proxy_jump: none`: turn it off (OpenSSH's own word for it)
 # [ssh://][user@]host[:port], host maybe a [bracketed] IPv6 address: OpenSSH's ProxyJump forms.
-JUMP_RE = re.compile(r"^(?:ssh://)?(?:(?P<user>[^@/]*)@)?(?P<host>\[[^\]/]*\]|[^:@/\[\]]*)(?::(?P<port>[^/]*))?/?$")
+JUMP_RE = re.compile(r"(?:ssh://)?(?:(?P<user>[^@/]*)@)?(?P<host>\[[^\]/]*\]|[^:@/\[\]]*)(?::(?P<port>[^/]*))?/?")
 JUMP_FORM = "use one bastion as [user@]host[:port]"
 
 
@@ -134,17 +134,17 @@ def parse_jump(text: str) -> tuple[str | None, str, int | None]:
         hops = len(text.split(","))
         raise ValueError(f"{text!r} is a chain of {hops} jump hosts; only one bastion is supported: "
                          "set proxy_jump to a bastion this machine reaches directly")
-    m = JUMP_RE.match(text.strip())
+    m = JUMP_RE.fullmatch(text.strip())
     if not m or not m["host"]:
         raise ValueError(f"{text!r} is not a jump host: {JUMP_FORM}")
     user, host, port = m["user"], m["host"].strip("[]"), m["port"]
-    if user is not None and not USER_RE.match(user):
+    if user is not None and not USER_RE.fullmatch(user):
         raise ValueError(f"{text!r}: {user!r} is not a user name (letters, digits, '.', '_', '-')")
-    if not _valid_host(host):
-        raise ValueError(f"{text!r}: {host!r} is not an IP address or host name ({JUMP_FORM})")
+    if why := host_error(host):
+        raise ValueError(f"{text!r}: {why} ({JUMP_FORM})")
     if port is not None and not (port.isdigit() and 1 <= int(port) <= 65535):
         raise ValueError(f"{text!r}: port {port!r} is not in 1..65535")
-    return user, host, int(port) if port is not None else None
+    return user, canonical_host(host), int(port) if port is not None else None
 
 
 def field_value(c: _Checker, key: str, line: int, where: str, text: str, base: Path, check_files: bool) -> str:
@@ -246,13 +246,12 @@ class Resolver:
 
     # -- values from it, checked as strictly as the inventory's own --------------------------
     def _host(self, value: str, line: int, where: str, what: str) -> str:
-        if not _valid_host(value):
-            self.c.fail(line, where, f"{what} {value!r} is not an IP address or host name; fix the ssh config "
-                        "or set host to the address in the inventory")
-        return value
+        if why := host_error(value):
+            self.c.fail(line, where, f"{what} {why}; fix the ssh config or set host to the address in the inventory")
+        return canonical_host(value)
 
     def _user(self, value: str, line: int, where: str, what: str) -> str:
-        if not USER_RE.match(value):
+        if not USER_RE.fullmatch(value):
             self.c.fail(line, where, f"{what} {value!r} is not a user name (letters, digits, '.', '_', '-'); fix "
                         "the ssh config or set user in the inventory")
         return value
@@ -303,6 +302,6 @@ class Resolver:
 
 def _same_host(hop: str, alias: str, hostname: str | None) -> bool:
     try:
-        return parse_jump(hop)[1] in (alias, hostname)
+        return same_host(parse_jump(hop)[1]) in {same_host(alias), same_host(hostname or alias)}
     except ValueError:
         return False

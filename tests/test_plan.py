@@ -97,8 +97,8 @@ def test_plan_ranks_env_commands(tmp_path, no_network):
         assert n.labels[LABEL_RUN] == "20260101-000000-abcd" and n.labels[LABEL_NODE] == n.node
         assert n.labels[LABEL_RANK] == str(n.rank)
         assert n.container == f"runner-20260101-000000-abcd-{n.node}"
-        assert n.mounts[n.run_dir] == "/out" and n.run_dir.endswith("/runs/20260101-000000-abcd")
-        assert n.secrets_file and n.mounts[n.secrets_file] == "/run/runner/secrets.env"
+        assert n.mounts["/out"] == n.run_dir and n.run_dir.endswith("/runs/20260101-000000-abcd")
+        assert n.secrets_file and n.mounts["/run/runner/secrets.env"] == n.secrets_file
         assert SECRET not in repr(n)
     assert w2.env["EXTRA"] == "1" and "EXTRA" not in m.env
 
@@ -273,7 +273,7 @@ def test_gated_workers_wait_for_the_go_file_and_the_master_does_not(tmp_path):
     assert [n.go_file for n in plain.nodes] == [None, None, None]      # no token: no gate
     wd = w1.workdir
     assert w1.go_file == f"{wd}/gates/r1/go-t0k3n"
-    assert w1.mounts == {w1.run_dir: "/out", f"{wd}/gates/r1": "/run/runner/gate"}
+    assert w1.mounts == {"/out": w1.run_dir, "/run/runner/gate": f"{wd}/gates/r1"}
     torchrun = plain.nodes[1].command
     assert torchrun[0] == "torchrun"
     assert w1.command == ["python", "-m", "runner.gate", "/run/runner/gate/go-t0k3n", "180", "--", *torchrun[1:]]
