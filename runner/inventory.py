@@ -391,15 +391,21 @@ def read_env_file(path: str) -> dict[str, str]:
     return out
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _ip(h: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """h parsed as an IP address, or None: once per host however often it is checked or compared."""
+    try:
+        return ipaddress.ip_address(h)
+    except ValueError:
+        return None
+
+
 def host_error(h: str) -> str | None:
     """Why h cannot be a host (what SSH connects to, or the ranks' address), or None. A spelling
     the system resolver reads as another address (inet_aton: 127.1, 0x7f.1, 017.0.0.1,
     2130706433) is refused: two nodes would be one machine under two names, and known_hosts would
     be looked up under a name OpenSSH never records. An IPv6 zone id is an interface name."""
-    try:
-        ip = ipaddress.ip_address(h)
-    except ValueError:
-        ip = None
+    ip = _ip(h)
     if ip is not None:
         zone = getattr(ip, "scope_id", None)
         if zone is not None and not ZONE_RE.fullmatch(zone):
@@ -429,18 +435,15 @@ def _digest_b64(text: str) -> bool:
 def canonical_host(h: str) -> str:
     """A valid host in its one spelling: an IP address as `ipaddress` writes it (IPv6 compressed,
     lower-case), a name as written (ssh_config Host patterns match it as written)."""
-    try:
-        return str(ipaddress.ip_address(h))
-    except ValueError:
-        return h
+    ip = _ip(h)
+    return h if ip is None else str(ip)
 
 
 def same_host(h: str) -> str:
     """What two hosts are compared by: the canonical address (an IPv4-mapped IPv6 one as its
     IPv4), a name lower-case (DNS ignores case)."""
-    try:
-        ip = ipaddress.ip_address(h)
-    except ValueError:
+    ip = _ip(h)
+    if ip is None:
         return h.lower()
     mapped = getattr(ip, "ipv4_mapped", None)
     return str(mapped or ip)
