@@ -297,3 +297,25 @@ def test_sync_of_a_hugging_face_snapshot_or_whole_repo_follows_its_own_links(tmp
     os.symlink(_fake_etc_ssh(tmp_path), snap / "extra")
     with pytest.raises(UserError, match="outside"):
         scan([SyncSpec(str(snap), "/data/tiny")], _HashCache(tmp_path / "h.json"))
+
+
+def test_slurm_local_collect_keeps_files_under_the_destination(tmp_path):
+    """Without a login node the shared filesystem is read here: a link already in artifacts/ must
+    not carry a run's file out of it."""
+    from runner.collect import NodeCollect
+    from runner.slurm_collect import mirror_local
+
+    src = tmp_path / "shared" / "runs" / RUN
+    (src / "sub").mkdir(parents=True)
+    (src / "sub" / "authorized_keys").write_bytes(ATTACKER_KEY)
+    (src / "ok.txt").write_text("ok\n")
+    victim = tmp_path / "home" / ".ssh"
+    victim.mkdir(parents=True)
+    dest = tmp_path / "art" / RUN / "slurm"
+    dest.mkdir(parents=True)
+    os.symlink(victim, dest / "sub")
+    res = NodeCollect("slurm")
+    mirror_local(src, dest, res)
+    assert not (victim / "authorized_keys").exists()
+    assert (dest / "ok.txt").read_text() == "ok\n" and res.copied == 1
+    assert len(res.errors) == 1 and "sub/authorized_keys" in res.errors[0] and "leads out of" in res.errors[0]
