@@ -203,11 +203,11 @@ def test_down_writes_preempt_checkpoint_and_resume_is_bitwise(slurm, straight, t
             p.send_signal(signal.SIGCONT)
     out, err = down.communicate(timeout=300)
     assert down.returncode == 0, out + err
+    assert f"run {run_id}: Slurm job {job} sent USR1; ended within the grace period" in out, out + err
     ckpts = rd / "checkpoints"
     name = (ckpts / "latest").read_text().strip()
     stopped = len(losses(rd / "metrics.jsonl"))
     assert name == f"step-{stopped}.preempt" and 1 <= stopped < STEPS, (name, stopped)
-    assert f"run {run_id}: Slurm job {job} sent USR1; ended within the grace period" in out
     assert f"latest checkpoint {name}" in out
     for r in range(3):  # every rank wrote its part: the shards, its manifest, its RNG/optimizer state
         assert (ckpts / name / f"rank{r}.pt").is_file() and (ckpts / name / f"manifest.rank{r}.json").is_file()
