@@ -43,8 +43,10 @@ def tree_files(root: Path) -> dict[str, str]:
 def model_dir(tmp_path: Path) -> Path:
     d = tmp_path / "model"
     (d / "shards").mkdir(parents=True)
-    (d / "config.json").write_text('{"hidden": 64}\n')
-    (d / "tokenizer.json").write_text('{"hidden": 64}\n')  # same bytes as config.json
+    # Contents no other test has synced (the nodes' blob store is shared): this test's bytes only.
+    config = f'{{"hidden": 64, "test": "{os.urandom(8).hex()}"}}\n'
+    (d / "config.json").write_text(config)
+    (d / "tokenizer.json").write_text(config)  # same bytes as config.json
     for i in range(3):
         (d / "shards" / f"w{i}.bin").write_bytes(os.urandom(1 << 20))
     return d
