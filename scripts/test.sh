@@ -6,8 +6,14 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 scripts/build-image.sh runner-trainer:latest
 .venv/bin/ruff check --quiet runner trainer contract tests bench
-# --cov: branch coverage of runner/, trainer/ and contract/ over every test, the trainer ranks and
-# runner CLI calls they start included ([tool.coverage] in pyproject.toml); the table is printed
-# before pytest's closing line. Order: file order; `-p randomly` shuffles, `--reverse` reverses.
+# --cov: branch coverage of runner/, trainer/ and contract/ over every test ([tool.coverage] in
+# pyproject.toml), the table printed before pytest's closing line. The tests' own process only:
+# measuring the trainer ranks and runner CLI calls they start too (COVER_SUBPROCESSES=1) costs
+# 36-45% more CPU in each, which CI's time cannot take. Order: file order; `-p randomly`
+# shuffles, `--reverse` reverses.
+export COVERAGE_FILE=$PWD/.coverage
 rm -f .coverage .coverage.*
+if [[ ${COVER_SUBPROCESSES:-} == 1 ]]; then
+  export COVERAGE_PROCESS_START=$PWD/pyproject.toml  # started in every Python subprocess (coverage's .pth)
+fi
 exec .venv/bin/pytest -p no:cacheprovider --cov --cov-report=term "$@"
