@@ -16,4 +16,6 @@ rm -f .coverage .coverage.*
 if [[ ${COVER_SUBPROCESSES:-} == 1 ]]; then
   export COVERAGE_PROCESS_START=$PWD/pyproject.toml  # started in every Python subprocess (coverage's .pth)
 fi
-exec .venv/bin/pytest -p no:cacheprovider --cov --cov-report=term "$@"
+cov=(--cov --cov-report=term)
+[[ ${COVERAGE:-1} == 0 ]] && cov=()  # COVERAGE=0: no measurement at all
+exec .venv/bin/pytest -p no:cacheprovider "${cov[@]}" "$@"
