@@ -11,6 +11,8 @@ log() { printf '[setup] %s\n' "$*" >&2; }
 # --- Debian packages -------------------------------------------------------------------
 PKGS=(docker.io openssh-server openssh-client debootstrap docker-compose iproute2 ca-certificates
       rsync procps
+      # strace: the tests record every execve of a push (no credential in any argv, however short-lived)
+      strace
       # a real registry for job.registry's tests (docker-registry), and htpasswd for its logins
       docker-registry apache2-utils
       # the Slurm sandbox cluster (runner sandbox up --slurm): slurmctld/slurmd/clients, munge,
