@@ -104,6 +104,20 @@ def expectation(exp: Exported, layers: list[int], load: list[int]) -> dict:
             "layers": [[i, exp.sizes[i]] for i in layers], "load": list(load)}
 
 
+def head_line(exp: Exported, layers: list[int], load: list[int], token: str | None) -> dict:
+    """An agent's first line: the root's (token None: the stream comes on its stdin) or a
+    listener's, which accepts the upstream that sends this token."""
+    return {"mode": "root" if token is None else "listen", "expect": expectation(exp, layers, load),
+            **({"token": token} if token is not None else {})}
+
+
+def route_line(forward: tuple[str, int, str] | None, layers: list[int]) -> dict:
+    """An agent's second line: the next node's (address, port, token), or None at the chain's
+    end, and the layers it passes on."""
+    nxt = None if forward is None else dict(zip(("host", "port", "token"), forward, strict=True))
+    return {"forward": nxt, "layers": layers}
+
+
 def not_relayable(exp: Exported) -> str | None:
     """Why the agents could not check this export part by part (push then streams it to each
     node directly), or None."""
@@ -136,17 +150,14 @@ def relay_chain(chain: list[Remote], exp: Exported, missing: list[list[int]], pr
         # whose agent did not start is passed over).
         tokens = [secrets.token_hex(32) for _ in chain]
         for k, (r, hop) in enumerate(zip(chain, hops, strict=True)):
-            head = {"mode": "listen" if k else "root", "expect": expectation(exp, layers, missing[k]),
-                    **({"token": tokens[k]} if k else {})}
-            _spawn(r, hop, head, bulk=k == 0)
+            _spawn(r, hop, head_line(exp, layers, missing[k], tokens[k] if k else None), bulk=k == 0)
         ports = _await_ports(hops[1:])
         started = [k for k, h in enumerate(hops) if h.error is None]
         for i, k in enumerate(started):
             later = started[i + 1:]
-            nxt = None if not later else {"host": chain[later[0]].node.rank_addr, "port": ports[hops[later[0]].node],
-                                          "token": tokens[later[0]]}
+            nxt = None if not later else (chain[later[0]].node.rank_addr, ports[hops[later[0]].node], tokens[later[0]])
             after = sorted(set().union(*(missing[j] for j in later)))
-            _write(hops[k], {"forward": nxt, "layers": [exp.layers[i] for i in after]})
+            _write(hops[k], route_line(nxt, after))
             if i:
                 hops[k].source = hops[started[i - 1]].node
             if progress is not None:  # a bar per node: the bytes reaching it (for itself and those after it)

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from runner.images import Exported, _load_export
-from runner.relay import chain_stream, expectation
-from runner.relay_agent import BLOCK, END, LINE_MAX, Refused, TarCheck, member_header
+from runner.relay import chain_stream, expectation, head_line, route_line
+from runner.relay_agent import BLOCK, END, LINE_MAX, Refused, TarCheck, check_head, check_route, member_header
 from tests.tar_blocks import header, patched
 
 AGENT = Path(__file__).resolve().parents[1] / "runner" / "relay_agent.py"
@@ -103,6 +103,19 @@ def test_each_way_gets_the_archive_of_just_its_layers(exp):
     assert load == nxt == stream(exp, [])
     assert members(load) == {"manifest.json": exp.tag_manifest.read_bytes(),
                              exp.config: (exp.dir / exp.config).read_bytes()}
+
+
+def test_what_relay_chain_sends_is_what_the_agent_accepts(exp):
+    """The host's two lines (relay.head_line, relay.route_line) pass the agent's request checks,
+    and an agent built from them routes the host's stream as asked: the two halves agree on the
+    protocol without a sandbox to show it."""
+    token = "f" * 64
+    for head in (head_line(exp, [0, 1, 2], [1], None), head_line(exp, [0, 1, 2], [1], token)):
+        check_head(head)
+        for route in (route_line(("10.0.1.12", 40000, token), [0, 2]), route_line(None, [])):
+            check_route(route, head)
+            load, nxt = check(stream(exp, [0, 1, 2]), {**head["expect"], "forward": route["layers"]})
+            assert load == stream(exp, [1]) and nxt == stream(exp, route["layers"])
 
 
 def test_another_writers_canonical_headers_are_read_and_rewritten(exp):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from runner.images import HOST_DOCKER, export
-from runner.relay import chain_stream, expectation
+from runner.relay import chain_stream, head_line, route_line
 from tests.runner_helpers import build_scratch_image, remove_host_image, unique_tag
 from tests.tar_blocks import header
 
@@ -98,8 +98,7 @@ def test_an_upstream_node_cannot_hide_an_image_in_a_layer(pushed_and_evil):
               + entry(exp.layers[1], archive)
               + bytes(1024))
     assert len(archive) % 512 == 0
-    agent, port = start_agent({"mode": "listen", "token": token, "expect": expectation(exp, [0, 1], [0, 1])},
-                              {"forward": None, "layers": []})
+    agent, port = start_agent(head_line(exp, [0, 1], [0, 1], token), route_line(None, []))
     with send(port, token.encode() + b"\n" + stream):
         lines = report(agent)
     assert not image_exists(evil), lines
@@ -113,8 +112,7 @@ def test_strangers_on_the_agents_port_hold_nothing_up_and_load_nothing(pushed_an
     gets in at once, the node loads exactly the host's image, and every stranger is dropped."""
     exp, archive, evil = pushed_and_evil
     token = secrets.token_hex(32)
-    agent, port = start_agent({"mode": "listen", "token": token, "expect": expectation(exp, [0, 1], [0, 1])},
-                              {"forward": None, "layers": []})
+    agent, port = start_agent(head_line(exp, [0, 1], [0, 1], token), route_line(None, []))
     strangers = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(40)]
     strangers += [send(port, secrets.token_hex(32).encode() + b"\n" + archive),
                   send(port, token[:-1].encode() + b"x\n" + archive),
