@@ -7,6 +7,7 @@ agent's protocol lines, as a broken or hostile host side could send them, to the
 from __future__ import annotations
 
 import ast
+import dataclasses
 import hashlib
 import io
 import json
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from runner.images import Exported, _load_export
-from runner.relay import chain_stream, expectation, head_line, route_line
+from runner.relay import chain_stream, expectation, head_line, not_relayable, route_line
 from runner.relay_agent import BLOCK, END, LINE_MAX, Refused, TarCheck, check_head, check_route, member_header
 from tests.tar_blocks import header, patched
 
@@ -116,6 +117,19 @@ def test_what_relay_chain_sends_is_what_the_agent_accepts(exp):
             check_route(route, head)
             load, nxt = check(stream(exp, [0, 1, 2]), {**head["expect"], "forward": route["layers"]})
             assert load == stream(exp, [1]) and nxt == stream(exp, route["layers"])
+
+
+def test_exports_the_agents_cannot_check_are_not_relayed(exp):
+    """push streams these to each node directly: a layer over what an 11-digit size field holds,
+    and layers saved compressed (the containerd image store's `docker save`: blobs/sha256/<digest>
+    whose digest is not the uncompressed diff_id the agents check)."""
+    assert not_relayable(exp) is None
+    big = dataclasses.replace(exp, sizes=[*exp.sizes[:2], 8 ** 11])
+    assert "a layer over 8589934591 bytes" in not_relayable(big)
+    packed = dataclasses.replace(exp, layers=[f"blobs/sha256/{'e' * 64}", *exp.layers[1:]])
+    assert "saved compressed" in not_relayable(packed)
+    plain = dataclasses.replace(exp, layers=[f"blobs/sha256/{exp.diff_ids[0][7:]}", *exp.layers[1:]])
+    assert not_relayable(plain) is None  # docker 25+ without the containerd store: uncompressed, digest = diff_id
 
 
 def test_another_writers_canonical_headers_are_read_and_rewritten(exp):
