@@ -118,6 +118,18 @@ def route_line(forward: tuple[str, int, str] | None, layers: list[int]) -> dict:
     return {"forward": nxt, "layers": layers}
 
 
+def chain_plan(missing: list[list[int]], started: list[int]) -> tuple[list[int], dict[int, tuple[int | None, list[int]]]]:
+    """(the layers this host sends: those any started node lacks, {started node: (the next
+    started node or None, the layers it passes on: those the started nodes after it lack)}). So
+    each node receives exactly what it loads or passes on, which is what its agent expects
+    (TarCheck: the announced layers less those it neither loads nor forwards)."""
+    routes = {}
+    for i, k in enumerate(started):
+        later = started[i + 1:]
+        routes[k] = (later[0] if later else None, sorted(set().union(*(missing[j] for j in later))))
+    return sorted(set().union(*(missing[k] for k in started))), routes
+
+
 def not_relayable(exp: Exported) -> str | None:
     """Why the agents could not check this export part by part (push then streams it to each
     node directly), or None."""
@@ -153,10 +165,10 @@ def relay_chain(chain: list[Remote], exp: Exported, missing: list[list[int]], pr
             _spawn(r, hop, head_line(exp, layers, missing[k], tokens[k] if k else None), bulk=k == 0)
         ports = _await_ports(hops[1:])
         started = [k for k, h in enumerate(hops) if h.error is None]
+        sent, routes = chain_plan(missing, started)
         for i, k in enumerate(started):
-            later = started[i + 1:]
-            nxt = None if not later else (chain[later[0]].node.rank_addr, ports[hops[later[0]].node], tokens[later[0]])
-            after = sorted(set().union(*(missing[j] for j in later)))
+            later, after = routes[k]
+            nxt = None if later is None else (chain[later].node.rank_addr, ports[hops[later].node], tokens[later])
             _write(hops[k], route_line(nxt, after))
             if i:
                 hops[k].source = hops[started[i - 1]].node
@@ -167,7 +179,7 @@ def relay_chain(chain: list[Remote], exp: Exported, missing: list[list[int]], pr
                     total=sum(exp.sizes[i] for i in comes) or 1)
         host_bytes = [0]
         if hops[0].error is None:
-            sender = threading.Thread(target=_send, args=(exp, layers, hops[0], host_bytes), daemon=True)
+            sender = threading.Thread(target=_send, args=(exp, sent, hops[0], host_bytes), daemon=True)
             sender.start()
         _watch([hops[k] for k in started], tasks, progress, stall_s)
         return RelayResult(hops, host_bytes[0], time.monotonic() - t0)

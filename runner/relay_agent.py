@@ -11,14 +11,15 @@ Protocol. The host's JSON lines on stdin (over SSH: trusted; at most LINE_MAX by
   mode     "root": the archive follows the second line on stdin (from the host);
            "listen": bind a TCP port, print `PORT <n>`, accept the upstream node: it must
            first send `token` and a newline (others are dropped and the wait goes on);
-  expect   what the archive holds, in this order: "manifest" {sha256, size} (manifest.json, which
-           names the pushed tag alone, the config and the layer paths), "config" {sha256 (the
-           image id), size}, "layers" [[index, size], ...] (indices into the manifest's Layers and
-           the config's diff_ids); and "load": the layer indices this node lacks, the only ones
-           its `docker load` is given.
+  expect   the parts of the chain's archive, in this order: "manifest" {sha256, size}
+           (manifest.json, which names the pushed tag alone, the config and the layer paths),
+           "config" {sha256 (the image id), size}, "layers" [[index, size], ...] (indices into the
+           manifest's Layers and the config's diff_ids); and "load": the layer indices this node
+           lacks, the only ones its `docker load` is given.
 The second, once every agent of the chain has its port (so all start at once):
   forward  {"host", "port", "token"} of the next node, or null at the chain's end;
   layers   the layer indices some node after it lacks: the only ones passed on.
+This node's stream carries exactly the announced layers it loads or passes on, in order.
 stdout lines report to the host: PORT n, PEER addr, BYTES n (received so far, ~2 per s),
 LOADING (the whole archive is in and passed on),
 FORWARD_ERROR msg (the next node is lost; this node's own load goes on), and last DONE rc
@@ -146,11 +147,14 @@ class TarCheck:
     config are held whole)."""
 
     def __init__(self, expect: dict):
-        self.plan = [("manifest", expect["manifest"]["size"]), ("config", expect["config"]["size"]),
-                     *(("layer", s, i) for i, s in expect["layers"])]
         self.digests = {"manifest": expect["manifest"]["sha256"], "config": expect["config"]["sha256"]}
         self.load = None if expect.get("load") is None else set(expect["load"])
         self.forward = None if expect.get("forward") is None else set(expect["forward"])
+        # What arrives: the announced layers, in order, less those this node neither loads nor
+        # passes on (its upstream passes on just what it and the nodes after it lack).
+        arrive = None if self.load is None or self.forward is None else self.load | self.forward
+        self.plan = [("manifest", expect["manifest"]["size"]), ("config", expect["config"]["size"]),
+                     *(("layer", s, i) for i, s in expect["layers"] if arrive is None or i in arrive)]
         self.names: list = []     # the manifest's Layers, once it is checked
         self.config_name = None
         self.diff_ids: list = []  # the config's rootfs.diff_ids, once it is checked

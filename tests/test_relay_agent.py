@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from runner.images import Exported, _load_export
-from runner.relay import chain_stream, expectation, head_line, not_relayable, route_line
+from runner.relay import chain_plan, chain_stream, expectation, head_line, not_relayable, route_line
 from runner.relay_agent import BLOCK, END, LINE_MAX, Refused, TarCheck, check_head, check_route, member_header
 from tests.tar_blocks import header, patched
 
@@ -93,30 +93,45 @@ def test_the_hosts_stream_passes_in_any_chunking(exp):
 
 
 def test_each_way_gets_the_archive_of_just_its_layers(exp):
-    """The node loads only the layer it lacks and passes on only the one the next nodes lack; each
-    is the archive the host would have sent for those layers, byte for byte."""
-    data = stream(exp, [0, 1, 2])
+    """Of the three layers announced, the node loads the one it lacks and passes on the one the
+    next nodes lack; its stream carries just those two, and each way is the archive the host
+    would have sent for its layers, byte for byte. A layer it has no use for is refused."""
+    data = stream(exp, [0, 2])
     for seed in range(3):
         load, nxt = check(data, {**expectation(exp, [0, 1, 2], [2]), "forward": [0]}, seed)
         assert load == stream(exp, [2]) and nxt == stream(exp, [0])
         check(nxt, expectation(exp, [0], [0]))  # what it passes on, the next agent accepts
-    load, nxt = check(data, {**expectation(exp, [0, 1, 2], []), "forward": []})
+    with pytest.raises(Refused, match="where the host sent"):
+        check(stream(exp, [0, 1, 2]), {**expectation(exp, [0, 1, 2], [2]), "forward": [0]})
+    load, nxt = check(stream(exp, []), {**expectation(exp, [0, 1, 2], []), "forward": []})
     assert load == nxt == stream(exp, [])
     assert members(load) == {"manifest.json": exp.tag_manifest.read_bytes(),
                              exp.config: (exp.dir / exp.config).read_bytes()}
 
 
-def test_what_relay_chain_sends_is_what_the_agent_accepts(exp):
-    """The host's two lines (relay.head_line, relay.route_line) pass the agent's request checks,
-    and an agent built from them routes the host's stream as asked: the two halves agree on the
-    protocol without a sandbox to show it."""
+@pytest.mark.parametrize("missing, started", [
+    ([[0, 1, 2], [0, 1, 2], [2]], [0, 1, 2]),  # the last node has the base: only the new layer reaches it
+    ([[0], [1, 2], [0]], [0, 1, 2]),
+    ([[1], [0, 1, 2], [2]], [0, 2]),           # node-1's agent did not start: node-0 passes it over
+    ([[], [2], []], [0, 1, 2]),                # a node that lacks nothing (only the tag) is still a link
+])
+def test_what_relay_chain_sends_is_what_each_agent_accepts(exp, missing, started):
+    """The chain as relay_chain plans it (chain_plan, head_line, route_line), each agent's check
+    fed what the one before it passed on: every node's request passes the agent's own checks,
+    every stream is accepted, and every node's `docker load` gets just its layers. The two halves
+    agree on the protocol without a sandbox to show it."""
     token = "f" * 64
-    for head in (head_line(exp, [0, 1, 2], [1], None), head_line(exp, [0, 1, 2], [1], token)):
+    sent, routes = chain_plan(missing, started)
+    data = stream(exp, sent)  # from this host to the first node
+    for k in started:
+        head = head_line(exp, sorted(set().union(*missing)), missing[k], token if k else None)
+        nxt, after = routes[k]
+        route = route_line(None if nxt is None else ("10.0.1.12", 40000, token), after)
         check_head(head)
-        for route in (route_line(("10.0.1.12", 40000, token), [0, 2]), route_line(None, [])):
-            check_route(route, head)
-            load, nxt = check(stream(exp, [0, 1, 2]), {**head["expect"], "forward": route["layers"]})
-            assert load == stream(exp, [1]) and nxt == stream(exp, route["layers"])
+        check_route(route, head)
+        load, data = check(data, {**head["expect"], "forward": route["layers"]}, seed=k)
+        assert load == stream(exp, missing[k]), k
+    assert data == stream(exp, [])  # the last node passes on the manifest and config alone (to no one)
 
 
 def test_exports_the_agents_cannot_check_are_not_relayed(exp):
