@@ -178,6 +178,8 @@ def relay_chain(chain: list[Remote], exp: Exported, missing: list[list[int]], pr
                     f"{hops[k].node}: {len(missing[k])}/{len(exp.layers)} layers, relay from {hops[k].source}",
                     total=sum(exp.sizes[i] for i in comes) or 1)
         host_bytes = [0]
+        for k in started:  # the stall clock starts with the stream, not with the agents' start-up
+            hops[k].last_move = time.monotonic()
         if hops[0].error is None:
             sender = threading.Thread(target=_send, args=(exp, sent, hops[0], host_bytes), daemon=True)
             sender.start()
