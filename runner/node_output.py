@@ -95,6 +95,14 @@ def shown(line: bytes | bytearray, cut: bool = False) -> str:
     return text + CUT_MARK if cut else text
 
 
+def cells(*values) -> list:
+    """rich table cells from values a node gave (labels, states, versions): plain text, never read
+    as rich markup (`[link=...]` would make a hyperlink), controls visible, at most 200 characters."""
+    from rich.text import Text
+
+    return [Text(visible(str(v))[:200]) for v in values]
+
+
 def read_capped(recv: Callable[[int], bytes], cap: int, piece: int = PIECE) -> tuple[bytearray, bool]:
     """Read until EOF or until more than cap bytes came: (what was read, at most cap; over)."""
     buf = bytearray()

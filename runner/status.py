@@ -20,7 +20,7 @@ from contract import metrics
 from runner import runs
 from runner.down import run_containers
 from runner.errors import UserError
-from runner.node_output import LineSplitter, log_chunks, visible
+from runner.node_output import LineSplitter, cells, log_chunks, visible
 from runner.paths import node_paths
 from runner.plan import LABEL_RANK, LABEL_RUN
 from runner.session import Cluster, add_inventory_args, load
@@ -115,12 +115,6 @@ def _label_int(value) -> int | None:
     return int(value) if isinstance(value, str) and value.isascii() and value.lstrip("-").isdigit() else None
 
 
-def _cells(*values) -> list[Text]:
-    """Table cells from values a node gave (states, labels): shown as text, never read as rich markup
-    (`[link=...]`), control characters visible."""
-    return [Text(visible(str(v))[:200]) for v in values]
-
-
 def _uptime(c) -> str:
     st = c.attrs.get("State", {})
     if st.get("Running"):
@@ -210,7 +204,7 @@ def cmd_status(args) -> int:
         t.add_column(col, overflow="fold")
     for r in rows:
         prog = str(metrics.Progress(**r["progress"])) if r["progress"] else "-"
-        t.add_row(*_cells(r["node"], r["rank"] if r["rank"] is not None else "-", r["state"],
+        t.add_row(*cells(r["node"], r["rank"] if r["rank"] is not None else "-", r["state"],
                           r["exit_code"] if r["exit_code"] is not None else "-", r["uptime"], prog))
     _console().print(t)
     return 0
@@ -240,7 +234,7 @@ def cmd_ls(args) -> int:
         t.add_column(col)
     for r in rows:
         states = ", ".join(f"{n}:{s}" for n, s in r["containers"].items()) or "-"
-        t.add_row(*_cells(r["run_id"], states, r.get("result", "-"), ", ".join(r["nodes_with_dir"]) or "-"))
+        t.add_row(*cells(r["run_id"], states, r.get("result", "-"), ", ".join(r["nodes_with_dir"]) or "-"))
     _console().print(t)
     return 0
 
