@@ -65,7 +65,7 @@ class StderrTail:
 
     def _drain(self) -> None:
         try:
-            while chunk := os.read(self._r, CHUNK):
+            while chunk := os.read(self._r, self.KEEP):
                 self._buf += chunk
                 if len(self._buf) > 2 * self.KEEP:
                     del self._buf[:-self.KEEP]
