@@ -417,10 +417,10 @@ class Remote:
         error, named in one UserError, not a reason to hold whatever it holds."""
         try:
             with self.sftp.open(path, "r") as fh:
-                data, over = read_capped(fh.read, limit)
+                data = fh.read(limit + 1)  # to EOF or one byte past the limit, in paramiko's round trips
         except OSError:
             return None
-        if over:
+        if len(data) > limit:
             raise UserError(f"node {self.node.name}: {path} is over {limit >> 20} MiB; refusing to read it")
         return data.decode(errors="replace")
 

@@ -286,6 +286,26 @@ def test_a_command_that_never_stops_writing_is_cut_at_the_cap(sandbox, pushed):
         assert r.run(["echo", "still usable"]).out == "still usable\n"  # the connection survives
 
 
+def test_a_node_file_read_whole_is_capped(sandbox, pushed, tmp_path):
+    """read_text (status files, config.yaml, profiles) read a node's file whole, whatever its size."""
+    from runner.ssh import MAX_OUTPUT
+
+    big = tmp_path / "runner-status.json"  # the sandbox node's files are on this machine
+    with open(big, "wb") as fh:
+        fh.truncate(64 << 20)  # sparse: 64 MiB of NULs
+    r = remotes(sandbox)["node-1"]
+    with r:
+        def read():
+            with pytest.raises(UserError) as err:
+                r.read_text(str(big))
+            return str(err.value)
+        msg, peak = traced_peak(read)
+        assert msg == f"node node-1: {big} is over {MAX_OUTPUT >> 20} MiB; refusing to read it"
+        assert peak < 3 * MAX_OUTPUT
+        big.write_text('{"rank": 1}')
+        assert r.read_text(str(big)) == '{"rank": 1}'
+
+
 def test_a_streams_stderr_is_kept_as_its_tail_only(sandbox, pushed, tmp_path):
     """runner/stream.py's stderr went to a temporary file (no cap: a node could fill the disk) that
     was then read whole. A node writing 64 MiB to stderr during a collect-style stream: the tail
