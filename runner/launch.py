@@ -37,6 +37,7 @@ from runner.inventory import ARCH_ALIASES, Inventory
 from runner.paths import node_paths
 from runner.plan import LABEL_GATE, OUT, Facts, NodePlan, Plan, docker_limits, make_plan, render_secrets_file
 from runner.profile_auto import pin_auto_partition
+from runner.redact import hide_job, printable
 from runner.rendezvous import choose_port, wait_listening
 from runner.resume_sync import CHECKPOINTS, sync_checkpoints
 from runner.session import Cluster, Probe, add_inventory_args, load, probe
@@ -95,6 +96,7 @@ def main(args) -> int:
     if args.trainer_args:
         inv.job.args = list(inv.job.args) + list(args.trainer_args)
     secret_vals = inv.job.secrets()
+    hide_job(inv.job, secret_vals)
     if args.dry_run:
         run_id = args.resume if args.resume not in (None, "latest") else "<new run id>"
         if args.resume:
@@ -305,10 +307,10 @@ class Launcher:
             return 0
         what = failed.error or f"container exited with code {failed.exit_code}"
         for line in failed.last_lines:
-            sys.stderr.write(f"  [{failed.node}/{failed.rank}] {line}\n")
+            sys.stderr.write(f"  [{failed.node}/{failed.rank}] {line}\n")  # made visible when it was shown
         write_status(cl, plan, watcher, failed.exit_code or 1, skip={failed.node} if failed.lost else set())
         where = "every node" if not failed.lost else f"the other nodes ({watcher.stopped_in or 0:.1f}s after the loss)"
-        sys.stderr.write(f"runner: error: run {run_id}: node {failed.node} (rank {failed.rank}) failed: {what}; "
+        sys.stderr.write(f"runner: error: run {run_id}: node {failed.node} (rank {failed.rank}) failed: {printable(what)}; "
                          f"stopped the run on {where}\n")
         if failed.lost:
             self.lost = failed.node
@@ -345,7 +347,7 @@ class Launcher:
                 return True
         except KeyboardInterrupt:
             last = "gave up (interrupted)"
-        sys.stderr.write(f"runner: error: node {node} still unreachable ({last or 'no answer'}); its container of run "
+        sys.stderr.write(f"runner: error: node {node} still unreachable ({printable(last[:300]) or 'no answer'}); its container of run "
                          f"{run_id} may still be running: `{again}` once it is back\n")
         return False
 
@@ -380,7 +382,7 @@ def hand_back_runs(cl: Cluster, plan: Plan, probes: dict[str, Probe]) -> None:
             raise err if isinstance(err, UserError) else UserError(f"node {np_.node}: {err}")
         if first:
             print(f"run {plan.run_id}: {np_.node}: files not owned by {probes[np_.node].user or probes[np_.node].uid} "
-                  f"handed back to it (first: {first})", flush=True)
+                  f"handed back to it (first: {printable(first[:300])})", flush=True)
 
 
 def start_all(cl: Cluster, made: list[tuple[NodePlan, object]]) -> None:
@@ -394,7 +396,9 @@ def create_container(remote: Remote, np: NodePlan):
     import docker
 
     d = remote.docker()
-    volumes = {src: {"bind": dst, "mode": "rw" if dst in np.writable else "ro"} for src, dst in np.mounts.items()}
+    # Bind strings, not docker-py's {src: ...} dict: one node path may be mounted at two places.
+    # Paths are plain (runner/job_data.py): no ':' or ',' to split on.
+    volumes = [f"{src}:{dst}:{'rw' if dst in np.writable else 'ro'}" for dst, src in np.mounts.items()]
     kwargs = docker_limits(np.cpus, np.memory)  # the node's cpus/memory from the inventory
     if np.user:
         kwargs["user"] = np.user  # the SSH user's uid:gid: what the run writes on the node is the user's

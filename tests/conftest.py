@@ -95,14 +95,15 @@ def _sandbox_cluster(state, *up_args: str):
     import subprocess
     inv = state / "local.yaml"
     up = subprocess.run(_sandbox_cmd("--dir", str(state / "s"), "up", *up_args, "--inventory", str(inv)),
-                        capture_output=True, text=True, cwd=REPO)
+                        capture_output=True, text=True, cwd=REPO, timeout=900)
     assert up.returncode == 0, up.stderr
     inv.write_text(inv.read_text().replace("image: runner-trainer:latest", f"image: {IMAGE}"))
     try:
         yield inv
     finally:
         # --purge: each node keeps a copy of the image (GBs); a suite must not leave them behind.
-        subprocess.run(_sandbox_cmd("--dir", str(state / "s"), "down", "--purge"), capture_output=True, cwd=REPO)
+        subprocess.run(_sandbox_cmd("--dir", str(state / "s"), "down", "--purge"), capture_output=True, cwd=REPO,
+                       timeout=900)  # bounded here: pytest-timeout times tests' calls only
 
 
 @pytest.fixture(scope="session")
@@ -151,8 +152,8 @@ def nonroot_pushed(nonroot_sandbox, trainer_image, tmp_path_factory):
 
 @pytest.fixture
 def no_network(monkeypatch):
-    """Any socket, SSH client or docker client creation fails the test (the Pi and EC2 addresses
-    in hosts/ must never be contacted)."""
+    """Any socket, name lookup, SSH client or docker client creation fails the test (the Pi and EC2
+    addresses in hosts/ must never be contacted; a DNS query is contact too)."""
     import socket
 
     import paramiko
@@ -168,6 +169,8 @@ def no_network(monkeypatch):
 
     monkeypatch.setattr(socket, "socket", NoSocket)
     monkeypatch.setattr(socket, "create_connection", boom)
+    for lookup in ("getaddrinfo", "gethostbyname", "gethostbyname_ex", "gethostbyaddr", "getfqdn"):
+        monkeypatch.setattr(socket, lookup, boom)
     monkeypatch.setattr(paramiko.SSHClient, "connect", boom)
     monkeypatch.setattr(paramiko.Transport, "__init__", boom)
     monkeypatch.setattr(docker, "DockerClient", boom)
