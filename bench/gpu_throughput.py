@@ -24,8 +24,8 @@ Every row runs in its own process with its own timeout (clean peak-memory counte
 caches; an out-of-memory or a hang ends only that row, recorded as `oom` / `timeout`). Rows run in
 priority order, the headline first (trainer defaults and both compiled plain loops per preset),
 and `--budget` seconds bound the whole run: rows that no longer fit are recorded as `skipped`.
-The JSON (`--json`, default bench/results/gpu_throughput.json) is rewritten after every row, so a
-run cut short keeps what finished. Per row: tokens/s as the median of up to 3 timed windows
+The JSON (`--json`, default bench/results/gpu_throughput.json) and a CSV of its rows beside it are
+rewritten after every row, so a run cut short keeps what finished. Per row: tokens/s as the median of up to 3 timed windows
 (`--steps` each, after `--warmup` steps that include compilation) with their spread (windows
 that no longer fit the row's deadline are cut, and the row says how many ran), MFU, peak memory
 allocated and reserved (GiB), the loss after warmup + one window (the same step for every row: all
@@ -35,12 +35,13 @@ transformers: `datasets` is never imported (synthetic tokens).
 
 `--smoke` runs every path of the harness on CPU with a tiny model in seconds (numbers meaningless):
 real rows, a forced out-of-memory row, a row that hangs into its timeout, and a budget that runs
-out; tests/test_bench_imports.py runs it.
+out; bench/gpu_session.sh --smoke runs it (tests/test_bench_imports.py, with RUN_SLOW=1).
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import signal
@@ -391,12 +392,23 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+CSV_FIELDS = ("preset", "batch", "name", "overrides", "status", "tokens_per_s", "spread", "reps", "mfu",
+              "peak_memory_gib", "reserved_memory_gib", "loss_step", "loss", "graphs", "graph_breaks", "sdpa",
+              "setup_s", "warmup_s", "wall_s", "why")
+
+
 def write(path: Path, meta: dict, rows: list[dict], pending: list[Row], complete: bool) -> None:
     doc = {**meta, "complete": complete, "rows": rows, **summarise(rows),
            "not_run": [{**asdict(r), "status": "skipped", "why": "budget"} for r in pending]}
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(doc, indent=2))
     tmp.replace(path)  # a reader (or a run cut short) sees the last complete state
+    with tmp.open("w", newline="") as f:  # the same rows flat, next to it (same name, .csv)
+        w = csv.DictWriter(f, CSV_FIELDS, extrasaction="ignore")
+        w.writeheader()
+        for r in [*rows, *doc["not_run"]]:
+            w.writerow({**r, "sdpa": "+".join(r.get("sdpa") or []), "overrides": json.dumps(r.get("overrides") or {})})
+    tmp.replace(path.with_suffix(".csv"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -408,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="only the headline rows")
     ap.add_argument("--budget", type=float, default=0, help="seconds for the whole run (0 = no limit)")
     ap.add_argument("--row-timeout", type=float, default=420, help="seconds per row at most")
+    ap.add_argument("--min-row-s", type=float, default=50,
+                    help="start no row with less time left than this (a GPU row compiles for most of a minute)")
     ap.add_argument("--backend", default="inductor", help="torch.compile backend of the plain loops")
     ap.add_argument("--json", default=str(REPO / "bench" / "results" / "gpu_throughput.json"))
     ap.add_argument("--logs", default=None, help="directory for each row's output (default: next to --json)")
@@ -447,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         left = args.budget - (time.time() - start) if args.budget else float("inf")
         if row.group == "smoke-skip":
             left = 0.0  # the smoke's last row: the budget has run out
-        if left < 20:
+        if left < (20 if args.smoke else args.min_row_s):
             break
         pending.pop(0)
         key = json.dumps(row.overrides, sort_keys=True)

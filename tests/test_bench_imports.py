@@ -16,10 +16,12 @@ def test_bench_module_imports_as_a_package_module(name):
     assert callable(getattr(mod, "main", None)), f"bench/{name}.py has no main()"
 
 
+@pytest.mark.slow  # runs the bench's CPU rows (minutes under load): RUN_SLOW=1; the bad-argument checks below run always
 def test_gpu_session_smoke_keeps_every_row_and_its_bookkeeping(tmp_path):
     """bench/gpu_session.sh --smoke on CPU: the bench's real rows (trainer defaults, both compiled
     plain loops) measure and agree on the loss, a forced out-of-memory and a hung row are recorded
     as such, the row after the budget as skipped, and the GPU tests skip; every file lands in OUT."""
+    import csv
     import json
     import os
     import subprocess
@@ -28,9 +30,10 @@ def test_gpu_session_smoke_keeps_every_row_and_its_bookkeeping(tmp_path):
 
     from tests import REPO
 
-    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable, OMP_NUM_THREADS="1")
-    proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_session.sh"), "--smoke", "1500"], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=1200)
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_session.sh"), "--smoke", "out", "1500"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=1600)
+    tmp_path = tmp_path / "out"  # a relative OUT is the caller's directory's
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     session = json.loads((tmp_path / "session.json").read_text())
     assert [(p["name"], p["rc"], p["cut_off"]) for p in session["phases"]] == [
@@ -52,6 +55,25 @@ def test_gpu_session_smoke_keeps_every_row_and_its_bookkeeping(tmp_path):
     suite = ET.parse(tmp_path / "pytest_gpu.xml").getroot().find("testsuite")
     assert int(suite.get("tests")) >= 5 and int(suite.get("skipped")) == int(suite.get("tests"))
     assert "torch" in (tmp_path / "environment.txt").read_text()
+    with (tmp_path / "gpu_throughput.csv").open() as f:
+        flat = list(csv.DictReader(f))
+    assert [(r["name"], r["status"]) for r in flat] == [(r["name"], r["status"]) for r in doc["rows"] + doc["not_run"]]
+
+
+@pytest.mark.parametrize("args, message", [
+    ((), "usage: gpu_session.sh [--smoke] OUT [BUDGET_S]"),
+    (("{out}", "4m"), "BUDGET_S must be a whole number of seconds, got '4m'"),
+])
+def test_gpu_session_refuses_bad_arguments(tmp_path, args, message):
+    import subprocess
+
+    from tests import REPO
+
+    argv = [a.format(out=tmp_path / "out") for a in args]
+    proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_session.sh"), *argv], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip() == f"gpu_session: {message}"
+    assert not (tmp_path / "out" / "session.log").exists()  # nothing started
 
 
 def test_gpu_bench_plans_the_headline_first_and_names_sdpa_kernels():

@@ -1,9 +1,10 @@
-"""CUDA tests: the GPU defaults (compiled blocks and loss, bf16 parameters, log cadence, memory
-fields), compiled vs eager and chunked vs unchunked equality, memory bounds, the flash kernel in a
-profiler trace, no host sync between log steps, FSDP2 on NCCL with one rank, the NVML energy CSV
-in real Joules, checkpoint/resume on CUDA, and with >= 2 GPUs every layout compiled on NCCL
-against one GPU. Each skips without a CUDA device (the multi-GPU ones below 2); CI has none. On a
-GPU host (cheapest and most telling first, so that a run cut off by a time limit still says most):
+"""CUDA tests, in the order they run (cheapest and most telling first, so that a run cut off by a
+time limit still says most): compiled vs eager equality, the flash kernel in the trainer's
+profiled step, chunked vs unchunked loss, memory bounds, no host sync between log steps, the GPU
+defaults end to end (compiled blocks and loss, bf16 parameters, log cadence, memory fields), FSDP2
+on NCCL with one rank, the NVML energy CSV in real Joules, checkpoint/resume on CUDA, and with
+>= 2 GPUs every layout compiled on NCCL against one GPU. Each skips without a CUDA device (the
+multi-GPU ones below 2); CI has none. On a GPU host:
 
     pytest -m gpu tests/test_gpu.py            (or: PYTHONPATH=. python3 -m pytest -m gpu tests/test_gpu.py)
 
@@ -40,25 +41,16 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _cuda(), reason="needs a C
 TINY = ("--config", "configs/tiny.yaml", "--parallel.device", "cuda")
 
 
-def test_bf16_step_with_the_gpu_defaults(tmp_path):
-    """dtype auto -> bf16 on a GPU with native bf16, bf16 parameters (FSDP2 mixed precision on one
-    rank), blocks and loss compiled into whole graphs, a log line every 10th step with memory in
-    GiB (allocated and reserved); losses finite."""
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each in-process test compiles the same HF forward code with other shapes and dtypes: a
+    clean dynamo cache per test keeps one test's graphs from counting against the next's
+    recompile limit."""
     import torch
 
-    proc = run_trainer(tmp_path, *TINY, "--train.steps", "12", "--optim.lr", "0.003", "--train.loss_chunks", "4",
-                       timeout=900)
-    cfg = yaml.safe_load((tmp_path / "config.yaml").read_text())
-    train, log = cfg["train"], proc.stdout + proc.stderr
-    native = torch.cuda.is_bf16_supported(including_emulation=False)
-    assert train["dtype"] == ("bf16" if native else "fp32") and train["compile"] == "true"
-    assert train["param_dtype"] == ("bf16" if native else "fp32") and cfg["logging"]["log_interval"] == 10
-    assert "torch.compile: 2 blocks compiled in place + LM head and loss (backend inductor" in log
-    assert "0 graph break(s)" in log and "does not compile" not in log
-    assert "expandable_segments:True" in log
-    m = read_metrics(tmp_path)
-    assert [r["step"] for r in m] == [10, 12] and all(0 < r["loss"] < 10 for r in m)
-    assert all(r["memory_gib"] > 0 and r["memory_reserved_gib"] >= r["memory_gib"] and r["mfu"] > 0 for r in m)
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
 
 
 def _tiny(preset: str = "tiny-llama", **overrides):
@@ -212,6 +204,27 @@ def test_no_host_sync_between_log_steps(tmp_path):
     syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
     assert not syncs, syncs[:3]
     assert torch.isfinite(loss) and torch.isfinite(norm)
+
+
+def test_bf16_step_with_the_gpu_defaults(tmp_path):
+    """dtype auto -> bf16 on a GPU with native bf16, bf16 parameters (FSDP2 mixed precision on one
+    rank), blocks and loss compiled into whole graphs, a log line every 10th step with memory in
+    GiB (allocated and reserved); losses finite."""
+    import torch
+
+    proc = run_trainer(tmp_path, *TINY, "--train.steps", "12", "--optim.lr", "0.003", "--train.loss_chunks", "4",
+                       timeout=900)
+    cfg = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    train, log = cfg["train"], proc.stdout + proc.stderr
+    native = torch.cuda.is_bf16_supported(including_emulation=False)
+    assert train["dtype"] == ("bf16" if native else "fp32") and train["compile"] == "true"
+    assert train["param_dtype"] == ("bf16" if native else "fp32") and cfg["logging"]["log_interval"] == 10
+    assert "torch.compile: 2 blocks compiled in place + LM head and loss (backend inductor" in log
+    assert "0 graph break(s)" in log and "does not compile" not in log
+    assert "expandable_segments:True" in log
+    m = read_metrics(tmp_path)
+    assert [r["step"] for r in m] == [10, 12] and all(0 < r["loss"] < 10 for r in m)
+    assert all(r["memory_gib"] > 0 and r["memory_reserved_gib"] >= r["memory_gib"] and r["mfu"] > 0 for r in m)
 
 
 def test_fsdp2_on_nccl_with_one_rank(tmp_path):
