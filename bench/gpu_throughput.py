@@ -320,9 +320,11 @@ def run_row(row: Row, args: argparse.Namespace, timeout: float, log: Path) -> di
             proc.wait(timeout=timeout)
             timed_out = False
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the row's whole process group: compile workers too
-            proc.wait()
             timed_out = True
+        finally:  # a timeout, or this process stopped (SIGTERM from a backstop): no row outlives it
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)  # the row's whole process group: compile workers too
+                proc.wait()
     text = log.read_text(errors="replace")
     line = next((ln for ln in reversed(text.splitlines()) if ln.startswith("RESULT ")), None)
     if timed_out:
@@ -429,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.worker:
         return worker(json.loads(args.worker))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds run_row, which ends the running row
     args.seq = SEQ
     start = time.time()
     from importlib.metadata import version
