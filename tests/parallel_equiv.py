@@ -25,6 +25,10 @@ MODELS = {
                                       'full_attention]}'),
     # Masked LM: microbatches hold different numbers of labelled tokens.
     "bert": ("--model.preset", "tiny-bert"),
+    # The Perseus families (tests/test_perseus_parallel.py): encoder-decoder, ALiBi, convolutions.
+    "t5": ("--model.preset", "tiny-t5"),
+    "bloom": ("--model.preset", "tiny-bloom"),
+    "wide_resnet": ("--model.preset", "tiny-wide-resnet"),
 }
 
 
@@ -35,10 +39,11 @@ def common(global_batch: int, dp: int, micro: int) -> tuple[str, ...]:
 
 
 @functools.cache
-def reference(model: str, global_batch: int = 8) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """(losses, grad norms) of the single-process run; cached across tests of one session."""
+def reference(model: str, global_batch: int = 8, micro: int = 1) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(losses, grad norms) of the single-process run; cached across tests of one session. `micro`:
+    its microbatches (BatchNorm normalises per microbatch: the layouts compared must split alike)."""
     out = Path(tempfile.mkdtemp(prefix=f"ref-{model}-"))
-    run_trainer(out, *MODELS[model], *common(global_batch, 1, 1))
+    run_trainer(out, *MODELS[model], *common(global_batch, 1, micro))
     m = read_metrics(out)
     return tuple(r["loss"] for r in m), tuple(r["grad_norm"] for r in m)
 
@@ -49,8 +54,8 @@ def run_layout(out: Path, model: str, nproc: int, *args: str, global_batch: int 
     return read_metrics(out)
 
 
-def assert_equivalent(metrics: list[dict], model: str, global_batch: int = 8) -> None:
-    ref_loss, ref_norm = reference(model, global_batch)
+def assert_equivalent(metrics: list[dict], model: str, global_batch: int = 8, micro: int = 1) -> None:
+    ref_loss, ref_norm = reference(model, global_batch, micro)
     losses = [r["loss"] for r in metrics]
     assert len(losses) == len(ref_loss) == 4, (losses, ref_loss)
     for step, (a, b) in enumerate(zip(losses, ref_loss, strict=True), 1):

@@ -300,7 +300,7 @@ def validate(cfg: Config) -> None:
     pp=1 is still a typo to report). Checks that need the model's config (sequence length vs
     positions, head divisibility) are in trainer/config_checks.py:check_model, run before start."""
     from trainer.config_checks import check_ranges
-    from trainer.models.presets import PRESETS
+    from trainer.models.presets import PRESETS, unknown_preset_message
 
     p, t = cfg.parallel, cfg.train
     if p.sharding not in SHARDING:
@@ -310,7 +310,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.dtype: unknown dtype '{t.dtype}' (auto, fp32 or bf16)")
     t.dtype = DTYPES[t.dtype]
     if cfg.model.path is None and cfg.model.preset not in PRESETS:
-        raise ConfigError(f"model.preset: unknown preset '{cfg.model.preset}' (known: {', '.join(sorted(PRESETS))})")
+        raise ConfigError(unknown_preset_message(cfg.model.preset))
     if cfg.model.path is not None and not Path(cfg.model.path).is_dir():
         raise ConfigError(f"model.path: '{cfg.model.path}' is not a local model directory")
     if t.microbatch_num is None:

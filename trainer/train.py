@@ -32,9 +32,9 @@ import torch
 from trainer import dist_env
 from trainer.config import Config, ConfigError, resolve
 from trainer.config_checks import resolve_loss_chunks
-from trainer.data import DataStream, build_data, load_texts, load_tokenizer
+from trainer.data import DataStream, build_data, load_texts, load_tokenizer, reads_text
 from trainer.metrics import MetricsWriter, StepStats, flops_per_token, format_line, memory_bytes, peak_flops
-from trainer.models.build import build_model, model_spec
+from trainer.models.build import build_model, model_spec, task_of
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.parallel.compile import resolve_compile
 from trainer.parallel.compose import Parallelized, check_supported, parallelize
@@ -74,7 +74,7 @@ class Trainer:
         t, d = cfg.train, cfg.data
 
         tokenizer, texts, self._tmp = None, None, None
-        if d.source != "synthetic":
+        if reads_text(d, task_of(cfg.model)):  # an image folder is read by build_data
             self._tmp = tempfile.TemporaryDirectory(prefix="trainer-datasets-")
             texts = load_texts(d, cache_dir=self._tmp.name)
             tokenizer = load_tokenizer(d, texts)
@@ -110,6 +110,8 @@ class Trainer:
         self.tokens_per_sample = self.spec.tokens_per_sample(d.seq_len)
         self.flops_per_token = flops_per_token(self.spec.num_params, self.spec.num_layers,
                                                self.spec.attention_width, self.tokens_per_sample)
+        if self.spec.train_flops_per_sample:  # convolutions: FLOPs counted per image (ModelSpec)
+            self.flops_per_token = self.spec.train_flops_per_sample / self.tokens_per_sample
         self.peak, peak_src = peak_flops(device, t.dtype, cfg.logging.peak_flops)
         log.info("global batch %d samples x %d tokens; %d steps; peak %.3g FLOP/s per device from %s",
                  self.global_samples, self.tokens_per_sample, self.total_steps, self.peak, peak_src)

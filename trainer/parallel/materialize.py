@@ -42,6 +42,13 @@ def _keep_parameter_objects() -> Iterator[None]:
         torch.__future__.set_swap_module_params_on_conversion(before)
 
 
+def move(module: nn.Module, device: torch.device | str) -> None:
+    """`module.to(device)` keeping weights tied inside it one parameter (a T5 stage's decoder
+    embedding and head; a plain `.to("meta")` would give each use its own copy)."""
+    with _keep_parameter_objects():
+        module.to(device)
+
+
 def to_meta(module: nn.Module) -> dict[str, torch.Tensor]:
     """Move `module` to the meta device; returns its CPU values for `materialize`."""
     ref = cpu_reference(module)

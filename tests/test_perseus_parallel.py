@@ -1,0 +1,92 @@
+"""The Perseus families at test size on gloo: T5 (encoder-decoder, tuples between stages), BLOOM
+(ALiBi) and Wide-ResNet (4-D activations, BatchNorm) give one process's losses (1e-5, CPU fp32)
+in every layout, resume bit for bit, and write the Perseus timing CSVs.
+
+Per family, four launches besides the single-process reference (combined to keep CI short):
+- pp=2 x dp=2 ZeRO-3, 1F1B, partition written in Merak's items, --export_timing_csv (4 processes);
+- pp=4 GPipe, one unit per stage (4 processes): for T5 every payload kind crosses a boundary
+  (encoder hidden + bias, encoder output, decoder hidden + encoder output + bias);
+- DDP x 2, checkpoints every 2 steps (2 processes);
+- DDP x 2 resumed from that run's step-2 checkpoint: steps 3-4 equal it bit for bit.
+Every layout splits the global batch of 8 into microbatches of 2 samples, as the reference does:
+BatchNorm normalises over a microbatch, so Wide-ResNet's numbers depend on that split.
+"""
+
+from __future__ import annotations
+
+import csv
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.parallel_equiv import assert_equivalent, run_layout
+from tests.trainer_run import numeric_metrics
+
+pytestmark = pytest.mark.multiproc
+
+MICRO = 4  # the reference's microbatches: 8 samples in microbatches of 2
+# family -> pp=2 partition in Merak's items (tiny-t5: 12 items, tiny-bloom 6, tiny-wide-resnet 5)
+MERAK_PP2 = {
+    "t5": ("custom:0,3,12", "stage 0 (pp rank 0): embedding + encoder 0 (1 blocks",
+           "stage 1 (pp rank 1): encoder 1 + decoder 0-1 + norm + head (3 blocks"),
+    "bloom": ("custom:0,3,6", "stage 0 (pp rank 0): embeddings + layers 0-1 (2 layers",
+              "stage 1 (pp rank 1): layers 2-3 + norm + head (2 layers"),
+    "wide_resnet": ("custom:0,3,5", "stage 0 (pp rank 0): stem + bottlenecks 0-2 (3 bottlenecks",
+                    "stage 1 (pp rank 1): bottleneck 3 + pool + fc (1 bottlenecks"),
+}
+PP4_LINES = {
+    "t5": ["embedding + encoder 0", "encoder 1", "decoder 0", "decoder 1 + norm + head"],
+    "bloom": ["embeddings + layer 0", "layer 1", "layer 2", "layer 3 + norm + head"],
+    "wide_resnet": ["stem + bottleneck 0", "bottleneck 1", "bottleneck 2", "bottleneck 3 + pool + fc"],
+}
+
+
+@pytest.mark.parametrize("family", ["t5", "bloom", "wide_resnet"])
+def test_perseus_family_layouts_equal_one_process_and_resume_bitwise(tmp_path, family):
+    # pp=2 x dp=2 ZeRO-3, 1F1B, Merak-item partition, timing CSVs
+    part, line0, line1 = MERAK_PP2[family]
+    out = tmp_path / "pp2_zero3"
+    metrics = run_layout(out, family, 4, "--parallel.pp", "2", "--parallel.sharding", "zero3",
+                         "--parallel.partition", part, "--export_timing_csv", "true", "--num_prof_steps", "2",
+                         "--profile.batch", "1", dp=2, micro=2)
+    assert_equivalent(metrics, family, micro=MICRO)
+    log = (out / "logs" / "rank0.log").read_text()
+    assert line0 in log and line1 in log, log
+    assert "read as item boundaries" in log
+    _check_timing_csvs(out, stages=2, ranks=4, microbatches=2, steps=2)
+
+    # pp=4 GPipe, one unit per stage
+    out = tmp_path / "pp4_gpipe"
+    metrics = run_layout(out, family, 4, "--parallel.pp", "4", "--parallel.pp_schedule", "gpipe", micro=4)
+    assert_equivalent(metrics, family, micro=MICRO)
+    log = (out / "logs" / "rank0.log").read_text()
+    for s, holds in enumerate(PP4_LINES[family]):
+        assert f"stage {s} (pp rank {s}): {holds} (1 " in log, log
+
+    # DDP x 2 with checkpoints, then resumed from step 2: bit for bit
+    straight, resumed = tmp_path / "ddp", tmp_path / "ddp_resumed"
+    metrics = run_layout(straight, family, 2, "--parallel.sharding", "ddp", "--checkpoint.interval", "2",
+                         dp=2, micro=2)
+    assert_equivalent(metrics, family, micro=MICRO)
+    run_layout(resumed, family, 2, "--parallel.sharding", "ddp", "--resume",
+               str(straight / "checkpoints" / "step-2"), dp=2, micro=2)
+    assert numeric_metrics(resumed) == numeric_metrics(straight)[2:]
+    assert [r["step"] for r in numeric_metrics(resumed)] == [3, 4]
+
+
+def _check_timing_csvs(out: Path, stages: int, ranks: int, microbatches: int, steps: int) -> None:
+    """Perseus' files: per rank the instruction log (forward/backward of its stage, every microbatch
+    of the profiled steps) and the energy file; profile.csv with forward and backward per stage."""
+    for rank in range(ranks):
+        with (out / f"instructions-{rank}.csv").open() as f:
+            rows = list(csv.DictReader(f))
+        kinds = Counter(r["instruction"] for r in rows)
+        assert kinds["forward_microstep"] == kinds["backward_microstep"] == microbatches * steps, (rank, kinds)
+        assert {int(r["stage"]) for r in rows if r["stage"]} == {rank // (ranks // stages)}
+        assert (out / f"time-energy-{rank}.csv").is_file()
+    with (out / "profile.csv").open() as f:
+        prof = list(csv.DictReader(f))
+    assert {(int(r["stage"]), r["instruction"]) for r in prof} >= {
+        (s, k) for s in range(stages) for k in ("forward", "backward")}
+    assert all(float(r["time"]) > 0 for r in prof)
