@@ -82,14 +82,15 @@ def stage_memory(load: StageLoad, *, in_flight: int, dtype: str = "fp32", shardi
 
 
 def transformer_activation_bytes(tokens: int, hidden: int, ffn: int, layers: int, dtype: str = "bf16", *,
-                                 heads: int = 0, seq: int = 0, attention_scores: bool = False) -> int:
+                                 gated: bool = False, heads: int = 0, seq: int = 0,
+                                 attention_scores: bool = False) -> int:
     """Saved activations of `layers` transformer blocks for `tokens` tokens (one microbatch:
-    batch x seq), without recomputation: per token about 10 hidden-sized tensors (norm inputs,
-    q/k/v, attention output, projections, residuals) and 2 of the MLP's width (before and after the
-    activation), plus the heads x seq attention probabilities when the attention materialises them
-    (eager; SDPA/flash keep only a log-sum-exp). Korthikanti et al. 2022 count 34 h bytes per token
-    at 16 bits with ffn = 4h; this gives 36 h."""
-    per_token = 10 * hidden + 2 * ffn + (heads * seq if attention_scores else 0)
+    batch x seq), without recomputation: per token about 10 hidden-sized tensors (norm inputs and
+    outputs, q/k/v, attention output, residuals) and 2 of the MLP's width (before and after the
+    activation; 3 for a gated MLP: gate, up and the activation), plus the heads x seq attention
+    probabilities when the attention materialises them (eager; SDPA/flash keep a log-sum-exp).
+    Korthikanti et al. 2022 count 34 h bytes per token at 16 bits with ffn = 4h; this gives 36 h."""
+    per_token = 10 * hidden + (3 if gated else 2) * ffn + (heads * seq if attention_scores else 0)
     return int(tokens * per_token * layers * DTYPE_BYTES[dtype])
 
 

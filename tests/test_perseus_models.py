@@ -142,7 +142,8 @@ def _tiny(name: str):
     install_loss_forward(model, 1)
     g = torch.Generator().manual_seed(1)
     if spec.task == "image":
-        return model, torch.randn(2, 3, 32, 32, generator=g), torch.tensor([1, 7])
+        size = spec.hf_config.image_size
+        return model, torch.randn(2, 3, size, size, generator=g), torch.tensor([1, 7])
     return model, torch.randint(0, 512, (2, 12), generator=g), torch.randint(0, 512, (2, 12), generator=g)
 
 
@@ -193,6 +194,23 @@ def test_seq2seq_and_image_data():
     assert torch.equal(again[0], x) and torch.equal(again[1], y)
 
 
+def test_t5_text_blocks_are_input_then_target():
+    """Text for T5: packed blocks of 2 x seq_len tokens, the first half the encoder's input, the
+    second the target (the same packing as the causal LMs, one block per sample)."""
+    from tests.trainer_run import REPO
+    from trainer.data import build_data, load_texts, load_tokenizer, pack
+
+    dcfg = DataConfig(source=str(REPO / "trainer" / "data" / "corpus.txt"), seq_len=16, tokenizer_vocab_size=300)
+    texts = load_texts(dcfg)
+    tok = load_tokenizer(dcfg, texts)
+    hf = build_hf_config(ModelConfig(preset="tiny-t5"), tok.vocab_size)[1]
+    data = build_data(dcfg, "seq2seq", hf, 0, 4, 0, 1, tok, texts)
+    blocks = {tuple(b.tolist()) for b in pack(tok.encode_batch(texts), tok.eos_id, 32)}
+    x, y = data.next_batch()
+    assert x.shape == y.shape == (4, 16)
+    assert all(tuple(torch.cat([a, b]).tolist()) in blocks for a, b in zip(x, y, strict=True))
+
+
 def test_image_folder(tmp_path):
     from PIL import Image
 
@@ -210,7 +228,7 @@ def test_image_folder(tmp_path):
     seen = []
     for _ in range(2):
         x, y = data.next_batch()
-        assert x.shape == (2, 3, 32, 32)
+        assert x.shape == (2, 3, 64, 64)
         for img, label in zip(x, y, strict=True):
             red = img[0].mean() > img[2].mean()  # normalised: the class's colour dominates its channel
             assert red == (int(label) == 0)

@@ -15,6 +15,7 @@ BatchNorm normalises over a microbatch, so Wide-ResNet's numbers depend on that 
 from __future__ import annotations
 
 import csv
+import math
 from collections import Counter
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from tests.trainer_run import numeric_metrics
 pytestmark = pytest.mark.multiproc
 
 MICRO = 4  # the reference's microbatches: 8 samples in microbatches of 2
+EVAL = ("--train.eval_interval", "4", "--train.eval_batches", "1")
 # family -> pp=2 partition in Merak's items (tiny-t5: 12 items, tiny-bloom 6, tiny-wide-resnet 5)
 MERAK_PP2 = {
     "t5": ("custom:0,3,12", "stage 0 (pp rank 0): embedding + encoder 0 (1 blocks",
@@ -56,21 +58,25 @@ def test_perseus_family_layouts_equal_one_process_and_resume_bitwise(tmp_path, f
     assert "read as item boundaries" in log
     _check_timing_csvs(out, stages=2, ranks=4, microbatches=2, steps=2)
 
-    # pp=4 GPipe, one unit per stage
+    # pp=4 GPipe, one unit per stage; an evaluation after the last step passes every payload too
     out = tmp_path / "pp4_gpipe"
-    metrics = run_layout(out, family, 4, "--parallel.pp", "4", "--parallel.pp_schedule", "gpipe", micro=4)
+    metrics = run_layout(out, family, 4, "--parallel.pp", "4", "--parallel.pp_schedule", "gpipe", *EVAL, micro=4)
     assert_equivalent(metrics, family, micro=MICRO)
+    pp_eval = metrics[-1]["eval_loss"]
+    assert math.isfinite(pp_eval) and pp_eval > 0
     log = (out / "logs" / "rank0.log").read_text()
     for s, holds in enumerate(PP4_LINES[family]):
         assert f"stage {s} (pp rank {s}): {holds} (1 " in log, log
 
     # DDP x 2 with checkpoints, then resumed from step 2: bit for bit
     straight, resumed = tmp_path / "ddp", tmp_path / "ddp_resumed"
-    metrics = run_layout(straight, family, 2, "--parallel.sharding", "ddp", "--checkpoint.interval", "2",
+    metrics = run_layout(straight, family, 2, "--parallel.sharding", "ddp", "--checkpoint.interval", "2", *EVAL,
                          dp=2, micro=2)
     assert_equivalent(metrics, family, micro=MICRO)
+    if family != "wide_resnet":  # BatchNorm evaluates with each layout's own running statistics
+        assert abs(metrics[-1]["eval_loss"] - pp_eval) <= 1e-5 * pp_eval
     run_layout(resumed, family, 2, "--parallel.sharding", "ddp", "--resume",
-               str(straight / "checkpoints" / "step-2"), dp=2, micro=2)
+               str(straight / "checkpoints" / "step-2"), *EVAL, dp=2, micro=2)
     assert numeric_metrics(resumed) == numeric_metrics(straight)[2:]
     assert [r["step"] for r in numeric_metrics(resumed)] == [3, 4]
 

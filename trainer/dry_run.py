@@ -206,11 +206,12 @@ def _saved_bytes(module: Any, args: tuple, kwargs: dict, micro: int, flash_seq: 
     saved: dict[int, Any] = {}
 
     def pack(t: Any) -> Any:
+        # Views (q/k/v each save a reshaped view of one normalised input) count their base once.
         base = t._base if t._base is not None else t
-        scores = flash_seq is not None and t.dim() >= 4 and t.shape[0] == micro and \
-            t.shape[-1] == t.shape[-2] == flash_seq
-        if id(t) not in param_ids and id(base) not in param_ids and not scores:
-            saved[id(t)] = t  # keeps it alive: ids stay unique while counting
+        scores = flash_seq is not None and base.dim() == 4 and base.shape[0] == micro and \
+            base.shape[-1] == base.shape[-2] == flash_seq
+        if id(base) not in param_ids and not scores:
+            saved[id(base)] = base  # keeps it alive: ids stay unique while counting
         return t
 
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

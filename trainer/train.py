@@ -40,6 +40,7 @@ from trainer.parallel.compile import resolve_compile
 from trainer.parallel.compose import Parallelized, check_supported, parallelize
 from trainer.parallel.mesh import ParallelDims
 from trainer.parallel.ordered_reduce import ordered_mean
+from trainer.parallel.running_stats import sync_running_stats
 
 log = logging.getLogger("trainer")
 
@@ -163,6 +164,7 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        sync_running_stats(self.par.model_parts, self.dims)  # BatchNorm models only
         if self.step + 1 < self.total_steps:
             self.data.prefetch()  # the host builds the next batch while the device runs this one
         return (None if loss is None else self._dp_mean(loss)), grad_norm

@@ -150,8 +150,6 @@ class PipelineRunner:
     def __init__(self, parts: dict[int, nn.Module], spec: ScheduleSpec, num_stages: int,
                  pp_group: dist.ProcessGroup, device: torch.device, tied: TiedWeights | None = None,
                  tied_pgs: dict | None = None, tp: int = 1):
-        from torch.distributed.pipelining import PipelineStage
-
         self.spec, self.num_stages, self.tp = spec, num_stages, tp
         self.stage_ids = sorted(parts)
         self.parts = parts
@@ -163,7 +161,8 @@ class PipelineRunner:
                            for g in self.tied.groups]
         self.tied_local = [(ps, key) for ps, key in self.tied_local if ps]
         self.tied_copy_ids = {id(named[s][n]) for g in self.tied.groups for s, n in g[1:] if s in parts}
-        self.stages = [PipelineStage(parts[s], s, num_stages, device, group=pp_group) for s in self.stage_ids]
+        stage_cls = buffer_safe_stage()
+        self.stages = [stage_cls(parts[s], s, num_stages, device, group=pp_group) for s in self.stage_ids]
         self.pp_group, self.device = pp_group, device
         self.pp_rank, self.pp_size = dist.get_rank(pp_group), dist.get_world_size(pp_group)
         self.has_first = 0 in parts
@@ -272,6 +271,55 @@ def recv_tensors(group: dist.ProcessGroup, src: int, device: torch.device) -> tu
         dist.recv(t, group=group, group_src=src)
         out.append(t)
     return tuple(out)
+
+
+def _snapshot(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(b, b.detach().clone()) for b in module.buffers()]
+
+
+def _restore(saved: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
+    with torch.no_grad():
+        for b, value in saved or []:
+            b.copy_(value)
+
+
+_BUFFER_SAFE: list[type] = []
+
+
+def buffer_safe_stage() -> type:
+    """torch's PipelineStage whose metadata inference (the first step runs every stage once, on the
+    first microbatch or, past stage 0, on uninitialised tensors of the right shape) leaves the
+    stage's buffers as they were: BatchNorm's running statistics would take that extra, or garbage,
+    batch (NaN evaluation losses on Wide-ResNet past its first stage). The buffers are restored once
+    the inference's autograd graph is gone (restoring them earlier trips its version checks)."""
+    if _BUFFER_SAFE:
+        return _BUFFER_SAFE[0]
+    from torch.distributed.pipelining import PipelineStage
+
+    hooks: dict = {}
+    if hasattr(PipelineStage, "_forward_metadata_inference"):  # torch >= 2.12: forward and backward
+        def forward_inference(self, *args, **kwargs):
+            if getattr(self, "_kept_buffers", None) is None:
+                self._kept_buffers = _snapshot(self.submod)
+            return PipelineStage._forward_metadata_inference(self, *args, **kwargs)
+
+        def cleanup(self) -> None:
+            PipelineStage._post_metadata_inference_cleanup(self)
+            _restore(getattr(self, "_kept_buffers", None))
+            self._kept_buffers = None
+
+        hooks = {"_forward_metadata_inference": forward_inference, "_post_metadata_inference_cleanup": cleanup}
+    elif hasattr(PipelineStage, "_shape_inference"):  # older torch: one forward under no_grad
+        def shape_inference(self, *args, **kwargs):
+            kept = _snapshot(self.submod)
+            try:
+                return PipelineStage._shape_inference(self, *args, **kwargs)
+            finally:
+                _restore(kept)
+
+        hooks = {"_shape_inference": shape_inference}
+    _BUFFER_SAFE.append(type("BufferSafeStage", (PipelineStage,), hooks))
+    return _BUFFER_SAFE[0]
 
 
 def pp_lines(mesh) -> list[list[int]]:
