@@ -1,5 +1,5 @@
 """bench/gpu_families.py on this CPU-only machine: `--smoke` runs its whole harness (one process per
-row, the JSON rewritten after each) with two tiny rows; the numbers only have to exist."""
+row, the JSON rewritten after each) with one tiny row; the numbers only have to exist."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def test_gpu_families_smoke(tmp_path):
                           env=trainer_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
-    assert [r["preset"] for r in data["rows"]] == ["tiny-t5", "tiny-wide-resnet"]
+    assert [r["preset"] for r in data["rows"]] == ["tiny-t5"]
     for r in data["rows"]:
         assert "error" not in r, r
         assert r["step_time_s"] > 0 and r["samples_per_s"] > 0 and r["estimate_gib"] > 0 and r["params"] > 0

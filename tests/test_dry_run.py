@@ -97,24 +97,32 @@ def test_every_paper_command_plans_on_the_meta_device(tmp_path):
     assert wrn["stages"][0]["line"].startswith("stage 0 (pp rank 0): stem + bottlenecks 0-6 (7 bottlenecks")
 
 
-def test_dry_run_cli_json_and_one_line_errors(tmp_path):
+def test_dry_run_cli_json_and_one_line_errors(tmp_path, capsys):
+    from trainer.cli import main
+
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "trainer", "--dry-run", "--json", "--config", "configs/perseus-t5-3b.yaml",
-           "--partition_method", "custom:0,9,16,24,33,43,53,63,74", "--pp", "8", "--output-dir", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=trainer_env(), timeout=300)
+    argv = ["--dry-run", "--json", "--config", "configs/perseus-t5-3b.yaml", "--partition_method",
+            "custom:0,9,16,24,33,43,53,63,74", "--pp", "8", "--output-dir", str(out)]
+    proc = subprocess.run([sys.executable, "-m", "trainer", *argv], capture_output=True, text=True, cwd=REPO,
+                          env=trainer_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
     assert plan["world"] == 8 and plan["schedule"] == "1f1b" and len(plan["stages"]) == 8
     assert [s["pp_rank"] for s in plan["stages"]] == list(range(8))
     assert not out.exists()  # nothing written
     # a boundary inside a decoder block: refused in one line naming the nearest legal boundaries
-    cmd[cmd.index("custom:0,9,16,24,33,43,53,63,74")] = "custom:0,9,16,24,34,43,53,63,74"
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=trainer_env(), timeout=300)
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.splitlines() == [
+    argv[argv.index("custom:0,9,16,24,33,43,53,63,74")] = "custom:0,9,16,24,34,43,53,63,74"
+    assert main(argv) == 2
+    err = capsys.readouterr()
+    assert err.out == "" and err.err.splitlines() == [
         "error: parallel.partition: custom:0,9,16,24,34,43,53,63,74: item 34 (decoder 4 FFN) cannot start a stage "
         "(it continues item 33, decoder 4 self attention + decoder 4 cross attention); the nearest legal "
         "boundaries are 33 or 35"]
+    # an unknown model: the close names
+    assert main(["--dry-run", "--model.preset", "wide_resnet101_8", "--train.steps", "1"]) == 2
+    assert capsys.readouterr().err.strip() == \
+        "error: model.preset: unknown preset 'wide_resnet101_8' (did you mean wide-resnet101_8, wide-resnet101_4, " \
+        "wide-resnet101_2, wide-resnet50_8?)"
 
 
 def test_memory_arithmetic():
