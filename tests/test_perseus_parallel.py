@@ -2,12 +2,13 @@
 (ALiBi) and Wide-ResNet (4-D activations, BatchNorm) give one process's losses (1e-5, CPU fp32)
 in every layout, resume bit for bit, and write the Perseus timing CSVs.
 
-Per family, four launches besides the single-process reference (combined to keep CI short):
+Per family, five launches besides the single-process reference (combined to keep CI short):
 - pp=2 x dp=2 ZeRO-3, 1F1B, partition written in Merak's items, --export_timing_csv (4 processes);
-- pp=4 GPipe, one unit per stage (4 processes): for T5 every payload kind crosses a boundary
-  (encoder hidden + bias, encoder output, decoder hidden + encoder output + bias);
-- DDP x 2, checkpoints every 2 steps (2 processes);
-- DDP x 2 resumed from that run's step-2 checkpoint: steps 3-4 equal it bit for bit.
+- pp=4 GPipe, one unit per stage, with an evaluation (4 processes): for T5 every payload kind
+  crosses a boundary (encoder hidden + bias, encoder output, decoder hidden + encoder output + bias);
+- ZeRO-3 x 2 on the whole model (2 processes);
+- DDP x 2, checkpoints every 2 steps, with an evaluation (2 processes);
+- DDP x 2 resumed from that run's step-2 checkpoint: steps 3-4, evaluation included, bit for bit.
 Every layout splits the global batch of 8 into microbatches of 2 samples, as the reference does:
 BatchNorm normalises over a microbatch, so Wide-ResNet's numbers depend on that split.
 """
@@ -67,6 +68,10 @@ def test_perseus_family_layouts_equal_one_process_and_resume_bitwise(tmp_path, f
     log = (out / "logs" / "rank0.log").read_text()
     for s, holds in enumerate(PP4_LINES[family]):
         assert f"stage {s} (pp rank {s}): {holds} (1 " in log, log
+
+    # ZeRO-3 x 2 on the whole model (FSDP2 units: T5 blocks of both stacks, BLOOM blocks, bottlenecks)
+    metrics = run_layout(tmp_path / "zero3", family, 2, "--parallel.sharding", "zero3", dp=2, micro=2)
+    assert_equivalent(metrics, family, micro=MICRO)
 
     # DDP x 2 with checkpoints, then resumed from step 2: bit for bit
     straight, resumed = tmp_path / "ddp", tmp_path / "ddp_resumed"
