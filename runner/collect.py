@@ -28,7 +28,7 @@ from pathlib import Path
 import paramiko
 
 from contract.timeline import seed_to_chrome  # noqa: F401 - the format runner.merge writes merged timelines in
-from runner import stream
+from runner import safe_path, stream
 from runner.digest import HASH_BATCH, remote_sha256, sha256_file
 from runner.errors import EXIT_PARTIAL, UserError
 from runner.merge import merge_timelines, render_plots, summarize
@@ -76,6 +76,7 @@ def collect_node(remote: Remote, run_id: str, dest_root: Path, progress=None) ->
     dest.mkdir(parents=True, exist_ok=True)
     man_path = dest / MANIFEST
     manifest: dict[str, dict] = json.loads(man_path.read_text()) if man_path.exists() else {}
+    # Every name was checked by the walk (runner/ssh.py); placing checks where each one resolves.
     todo = [(rel, st) for rel, st in files if not _unchanged(dest / rel, manifest.get(rel), st)]
     res.skipped = len(files) - len(todo)
     task = progress.add_task(remote.node.name, total=sum(st.st_size or 0 for _, st in todo) or 1) if progress else None
@@ -119,7 +120,7 @@ def _place_batch(remote: Remote, rd: str, dest: Path, staging: Path, batch: list
             res.errors.append(f"{rel}: cannot hash on the node: {failed[rel]}")
     for rel, st in todo:
         try:
-            place_verified(staging / rel, dest / rel, st.st_size or 0, sums[rel], st.st_mtime)
+            place_verified(staging, dest, rel, st.st_size or 0, sums[rel], st.st_mtime)
         except (OSError, ValueError) as exc:
             manifest.pop(rel, None)
             res.errors.append(f"{rel}: {exc}")
@@ -150,9 +151,13 @@ def stream_tar(remote: Remote, rd: str, rels: list[str], staging: Path, progress
         log.debug("node %s: tar over ssh exited %s: %s", remote.node.name, res.ssh_rc, res.ssh_err)
 
 
-def place_verified(staged: Path, local: Path, size: int, want: str, mtime: float | None) -> None:
-    """Move a staged file into place only if it is a regular file with the node's size and sha256;
-    raise ValueError/OSError otherwise, leaving an older good copy as it was."""
+def place_verified(staging: Path, dest: Path, rel: str, size: int, want: str, mtime: float | None) -> None:
+    """Move staging/rel to dest/rel only if it is a regular file with the node's size and sha256,
+    and both paths stay under their roots through any link on the way (the node's stream may carry
+    links into staging; a link may already sit in dest); raise ValueError/OSError otherwise,
+    leaving an older good copy as it was."""
+    staged = safe_path.under(staging, rel)
+    local = safe_path.under(dest, rel)
     try:
         st = os.lstat(staged)
     except FileNotFoundError:

@@ -14,6 +14,7 @@ from runner.ssh import Remote
 
 HASH_BATCH = 1000        # names per sha256sum round trip: stdin and stdout stay far below SSH windows
 HASH_RATE = 20e6         # bytes/s a slow node (Pi, SD card) hashes at least: sets the command timeout
+HASH_TIMEOUT_MAX = 7 * 86400.0
 
 
 def sha256_file(path: str | Path, crc32: bool = False) -> str | tuple[str, int, int]:
@@ -49,7 +50,7 @@ def remote_sha256(remote: Remote, root: str, names: list[str], total_bytes: int 
     """({name: sha256}, {name: why it could not be hashed}) for files under root on the node."""
     sums: dict[str, str] = {}
     failed: dict[str, str] = {}
-    timeout = 120 + total_bytes / HASH_RATE
+    timeout = min(120 + total_bytes / HASH_RATE, HASH_TIMEOUT_MAX)  # sizes come from the node: bounded
     for i in range(0, len(names), HASH_BATCH):
         batch = names[i:i + HASH_BATCH]
         res = remote.run(["sh", "-c", f"cd {shlex.quote(root)} && xargs -0 sha256sum --"],

@@ -107,7 +107,7 @@ def prune_runs(remote: Remote, keep: int) -> list[str]:
     from runner.run_owner import remove_dirs
     from runner.status import node_run_dirs, run_doc
 
-    made = sorted(i for i in node_run_dirs(remote) if runs.RUN_ID_RE.match(i))
+    made = sorted(i for i in node_run_dirs(remote) if runs.RUN_ID_RE.fullmatch(i))
     busy = {c.labels.get(LABEL_RUN) for c in run_containers(remote, None)}
     doomed = [i for i in made[:max(0, len(made) - keep)] if i not in busy]
     if not doomed:

@@ -1,18 +1,32 @@
-"""Host keys as OpenSSH keeps them: the user's known_hosts (the node's `known_hosts`, else
-~/.ssh/known_hosts) and the system-wide /etc/ssh/ssh_known_hosts, plain or hashed (`|1|salt|hash`)
-entries, `@revoked` markers; or a fingerprint pinned in the inventory.
+"""Host keys as OpenSSH keeps and reads them: the user's known_hosts (the node's `known_hosts`,
+else ~/.ssh/known_hosts) and the system-wide /etc/ssh/ssh_known_hosts, or a fingerprint pinned
+in the inventory.
 
-Each file is read once per process and indexed by host name (paramiko's HostKeys re-checks every
-earlier entry per line: a 1,000-line file read for each of 1,000 nodes cost ~98 s of CPU).
+Every line form of sshd(8)'s SSH_KNOWN_HOSTS FILE FORMAT is read as OpenSSH's client reads it
+(hostfile.c, match.c): comma-separated host patterns with `*` and `?` wildcards and `!`
+negations (a line whose negated pattern matches is skipped), `[host]:port` names for ports other
+than 22, hashed names (`|1|salt|hmac`), `@revoked` lines (the key is refused for every host the
+line matches), and names compared lower-case. The verdict is OpenSSH's: the presented key on a
+matching line is OK; else any other key on a matching line is a CHANGED host key (whatever its
+type: OpenSSH refuses a host whose known key type it is not offered); else the host is NEW.
+`@cert-authority` lines apply to host certificates only, which the runner never negotiates
+(runner/ssh.py offers plain key types only), so, as for OpenSSH with a plain key, they are not
+matched. tests/test_hostile_hostkeys.py checks each form against OpenSSH's client on one server.
+
+Each file is read once per process; plain names are indexed (paramiko's HostKeys re-checks every
+earlier entry per line: a 1,000-line file read for each of 1,000 nodes cost ~98 s of CPU), pattern
+and hashed lines are checked per lookup.
 `--accept-new-host-keys` appends to the user file, creating ~/.ssh 0700 and the file 0600 as ssh does.
 """
 
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import hmac
 import os
+import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +52,27 @@ def fingerprint(key: paramiko.PKey) -> str:
 
 
 def known_hosts_name(host: str, port: int) -> str:
+    """The name OpenSSH looks a host up by (and records it under): lower-case, `[host]:port` off port 22."""
+    host = host.lower()
     return host if port == 22 else f"[{host}]:{port}"
+
+
+@functools.lru_cache(maxsize=4096)
+def _glob(pattern: str) -> re.Pattern:
+    return re.compile("".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pattern), re.S)
+
+
+def match_pattern_list(name: str, patterns: str) -> int:
+    """OpenSSH's match_pattern_list (match.c), case-insensitive: 1 when a pattern matches, -1 when
+    a negated (`!`) one does (that wins), 0 when none does. Patterns: `*` and `?` only."""
+    name, got = name.lower(), 0
+    for pat in patterns.lower().split(","):
+        neg = pat.startswith("!")
+        if _glob(pat[1:] if neg else pat).fullmatch(name):
+            if neg:
+                return -1
+            got = 1
+    return got
 
 
 def key_types(types: list[str]) -> list[str]:
@@ -60,10 +94,11 @@ class _Entry:
 
 @dataclass
 class KnownHostsFile:
-    """One known_hosts file, indexed: plain names in a dict, hashed entries checked per lookup."""
+    """One known_hosts file, indexed: plain names in a dict, pattern and hashed lines checked per lookup."""
 
     path: str
     plain: dict[str, list[_Entry]] = field(default_factory=dict)
+    patterns: list[tuple[str, _Entry]] = field(default_factory=list)
     hashed: list[tuple[bytes, bytes, _Entry]] = field(default_factory=list)
 
     @classmethod
@@ -84,27 +119,37 @@ class KnownHostsFile:
             return
         revoked = False
         if parts[0].startswith("@"):
+            # @cert-authority: a CA for host certificates, which are never negotiated; any other
+            # marker is an error OpenSSH skips the line for.
             if parts[0] != "@revoked":
-                return  # @cert-authority: host certificates are not used here
+                return
             revoked, parts = True, parts[1:]
         if len(parts) < 3:
             return
         try:
-            entry = _Entry(parts[1], base64.b64decode(parts[2]), revoked)
+            entry = _Entry(parts[1], base64.b64decode(parts[2], validate=True), revoked)
         except ValueError:
             return
-        for name in parts[0].split(","):
-            if name.startswith("|1|"):
-                try:
-                    salt, digest = (base64.b64decode(x) for x in name[3:].split("|", 1))
-                except ValueError:
-                    continue
-                self.hashed.append((salt, digest, entry))
-            else:
+        names = parts[0]
+        if names.startswith("|"):  # hashed: the whole field is one HMAC (OpenSSH's match_maybe_hashed)
+            if not names.startswith("|1|"):
+                return
+            try:
+                salt, digest = (base64.b64decode(x, validate=True) for x in names[3:].split("|", 1))
+            except ValueError:
+                return
+            self.hashed.append((salt, digest, entry))
+        elif any(c in names for c in "*?!"):
+            self.patterns.append((names, entry))
+        else:
+            for name in names.lower().split(","):
                 self.plain.setdefault(name, []).append(entry)
 
     def lookup(self, name: str) -> list[_Entry]:
+        """Every entry of a line that matches `name` as OpenSSH matches it."""
+        name = name.lower()
         found = list(self.plain.get(name, ()))
+        found += [e for pats, e in self.patterns if match_pattern_list(name, pats) == 1]
         for salt, digest, entry in self.hashed:
             if hmac.compare_digest(hmac.new(salt, name.encode(), hashlib.sha1).digest(), digest):
                 found.append(entry)
@@ -132,7 +177,7 @@ def load(path: str) -> KnownHostsFile:
 class Verdict:
     ok: bool
     known_types: list[str]        # types known for this host (to offer them first)
-    changed: bool = False         # a known key of the presented type differs
+    changed: bool = False         # the host has known keys, none of them the presented one
     revoked: bool = False
 
 
@@ -145,8 +190,8 @@ def check(files: list[KnownHostsFile], name: str, key: paramiko.PKey) -> Verdict
     types = list(dict.fromkeys(e.keytype for e in good))
     if any(e.blob == blob for e in good):
         return Verdict(True, types)
-    same_type = [e for e in good if e.keytype == key.get_name() or key.get_name() in FAMILY.get(e.keytype, ())]
-    return Verdict(False, types, changed=bool(same_type))
+    # Any other known key is a changed host key for OpenSSH, whatever its type (hostfile.c).
+    return Verdict(False, types, changed=bool(good))
 
 
 def known_types(files: list[KnownHostsFile], name: str) -> list[str]:
@@ -159,7 +204,7 @@ def append(path: str, name: str, key: paramiko.PKey) -> None:
     if not d.exists():
         d.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(d, 0o700)  # mkdir's mode is filtered by the umask
-    line = f"{name} {key.get_name()} {key.get_base64()}\n"
+    line = f"{name.lower()} {key.get_name()} {key.get_base64()}\n"
     with _lock:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:

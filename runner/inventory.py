@@ -7,11 +7,13 @@ names the file, the line and the field in one line, e.g.
 
 from __future__ import annotations
 
+import base64
 import functools
 import ipaddress
 import logging
 import os
 import re
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,16 @@ from typing import Any
 import yaml
 
 from runner.errors import UserError
-from runner.job_data import MountSpec, SyncSpec, check_destinations, parse_mounts, parse_registry, parse_sync
+from runner.job_data import (
+    MountSpec,
+    SyncSpec,
+    check_destinations,
+    check_unsafe_mounts,
+    parse_mounts,
+    parse_registry,
+    parse_sync,
+    parse_unsafe_mounts,
+)
 
 log = logging.getLogger("runner.inventory")
 
@@ -27,15 +38,16 @@ ARCHES = ("amd64", "arm64")
 # What users type for arch, mapped onto Docker's platform names.
 ARCH_ALIASES = {"amd64": "amd64", "x86_64": "amd64", "arm64": "arm64", "aarch64": "arm64"}
 ROLES = ("master", "worker")
-FINGERPRINT_RE = re.compile(r"^SHA256:[A-Za-z0-9+/]{43}=?$")
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
-ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-HOSTNAME_RE = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
+FINGERPRINT_RE = re.compile(r"SHA256:[A-Za-z0-9+/]{43}=?")
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+HOSTNAME_RE = re.compile(r"(?=.{1,253}\Z)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
 # Values that reach a shell or a docker bind spec on a node are refused unless made of these
 # (quoting is done too, everywhere; this keeps a path readable in `ps`, logs and mount specs).
 PATH_CHARS_RE = re.compile(r"[A-Za-z0-9._+@/-]")
-USER_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}$")
-IMAGE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@-]{0,254}$")
+ZONE_RE = re.compile(r"[A-Za-z0-9_.-]{1,15}")  # an IPv6 zone id: a network interface's name (IFNAMSIZ)
+USER_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}")
+IMAGE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@-]{0,254}")
 # Env names whose values are secrets by their look: masked in every output, and a warning says
 # that job.env still puts them in the container's config (docker inspect), where env_file does not.
 SECRET_NAME_RE = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|KEY|CREDENTIAL", re.I)
@@ -85,20 +97,20 @@ NODE_FIELDS = {"name", "host", "addr", "port", "user", "identity_file", "known_h
                "ssh_config", "proxy_jump", "proxy_jump_host_key"}  # the last three: runner/ssh_config.py
 # Node limits, applied as Docker limits on the job's container (--cpus, --memory): a node that
 # shares its machine, or sandbox nodes of unequal speed. Docker's own size syntax, its minimum 6m.
-MEMORY_RE = re.compile(r"^([0-9]+)([bkmg]?)$", re.I)
+MEMORY_RE = re.compile(r"([0-9]+)([bkmg]?)", re.I)
 MEMORY_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 MIN_MEMORY = 6 << 20
 
 
 def memory_bytes(text: str) -> int | None:
     """'4g' -> 4294967296 (Docker's units: b, k, m, g, powers of 1024); None if not a size."""
-    m = MEMORY_RE.match(text.strip())
+    m = MEMORY_RE.fullmatch(text.strip())
     return int(m[1]) * MEMORY_UNITS[m[2].lower()] if m else None
 
 DEFAULT_FIELDS = NODE_FIELDS - {"name", "host", "addr", "role", "host_key"}
 PUSH_MODES = ("relay", "direct")
 JOB_FIELDS = {"image", "config", "args", "env", "env_file", "master_port", "nproc_per_node",
-              "grace_period", "command", "build", "sync", "mounts", "registry", "push"}
+              "grace_period", "command", "build", "sync", "mounts", "unsafe_mounts", "registry", "push"}
 BUILD_FIELDS = {"context", "dockerfile", "args", "platform"}
 TOP_FIELDS = {"defaults", "nodes", "job", "slurm"}
 # In job.env_file: how the nodes log in to job.registry (never passed to the job's containers).
@@ -175,6 +187,7 @@ class Job:
     build: dict[str, BuildSpec] = field(default_factory=dict)  # {arch: spec}; one spec for all fills both
     sync: list[SyncSpec] = field(default_factory=list)     # local data copied to every node (runner/sync.py)
     mounts: list[MountSpec] = field(default_factory=list)  # data already on the nodes
+    unsafe_mounts: list[str] = field(default_factory=list)  # job.mounts node paths that hand the job the node, on purpose
     registry: str | None = None       # nodes pull the job's tags from HOST:PORT instead of a push
     push: str = "relay"               # relay: this host sends each layer once, nodes pass it on; direct: one stream each
 
@@ -241,6 +254,7 @@ class _Val:
 # libyaml's composer when PyYAML was built with it (10x faster on a 10,000-node inventory); the
 # nodes it makes carry the same line marks.
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+MAX_DEPTH = 32  # mappings and lists inside each other: an inventory needs 5; deeper is an attack
 
 
 class _Scalars(yaml.constructor.SafeConstructor):
@@ -253,9 +267,11 @@ class _Scalars(yaml.constructor.SafeConstructor):
             self.constructed_objects.clear()
 
 
-def _convert(node: yaml.Node, path: str, where: str = "", sc: _Scalars | None = None) -> _Val:
+def _convert(node: yaml.Node, path: str, where: str = "", sc: _Scalars | None = None, depth: int = 0) -> _Val:
     sc = sc or _Scalars()
     line = node.start_mark.line + 1
+    if depth > MAX_DEPTH:
+        raise UserError(f"{path}:{line}: {where}: nested more than {MAX_DEPTH} levels deep; not an inventory")
     if isinstance(node, yaml.MappingNode):
         out: dict[str, tuple[int, _Val]] = {}
         for k, v in node.value:
@@ -265,10 +281,10 @@ def _convert(node: yaml.Node, path: str, where: str = "", sc: _Scalars | None = 
             if key in out:
                 # YAML says keys are unique; PyYAML silently keeps the last, hiding a typo'd edit.
                 raise UserError(f"{path}:{kline}: {w}: duplicate key (first at line {out[key][0]}); keep one")
-            out[key] = (kline, _convert(v, path, w, sc))
+            out[key] = (kline, _convert(v, path, w, sc, depth + 1))
         return _Val(out, line)
     if isinstance(node, yaml.SequenceNode):
-        return _Val([_convert(v, path, f"{where}[{i}]", sc) for i, v in enumerate(node.value)], line)
+        return _Val([_convert(v, path, f"{where}[{i}]", sc, depth + 1) for i, v in enumerate(node.value)], line)
     return _Val(sc.scalar(node), line)
 
 
@@ -281,11 +297,11 @@ class _Checker:
 
     def fail(self, line: int, where: str, msg: str) -> None:
         suffix = f" ({self.scope})" if self.scope else ""
-        raise UserError(f"{self.path}:{line}: {where}: {msg}{suffix}")
+        raise UserError(f"{self.path}:{line}: {_visible(where)}: {msg}{suffix}")
 
     def warn(self, line: int, where: str, msg: str) -> None:
         suffix = f" ({self.scope})" if self.scope else ""
-        log.warning("runner: warning: %s:%d: %s: %s%s", self.path, line, where, msg, suffix)
+        log.warning("runner: warning: %s:%d: %s: %s%s", self.path, line, _visible(where), msg, suffix)
 
     def mapping(self, v: _Val, where: str, allowed: set[str]) -> dict[str, tuple[int, _Val]]:
         if not isinstance(v.value, dict):
@@ -312,7 +328,7 @@ class _Checker:
             self.fail(v.line, where, f"must be a mapping of NAME: value, got {_kind(v.value)}")
         out = {}
         for key, (kline, x) in v.value.items():
-            if not ENV_NAME_RE.match(key):
+            if not ENV_NAME_RE.fullmatch(key):
                 self.fail(kline, f"{where}.{key}", "not a valid environment variable name")
             if env and (why := reserved_env_error(key)):
                 self.fail(kline, f"{where}.{key}", why)
@@ -323,6 +339,12 @@ class _Checker:
                 self.fail(x.line, f"{where}.{key}", f"must be a string or number, got {_kind(x.value)}")
             out[key] = str(x.value).lower() if isinstance(x.value, bool) else str(x.value)
         return out
+
+
+def _visible(where: str) -> str:
+    """A field path built from the file's own keys, with any control character escaped: the
+    message stays one line, and a key cannot write to the terminal."""
+    return where if where.isprintable() else where.encode("unicode_escape").decode()
 
 
 def _kind(x: Any) -> str:
@@ -358,7 +380,7 @@ def read_env_file(path: str) -> dict[str, str]:
             line = line[7:].lstrip()
         key, sep, val = line.partition("=")
         key = key.strip()
-        if not sep or not ENV_NAME_RE.match(key):
+        if not sep or not ENV_NAME_RE.fullmatch(key):
             raise UserError(f"{path}:{i}: expected KEY=VALUE (value not shown)")
         if why := reserved_env_error(key):
             raise UserError(f"{path}:{i}: {why} (value not shown)")
@@ -369,12 +391,62 @@ def read_env_file(path: str) -> dict[str, str]:
     return out
 
 
-def _valid_host(h: str) -> bool:
+@functools.lru_cache(maxsize=1 << 16)
+def _ip(h: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """h parsed as an IP address, or None: once per host however often it is checked or compared."""
     try:
-        ipaddress.ip_address(h)
-        return True
+        return ipaddress.ip_address(h)
     except ValueError:
-        return bool(HOSTNAME_RE.match(h))
+        return None
+
+
+def host_error(h: str) -> str | None:
+    """Why h cannot be a host (what SSH connects to, or the ranks' address), or None. A spelling
+    the system resolver reads as another address (inet_aton: 127.1, 0x7f.1, 017.0.0.1,
+    2130706433) is refused: two nodes would be one machine under two names, and known_hosts would
+    be looked up under a name OpenSSH never records. An IPv6 zone id is an interface name."""
+    ip = _ip(h)
+    if ip is not None:
+        zone = getattr(ip, "scope_id", None)
+        if zone is not None and not ZONE_RE.fullmatch(zone):
+            return f"{h!r}: the zone id after '%' must be an interface name (letters, digits, '.', '_', '-')"
+        return None
+    try:
+        as_ipv4 = socket.inet_ntoa(socket.inet_aton(h))  # a parse, no lookup
+    except OSError:
+        as_ipv4 = None
+    if as_ipv4 is not None:
+        return f"{h!r} is read as the address {as_ipv4} by the system resolver: write {as_ipv4}"
+    if not HOSTNAME_RE.fullmatch(h):
+        return f"{h!r} is not an IP address or host name"
+    return None
+
+
+def _digest_b64(text: str) -> bool:
+    """Whether text is the unpadded base64 of a 32-byte digest exactly as OpenSSH prints it."""
+    raw = text.rstrip("=")
+    try:
+        digest = base64.b64decode(raw + "=", validate=True)
+    except ValueError:
+        return False
+    return len(digest) == 32 and base64.b64encode(digest).decode().rstrip("=") == raw
+
+
+def canonical_host(h: str) -> str:
+    """A valid host in its one spelling: an IP address as `ipaddress` writes it (IPv6 compressed,
+    lower-case), a name as written (ssh_config Host patterns match it as written)."""
+    ip = _ip(h)
+    return h if ip is None else str(ip)
+
+
+def same_host(h: str) -> str:
+    """What two hosts are compared by: the canonical address (an IPv4-mapped IPv6 one as its
+    IPv4), a name lower-case (DNS ignores case)."""
+    ip = _ip(h)
+    if ip is None:
+        return h.lower()
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return str(mapped or ip)
 
 
 # --- parsing -----------------------------------------------------------------------------
@@ -426,7 +498,8 @@ def load_inventory(path: str | os.PathLike, *, check_files: bool = True,
         if node.name in seen:
             c.fail(item.line, f"{where}.name", f"duplicate node name {node.name!r} (first at line {seen[node.name]})")
         seen[node.name] = item.line
-        key = (node.host, node.port, node.proxy_jump)  # one private address may sit behind two bastions
+        j = node.proxy_jump  # one private address may sit behind two bastions
+        key = (same_host(node.host), node.port, (same_host(j.host), j.port) if j else None)
         if key in addrs:
             c.fail(item.line, f"{where}.host", f"{node.host}:{node.port} is also node {addrs[key]!r}")
         addrs[key] = node.name
@@ -467,8 +540,21 @@ def read_yaml(path: str, what: str) -> tuple[_Val | None, _Checker]:
     return _compose(path, text), _Checker(path)
 
 
+def _no_aliases(path: str, text: str) -> None:
+    """Anchors and aliases are refused before anything is built: nine lines of nested aliases
+    (a 1 KB file) expand to 9^9 values while converting (killed at 26 s and 650 MB, growing).
+    The events are only scanned when the text has an `&` or a `*` at all."""
+    if "&" not in text and "*" not in text:
+        return
+    for ev in yaml.parse(text, Loader=_LOADER):
+        if isinstance(ev, yaml.AliasEvent) or getattr(ev, "anchor", None) is not None:
+            raise UserError(f"{path}:{ev.start_mark.line + 1}: YAML anchors and aliases (&name, *name, <<: *name) "
+                            "are not accepted: write the values out (`defaults:` holds what every node shares)")
+
+
 def _compose(path: str, text: str) -> _Val | None:
     try:
+        _no_aliases(path, text)
         node = yaml.compose(text, Loader=_LOADER)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
@@ -492,17 +578,18 @@ def _node_fields(c: _Checker, v: _Val, where: str, allowed: set[str], base: Path
         w = f"{where}.{key}"
         if key in ("name",):
             out[key] = c.str_(x, w)
-            if not NAME_RE.match(out[key]):
+            if not NAME_RE.fullmatch(out[key]):
                 c.fail(x.line, w, f"{out[key]!r}: use letters, digits, '.', '_' or '-' (it names containers)")
         elif key in ("host", "addr"):
-            out[key] = c.str_(x, w)
-            if not _valid_host(out[key]):
-                c.fail(x.line, w, f"{out[key]!r} is not an IP address or host name")
+            s = c.str_(x, w)
+            if why := host_error(s):
+                c.fail(x.line, w, why)
+            out[key] = canonical_host(s)
         elif key == "port":
             out[key] = c.int_(x, w, 1, 65535)
         elif key == "user":
             out[key] = c.str_(x, w)
-            if not USER_RE.match(out[key]):
+            if not USER_RE.fullmatch(out[key]):
                 c.fail(x.line, w, f"{out[key]!r} is not a user name (letters, digits, '.', '_', '-')")
         elif key in ("identity_file", "known_hosts"):
             p = _expand(c.str_(x, w), base)
@@ -515,9 +602,12 @@ def _node_fields(c: _Checker, v: _Val, where: str, allowed: set[str], base: Path
             out[key] = field_value(c, key, x.line, w, c.str_(x, w), base, check_files)
         elif key in ("host_key", "proxy_jump_host_key"):
             s = c.str_(x, w)
-            if not FINGERPRINT_RE.match(s):
+            if not FINGERPRINT_RE.fullmatch(s):
                 c.fail(x.line, w, "must be an OpenSSH SHA256 fingerprint like 'SHA256:<43 base64 chars>' "
                        "(ssh-keyscan -p PORT HOST | ssh-keygen -lf -)")
+            if not _digest_b64(s[7:]):
+                c.fail(x.line, w, f"{s!r} can never match: 43 base64 characters of a SHA256 digest end in A, E, I, "
+                       "M, Q, U, Y, c, g, k, o, s, w, 0, 4 or 8; copy it again from `ssh-keygen -lf`")
             out[key] = s
         elif key == "arch":
             s = c.str_(x, w)
@@ -616,6 +706,8 @@ def _job(c: _Checker, v: _Val, base: Path) -> Job:
             job.sync = parse_sync(c, x, lambda p: _expand(p, base))
         elif key == "mounts":
             job.mounts = parse_mounts(c, x)
+        elif key == "unsafe_mounts":
+            job.unsafe_mounts = parse_unsafe_mounts(c, x)
         elif key == "registry":
             job.registry = parse_registry(c, x)
         elif key == "push":
@@ -623,12 +715,13 @@ def _job(c: _Checker, v: _Val, base: Path) -> Job:
             if job.push not in PUSH_MODES:
                 c.fail(x.line, w, f"must be {' or '.join(PUSH_MODES)}, got {job.push!r}")
     check_destinations(c, job.sync, job.mounts)
+    check_unsafe_mounts(c, job.mounts, job.unsafe_mounts, m["unsafe_mounts"][0] if "unsafe_mounts" in m else v.line)
     return job
 
 
 def _image(c: _Checker, v: _Val, where: str) -> str:
     tag = c.str_(v, where)
-    if not IMAGE_RE.match(tag):
+    if not IMAGE_RE.fullmatch(tag):
         c.fail(v.line, where, f"{tag!r} is not an image reference (like name:tag or registry/name:tag)")
     return tag
 

@@ -4,13 +4,16 @@
                                                              mounted read-only at dst
     job.mounts:   {NODE_PATH: CONTAINER_PATH[:ro|:rw]}        already on the nodes (an HF cache, NFS),
                                                              read-only unless :rw
+    job.unsafe_mounts: [NODE_PATH, ...]                      mounts that give the job the node itself
+                                                             (engine socket, /, /proc, writable /etc...):
+                                                             refused unless named here
     job.registry: HOST[:PORT]                                 nodes `docker pull` the job's tags from
                                                              there instead of a push (runner/registry.py)
 
 Parsing only (no I/O beyond checking that a sync source exists). Every path that reaches a node's
 shell or a docker bind spec is refused unless made of plain characters, and container paths may
 not overlap /out, the runner's own mounts or each other: a sync mounted over /out would hide the
-run's checkpoints.
+run's checkpoints. Every path must be normal (no '.', '..' or '//': POSIX keeps a leading '//').
 """
 
 from __future__ import annotations
@@ -21,11 +24,19 @@ import re
 from dataclasses import dataclass
 
 # A bind spec splits on ':' and ','; a shell reads the rest. Same rule as a node's workdir.
-PLAIN_PATH_RE = re.compile(r"^[A-Za-z0-9._+@/-]+$")
-REGISTRY_RE = re.compile(r"^(?P<host>[A-Za-z0-9]([A-Za-z0-9.-]{0,252}[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\])"
-                         r"(:(?P<port>[0-9]{1,5}))?$")
+PLAIN_PATH_RE = re.compile(r"[A-Za-z0-9._+@/-]+")
+REGISTRY_RE = re.compile(r"(?P<host>[A-Za-z0-9]([A-Za-z0-9.-]{0,252}[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\])"
+                         r"(:(?P<port>[0-9]{1,5}))?")
 OUT = "/out"
 RUNNER_OWN = "/run/runner"  # the secrets file and the gate dir are mounted under it
+# job.mounts node paths that give the job the node itself (host_access): refused unless
+# job.unsafe_mounts names them.
+ENGINE_SOCKETS = ("docker.sock", "containerd.sock", "podman.sock")
+ENGINE_SOCKET_PATHS = ("/run/docker.sock", "/var/run/docker.sock", "/run/containerd/containerd.sock",
+                       "/var/run/containerd/containerd.sock", "/run/podman/podman.sock")
+KERNEL_PATHS = ("/proc", "/sys", "/dev")
+SYSTEM_PATHS = ("/etc", "/root", "/boot", "/usr", "/bin", "/sbin", "/lib", "/lib64", "/var/lib/docker",
+                "/var/lib/containerd", "/home", "~/.ssh")
 
 
 @dataclass(frozen=True)
@@ -43,13 +54,20 @@ class MountSpec:
     line: int = 0
 
 
+def _normal(p: str) -> bool:
+    """No '.', '..' or empty component, no trailing '/': the path is what it says (POSIX keeps a
+    leading '//' through normpath, so '//out' would pass a normpath comparison and not be /out)."""
+    parts = p.split("/")[1:]
+    return bool(parts) and all(x not in ("", ".", "..") for x in parts)
+
+
 def container_path_error(p: str) -> str | None:
     """Why p cannot be a container mount point, or None."""
     if not p.startswith("/"):
         return f"{p!r} is relative: a container path must be absolute"
-    if not PLAIN_PATH_RE.match(p):
+    if not PLAIN_PATH_RE.fullmatch(p):
         return f"{p!r}: use letters, digits and . _ - + @ / only (a docker bind spec splits on ':' and ',')"
-    if posixpath.normpath(p) != p.rstrip("/") or p.rstrip("/") == "":
+    if not _normal(p):
         return f"{p!r}: give a normalized path other than / (no '..', '.', '//' or trailing '/')"
     return None
 
@@ -59,8 +77,31 @@ def node_path_error(p: str) -> str | None:
         return f"{p!r}: only ~ or ~/path (the SSH user's own home) is allowed"
     if not p.startswith(("/", "~")):
         return f"{p!r} is relative: use an absolute path or ~/path on the node (docker takes a relative one for a named volume)"
-    if not PLAIN_PATH_RE.match(p.replace("~", "", 1)):
+    if not PLAIN_PATH_RE.fullmatch(p.replace("~", "", 1)):
         return f"{p!r}: use letters, digits and . _ - + @ / only (the path reaches a shell and a docker bind spec)"
+    rest = p[1:] if p.startswith("~") else p    # "" for ~ itself
+    if rest not in ("", "/") and not _normal(rest[:-1] if rest.endswith("/") else rest):
+        return f"{p!r}: give a normalized path (no '..', '.' or '//')"
+    return None
+
+
+def host_access(m: MountSpec) -> str | None:
+    """What a job.mounts entry hands the job beyond data, or None: the node's engine socket (a
+    socket is connectable through a read-only mount too: the engine is root on the node), the
+    node's root, kernel interfaces or devices, or, writable, its system or SSH configuration."""
+    p, rw = m.node_path, m.rw
+
+    def holds(target: str) -> bool:
+        return p == "/" or target == p or target.startswith(p + "/")
+
+    if p == "/":
+        return "the node's whole filesystem (its engine socket too: root on the node)"
+    if posixpath.basename(p) in ENGINE_SOCKETS or any(holds(s) for s in ENGINE_SOCKET_PATHS):
+        return "the node's container engine socket (root on the node, read-only or not)"
+    if any(holds(k) for k in KERNEL_PATHS):
+        return "the node's kernel interfaces or devices"
+    if rw and any(holds(w) for w in SYSTEM_PATHS):
+        return "the node's system files or SSH keys, writable"
     return None
 
 
@@ -117,9 +158,30 @@ def parse_mounts(c, v) -> list[MountSpec]:
     return out
 
 
+def parse_unsafe_mounts(c, v) -> list[str]:
+    """`job.unsafe_mounts: [NODE_PATH, ...]`: the job.mounts entries that hand the job the node
+    (host_access), mounted on purpose: each as written under job.mounts."""
+    w = "job.unsafe_mounts"
+    if not isinstance(v.value, list):
+        c.fail(v.line, w, "must be a list of job.mounts node paths")
+    return [c.str_(x, f"{w}[{i}]") for i, x in enumerate(v.value)]
+
+
+def check_unsafe_mounts(c, mounts: list[MountSpec], allowed: list[str], line: int) -> None:
+    """Every mount that hands the job the node is named in job.unsafe_mounts, and every name there is a mount."""
+    named = {p.rstrip("/") or "/" for p in allowed}
+    for m in mounts:
+        if (what := host_access(m)) and m.node_path not in named:
+            c.fail(m.line, f"job.mounts.{m.node_path}", f"gives the job {what}; if that is meant, name it in "
+                   f"job.unsafe_mounts: [{m.node_path}]")
+    extra = named - {m.node_path for m in mounts}
+    if extra:
+        c.fail(line, "job.unsafe_mounts", f"{sorted(extra)[0]!r} is not a job.mounts node path")
+
+
 def parse_registry(c, v) -> str:
     reg = c.str_(v, "job.registry").strip()
-    m = REGISTRY_RE.match(reg)
+    m = REGISTRY_RE.fullmatch(reg)
     if not m or (m["port"] and not 1 <= int(m["port"]) <= 65535):
         c.fail(v.line, "job.registry", f"{reg!r} is not HOST or HOST:PORT (e.g. registry.lan:5000)")
     return reg

@@ -35,7 +35,7 @@ DEFAULT_PORT = 29500
 # Node rank from the group's first rank + the pod's index in its Indexed Job (a downward-API value).
 RANK_SH = ('export PET_NODE_RANK=$((RUNNER_RANK_OFFSET + RUNNER_POD_INDEX)); export NODE_RANK=$PET_NODE_RANK; '
            'exec torchrun "$@"')
-DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 
 
 @dataclass(frozen=True)
@@ -208,7 +208,7 @@ def main(args) -> int:
     job, nodes = _nodes_of(args.inventory, args.job, args.arch, args.gpus_per_node)
     refuse_for(job, "export --to kubernetes")
     for flag, val in (("--namespace", args.namespace), ("--out-claim", args.out_claim)):
-        if val is not None and not DNS_LABEL.match(val):
+        if val is not None and not DNS_LABEL.fullmatch(val):
             raise UserError(f"{flag} {val!r}: must be a lowercase DNS label (a-z, 0-9, '-')")
     run_id = args.run_id or new_run_id()
 

@@ -394,7 +394,9 @@ def create_container(remote: Remote, np: NodePlan):
     import docker
 
     d = remote.docker()
-    volumes = {src: {"bind": dst, "mode": "rw" if dst in np.writable else "ro"} for src, dst in np.mounts.items()}
+    # Bind strings, not docker-py's {src: ...} dict: one node path may be mounted at two places.
+    # Paths are plain (runner/job_data.py): no ':' or ',' to split on.
+    volumes = [f"{src}:{dst}:{'rw' if dst in np.writable else 'ro'}" for dst, src in np.mounts.items()]
     kwargs = docker_limits(np.cpus, np.memory)  # the node's cpus/memory from the inventory
     if np.user:
         kwargs["user"] = np.user  # the SSH user's uid:gid: what the run writes on the node is the user's

@@ -62,7 +62,9 @@ class NodePlan:
     secrets_file: str | None      # on the node; mounted read-only at SECRETS_IN_CONTAINER
     config_file: str | None       # on the node (inside run_dir)
     gpus: int | str | None = None
-    mounts: dict[str, str] = field(default_factory=dict)  # node path -> container path
+    # container path -> node path: keyed by where it appears (unique: job_data.check_destinations),
+    # so two mount points of one node path (two syncs of equal contents) stay two mounts
+    mounts: dict[str, str] = field(default_factory=dict)
     writable: frozenset[str] = frozenset({OUT})  # container paths mounted read-write; the rest read-only
     user: str | None = None       # "uid:gid" the container runs as: the SSH user's; None: the image's (root SSH)
     go_file: str | None = None    # on the node: written once the master listens (gated workers)
@@ -76,7 +78,7 @@ class NodePlan:
     @property
     def data_dsts(self) -> set[str]:
         """Mount points of the job's data (job.sync, job.mounts), not the runner's own."""
-        return {d for d in self.mounts.values() if d != OUT and not d.startswith("/run/runner")}
+        return {d for d in self.mounts if d != OUT and not d.startswith("/run/runner")}
 
     @property
     def limits(self) -> str:
@@ -114,7 +116,7 @@ class Plan:
             lines.append(f"    container {n.container}  network=host  user={n.user or 'image default'}  "
                          f"gpus={n.gpus or 'none'}  limits {n.limits}")
             lines.append(f"    run dir   {n.run_dir} -> {OUT}")
-            for src, dst in n.mounts.items():
+            for dst, src in n.mounts.items():
                 if dst in n.data_dsts:
                     lines.append(f"    mount     {src} -> {dst} ({'rw' if dst in n.writable else 'ro'})")
             lines.append(f"    command   {shlex.join(n.command)}")
@@ -222,22 +224,22 @@ def make_plan(inv: Inventory, run_id: str, facts: dict[str, Facts] | None = None
             env.pop(k, None)  # the env_file wins, and its value must not sit in container config
         tr = torchrun_command(inv, nnodes, rank, nproc[node.name], master.rank_addr, port, bool(job.config))
         secrets_file = paths.secrets(run_id) if secret_keys else None
-        mounts = {run_dir: OUT}
+        mounts = {OUT: run_dir}
         for t in trees or []:
-            mounts[t.mount_source(paths)] = t.spec.dst
+            mounts[t.spec.dst] = t.mount_source(paths)
         for m in job.mounts:
-            mounts[paths.on_node(m.node_path, f.home)] = m.dst
+            mounts[m.dst] = paths.on_node(m.node_path, f.home)
         go_file = None
         if rank > 0 and f.gate and launch_token:
             # Started with the master, not after it: runner.gate imports torchrun meanwhile and
             # starts it only when the runner, having seen the master's port listen, writes go_file.
             gate_dir = paths.gates(run_id)
             go_file = f"{gate_dir}/go-{launch_token}"
-            mounts[gate_dir] = GATE_IN_CONTAINER
+            mounts[GATE_IN_CONTAINER] = gate_dir
             tr = ["python", "-m", "runner.gate", f"{GATE_IN_CONTAINER}/go-{launch_token}", str(int(gate_timeout)),
                   "--", *tr[1:]]
         if secrets_file:
-            mounts[secrets_file] = SECRETS_IN_CONTAINER
+            mounts[SECRETS_IN_CONTAINER] = secrets_file
             # Sourced inside the container: secrets never appear in argv, `docker inspect` or logs.
             command = ["/bin/sh", "-c", f'set -a; . {SECRETS_IN_CONTAINER}; set +a; exec "$@"',
                        "runner-env", *tr]

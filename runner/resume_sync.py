@@ -29,6 +29,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from runner import safe_path
 from runner.digest import remote_sha256, sha256_file
 from runner.errors import UserError
 from runner.ssh import Remote
@@ -59,6 +60,7 @@ class Description:
     step: int | None = None
     world_size: int | None = None
     manifests: dict[int, dict[str, tuple[int, int | None]]] = field(default_factory=dict)  # rank -> {file: (size, crc32)}
+    bad: str | None = None   # "node N: name/file: why": a description file that is there but malformed
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,8 @@ def candidates(listings: dict[str, Listing], steps: dict[str, int | None]) -> li
 
 def incomplete(name: str, listings: dict[str, Listing], desc: Description) -> str | None:
     """Why the union of the nodes' copies of `name` cannot be resumed from (None: it can)."""
+    if desc.bad:
+        return desc.bad
     union: dict[str, tuple[int, str]] = {}  # file -> (size, node)
     for node, li in listings.items():
         for f, size in li.checkpoints.get(name, {}).items():
@@ -136,14 +140,24 @@ def plan_copies(name: str, listings: dict[str, Listing], hashes: dict[str, dict[
 
 # --- I/O ---------------------------------------------------------------------------------
 
+# What a node says about its checkpoints is as hostile as the job that wrote them: names are
+# checked one component at a time (runner/safe_path.py), sizes and counts bounded, and the
+# checkpoint's own JSON files read with a cap and checked for shape. A bad name or size is one
+# line naming the node and file; a malformed description passes that checkpoint over, naming them.
+MAX_FILE_BYTES = 1 << 44      # 16 TiB: no shard is bigger; a node saying so is lying
+MAX_FILES = 100_000           # files under checkpoints/ on one node
+MAX_JSON_BYTES = 16 << 20     # trainer_state.json, manifest.rank<r>.json
+MAX_WORLD = 1 << 20
+
+# NUL-separated records: no file name can break a record (a newline in a name is just a name).
 LIST_SCRIPT = r"""
 cd "$1" 2>/dev/null || exit 0
-printf 'latest\t%s\n' "$(cat latest 2>/dev/null | head -1)"
+printf 'latest\0%s\0' "$(head -c 256 latest 2>/dev/null | head -n 1)"
 for d in */; do
   d=${d%/}
   [ -d "$d" ] || continue
   for f in "$d"/* "$d"/.[!.]*; do
-    [ -f "$f" ] && printf 'file\t%s\t%s\n' "$(stat -c %s "$f")" "$f"
+    [ -f "$f" ] && printf 'file\0%s\0%s\0' "$(stat -c %s "$f")" "$f"
   done
 done
 exit 0
@@ -151,51 +165,115 @@ exit 0
 
 
 def list_node(remote: Remote, root: str) -> Listing:
+    node = remote.node.name
     res = remote.run(["sh", "-c", LIST_SCRIPT, "list", root], timeout=120)
     if res.rc != 0:
-        raise UserError(f"node {remote.node.name}: listing {root} failed: {res.err.strip()[:200]}")
+        raise UserError(f"node {node}: listing {root} failed: {res.err.strip()[:200]!r}")
     latest, ckpts = None, {}
-    for line in res.out.splitlines():
-        kind, _, rest = line.partition("\t")
+    fields = res.out.split("\0")
+    i, files = 0, 0
+    while i < len(fields) - 1:
+        kind = fields[i]
         if kind == "latest":
-            latest = rest.strip() or None
-        elif kind == "file":
-            size, _, path = rest.partition("\t")
-            d, _, f = path.partition("/")
-            if d.startswith(TMP_PREFIX) or d.endswith(SWAP_SUFFIX) or f.startswith(SYNC_TMP) or "/" in f:
-                continue
-            ckpts.setdefault(d, {})[f] = int(size)
+            latest = fields[i + 1].strip() or None
+            i += 2
+            continue
+        if kind != "file" or i + 2 >= len(fields):
+            raise UserError(f"node {node}: listing {root} answered {safe_path.shown(kind)}; not a listing")
+        size, path = fields[i + 1], fields[i + 2]
+        i += 3
+        d, _, f = path.partition("/")
+        if d.startswith(TMP_PREFIX) or d.endswith(SWAP_SUFFIX) or f.startswith(SYNC_TMP):
+            continue
+        why = ("not UTF-8" if "\ufffd" in path else safe_path.name_error(d) or safe_path.name_error(f))
+        if why:
+            raise UserError(f"node {node}: {root}/{safe_path.shown(path)}: {why} in a checkpoint file's name; "
+                            "not resuming (remove or rename it on the node)")
+        if not (size.isdigit() and int(size) <= MAX_FILE_BYTES):
+            raise UserError(f"node {node}: {root}/{safe_path.shown(path)}: size {safe_path.shown(size)} is not "
+                            f"a size up to {MAX_FILE_BYTES} bytes; not resuming")
+        files += 1
+        if files > MAX_FILES:
+            raise UserError(f"node {node}: {root}: more than {MAX_FILES} checkpoint files; not resuming")
+        ckpts.setdefault(d, {})[f] = int(size)
     return Listing(latest, ckpts)
 
 
-def _read_json(remote: Remote, path: str) -> dict | None:
-    text = remote.read_text(path)
+def _read_json(remote: Remote, path: str) -> tuple[object, str | None]:
+    """(document, None) or (None, why not), read with a cap."""
     try:
-        return json.loads(text) if text is not None else None
-    except json.JSONDecodeError:
-        return None
+        with remote.sftp.open(path, "rb") as fh:
+            data = fh.read(MAX_JSON_BYTES + 1)
+    except OSError as exc:
+        return None, f"unreadable ({exc.strerror or exc})"
+    if len(data) > MAX_JSON_BYTES:
+        return None, f"over {MAX_JSON_BYTES >> 20} MiB"
+    try:
+        return json.loads(data), None
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        return None, "not JSON"
+
+
+def _size(v: object) -> bool:
+    return type(v) is int and 0 <= v <= MAX_FILE_BYTES
+
+
+def _manifest(doc: object) -> tuple[dict[str, tuple[int, int | None]] | None, str | None]:
+    """{file: (size, crc32)} from a manifest.rank<r>.json document, or why it is not one."""
+    if not isinstance(doc, dict):
+        return None, "not a manifest ({file: [size, crc32]})"
+    out = {}
+    for k, v in doc.items():
+        if why := safe_path.name_error(k):
+            return None, f"lists {safe_path.shown(k)} ({why})"
+        if not (isinstance(v, list) and 1 <= len(v) <= 2 and _size(v[0])
+                and (len(v) == 1 or v[1] is None or (type(v[1]) is int and 0 <= v[1] < 1 << 32))):
+            return None, f"{safe_path.shown(k)}: not [size, crc32] with a size up to {MAX_FILE_BYTES} bytes"
+        out[k] = (v[0], v[1] if len(v) > 1 else None)
+    return out, None
 
 
 def describe(name: str, listings: dict[str, Listing], remotes: dict[str, Remote], roots: dict[str, str]) -> Description:
-    """Read trainer_state.json and every manifest of `name` from a node that holds it."""
-    def holder(f: str) -> str | None:
-        return next((n for n, li in listings.items() if f in li.checkpoints.get(name, {})), None)
+    """Read trainer_state.json and every manifest of `name` from a node that holds it. A file that
+    is there but malformed makes `bad` name the node and the file."""
+    bad: list[str] = []
 
-    def read(f: str) -> dict | None:
-        n = holder(f)
-        return _read_json(remotes[n], f"{roots[n]}/{name}/{f}") if n else None
+    def read(f: str) -> tuple[object, str] | None:
+        n = next((n for n, li in listings.items() if f in li.checkpoints.get(name, {})), None)
+        if n is None:
+            return None
+        if listings[n].checkpoints[name][f] > MAX_JSON_BYTES:
+            bad.append(f"node {n}: {name}/{f}: {listings[n].checkpoints[name][f]} bytes, over {MAX_JSON_BYTES >> 20} MiB")
+            return None
+        doc, why = _read_json(remotes[n], f"{roots[n]}/{name}/{f}")
+        if why:
+            bad.append(f"node {n}: {name}/{f}: {why}")
+            return None
+        return doc, n
 
-    state = read(STATE_FILE) or {}
+    step = world = None
+    got = read(STATE_FILE)
+    if got:
+        state, n = got
+        s, w = (state.get("step"), state.get("world_size")) if isinstance(state, dict) else (None, None)
+        if type(s) is int and s >= 0 and type(w) is int and 1 <= w <= MAX_WORLD:
+            step, world = s, w
+        else:
+            bad.append(f"node {n}: {name}/{STATE_FILE}: step {safe_path.shown(str(s))} and world_size "
+                       f"{safe_path.shown(str(w))} are not a step >= 0 and a world size in 1..{MAX_WORLD}")
     manifests = {}
     files = {f for li in listings.values() for f in li.checkpoints.get(name, {})}
-    for f in files:
-        if f.startswith("manifest.rank") and f.endswith(".json") and f[13:-5].isdigit():
-            doc = read(f)
-            if isinstance(doc, dict):
-                manifests[int(f[13:-5])] = {k: (int(v[0]), v[1] if len(v) > 1 else None) for k, v in doc.items()}
-    step, world = state.get("step"), state.get("world_size")
-    return Description(step=int(step) if isinstance(step, int) else None,
-                       world_size=int(world) if isinstance(world, int) else None, manifests=manifests)
+    for f in sorted(files):
+        if f.startswith("manifest.rank") and f.endswith(".json") and f[13:-5].isdigit() and len(f) < 24:
+            got = read(f)
+            if got:
+                doc, n = got
+                m, why = _manifest(doc)
+                if why:
+                    bad.append(f"node {n}: {name}/{f}: {why}")
+                else:
+                    manifests[int(f[13:-5])] = m
+    return Description(step=step, world_size=world, manifests=manifests, bad=bad[0] if bad else None)
 
 
 def sha256_node(remote: Remote, directory: str, files: list[str], total_bytes: int = 0) -> dict[str, str]:
@@ -260,7 +338,7 @@ def sync_checkpoints(remotes: dict[str, Remote], run_dirs: dict[str, str],
     newer = {n for li in listings.values() for n in li.checkpoints} - common
     lacking = "; ".join(f"{n}: only on {', '.join(sorted(k for k, li in listings.items() if n in li.checkpoints))}"
                         for n in sorted(newer)[:3])
-    raise UserError("--resume: no checkpoint is complete across the nodes "
+    raise UserError("--resume: no checkpoint is complete across the nodes: "
                     + ("; ".join(passed[:3]) if passed else "(none is on every node)")
                     + (f"; {lacking}" if lacking else ""))
 
@@ -281,7 +359,7 @@ def _execute(copies: list[Copy], name: str, remotes: dict[str, Remote], roots: d
         for f, cs in by_file.items():
             local = os.path.join(tmp, "blob")
             src = cs[0].src
-            remotes[src].sftp.get(f"{roots[src]}/{name}/{f}", local)
+            _fetch(remotes[src], f"{roots[src]}/{name}/{f}", local, cs[0].size)
             digest, crc, size = sha256_file(local, crc32=True)
             if size != cs[0].size or digest != cs[0].sha256:
                 raise UserError(f"node {src}: {roots[src]}/{name}/{f} changed while copying "
@@ -299,6 +377,24 @@ def _execute(copies: list[Copy], name: str, remotes: dict[str, Remote], roots: d
             os.unlink(local)
 
 
+def _fetch(remote: Remote, path: str, local: str, size: int) -> None:
+    """SFTP get of at most `size` bytes: a node that sends more than it listed is named, and this
+    host's disk holds no more than the listing said."""
+    node = remote.node.name
+    try:
+        with remote.sftp.open(path, "rb") as fh, open(local, "wb") as out:
+            fh.prefetch(size)
+            left = size + 1
+            while left > 0 and (chunk := fh.read(min(left, 1 << 20))):
+                out.write(chunk)
+                left -= len(chunk)
+    except OSError as exc:
+        raise UserError(f"node {node}: {path}: cannot read it ({exc.strerror or exc}); not resuming") from None
+    if left <= 0:
+        raise UserError(f"node {node}: {path}: more than the {size} bytes listed (changed while copying); "
+                        "not resuming")
+
+
 def _put(remote: Remote, local: str, directory: str, f: str, sha256: str, size: int) -> None:
     """Upload under a temporary name, check size and sha256 on the node, then rename. SFTP's
     rename (not posix-rename) refuses to replace an existing file: a copy that appeared meanwhile
@@ -312,6 +408,8 @@ def _put(remote: Remote, local: str, directory: str, f: str, sha256: str, size: 
         except PermissionError:
             raise UserError(f"node {node}: cannot write into {directory} (permission denied: owned by another "
                             f"user than {remote.node.user}?); not resuming") from None
+        except OSError as exc:
+            raise UserError(f"node {node}: cannot write {tmp}: {exc.strerror or exc}; not resuming") from None
         st = remote.stat(tmp)
         got = sha256_node(remote, directory, [posixpath.basename(tmp)], size)[posixpath.basename(tmp)]
         if st is None or st.st_size != size or got != sha256:

@@ -14,18 +14,18 @@ from collections.abc import Iterable
 
 from runner.errors import UserError
 
-RUN_ID_RE = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{4}$")
-RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,100}$")
+RUN_ID_RE = re.compile(r"\d{8}-\d{6}-[0-9a-f]{4}")
+RUN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,100}")
 
 
 def is_run_name(name: str | None) -> bool:
-    return bool(name and RUN_NAME_RE.match(name))
+    return bool(name and RUN_NAME_RE.fullmatch(name))
 
 
 def latest(ids: Iterable[str]) -> str | None:
     """The newest runner-made id; a hand-made name only when there is no runner-made one."""
     names = {i for i in ids if is_run_name(i)}
-    made = [i for i in names if RUN_ID_RE.match(i)]
+    made = [i for i in names if RUN_ID_RE.fullmatch(i)]
     pool = made or names
     return max(pool) if pool else None
 

@@ -58,7 +58,7 @@ LIGHT_ENV = " SHLVL=1"
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 ROOT = "root"
 # useradd's own rule for a portable name (and what the inventory's `user` accepts).
-USER_RE = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
+USER_RE = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
 DOCKERD = shutil.which("dockerd") or "/usr/sbin/dockerd"
 
 
@@ -207,7 +207,7 @@ class Sandbox:
         if self.user != ROOT:
             if self.light:
                 raise UserError("--user is for full nodes: --light nodes share this machine's engine")
-            if not USER_RE.match(self.user):
+            if not USER_RE.fullmatch(self.user):
                 raise UserError(f"--user {self.user!r}: not a user name (lower-case letters, digits, '_', '-'; "
                                 "at most 32; not starting with a digit or '-')")
 

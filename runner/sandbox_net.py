@@ -62,14 +62,14 @@ IFNAMSIZ = 15  # longest interface name Linux accepts (16 bytes with the NUL)
 NODE_IF = "eth0"  # the node's end of its veth, inside its namespace
 FIRST_NODE_HOST = 11  # node i is .(11 + i), as the loopback sandbox's 127.0.0.(11 + i)
 MAX_NODES = 254 - FIRST_NODE_HOST
-PREFIX_RE = re.compile(r"^[0-9a-f]{6}$")
+PREFIX_RE = re.compile(r"[0-9a-f]{6}")
 IPT_COMMENT = "runner-sandbox-net {prefix}"
 
 # tc's own units: SI multiples of bits per second (tc's "bps" means BYTES per second, a classic
 # trap, so only the unambiguous *bit forms are accepted).
 RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 DELAY_UNITS = {"us": 1, "ms": 10**3, "s": 10**6}
-RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)([a-z]+)$")
+RATE_RE = re.compile(r"(\d+(?:\.\d+)?)([a-z]+)")
 MIN_RATE_BIT = 1000
 MAX_DELAY_US = 10 * 10**6
 # Token bucket: a 10 ms burst (at least 16 KiB, so a full-size frame always fits) and at most
@@ -106,7 +106,7 @@ def parse_shape(spec: str, what: str = "--link") -> Shape:
 
 
 def _parse_rate(text: str, spec: str, what: str) -> int:
-    m = RATE_RE.match(text.strip())
+    m = RATE_RE.fullmatch(text.strip())
     if not m or m.group(2) not in RATE_UNITS:
         raise UserError(f"{what} {spec!r}: bad rate {text.strip()!r}: expected a number and a unit "
                         f"({', '.join(RATE_UNITS)}; 1kbit = 1000 bit/s), e.g. 100mbit, 1gbit, 512kbit")
@@ -117,7 +117,7 @@ def _parse_rate(text: str, spec: str, what: str) -> int:
 
 
 def _parse_delay(text: str, spec: str, what: str) -> int:
-    m = RATE_RE.match(text.strip())
+    m = RATE_RE.fullmatch(text.strip())
     if not m or m.group(2) not in DELAY_UNITS:
         raise UserError(f"{what} {spec!r}: bad delay {text.strip()!r}: expected a number and a unit "
                         f"({', '.join(DELAY_UNITS)}), e.g. 5ms")
@@ -143,7 +143,7 @@ class SandboxNet:
     """The namespaces, veths, bridge and qdiscs of one sandbox, found by their names' prefix."""
 
     def __init__(self, prefix: str, subnet: str | None = None):
-        if not PREFIX_RE.match(prefix):
+        if not PREFIX_RE.fullmatch(prefix):
             raise UserError(f"sandbox network prefix {prefix!r} must be 6 lowercase hex digits")
         self.prefix = prefix
         self.subnet = ipaddress.IPv4Network(subnet) if subnet else subnet_for(prefix)
@@ -294,10 +294,10 @@ class SandboxNet:
     # ---- status -------------------------------------------------------------------------------
     def node_indices(self) -> list[int]:
         """Nodes that have a namespace or a host-side veth (what create made, even half-way)."""
-        pat_ns = re.compile(rf"^rt{self.prefix}n(\d+)$")
-        pat_hv = re.compile(rf"^rt{self.prefix}h(\d+)$")
-        found = {int(m.group(1)) for name in _netns_list() if (m := pat_ns.match(name))}
-        found |= {int(m.group(1)) for name in _link_names([]) if (m := pat_hv.match(name))}
+        pat_ns = re.compile(rf"rt{self.prefix}n(\d+)")
+        pat_hv = re.compile(rf"rt{self.prefix}h(\d+)")
+        found = {int(m.group(1)) for name in _netns_list() if (m := pat_ns.fullmatch(name))}
+        found |= {int(m.group(1)) for name in _link_names([]) if (m := pat_hv.fullmatch(name))}
         return sorted(found)
 
     def status(self) -> dict:
@@ -331,12 +331,12 @@ class SandboxNet:
         this prefix, whatever state a create left; returns what it removed. Safe to re-run."""
         _require_root_and_tools()
         removed = []
-        own = re.compile(rf"^rt{self.prefix}h\d+$")
+        own = re.compile(rf"rt{self.prefix}h\d+")
         for name in _link_names([]):
-            if own.match(name) and _ip_ok("link", "del", name):  # deleting a veth deletes its peer
+            if own.fullmatch(name) and _ip_ok("link", "del", name):  # deleting a veth deletes its peer
                 removed.append(name)
         for ns in _netns_list():
-            if re.match(rf"^rt{self.prefix}(n\d+|q)$", ns):
+            if re.fullmatch(rf"rt{self.prefix}(n\d+|q)", ns):
                 pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
                 if pids:
                     log.warning("sandbox network %s: processes %s still run in %s; it lives on (with no "

@@ -14,6 +14,7 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
+from runner import safe_path
 from runner.collect import (
     MANIFEST,
     NodeCollect,
@@ -44,13 +45,16 @@ def mirror_local(src: Path, dest: Path, res: NodeCollect) -> None:
                 res.vanished += 1
                 continue
             res.files += 1
-            local = dest / rel
+            try:  # a link already in dest (or staging) must not carry the file out of it
+                local, staged = safe_path.under(dest, rel), safe_path.under(staging, rel)
+            except ValueError as exc:
+                res.errors.append(str(exc))
+                continue
             m = manifest.get(rel)
             if m and local.exists() and m.get("size") == st.st_size and m.get("mtime") == int(st.st_mtime) \
                     and local.stat().st_size == st.st_size:
                 res.skipped += 1
                 continue
-            staged = staging / rel
             staged.parent.mkdir(parents=True, exist_ok=True)
             try:
                 shutil.copy2(path, staged)

@@ -47,13 +47,13 @@ CONTAINERS = ("pyxis", "oci", "none")
 SLURM_FIELDS = {"partition", "nodes", "gpus_per_node", "cpus_per_task", "mem", "account", "qos", "time",
                 "container", "image", "arch", "workdir", "venv", "chdir", "bundle_dir", "login", "sbatch"}
 LOGIN_FIELDS = {"host", "port", "user", "identity_file", "known_hosts", "host_key"}
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}$")   # partition, account, qos
-TIME_RE = re.compile(r"^(\d+-)?\d+(:\d+){0,2}$|^(UNLIMITED|INFINITE)$")
-MEM_RE = re.compile(r"^\d+[KMGT]?$")
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}")   # partition, account, qos
+TIME_RE = re.compile(r"(\d+-)?\d+(:\d+){0,2}|UNLIMITED|INFINITE")
+MEM_RE = re.compile(r"\d+[KMGT]?")
 # Paths go into #SBATCH lines (sbatch's own parser) and the script: no blanks, quotes or $.
-PATH_RE = re.compile(r"^~?[A-Za-z0-9_./+@:-]*$")
-IMAGE_RE = re.compile(r"^[A-Za-z0-9_./:@#+-]+$")
-SBATCH_ARG_RE = re.compile(r"^--[a-z][a-z0-9-]*(=[A-Za-z0-9_.,:/@%+=-]+)?$")
+PATH_RE = re.compile(r"~?[A-Za-z0-9_./+@:-]*")
+IMAGE_RE = re.compile(r"[A-Za-z0-9_./:@#+-]+")
+SBATCH_ARG_RE = re.compile(r"--[a-z][a-z0-9-]*(=[A-Za-z0-9_.,:/@%+=-]+)?")
 
 
 @dataclass
@@ -165,7 +165,7 @@ def parse_slurm(c: _Checker, v: _Val, base: Path, check_files: bool, sline: int)
                 c.fail(x.line, w, f"must be a list of sbatch options like --constraint=a100, got {_kind(x.value)}")
             for j, a in enumerate(x.value):
                 s = str(a.value) if isinstance(a.value, (str, int)) and not isinstance(a.value, bool) else None
-                if s is None or not SBATCH_ARG_RE.match(s):
+                if s is None or not SBATCH_ARG_RE.fullmatch(s):
                     c.fail(a.line, f"{w}[{j}]", f"{_show(a.value)}: use --option or --option=value "
                            "(letters, digits, ',.:/@%+=_-')")
                 spec.sbatch.append(s)
@@ -180,6 +180,6 @@ def parse_slurm(c: _Checker, v: _Val, base: Path, check_files: bool, sline: int)
 
 def _match(c: _Checker, x: _Val, where: str, rx: re.Pattern, what: str, value: str | None = None) -> str:
     s = value if value is not None else c.str_(x, where)
-    if isinstance(x.value, bool) or not rx.match(s):
+    if isinstance(x.value, bool) or not rx.fullmatch(s):
         c.fail(x.line, where, f"{_show(x.value)}: must be {what}")
     return s

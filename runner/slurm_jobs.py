@@ -22,7 +22,7 @@ TOOLS = ("sbatch", "squeue", "scancel", "scontrol", "sinfo")
 # Job states in which tasks may still run (COMPLETING: tasks are done, nodes are cleaning up).
 ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
           "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED", "RESV_DEL_HOLD"}
-RUN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,100}$")
+RUN_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,100}")
 
 
 @dataclass
@@ -136,7 +136,7 @@ def list_runs(sh: Shell, wd: str) -> list[str]:
     """Run ids under <workdir>/runs that are Slurm runs (have slurm/run.json), oldest first."""
     res = sh.run(["sh", "-c", 'cd "$1" 2>/dev/null && for d in */; do [ -f "$d/slurm/run.json" ] && echo "${d%/}"; done; true',
                   "runner-ls", f"{wd}/runs"])
-    return sorted(r for r in res.out.splitlines() if RUN_RE.match(r))
+    return sorted(r for r in res.out.splitlines() if RUN_RE.fullmatch(r))
 
 
 def resolve_run(sh: Shell, wd: str, wanted: str | None) -> str:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import paramiko
 
-from runner import hostkeys
+from runner import hostkeys, safe_path
 from runner.errors import UserError
 from runner.fanout import DEFAULT_PARALLEL, parallel
 from runner.hostkeys import fingerprint, known_hosts_name
@@ -43,6 +43,8 @@ CONNECT_TIMEOUT = 10.0
 # OpenSSH bulk streams (push, collect): a peer that stops answering at the SSH level (a hung
 # node, a frozen sshd) ends the stream after ALIVE_S x ALIVE_COUNT seconds.
 ALIVE_S, ALIVE_COUNT = 10, 3
+# A listing bigger than this is not a run dir (a node answering with a tree that never ends).
+WALK_MAX_FILES = 1_000_000
 
 
 class _PinMismatch(Exception):
@@ -73,12 +75,11 @@ class _Verify(paramiko.MissingHostKeyPolicy):
                             "@revoked in known_hosts; refusing to connect")
         if v.changed:
             raise UserError(f"{who}: HOST KEY CHANGED for {n.host}:{n.port}: got {key.get_name()} {fp}, "
-                            f"known_hosts has another; refusing to connect (possible man-in-the-middle; fix "
-                            "known_hosts if the node was reinstalled)")
+                            f"known_hosts has another ({', '.join(v.known_types)}); refusing to connect (possible "
+                            "man-in-the-middle; fix known_hosts if the node was reinstalled)")
         if not self.accept_new:
-            also = f"; known_hosts has only {', '.join(v.known_types)} keys for it" if v.known_types else ""
             raise UserError(f"{who}: unknown host key {key.get_name()} {fp} for {n.host}:{n.port} (not in "
-                            f"{self.user_file} or {hostkeys.system_known_hosts()}{also}); verify it, then pin it as "
+                            f"{self.user_file} or {hostkeys.system_known_hosts()}); verify it, then pin it as "
                             "host_key in the inventory or rerun with --accept-new-host-keys")
         hostkeys.append(self.user_file, hostname, key)
         log.warning("%s: accepted new host key %s (saved to %s)", who, fp, self.user_file)
@@ -90,8 +91,11 @@ def _preferring(types: list[str]):
     def factory(*args, **kwargs) -> paramiko.Transport:
         t = paramiko.Transport(*args, **kwargs)
         opts = t.get_security_options()
-        want = [a for a in hostkeys.key_types(types) if a in opts.key_types]
-        opts.key_types = want + [a for a in opts.key_types if a not in want]
+        # Plain host keys only: a certificate's trust comes from @cert-authority lines, which are
+        # not used (runner/hostkeys.py), so it would be checked as a key it is not.
+        plain = [a for a in opts.key_types if "-cert-v01@" not in a]
+        want = [a for a in hostkeys.key_types(types) if a in plain]
+        opts.key_types = want + [a for a in plain if a not in want]
         return t
     return factory
 
@@ -432,17 +436,34 @@ class Remote:
             return None
 
     def walk(self, root: str) -> list[tuple[str, paramiko.SFTPAttributes]]:
-        """All regular files under root as (relative path, attrs), via SFTP listdir_attr."""
+        """All regular files under root as (relative path, attrs), via SFTP listdir_attr.
+
+        The listing is the node's word, so every name in it is checked before it becomes a path
+        (runner/safe_path.py: no '/', `..`, NUL or control character in a name, at most
+        PATH_MAX bytes a path) and the whole walk is bounded (WALK_MAX_FILES entries): a node
+        that answers otherwise is named in one UserError and nothing of its listing is used."""
         out: list[tuple[str, paramiko.SFTPAttributes]] = []
         stack = [""]
+        seen = 0
         while stack:
             rel = stack.pop()
             try:
                 entries = self.sftp.listdir_attr(f"{root}/{rel}" if rel else root)
             except FileNotFoundError:
                 continue
+            except UnicodeDecodeError:
+                raise UserError(f"node {self.node.name}: {root}/{rel}: the node listed a name that is not UTF-8; "
+                                "nothing taken from it (rename the file on the node)") from None
+            seen += len(entries)
+            if seen > WALK_MAX_FILES:
+                raise UserError(f"node {self.node.name}: {root}: more than {WALK_MAX_FILES:,} entries listed; "
+                                "nothing taken from it")
             for e in entries:
                 r = f"{rel}/{e.filename}" if rel else e.filename
+                why = safe_path.name_error(e.filename) or safe_path.rel_error(r)
+                if why:
+                    raise UserError(f"node {self.node.name}: {root}: the node listed {safe_path.shown(r)} "
+                                    f"({why}); nothing taken from it")
                 if stat.S_ISDIR(e.st_mode or 0):
                     stack.append(r)
                 elif stat.S_ISREG(e.st_mode or 0):

@@ -3,7 +3,18 @@ the inventory's nodes, so a node reachable as `ssh gpu-0` is reachable by the ru
 
 Why: paramiko reads no ssh config, and a cluster behind a bastion is usually described in one
 (`Host gpu-*  ProxyJump bastion`). The file is parsed by paramiko's own `SSHConfig` (OpenSSH's
-matching rules: first value wins, `Host` patterns, `Match`), never by a parser of ours.
+matching rules: first value wins, `Host` patterns), never by a parser of ours.
+
+Reading runs nothing and asks nothing of the network. paramiko evaluates `Match exec "..."` by
+running the command through a shell, and any file can be named as `ssh_config:` (the inventory
+itself: a YAML line can be an ssh_config line too), so `Match` blocks are never handed to it:
+only the global lines and the `Host` blocks are. A Match block that may set what the runner uses
+(HostName, User, Port, IdentityFile, ProxyJump, ProxyCommand) for a node is named in one warning
+(file:line, node) since `ssh` would apply it and the runner does not; one that cannot concern
+the node (a `host`/`originalhost` criterion its name does not match), or that sets nothing the
+runner uses, is skipped silently: a user's own Match blocks for other hosts do not break the
+runner. paramiko's lookups that would ask DNS (`CanonicalizeHostname`, the `%l` token's FQDN)
+are not made: the host is taken as written and `%l` stays unexpanded.
 
 The rule: the node's `host` is looked up as a Host alias. Its HostName replaces `host` (what SSH
 connects to, and the ranks' address unless `addr` is set); User, Port, IdentityFile and ProxyJump
@@ -25,20 +36,96 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shlex
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import paramiko
 
-from runner.inventory import USER_RE, Jump, _Checker, _expand, _valid_host
+from runner.hostkeys import match_pattern_list
+from runner.inventory import USER_RE, Jump, _Checker, _expand, canonical_host, host_error, same_host
 
 log = logging.getLogger("runner.ssh_config")
 
 DEFAULT_PATH = "~/.ssh/config"
 NONE = "none"  # `ssh_config: none` / `proxy_jump: none`: turn it off (OpenSSH's own word for it)
 # [ssh://][user@]host[:port], host maybe a [bracketed] IPv6 address: OpenSSH's ProxyJump forms.
-JUMP_RE = re.compile(r"^(?:ssh://)?(?:(?P<user>[^@/]*)@)?(?P<host>\[[^\]/]*\]|[^:@/\[\]]*)(?::(?P<port>[^/]*))?/?$")
+JUMP_RE = re.compile(r"(?:ssh://)?(?:(?P<user>[^@/]*)@)?(?P<host>\[[^\]/]*\]|[^:@/\[\]]*)(?::(?P<port>[^/]*))?/?")
 JUMP_FORM = "use one bastion as [user@]host[:port]"
+
+
+# paramiko's own line syntax (SSHConfig.SETTINGS_REGEX): keyword, then `=` or blanks, then value.
+_LINE_RE = re.compile(r"(\w+)(?:\s*=\s*|\s+)(.+)")
+# What the runner takes from a Host block: a Match block setting one of these may matter.
+KEY_NAMES = {"hostname": "HostName", "user": "User", "port": "Port", "identityfile": "IdentityFile",
+             "proxyjump": "ProxyJump", "proxycommand": "ProxyCommand"}
+
+
+@dataclass(frozen=True)
+class MatchBlock:
+    """A `Match` block left out of what paramiko reads: where it is and what it would set."""
+    line: int
+    criteria: str
+    keys: tuple[str, ...]   # the KEY_NAMES it sets
+
+
+def host_blocks(text: str) -> tuple[str, list[MatchBlock]]:
+    """The config text with every Match block left out (their lines blanked), and those blocks."""
+    out, blocks = [], []
+    current: tuple[int, str, list[str]] | None = None
+    for i, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        m = _LINE_RE.fullmatch(line) if line and not line.startswith("#") else None
+        key = m[1].lower() if m else None
+        if key in ("host", "match"):
+            if current is not None:
+                blocks.append(MatchBlock(current[0], current[1], tuple(current[2])))
+            current = (i, m[2], []) if key == "match" else None
+        if current is None:
+            out.append(raw)
+            continue
+        out.append("")
+        if key in KEY_NAMES and key not in current[2]:
+            current[2].append(key)
+    if current is not None:
+        blocks.append(MatchBlock(current[0], current[1], tuple(current[2])))
+    return "\n".join(out) + "\n", blocks
+
+
+class _Config(paramiko.SSHConfig):
+    """paramiko's parser and Host matching, kept off the network: no canonicalization (DNS
+    queries) and no `%l` (socket.getfqdn, a reverse lookup). Match blocks never reach it
+    (host_blocks); if one did, it would match nothing rather than run its exec."""
+
+    def _allowed_tokens(self, key):
+        return [t for t in super()._allowed_tokens(key) if t != "%l"]
+
+    def canonicalize(self, hostname, options, domains):
+        return hostname
+
+    def _does_match(self, match_list, *args, **kwargs):
+        return False
+
+
+def _may_apply(block: MatchBlock, names: list[str]) -> bool:
+    """Whether a Match block could apply to a host known by these names: False only when it sets
+    nothing the runner uses, or a plain `host`/`originalhost` criterion (OpenSSH patterns)
+    matches none of them. Nothing is evaluated that could run or resolve anything."""
+    if not block.keys:
+        return False
+    try:
+        words = shlex.split(block.criteria)
+    except ValueError:
+        return True
+    while words:
+        kind = words.pop(0).lower()
+        if kind in ("all", "canonical", "final") or not words:
+            continue
+        param = words.pop(0)
+        if kind in ("host", "originalhost") and not any(match_pattern_list(n, param) == 1 for n in names):
+            return False
+    return True
 
 
 def parse_jump(text: str) -> tuple[str | None, str, int | None]:
@@ -47,17 +134,17 @@ def parse_jump(text: str) -> tuple[str | None, str, int | None]:
         hops = len(text.split(","))
         raise ValueError(f"{text!r} is a chain of {hops} jump hosts; only one bastion is supported: "
                          "set proxy_jump to a bastion this machine reaches directly")
-    m = JUMP_RE.match(text.strip())
+    m = JUMP_RE.fullmatch(text.strip())
     if not m or not m["host"]:
         raise ValueError(f"{text!r} is not a jump host: {JUMP_FORM}")
     user, host, port = m["user"], m["host"].strip("[]"), m["port"]
-    if user is not None and not USER_RE.match(user):
+    if user is not None and not USER_RE.fullmatch(user):
         raise ValueError(f"{text!r}: {user!r} is not a user name (letters, digits, '.', '_', '-')")
-    if not _valid_host(host):
-        raise ValueError(f"{text!r}: {host!r} is not an IP address or host name ({JUMP_FORM})")
+    if why := host_error(host):
+        raise ValueError(f"{text!r}: {why} ({JUMP_FORM})")
     if port is not None and not (port.isdigit() and 1 <= int(port) <= 65535):
         raise ValueError(f"{text!r}: port {port!r} is not in 1..65535")
-    return user, host, int(port) if port is not None else None
+    return user, canonical_host(host), int(port) if port is not None else None
 
 
 def field_value(c: _Checker, key: str, line: int, where: str, text: str, base: Path, check_files: bool) -> str:
@@ -82,9 +169,9 @@ class Resolver:
     def __init__(self, c: _Checker, check_files: bool):
         self.c = c
         self.check_files = check_files
-        self._parsed: dict[str, paramiko.SSHConfig] = {}
+        self._parsed: dict[str, tuple[paramiko.SSHConfig, list[MatchBlock]]] = {}
         self._exists: dict[str, bool] = {}  # one stat per file per load, not one per node
-        self._warned: set[str] = set()
+        self._warned: set[object] = set()  # paths warned about Include, (path, line) about a Match
 
     def resolve(self, merged: dict[str, Any], line: int, where: str) -> dict[str, Any]:
         """The node's merged inventory fields with the ssh config's filled in and its proxy_jump
@@ -134,15 +221,23 @@ class Resolver:
 
     def _lookup(self, path: str, host: str, line: int, where: str) -> dict[str, Any]:
         try:
-            cfg = self._parsed.get(path)
-            if cfg is None:
-                cfg = self._parsed[path] = paramiko.SSHConfig.from_path(path)
+            if path not in self._parsed:
+                text, matches = host_blocks(Path(path).read_text(errors="replace"))
+                self._parsed[path] = (_Config.from_text(text), matches)
+            cfg, matches = self._parsed[path]
             opts = dict(cfg.lookup(host))
-        # paramiko raises ConfigParseError for a bad line, ImportError for `Match exec` without
-        # `invoke`, OSError for an unreadable file: each is one line here, not a traceback.
+        # paramiko raises ConfigParseError for a bad line, OSError for an unreadable file: each
+        # is one line here, not a traceback.
         except Exception as exc:  # noqa: BLE001
             why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             self.c.fail(line, where, f"cannot use ssh config {path}: {why}; fix it or set `ssh_config: none`")
+        for m in matches:
+            if (path, m.line) not in self._warned and _may_apply(m, [host, opts.get("hostname", host)]):
+                self._warned.add((path, m.line))
+                keys = ", ".join(KEY_NAMES[k] for k in m.keys)
+                self.c.warn(line, where, f"{path}:{m.line}: `Match {m.criteria[:60]}` is not applied (the runner "
+                            f"evaluates no Match block: `Match exec` runs a command); it may set {keys} for "
+                            f"{host!r} under ssh: put them in a Host block or in the inventory")
         if "include" in opts and path not in self._warned:
             self._warned.add(path)
             self.c.warn(line, where, f"{path}: Include is not followed (paramiko's parser); put the Host blocks "
@@ -151,13 +246,12 @@ class Resolver:
 
     # -- values from it, checked as strictly as the inventory's own --------------------------
     def _host(self, value: str, line: int, where: str, what: str) -> str:
-        if not _valid_host(value):
-            self.c.fail(line, where, f"{what} {value!r} is not an IP address or host name; fix the ssh config "
-                        "or set host to the address in the inventory")
-        return value
+        if why := host_error(value):
+            self.c.fail(line, where, f"{what} {why}; fix the ssh config or set host to the address in the inventory")
+        return canonical_host(value)
 
     def _user(self, value: str, line: int, where: str, what: str) -> str:
-        if not USER_RE.match(value):
+        if not USER_RE.fullmatch(value):
             self.c.fail(line, where, f"{what} {value!r} is not a user name (letters, digits, '.', '_', '-'); fix "
                         "the ssh config or set user in the inventory")
         return value
@@ -208,6 +302,6 @@ class Resolver:
 
 def _same_host(hop: str, alias: str, hostname: str | None) -> bool:
     try:
-        return parse_jump(hop)[1] in (alias, hostname)
+        return same_host(parse_jump(hop)[1]) in {same_host(alias), same_host(hostname or alias)}
     except ValueError:
         return False

@@ -27,11 +27,13 @@ import logging
 import os
 import secrets
 import shlex
+import stat
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from runner import safe_path
 from runner.digest import sha256_file
 from runner.errors import UserError
 from runner.job_data import SyncSpec
@@ -43,6 +45,7 @@ log = logging.getLogger("runner.sync")
 HASH_CACHE = Path(os.environ.get("RUNNER_SYNC_CACHE", os.path.expanduser("~/.cache/runner/sync-hashes.json")))
 STALL_S = 120.0
 BAD_NAME_CHARS = ("\n", "\t", "\r", "\\")
+HF_REPO_PREFIXES = ("models--", "datasets--", "spaces--")
 
 
 @dataclass(frozen=True)
@@ -118,18 +121,41 @@ class _HashCache:
         os.replace(tmp, self.path)
 
 
+def link_root(src: str) -> str:
+    """Where the links under a sync source may lead: the source itself (resolved), or, for a folder
+    inside a Hugging Face cache repo (`models--org--name/`, `datasets--...`, `spaces--...` holding
+    blobs/ and snapshots/), that repo folder: a snapshot's files are links into its ../../blobs/,
+    so syncing `snapshots/<rev>/` and syncing the whole `models--org--name/` both work."""
+    real = os.path.realpath(src)
+    p = real
+    while p != os.path.dirname(p):
+        if (os.path.basename(p).startswith(HF_REPO_PREFIXES) and os.path.isdir(os.path.join(p, "blobs"))
+                and os.path.isdir(os.path.join(p, "snapshots"))):
+            return p
+        p = os.path.dirname(p)
+    return real
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
 def scan(specs: list[SyncSpec], cache: _HashCache | None = None) -> list[Tree]:
-    """Every file of every source, hashed (cached). A name a node's shell could misread, a
-    dangling link, or an unreadable file: one line naming it."""
+    """Every file of every source, hashed (cached). A link is followed only where it resolves
+    inside the source's link_root(); one leading anywhere else (a model folder with a link to
+    /etc/ssh) is refused naming it, before anything behind it is read. A name a node's shell could
+    misread, a dangling link, or an unreadable file: one line naming it."""
     cache = cache or _HashCache()
     trees = []
     for spec in specs:
         if os.path.isfile(spec.src):
+            # The file the inventory names is taken for what it is, a link or not (its author's choice).
             name = os.path.basename(spec.src)
             _check_name(spec, name)
             st = os.stat(spec.src)
             trees.append(Tree(spec, [Entry(name, spec.src, st.st_size, _sha(cache, spec, spec.src, st))], name))
             continue
+        root_ok = link_root(spec.src)
         entries = []
         seen_dirs: set[str] = set()
         for root, dirs, files in os.walk(spec.src, followlinks=True):
@@ -139,21 +165,34 @@ def scan(specs: list[SyncSpec], cache: _HashCache | None = None) -> list[Tree]:
                 continue
             seen_dirs.add(real)
             dirs.sort()
+            for d in dirs:
+                _check_link(spec, os.path.join(root, d), root_ok)  # before os.walk lists what is behind it
             for f in sorted(files):
                 p = os.path.join(root, f)
                 rel = os.path.relpath(p, spec.src).replace(os.sep, "/")
                 _check_name(spec, rel)
+                target = _check_link(spec, p, root_ok)
                 try:
-                    st = os.stat(p)
+                    st = os.stat(target)
                 except OSError:
                     raise UserError(f"job.sync: {p}: a dangling link or unreadable file; fix or remove it "
                                     f"(src {spec.src})") from None
-                if not os.path.isfile(p):
+                if not stat.S_ISREG(st.st_mode):
                     continue  # sockets, fifos: not data
-                entries.append(Entry(rel, p, st.st_size, _sha(cache, spec, p, st)))
+                entries.append(Entry(rel, target, st.st_size, _sha(cache, spec, target, st)))
         trees.append(Tree(spec, entries, None))
     cache.save()
     return trees
+
+
+def _check_link(spec: SyncSpec, path: str, root: str) -> str:
+    """path resolved; a UserError naming it if it resolves outside root."""
+    real = os.path.realpath(path)
+    if not _inside(real, root):
+        raise UserError(f"job.sync: {path!r} is a link to {real!r}, outside {root!r}: refused (a link out of a "
+                        f"synced folder would copy that file to every node); copy the file in or remove the link "
+                        f"(src {spec.src})")
+    return real
 
 
 def _sha(cache: _HashCache, spec: SyncSpec, path: str, st: os.stat_result) -> str:
@@ -164,7 +203,7 @@ def _sha(cache: _HashCache, spec: SyncSpec, path: str, st: os.stat_result) -> st
 
 
 def _check_name(spec: SyncSpec, rel: str) -> None:
-    if any(ch in rel for ch in BAD_NAME_CHARS) or not rel.isprintable():
+    if any(ch in rel for ch in BAD_NAME_CHARS) or not rel.isprintable() or safe_path.rel_error(rel):
         raise UserError(f"job.sync: {os.path.join(spec.src, rel)!r}: a file name with a tab, newline, backslash "
                         "or control character cannot be synced; rename it")
 

@@ -1,9 +1,21 @@
 #!/usr/bin/env bash
 # Set up everything the tests need (packages, virtualenv, host dockerd, images) and run them.
-# Extra arguments go to pytest (e.g. scripts/test.sh -k sandbox).
+# Extra arguments go to pytest (e.g. scripts/test.sh -k sandbox, or -p randomly for a random order).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 scripts/build-image.sh runner-trainer:latest
 .venv/bin/ruff check --quiet runner trainer contract tests bench
-exec .venv/bin/pytest -p no:cacheprovider "$@"
+# --cov: branch coverage of runner/, trainer/ and contract/ over every test ([tool.coverage] in
+# pyproject.toml), the table printed before pytest's closing line. The tests' own process only:
+# measuring the trainer ranks and runner CLI calls they start too (COVER_SUBPROCESSES=1) costs
+# 36-45% more CPU in each, which CI's time cannot take. Order: file order; `-p randomly`
+# shuffles, `--reverse` reverses.
+export COVERAGE_FILE=$PWD/.coverage
+rm -f .coverage .coverage.*
+if [[ ${COVER_SUBPROCESSES:-} == 1 ]]; then
+  export COVERAGE_PROCESS_START=$PWD/pyproject.toml  # started in every Python subprocess (coverage's .pth)
+fi
+cov=(--cov --cov-report=term)
+[[ ${COVERAGE:-1} == 0 ]] && cov=()  # COVERAGE=0: no measurement at all
+exec .venv/bin/pytest -p no:cacheprovider "${cov[@]}" "$@"

@@ -151,8 +151,8 @@ def nonroot_pushed(nonroot_sandbox, trainer_image, tmp_path_factory):
 
 @pytest.fixture
 def no_network(monkeypatch):
-    """Any socket, SSH client or docker client creation fails the test (the Pi and EC2 addresses
-    in hosts/ must never be contacted)."""
+    """Any socket, name lookup, SSH client or docker client creation fails the test (the Pi and EC2
+    addresses in hosts/ must never be contacted; a DNS query is contact too)."""
     import socket
 
     import paramiko
@@ -168,6 +168,8 @@ def no_network(monkeypatch):
 
     monkeypatch.setattr(socket, "socket", NoSocket)
     monkeypatch.setattr(socket, "create_connection", boom)
+    for lookup in ("getaddrinfo", "gethostbyname", "gethostbyname_ex", "gethostbyaddr", "getfqdn"):
+        monkeypatch.setattr(socket, lookup, boom)
     monkeypatch.setattr(paramiko.SSHClient, "connect", boom)
     monkeypatch.setattr(paramiko.Transport, "__init__", boom)
     monkeypatch.setattr(docker, "DockerClient", boom)

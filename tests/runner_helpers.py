@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -148,11 +149,72 @@ def signal_sshd(inventory: Path, node: str, sig: int) -> int:
     return sent
 
 
+# strace options that record every execve, argv and environment in full, of a process and all it
+# starts: the exact record of what ran, which a poll of /proc (missing short-lived processes) is not.
+EXECVE_TRACE = ["-f", "-e", "trace=execve", "-e", "signal=none", "-s", "65536", "-v"]
+
+
+def traced_cmd(log: Path, argv: list[str]) -> list[str]:
+    """argv run under strace, every execve of it and its descendants written to `log`."""
+    return ["strace", "--seccomp-bpf", *EXECVE_TRACE, "-o", str(log), "--", *argv]
+
+
+@contextlib.contextmanager
+def execs_of_sessions(inventory: Path, log: Path):
+    """Every execve of every SSH session the sandbox's nodes accept while in this block (strace
+    attached to each node's sshd listener, following what it forks), written to `log`. Entered once
+    strace has attached to every listener; on leaving, strace detaches and the nodes go on."""
+    pids = [sshd_procs(inventory, n.name)[0].pid for n in load_inventory(inventory, with_job=False).nodes]
+    argv = ["strace", *EXECVE_TRACE, "-o", str(log)] + [a for pid in pids for a in ("-p", str(pid))]
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+    try:
+        attached: set[str] = set()
+        for line in proc.stderr:  # "strace: Process N attached", once per listener
+            m = re.match(r"strace: Process (\d+) attached", line)
+            if m:
+                attached.add(m[1])
+            if attached >= {str(p) for p in pids}:
+                break
+        assert attached >= {str(p) for p in pids}, f"strace did not attach: {proc.stderr.read()}"
+        yield log
+    finally:
+        proc.send_signal(signal.SIGINT)  # detach: the listeners and their sessions go on
+        proc.communicate(timeout=60)
+
+
 def node_docker(inventory: Path, node: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     """The docker CLI against a sandbox node's own engine, through its socket on this machine (not
     over SSH: works while the node's sshd is stopped)."""
     nd = sandbox_node(inventory, node)
     return subprocess.run(["docker", "-H", nd.docker_host, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def container_events(inventory: Path, node: str, container: str, since: float) -> list[tuple[int, str, dict]]:
+    """[(engine time in ns, action, attributes)] of one container on the node's engine since `since`
+    (time.time()), in order: what happened to it (create, start, kill with its signal, die with its
+    exit code, destroy), as the engine recorded it."""
+    import json
+
+    res = node_docker(inventory, node, "events", "--since", f"{since:.6f}", "--until", f"{time.time():.6f}",
+                      "--filter", "type=container", "--filter", f"container={container}", "--format", "{{json .}}")
+    assert res.returncode == 0, res.stderr
+    evs = [json.loads(ln) for ln in res.stdout.splitlines() if ln.strip()]
+    return [(e["timeNano"], e["Action"], e["Actor"]["Attributes"]) for e in evs]
+
+
+def containers_created(inventory: Path, since: float) -> dict[str, list[str]]:
+    """{node: names of the runner containers its engine created after `since` (time.time()), in
+    order}, from the engine's event log: a container created and removed again counts, one that
+    another test left behind does not. What "starts nothing" asserts on."""
+    until = f"{time.time():.6f}"  # now: the command under test has returned
+    out = {}
+    for node in [n.name for n in load_inventory(inventory, with_job=False).nodes]:
+        res = node_docker(inventory, node, "events", "--since", f"{since:.6f}", "--until", until, "--filter",
+                          "type=container", "--filter", "event=create", "--filter", f"label={LABEL_RUN}",
+                          "--format", "{{.Actor.Attributes.name}}")
+        assert res.returncode == 0, res.stderr
+        out[node] = res.stdout.split()
+    return out
 
 
 def node_engine_containers(inventory: Path, node: str, run_id: str) -> list[str]:
@@ -252,6 +314,12 @@ def start_attached(sandbox: Path, job: Path, logs_dir: Path, *extra: str,
     wait_for(lambda: all(len(v) == 1 for v in run_containers(sandbox, run_id, running_only=True).values()), 30)
     return proc, run_id
 
+
+
+def listed_commands(help_text: str) -> list[str]:
+    """The commands `runner --help` lists, in its order."""
+    block = help_text.split("positional arguments:", 1)[1].split("options:", 1)[0]
+    return [m[1] for m in re.finditer(r"^    (\w+)\s+\S", block, re.M)]
 
 
 def run_cli(*argv: str) -> tuple[int, str]:

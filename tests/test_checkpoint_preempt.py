@@ -175,9 +175,10 @@ def test_signal_to_torchrun_is_forwarded_and_resume_continues(tmp_path, straight
     assert losses(out) == straight
 
 
-def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
+def test_kill_during_save_keeps_previous_checkpoint(tmp_path, straight):
     out = tmp_path / "run"
-    args = (*TINY, "--train.steps", "6", "--checkpoint.interval", "2")
+    # The straight run's first 6 steps: its LR schedule (a cosine over 20 steps), stopped at 6.
+    args = (*TINY, "--train.steps", "6", "--schedule.total_steps", "20", "--checkpoint.interval", "2")
     proc = _launch(out, *args, env=hold_env("save:4"))
     tmp4 = out / "checkpoints" / ".tmp-step-4"
     # Both ranks finished writing step 4 (their manifests exist) and are held before the rename.
@@ -196,5 +197,6 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
     after = losses(out)  # records of steps 3-4 from before the kill were dropped on resume ...
     assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4, 5, 6]
     assert after[:4] == before  # ... and redone bit for bit
+    assert after == straight[:6]  # the continued steps are the uninterrupted run's, bit for bit
     assert (ckpts / "latest").read_text().strip() == "step-6"
     assert not tmp4.exists()  # the next save of step 4 replaced the leftover

@@ -2,32 +2,31 @@
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 from tests.conftest import REPO
+from tests.runner_helpers import listed_commands
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, cwd=REPO, timeout=120)
 
 
-# The commands the README documents, each listed by `runner --help` with its one-line summary.
-RUNNER_COMMANDS = ("sandbox", "check", "push", "up", "status", "ls", "logs", "down", "collect")
-
-
-def listed_commands(help_text: str) -> list[str]:
-    block = help_text.split("positional arguments:", 1)[1].split("options:", 1)[0]
-    return [m[1] for m in re.finditer(r"^    (\w+)\s+\S", block, re.M)]
+# Every command of the runner, each listed by `runner --help` with its one-line summary: a new
+# command is added here (and to the README) or this test fails.
+RUNNER_COMMANDS = ("sandbox", "check", "push", "sync", "up", "status", "ls", "logs", "down", "collect", "export",
+                   "profile")
 
 
 def test_runner_help_lists_every_command():
     r = run("runner", "--help")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("usage: runner [-h] [-v] COMMAND ...")
-    assert set(RUNNER_COMMANDS) <= set(listed_commands(r.stdout)), r.stdout
+    assert listed_commands(r.stdout) == list(RUNNER_COMMANDS), r.stdout
+    readme = (REPO / "README.md").read_text()
+    assert [c for c in RUNNER_COMMANDS if f"runner {c}" not in readme] == []
     for cmd in RUNNER_COMMANDS:  # each subcommand has its own help, naming itself
         sub = run("runner", cmd, "--help")
         assert sub.returncode == 0 and sub.stdout.startswith(f"usage: runner {cmd} "), (cmd, sub.stdout[:200])

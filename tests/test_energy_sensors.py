@@ -157,12 +157,31 @@ def test_jetson_nano_iio_driver(tmp_path):
     assert reader() == pytest.approx(2.0 * 4.2)
 
 
-def test_jetson_found_by_probe_before_rapl_and_pmic(tmp_path, monkeypatch):
+def _fake_rapl(root: Path) -> Path:
+    """A FAKE powercap tree with one readable RAPL package zone."""
+    zone = root / "intel-rapl:0"
+    zone.mkdir(parents=True)
+    (zone / "energy_uj").write_text("1000000\n")
+    (zone / "max_energy_range_uj").write_text("262143328850\n")
+    return root
+
+
+def test_jetson_found_by_probe_before_rapl_and_pmic(tmp_path, monkeypatch, fake_vcgencmd):
+    """All three sensors present (a FAKE hwmon tree, a FAKE powercap tree, the FAKE vcgencmd):
+    probe() takes the Jetson's. Each of the others is found once those before it are gone, so each
+    fake is one probe() would take: the order is what picks the Jetson."""
     hw = tmp_path / "fake_sysfs" / "class" / "hwmon"
     _fake_hwmon(hw, {"VDD_IN": (19000, 500)})
     monkeypatch.setattr(jetson, "HWMON", str(hw))
+    monkeypatch.setattr(energy, "POWERCAP", str(_fake_rapl(tmp_path / "fake_sysfs" / "class" / "powercap")))
     reader, name = energy.probe(0, use_cuda=False)
-    assert reader is not None and name.startswith("Jetson INA3221 VDD_IN")
+    assert reader is not None and name == "Jetson INA3221 VDD_IN (module input)"
+    monkeypatch.setattr(jetson, "HWMON", str(tmp_path / "no-hwmon"))
+    reader, name = energy.probe(0, use_cuda=False)
+    assert reader is not None and name == "RAPL intel-rapl:0"
+    monkeypatch.setattr(energy, "POWERCAP", str(tmp_path / "no-powercap"))
+    reader, name = energy.probe(0, use_cuda=False)
+    assert reader is not None and name.startswith("Raspberry Pi PMIC")
 
 
 def test_no_jetson_tree_says_why(tmp_path):

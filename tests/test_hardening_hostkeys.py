@@ -3,6 +3,7 @@ pinned fingerprint of any of the node's key types, and a ~/.ssh made private."""
 
 from __future__ import annotations
 
+import re
 import stat
 import subprocess
 from pathlib import Path
@@ -79,3 +80,33 @@ def test_a_pinned_fingerprint_of_any_key_type_is_accepted(sandbox, tmp_path):
     bad = runner("down", "-i", str(inv), env={"HOME": str(home)})
     assert bad.returncode == 3 and "node node-1: host key mismatch" in bad.stderr, bad.stderr
     assert fp in bad.stderr  # the node's keys are named, the ECDSA one among them
+
+
+def test_a_revoked_host_key_is_refused_wherever_it_is_marked(sandbox, tmp_path):
+    """A `@revoked` line for node-1's key, against node-1's real sshd: the node is left out with one
+    line saying so, even though the same file (or the user's, when the mark is in the system-wide
+    file) lists the key as good, and even with --accept-new-host-keys, which writes nothing."""
+    doc = yaml.safe_load(Path(sandbox).read_text())
+    host, port = doc["nodes"][1]["host"], doc["defaults"]["port"]
+    known = _sandbox_known_hosts(sandbox)
+    node1 = [ln for ln in known.splitlines() if ln.split()[0] == f"[{host}]:{port}"]
+    assert node1, known
+    revoked = "".join(f"@revoked {ln}\n" for ln in node1)
+    home = tmp_path / "home"
+    home.mkdir()
+    cases = {"same file": (known + revoked, "/nonexistent"),
+             "system-wide file": (known, str(tmp_path / "ssh_known_hosts"))}
+    (tmp_path / "ssh_known_hosts").write_text(revoked)
+    for case, (user_file, system) in cases.items():
+        kh = tmp_path / f"known_hosts-{case.split()[0]}"
+        kh.write_text(user_file)
+        doc["defaults"]["known_hosts"] = str(kh)
+        inv = tmp_path / f"inv-{case.split()[0]}.yaml"
+        inv.write_text(yaml.safe_dump(doc, sort_keys=False))
+        for extra in ([], ["--accept-new-host-keys"]):
+            proc = runner("ls", "-i", str(inv), "--json", *extra, env={"HOME": str(home), "RUNNER_SYSTEM_KNOWN_HOSTS": system})
+            assert proc.returncode == 0, (case, extra, proc.stderr)
+            assert re.fullmatch(rf"runner: warning: node node-1: host key ssh-\S+ SHA256:\S+ of {re.escape(host)}:{port} "
+                                r"is marked @revoked in known_hosts; refusing to connect \(left out\)\n",
+                                proc.stderr), (case, extra, proc.stderr)
+            assert kh.read_text() == user_file and not (home / ".ssh").exists(), (case, extra)

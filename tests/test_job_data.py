@@ -149,9 +149,9 @@ def test_plan_mounts_sync_read_only_and_mounts_as_asked(tmp_path, data):
     plan = make_plan(inv, "r1", facts, master_port=29500, strict=True, trees=trees)
     a, b = plan.node("a"), plan.node("b")
     digest = trees[0].digest
-    assert a.mounts == {"/w/runs/r1": "/out", f"/w/data/trees/{digest}": "/data/model",
-                        "/home/a/hf": "/hf", "/nfs/ds": "/ds"}
-    assert b.mounts[f"/home/b/runner/data/trees/{digest}"] == "/data/model"
+    assert a.mounts == {"/out": "/w/runs/r1", "/data/model": f"/w/data/trees/{digest}",
+                        "/hf": "/home/a/hf", "/ds": "/nfs/ds"}
+    assert b.mounts["/data/model"] == f"/home/b/runner/data/trees/{digest}"
     assert a.writable == frozenset({"/out", "/ds"})
     text = plan.render()
     assert f"    mount     /w/data/trees/{digest} -> /data/model (ro)" in text
@@ -165,7 +165,7 @@ def test_single_file_sync_mounts_the_file(tmp_path):
     trees = scan(inv.job.sync, _HashCache(tmp_path / "h.json"))
     facts = {n.name: Facts(arch="amd64", ifname="lo", home="/root") for n in inv.nodes}
     plan = make_plan(inv, "r1", facts, master_port=29500, strict=True, trees=trees)
-    assert plan.node("a").mounts[f"/w/data/trees/{trees[0].digest}/corpus.txt"] == "/data/corpus.txt"
+    assert plan.node("a").mounts["/data/corpus.txt"] == f"/w/data/trees/{trees[0].digest}/corpus.txt"
 
 
 def test_backends_without_data_support_refuse_it_in_one_line(tmp_path, data):

@@ -102,3 +102,5 @@ def test_pi_experiment_synced_weights_on_nonroot_nodes_down_resume_collect(nonro
         assert made and {p.stat().st_uid for p in made} == {uid}, n
     collected = [p for p in art.rglob("*") if p.is_file()]
     assert collected and {p.stat().st_uid for p in collected} == {os.getuid()}
+    for n in NODES:  # the run is this test's: the shared nodes' next test does not find it
+        shutil.rmtree(out[n])

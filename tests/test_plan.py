@@ -97,8 +97,8 @@ def test_plan_ranks_env_commands(tmp_path, no_network):
         assert n.labels[LABEL_RUN] == "20260101-000000-abcd" and n.labels[LABEL_NODE] == n.node
         assert n.labels[LABEL_RANK] == str(n.rank)
         assert n.container == f"runner-20260101-000000-abcd-{n.node}"
-        assert n.mounts[n.run_dir] == "/out" and n.run_dir.endswith("/runs/20260101-000000-abcd")
-        assert n.secrets_file and n.mounts[n.secrets_file] == "/run/runner/secrets.env"
+        assert n.mounts["/out"] == n.run_dir and n.run_dir.endswith("/runs/20260101-000000-abcd")
+        assert n.secrets_file and n.mounts["/run/runner/secrets.env"] == n.secrets_file
         assert SECRET not in repr(n)
     assert w2.env["EXTRA"] == "1" and "EXTRA" not in m.env
 
@@ -122,6 +122,35 @@ def test_dry_run_masks_secrets_and_opens_nothing(tmp_path, no_network, capsys):
     assert "[m/0] 10.9.0.1" in out and "[w1/1] 10.9.0.2" in out and "[w2/2] 10.9.0.3" in out
     assert "--train_steps 7" in out and "--node-rank 2" in out
     assert "GLOO_SOCKET_IFNAME=<probed at launch>" in out
+
+
+def test_dry_run_of_10000_nodes_plans_every_node_with_its_rank_and_env(tmp_path, no_network):
+    """The README's 10,000-node dry-run (bench/fanout.py's generated inventory, whose timing is the
+    benchmark's): every node planned once, in inventory order, with its rank, its torchrun and its
+    env, master n0; nothing contacted."""
+    from bench.fanout import generated_inventory
+
+    n = 10_000
+    rc, out = run_cli("up", "-i", str(generated_inventory(tmp_path, n)), "--dry-run")
+    assert rc == 0
+    head, *blocks = out.split("\n[")
+    assert head == f"run <new run id>: {n} node(s), master n0 (10.0.0.0:<auto>), static rendezvous"
+    assert len(blocks) == n
+    env_same = {"GLOO_SOCKET_IFNAME": "<probed at launch>", "NCCL_SOCKET_IFNAME": "<probed at launch>",
+                "MASTER_ADDR": "10.0.0.0", "MASTER_PORT": "<auto>", "NNODES": str(n), "OMP_NUM_THREADS": "1",
+                "OUTPUT_DIR": "/out", "PET_SHUTDOWN_TIMEOUT": "28", "PYTHONUNBUFFERED": "1", "RUN_ID": "<new run id>",
+                "PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"}
+    for i, block in enumerate(blocks):
+        lines = block.rstrip("\n").split("\n")
+        host = f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}"
+        assert lines[0] == f"n{i}/{i}] {host}  arch=amd64  image=runner-trainer:latest", lines[0]
+        assert lines[1].startswith(f"    container runner-<new run id>-n{i}  network=host  "), lines[1]
+        assert lines[2] == "    run dir   ~/runner/runs/<new run id> -> /out"
+        assert lines[3] == (f"    command   torchrun --nnodes {n} --node-rank {i} --nproc-per-node 1 --master-addr "
+                            "10.0.0.0 --master-port '<auto>' --rdzv-backend static --max-restarts 0 --no-python "
+                            "python -c 'print(1)'"), lines[3]
+        env = dict(ln.removeprefix("    env       ").split("=", 1) for ln in lines[4:])
+        assert env == {**env_same, "NODE_NAME": f"n{i}", "NODE_RANK": str(i)}, (i, env)
 
 
 @pytest.mark.parametrize("name", ["pis.yaml", "ec2.yaml"])
@@ -273,7 +302,7 @@ def test_gated_workers_wait_for_the_go_file_and_the_master_does_not(tmp_path):
     assert [n.go_file for n in plain.nodes] == [None, None, None]      # no token: no gate
     wd = w1.workdir
     assert w1.go_file == f"{wd}/gates/r1/go-t0k3n"
-    assert w1.mounts == {w1.run_dir: "/out", f"{wd}/gates/r1": "/run/runner/gate"}
+    assert w1.mounts == {"/out": w1.run_dir, "/run/runner/gate": f"{wd}/gates/r1"}
     torchrun = plain.nodes[1].command
     assert torchrun[0] == "torchrun"
     assert w1.command == ["python", "-m", "runner.gate", "/run/runner/gate/go-t0k3n", "180", "--", *torchrun[1:]]

@@ -18,7 +18,7 @@ from runner.inventory import load_inventory, memory_bytes
 from runner.plan import docker_limits, make_plan
 from runner.sandbox_cli import parse_cpus
 from tests import IMAGE
-from tests.runner_helpers import REPO, node_workdir, runner
+from tests.runner_helpers import REPO, no_socket_env, node_workdir, runner
 
 NODES = ("nodes:\n"
          "  - {name: pi-4, host: 10.9.0.1, arch: arm64, cpus: 0.5, memory: 4g}\n"
@@ -66,9 +66,9 @@ def test_bad_limits_name_file_line_field_node(tmp_path, field, value, msg):
     with pytest.raises(UserError) as e:
         load_inventory(p)
     assert str(e.value).startswith(f"{p}:3: ") and msg in str(e.value)
-    # The CLI: one line, exit 2, nothing contacted (a dry-run refuses it too).
+    # The CLI: one line, exit 2, nothing contacted (a dry-run refuses it too; every socket fatal).
     proc = subprocess.run([sys.executable, "-m", "runner", "up", "-i", str(p), "--dry-run"], capture_output=True,
-                          text=True, cwd=REPO)
+                          text=True, cwd=REPO, env=no_socket_env(tmp_path))
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and msg in proc.stderr
 
 

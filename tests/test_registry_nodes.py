@@ -5,24 +5,32 @@ lacks the tag is one line naming the node, with nothing started."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
-import threading
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from runner.images import HOST_DOCKER
-from tests.conftest import IN_CI, net_addr
+from runner.plan import container_name
+from tests import REPO
+from tests.conftest import IN_CI, net_addr, require
 from tests.runner_helpers import (
     build_scratch_image,
+    containers_created,
+    execs_of_sessions,
+    finish_run,
+    node_docker,
+    node_workdir,
     parse_push,
     remotes,
-    run_containers,
     runner,
+    runner_cmd,
+    traced_cmd,
+    up_detached,
     wait_for,
     write_job,
 )
@@ -105,29 +113,20 @@ def node_ids(sandbox: Path, tag: str) -> dict[str, str | None]:
 def test_nodes_pull_with_env_file_credentials_never_in_argv(sandbox, pushed, registry, small_image, tmp_path):
     tag, image_id = small_image
     job = write_job(tmp_path, image=tag, env_file=env_file(tmp_path), extra={"registry": registry})
-    seen_in_argv: list[str] = []
-    done = threading.Event()
-
-    def watch_argv() -> None:  # every process on this machine (the nodes' sessions too) while it runs
-        while not done.is_set():
-            for p in psutil.process_iter(["cmdline"]):
-                cmd = " ".join(p.info["cmdline"] or [])
-                if PASSWORD in cmd or "dHJhaW5lci1ib3Q6" in cmd:  # the password, or base64("trainer-bot:")
-                    seen_in_argv.append(cmd)
-            time.sleep(0.01)
-
-    t = threading.Thread(target=watch_argv, daemon=True)
-    t.start()
-    try:
-        proc = runner("-v", "push", "-i", str(sandbox), "--job", str(job))
-    finally:
-        done.set()
-        t.join()
+    require("strace", bool(shutil.which("strace")), "strace is not installed")
+    # Every process the push runs, here and in the nodes' SSH sessions, with its argv and
+    # environment as it was exec'd (however short it lived).
+    here, nodes = tmp_path / "execs-host.log", tmp_path / "execs-nodes.log"
+    with execs_of_sessions(sandbox, nodes):
+        proc = subprocess.run(traced_cmd(here, runner_cmd("-v", "push", "-i", str(sandbox), "--job", str(job))),
+                              capture_output=True, text=True, cwd=REPO, timeout=600)
+    execs = [ln for f in (here, nodes) for ln in f.read_text().splitlines() if " execve(" in ln]
+    assert any('"docker", "pull", "-q", ' in ln for ln in execs), "the nodes' pulls are not in the record"
+    assert [ln for ln in execs if PASSWORD in ln or "dHJhaW5lci1ib3Q6" in ln] == []  # nor base64("trainer-bot:")
     assert proc.returncode == 0, proc.stderr
     rows = parse_push(proc.stdout)
     assert set(rows) == set(NODES) and all(r["action"] == "pulled" and r["tag"] == tag for r in rows.values()), rows
     assert node_ids(sandbox, tag) == dict.fromkeys(NODES, image_id)
-    assert seen_in_argv == []
     assert PASSWORD not in proc.stdout + proc.stderr
     for r in remotes(sandbox).values():  # the 0600 login was removed after the pull
         with r:
@@ -153,6 +152,7 @@ def test_a_bad_registry_starts_nothing(sandbox, pushed, registry, small_image, t
     image = f"runner-test-reg-absent:{os.getpid()}" if case == "absent_tag" else tag
     password = "wrong" if case == "wrong_password" else PASSWORD
     job = write_job(tmp_path, image=image, env_file=env_file(tmp_path, password=password), extra={"registry": reg})
+    since = time.time()
     proc = runner("up", "-i", str(sandbox), "--job", str(job), "--logs-dir", str(tmp_path / "logs"))
     assert proc.returncode == 2, proc.stdout + proc.stderr
     errs = [ln for ln in proc.stderr.splitlines() if ln.startswith("runner: error:")]
@@ -161,16 +161,42 @@ def test_a_bad_registry_starts_nothing(sandbox, pushed, registry, small_image, t
     why = {"absent_tag": "not found", "registry_down": "connection refused", "wrong_password": "unauthorized"}[case]
     assert why in errs[0], errs[0]
     assert "started" not in proc.stdout
-    assert all(cs == [] for cs in run_containers(sandbox, None, running_only=True).values())
+    assert containers_created(sandbox, since) == dict.fromkeys(NODES, [])  # none, not even a created one
 
 
-def test_registry_credentials_stay_out_of_the_jobs_container(tmp_path):
-    """RUNNER_REGISTRY_* are the runner's: the plan's secrets (the container's env file) lack them."""
+# The job's view of its own container: its environment and the secrets file it was given.
+CONTAINER_VIEW = r"""
+import json, os, pathlib, time
+out = pathlib.Path(os.environ['OUTPUT_DIR'])
+f = pathlib.Path('/run/runner/secrets.env')
+view = {'env': dict(os.environ), 'secrets_file': f.read_text() if f.exists() else None}
+(out / f"view-{os.environ['NODE_NAME']}.json").write_text(json.dumps(view))
+while not (out / 'finish').exists():  # until finish_run(): the test inspects the running container
+    time.sleep(0.05)
+"""
+
+
+def test_registry_credentials_stay_out_of_the_jobs_container(sandbox, pushed, tmp_path):
+    """RUNNER_REGISTRY_* are the runner's: a job whose env_file holds them gets HF_TOKEN, not them, in
+    its environment and its secrets file, and neither shows in `docker inspect` of its container."""
     from runner.inventory import load_inventory
 
-    inv_p = tmp_path / "inv.yaml"
-    inv_p.write_text(f"nodes:\n  - {{name: a, host: 10.9.0.1}}\njob:\n  image: t:1\n  registry: r.lan:5000\n"
-                     f"  env_file: {env_file(tmp_path)}\n")
-    job = load_inventory(inv_p, check_files=False).job
-    assert job.secrets() == {"HF_TOKEN": "hf_x"}
-    assert job.registry_auth() == (USER, PASSWORD)
+    job = write_job(tmp_path, env_file=env_file(tmp_path), extra={"command": ["python", "-c", CONTAINER_VIEW]})
+    assert load_inventory(sandbox, job_path=str(job)).job.registry_auth() == (USER, PASSWORD)  # they are there
+    run_id = up_detached(sandbox, job)
+    try:
+        views = {n: node_workdir(sandbox, n) / "runs" / run_id / f"view-{n}.json" for n in NODES}
+        wait_for(lambda: all(v.is_file() for v in views.values()), 120)
+        for n in NODES:
+            view = json.loads(views[n].read_text())
+            assert view["env"]["HF_TOKEN"] == "hf_x" and not [k for k in view["env"] if k.startswith("RUNNER_REGISTRY")]
+            assert view["secrets_file"] == "HF_TOKEN=hf_x\n", view["secrets_file"]
+            inspect = node_docker(sandbox, n, "inspect", container_name(run_id, n))
+            assert inspect.returncode == 0, inspect.stderr
+            assert json.loads(inspect.stdout)[0]["State"]["Running"]
+            for secret in (PASSWORD, USER, "RUNNER_REGISTRY", "hf_x"):  # not even the job's own secret
+                assert secret not in inspect.stdout, (n, secret)
+        finish_run(sandbox, run_id)
+    finally:
+        down = runner("down", run_id, "-i", str(sandbox))
+    assert down.returncode == 0, down.stdout + down.stderr

@@ -23,6 +23,7 @@ from runner.plan import LABEL_RUN
 from tests import IMAGE
 from tests.conftest import REPO
 from tests.runner_helpers import (
+    container_events,
     down_while_held,
     node_engine_containers,
     node_workdir,
@@ -148,21 +149,41 @@ def test_down_with_a_partitioned_node_stops_the_others_and_reruns_clean(sandbox,
     assert (tmp_path / "art" / run_id / "node-2" / "probe-node-2.json").is_file()
 
 
-def test_node_lost_mid_run_others_stopped_within_10s_then_reclaimed(sandbox, pushed, tmp_path):
-    """node-2 partitioned while the run is attached: the runner names it, stops node-0/1, and
-    removes node-2's container when it answers again. (How fast: the runner reports it, and
-    bench/ measures it; a test on a loaded machine asserts order, not seconds.)"""
+def test_stop_budget_holds_for_any_detection_time():
+    """The README's "stops the whole run on every node within 10 s", as the watcher is built to
+    keep it: a lost node is noticed at most HEARTBEAT_S + HEARTBEAT_TIMEOUT_S after its last answer,
+    and the grace it then gives the others (fail_grace) leaves STOP_MARGIN_S for SIGKILL and removal
+    inside STOP_BUDGET_S, whenever the failure is noticed. The seconds a real stop takes are
+    bench/links.py's figure (README Performance); the sandbox tests check the path by its events."""
+    from runner import watch
+
+    assert watch.STOP_BUDGET_S == 10.0
+    detect = watch.HEARTBEAT_S + watch.HEARTBEAT_TIMEOUT_S
+    assert detect + watch.STOP_MARGIN_S < watch.STOP_BUDGET_S
+    for tenth in range(int(detect * 10) + 1):
+        grace = watch.fail_grace(tenth / 10)
+        assert 0 <= grace <= watch.FAIL_STOP_GRACE_S, (tenth, grace)
+        assert tenth / 10 + grace + watch.STOP_MARGIN_S <= watch.STOP_BUDGET_S, (tenth, grace)
+    assert watch.fail_grace(0.0) == watch.FAIL_STOP_GRACE_S  # noticed at once: the whole grace
+    assert watch.fail_grace(watch.STOP_BUDGET_S) == 0  # noticed late: SIGKILL at once
+
+
+def test_node_lost_mid_run_others_stopped_by_the_watcher_then_reclaimed(sandbox, pushed, tmp_path):
+    """node-2 partitioned while the run is attached: the runner names it and stops node-0/1, and
+    removes node-2's container when it answers again. Checked by events: on node-0/1's engines a
+    SIGTERM (the ranks sleep 300 s: nothing else ends them), then the container's end and removal,
+    all while node-2 is still cut off; node-2's container is stopped only after both are gone.
+    How fast is bench/'s figure and the budget test_stop_budget_holds_for_any_detection_time's."""
+    since = time.time()
     job = write_job(tmp_path, sleep=300, grace=30)
     proc, run_id = start_attached(sandbox, job, tmp_path / "l", "--reclaim-timeout", "90")
     engines = _Engines(sandbox, ("node-0", "node-1"))
     try:
-        # every rank is running its program: the loss, not the start-up, is what is measured
+        # every rank is running its program: the loss, not the start-up, is what is tested
         wait_for(lambda: all((node_workdir(sandbox, n) / "runs" / run_id / f"probe-{n}.json").is_file()
                              for n in NODES), 120)
         signal_sshd(sandbox, "node-2", signal.SIGSTOP)
-        t_loss = time.time()
         wait_for(lambda: sum(engines.count(run_id).values()) == 0, 120, interval=0.1)
-        stopped_in = time.time() - t_loss
         assert node_engine_containers(sandbox, "node-2", run_id) == [f"runner-{run_id}-node-2"]
         # the runner is now retrying node-2 (it says so before its first try)
         seen: list[str] = []
@@ -176,13 +197,21 @@ def test_node_lost_mid_run_others_stopped_within_10s_then_reclaimed(sandbox, pus
         engines.close()
         if proc.poll() is None:
             proc.kill()
-    print(f"\n[figure] node lost -> node-0/1 containers gone in {stopped_in:.2f}s")
     assert proc.returncode == 4, err  # the job failed
     assert f"runner: error: run {run_id}: node node-2 (rank 2) failed: node unreachable" in err, err
     assert re.search(r"stopped the run on the other nodes \([\d.]+s after the loss\)", err), err
     assert "runner: node node-2 is reachable again: stopped and removed its container" in err, err
     assert node_engine_containers(sandbox, "node-2", run_id) == []
     assert run_containers(sandbox, run_id) == {n: [] for n in NODES}
+    events = {n: container_events(sandbox, n, f"runner-{run_id}-{n}", since) for n in NODES}
+    gone = []
+    for n in ("node-0", "node-1"):
+        acts = [(a, attrs.get("signal")) for _, a, attrs in events[n] if a in ("start", "kill", "die", "destroy")]
+        assert acts[:2] == [("start", None), ("kill", "15")], (n, acts)  # started, then the watcher's SIGTERM
+        assert acts[-2:] == [("die", None), ("destroy", None)], (n, acts)
+        gone.append(events[n][-1][0])
+    reclaim = [t for t, a, _ in events["node-2"] if a in ("kill", "destroy")]
+    assert reclaim and min(reclaim) > max(gone), events["node-2"]  # node-2 only once it answered again
 
 
 def test_dead_node_orphan_removed_by_resume_relaunch(sandbox, pushed, tmp_path):

@@ -106,7 +106,12 @@ def test_a_docker_api_connection_the_node_closed_is_replaced(sandbox, pushed):
             except (psutil.Error, TypeError):
                 continue
         assert killed >= 1
-        time.sleep(0.5)  # the channel's close reaches this side
+        # The event: every channel kept in the pool has seen its dial-stdio end (EOF or exit status
+        # has reached this side), so the next call would reuse a closed one were it not replaced.
+        pools = r.docker().api._custom_adapter.pools
+        kept = [c.sock for k in pools.keys() for c in pools[k].pool.queue if c is not None and c.sock is not None]
+        assert kept, "no kept API connection"
+        wait_for(lambda: all(ch.closed or ch.eof_received or ch.exit_status_ready() for ch in kept), 60, interval=0.02)
         assert r.docker().images.get(IMAGE).id == want
 
 

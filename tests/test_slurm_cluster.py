@@ -179,11 +179,12 @@ def _usr1_pending(p: psutil.Process) -> bool:
 
 
 def test_down_writes_preempt_checkpoint_and_resume_is_bitwise(slurm, straight, tmp_path):
-    """Submitted from this machine (no login node). Once step 1 is logged the ranks are held
-    (SIGSTOP) while `runner down` signals the job, and let go once USR1 is pending on every rank:
-    the stop lands mid-run whatever the machine's load. Then `up --resume` finishes the run."""
+    """Submitted from this machine (no login node), with --requeue. Once step 1 is logged the ranks
+    are held (SIGSTOP) while `runner down` signals the job, and let go once USR1 is pending on every
+    rank: the stop lands mid-run whatever the machine's load. The batch script's requeue branch then
+    sees `runner down`'s mark: the job ends, not requeued. Then `up --resume` finishes the run."""
     env = slurm.env
-    up = runner("up", "-i", str(slurm.local), "--job", str(job_file(tmp_path)), "--detach", env=env)
+    up = runner("up", "-i", str(slurm.local), "--job", str(job_file(tmp_path)), "--detach", "--requeue", env=env)
     assert up.returncode == 0, up.stdout + up.stderr
     run_id, job = re.search(r"^run (\S+) submitted: Slurm job (\d+)", up.stdout, re.M).groups()
     rd = slurm.shared / "runs" / run_id
@@ -202,17 +203,22 @@ def test_down_writes_preempt_checkpoint_and_resume_is_bitwise(slurm, straight, t
             p.send_signal(signal.SIGCONT)
     out, err = down.communicate(timeout=300)
     assert down.returncode == 0, out + err
+    assert f"run {run_id}: Slurm job {job} sent USR1; ended within the grace period" in out, out + err
     ckpts = rd / "checkpoints"
     name = (ckpts / "latest").read_text().strip()
     stopped = len(losses(rd / "metrics.jsonl"))
     assert name == f"step-{stopped}.preempt" and 1 <= stopped < STEPS, (name, stopped)
-    assert f"run {run_id}: Slurm job {job} sent USR1; ended within the grace period" in out
     assert f"latest checkpoint {name}" in out
     for r in range(3):  # every rank wrote its part: the shards, its manifest, its RNG/optimizer state
         assert (ckpts / name / f"rank{r}.pt").is_file() and (ckpts / name / f"manifest.rank{r}.json").is_file()
         assert list((ckpts / name).glob(f"__{r}_*.distcp"))
-    assert (rd / "slurm" / job / "exit-code").read_text().strip() == "143"
+    assert (rd / "slurm" / job / "exit-code").read_text().strip() == "143"  # written just before the branch
     assert (rd / "slurm" / "down").exists()
+    # The job ran its script to the end (exit-code above) and is over: not requeued (a requeue
+    # leaves it PENDING with Restarts=1), and its output shows no second start.
+    show = sctl(slurm, "scontrol", "show", "job", "-o", job)
+    assert "JobState=FAILED" in show and "Restarts=0" in show and "Requeue=1" in show, show
+    assert "(restart 1)" not in (rd / "slurm" / f"{job}.out").read_text()
     assert losses(rd / "metrics.jsonl") == straight.losses[:stopped]
     st = json.loads(runner("status", run_id, "-i", str(slurm.local), "--json", env=env).stdout)
     assert st["state"] == "FAILED" and st["exit_code"] == 143
@@ -278,9 +284,12 @@ def test_oci_container_gives_the_same_losses(slurm, straight, trainer_image, tmp
     assert "oci: exporting" not in capsys.readouterr().out
 
 
-def test_requeue_resumes_from_the_preempt_checkpoint(slurm, straight, tmp_path):
-    """`up --requeue`: Slurm requeues the running job (what a preemption with PreemptMode=REQUEUE
-    does: SIGTERM, KillWait, back to the queue), the ranks write the preempt checkpoint, and the
+@pytest.mark.parametrize("how", ["slurm_requeue", "time_limit_usr1"])
+def test_requeue_resumes_from_the_preempt_checkpoint(slurm, straight, tmp_path, how):
+    """`up --requeue`, preempted mid-run two ways: Slurm requeues the running job (what a preemption
+    with PreemptMode=REQUEUE does: SIGTERM, KillWait, back to the queue), or USR1 reaches the job's
+    tasks as the time limit's `--signal=USR1@N` sends it, and the batch script's own branch
+    requeues it (no `runner down` mark). Either way the ranks write the preempt checkpoint and the
     job's second start resumes from it: the same losses as the straight run."""
     env = slurm.env
     up = runner("up", "-i", str(slurm.local), "--job", str(job_file(tmp_path)), "--detach", "--requeue", env=env)
@@ -289,10 +298,16 @@ def test_requeue_resumes_from_the_preempt_checkpoint(slurm, straight, tmp_path):
     rd = slurm.shared / "runs" / run_id
     wait_for(lambda: (rd / "metrics.jsonl").is_file() and (rd / "metrics.jsonl").read_text().strip(), 300)
     ranks = wait_for(lambda: len(_ranks(run_id)) == 3 and _ranks(run_id), 30)
-    for p in ranks:  # held until Slurm acts, so the requeue lands mid-run (Slurm sends SIGCONT itself)
+    for p in ranks:  # held until the signal is there, so the requeue lands mid-run
         p.send_signal(signal.SIGSTOP)
     try:
-        assert sctl(slurm, "scontrol", "requeue", job) == ""
+        if how == "slurm_requeue":  # Slurm sends SIGCONT itself
+            assert sctl(slurm, "scontrol", "requeue", job) == ""
+        else:
+            assert sctl(slurm, "scancel", "--signal=USR1", job) == ""
+            wait_for(lambda: all(_usr1_pending(p) for p in ranks), 60)
+            for p in ranks:
+                p.send_signal(signal.SIGCONT)
         wait_for(lambda: "JobState=PENDING" in sctl(slurm, "scontrol", "show", "job", "-o", job), 120)
     finally:
         for p in ranks:
@@ -308,5 +323,7 @@ def test_requeue_resumes_from_the_preempt_checkpoint(slurm, straight, tmp_path):
     wait_for(lambda: "JobState=COMPLETED" in sctl(slurm, "scontrol", "show", "job", "-o", job), 600, interval=1)
     batch = (rd / "slurm" / f"{job}.out").read_text()
     assert f"runner: job {job} (restart 1) on node-[0-2]" in batch
+    if how == "time_limit_usr1":  # the first start's script ran to its requeue branch
+        assert f"runner: job {job}: torchrun exited 143 on the nodes" in batch
     assert f"resumed from {rd / 'checkpoints' / name} at step {stopped}" in (rd / "slurm" / job / "node0.out").read_text()
     assert losses(rd / "metrics.jsonl") == straight.losses

@@ -15,7 +15,7 @@ import yaml
 from runner.errors import UserError
 from runner.slurm_inventory import load_slurm_inventory
 from runner.slurm_plan import SlurmFacts, make_slurm_plan, oci_config, torchrun_argv
-from tests.runner_helpers import REPO, runner
+from tests.runner_helpers import REPO, no_socket_env, runner
 
 CONFIG = str(REPO / "configs" / "pi-qwen3-3stage-tiny.yaml")
 
@@ -222,24 +222,28 @@ def test_bad_slurm_section_is_one_line(tmp_path, extra, line, msg):
 
 
 def test_cli_dry_run_contacts_nothing_and_routes(tmp_path):
+    """Every socket is fatal in the runner here (no_socket_env): a dry-run, or a refusal, opens none."""
+    guard = no_socket_env(tmp_path)
     p = write_inv(tmp_path, {"login": {"host": "login.hpc.example.org", "user": "me"}})
-    res = runner("up", "-i", str(p), "--dry-run")
+    res = runner("up", "-i", str(p), "--dry-run", env=guard)
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("run <new run id>: 3 node(s) via Slurm (partition debug, container none), "
                                  "submitted with sbatch on login node login.hpc.example.org")
     assert "#SBATCH --nodes=3" in res.stdout
     # A Slurm inventory has no nodes: the SSH commands are not what `auto` picks; `--scheduler ssh` says why.
-    bad = runner("up", "-i", str(p), "--dry-run", "--scheduler", "ssh")
+    bad = runner("up", "-i", str(p), "--dry-run", "--scheduler", "ssh", env=guard)
     assert bad.returncode != 0 and len(bad.stderr.strip().splitlines()) == 1 and "nodes" in bad.stderr
-    req = runner("up", "-i", str(REPO / "hosts" / "pis.yaml"), "--dry-run", "--requeue", "--arch", "arm64")
+    req = runner("up", "-i", str(REPO / "hosts" / "pis.yaml"), "--dry-run", "--requeue", "--arch", "arm64", env=guard)
     assert req.returncode != 0 and "--requeue is for Slurm runs" in req.stderr
-    missing = runner("up", "-i", str(REPO / "hosts" / "pis.yaml"), "--dry-run", "--scheduler", "slurm")
+    missing = runner("up", "-i", str(REPO / "hosts" / "pis.yaml"), "--dry-run", "--scheduler", "slurm", env=guard)
     assert missing.returncode != 0 and "needs a `slurm:` section" in missing.stderr
 
 
-def test_example_inventory_dry_run():
-    """hosts/slurm.yaml, the example a site copies, stays valid: its dry-run contacts nothing."""
-    res = runner("up", "-i", str(REPO / "hosts" / "slurm.yaml"), "--dry-run")
+def test_example_inventory_dry_run(tmp_path):
+    """hosts/slurm.yaml, the example a site copies, stays valid: its dry-run contacts nothing (every
+    socket fatal: no_socket_env)."""
+    guard = no_socket_env(tmp_path)
+    res = runner("up", "-i", str(REPO / "hosts" / "slurm.yaml"), "--dry-run", env=guard)
     assert res.returncode == 0, res.stderr
     d = directives(res.stdout)
     assert d[:9] == ["--job-name=runner-<new run id>", "--nodes=4", "--ntasks-per-node=1", "--partition=gpu",

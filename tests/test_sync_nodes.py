@@ -8,6 +8,7 @@ import hashlib
 import os
 import re
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from runner.job_data import SyncSpec
 from runner.paths import NodePaths
 from runner.ssh import Remote
 from runner.sync import Entry, _HashCache, _send, scan, sync_node
-from tests.runner_helpers import node_workdir, runner, write_job
+from tests.runner_helpers import containers_created, node_workdir, runner, write_job
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.docker]
 NODES = ("node-0", "node-1", "node-2")
@@ -42,8 +43,10 @@ def tree_files(root: Path) -> dict[str, str]:
 def model_dir(tmp_path: Path) -> Path:
     d = tmp_path / "model"
     (d / "shards").mkdir(parents=True)
-    (d / "config.json").write_text('{"hidden": 64}\n')
-    (d / "tokenizer.json").write_text('{"hidden": 64}\n')  # same bytes as config.json
+    # Contents no other test has synced (the nodes' blob store is shared): this test's bytes only.
+    config = f'{{"hidden": 64, "test": "{os.urandom(8).hex()}"}}\n'
+    (d / "config.json").write_text(config)
+    (d / "tokenizer.json").write_text(config)  # same bytes as config.json
     for i in range(3):
         (d / "shards" / f"w{i}.bin").write_bytes(os.urandom(1 << 20))
     return d
@@ -61,15 +64,19 @@ def test_sync_mirrors_stores_by_content_and_moves_only_changes(sandbox, pushed, 
         # 5 files, 4 distinct contents: the duplicate json travels once (tar headers on top).
         assert r["action"] == "updated" and r["sent"] == r["total"] == 5, r
         assert abs(r["mb"] - size / 1e6) <= 0.06 and r["total_mb"] == round(size / 1e6, 1), r  # printed as 0.1 MB
+    # The nodes' data dirs are shared with the other tests (their trees and blobs may be there):
+    # this test looks at its own tree and its own blobs only.
     want = tree_files(model_dir)
+    digest = scan_digest(model_dir, tmp_path)
+    assert len(set(want.values())) == 4
     for node in NODES:
         data = node_workdir(sandbox, node) / "data"
-        (tree,) = list((data / "trees").iterdir())
+        tree = data / "trees" / digest
         assert tree_files(tree) == want
-        blobs = {p.name for p in (data / "blobs").iterdir()}
-        assert blobs == set(want.values())  # by content: 4 blobs for 5 files
-        for p in (data / "blobs").iterdir():
-            assert stat.S_IMODE(p.stat().st_mode) == 0o444 and sha(p) == p.name
+        for rel, h in want.items():  # by content: each file of the tree is its blob (4 blobs for 5 files)
+            blob = data / "blobs" / h
+            assert stat.S_IMODE(blob.stat().st_mode) == 0o444 and sha(blob) == h
+            assert (tree / rel).stat().st_ino == blob.stat().st_ino, rel
         assert not list((data / "blobs").glob(".incoming-*")) and not list((data / "trees").glob(".building-*"))
 
     again = runner("sync", "-i", str(sandbox), "--job", str(job), env=env)
@@ -176,8 +183,6 @@ def test_cut_and_corrupted_transfers_leave_nothing_trusted(sandbox, pushed, tmp_
 def test_sync_names_the_node_and_starts_nothing_when_a_node_cannot_store(sandbox, pushed, tmp_path, model_dir):
     """A node whose data dir cannot be written (a read-only or full disk): one line naming the
     node and the sync; `up` starts no container anywhere."""
-    from tests.runner_helpers import run_containers
-
     node = "node-2"
     data = node_workdir(sandbox, node) / "data"
     data.mkdir(exist_ok=True)
@@ -189,6 +194,7 @@ def test_sync_names_the_node_and_starts_nothing_when_a_node_cannot_store(sandbox
     blocked.write_text("a file where the blob dir should be\n")
     try:
         job = write_job(tmp_path, extra={"sync": [{"src": str(model_dir), "dst": "/data/model"}]})
+        since = time.time()
         proc = runner("up", "-i", str(sandbox), "--job", str(job), "--logs-dir", str(tmp_path / "logs"),
                       env={"RUNNER_SYNC_CACHE": str(tmp_path / "hashes.json")})
     finally:
@@ -199,4 +205,4 @@ def test_sync_names_the_node_and_starts_nothing_when_a_node_cannot_store(sandbox
     errs = [ln for ln in proc.stderr.splitlines() if ln.startswith("runner: error:")]
     assert len(errs) == 1 and f"node {node}" in errs[0], proc.stderr
     assert "started" not in proc.stdout
-    assert all(cs == [] for cs in run_containers(sandbox, None, running_only=True).values())
+    assert containers_created(sandbox, since) == {n: [] for n in NODES}  # none, not even a created one
