@@ -1,7 +1,7 @@
 """The Perseus families on one CUDA GPU: time and memory of the tiny presets, and one full-size
 single-stage run per new family, each next to the dry run's memory estimate for it.
 
-    PYTHONPATH=. python3 -m bench gpu_families          (or: python -m bench.gpu_families [--budget S])
+    PYTHONPATH=. python3 bench/gpu_families.py --out DIR      (or: python3 -m bench gpu_families)
 
 Rows: tiny-t5, tiny-bloom, tiny-wide-resnet (the test sizes), then t5-large (737.67M, 512/512
 tokens), bloom-560m (559.21M, 1024 tokens) and wide-resnet101_2 (126.89M, 224 x 224 images), one
@@ -13,10 +13,11 @@ peak memory (torch.cuda.max_memory_allocated over the run) and `trainer --dry-ru
 the same configuration (contract/memory.py) with their ratio.
 
 Each row runs in its own process with a timeout (clean memory counters; an out-of-memory or a hang
-ends only that row), all within `--budget` seconds (default 90: rows that would start after it are
-recorded as skipped). bench/results/gpu_families.json is rewritten after every row, so a run cut
-short keeps what it measured. Needs only torch (CUDA) and transformers: `datasets` is never
-imported (synthetic data).
+ends only that row), all within `--budget` seconds (default 120: rows that would start after it are
+recorded as skipped), so the whole run ends within about 130 s. DIR/gpu_families.json (default
+bench/results/) is rewritten after every row, so a run cut short keeps what it measured. Needs only
+torch (CUDA) and transformers and what they install: each row records the modules it imported from
+any other distribution (`foreign_modules`, empty; `datasets` is never imported: synthetic data).
 
 `--smoke` runs the harness on CPU with one tiny row (numbers meaningless): a check that the
 script works on a machine without a GPU.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -35,13 +37,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 # (preset, batch, seq or None for images, kind, per-row timeout s)
 ROWS = [
-    ("tiny-t5", 32, 128, "tiny", 30),
-    ("tiny-bloom", 32, 128, "tiny", 30),
-    ("tiny-wide-resnet", 64, None, "tiny", 30),
-    ("t5-large", 8, 512, "full", 60),
-    ("bloom-560m", 4, 1024, "full", 60),
-    ("wide-resnet101_2", 32, None, "full", 60),
+    ("tiny-t5", 32, 128, "tiny", 25),
+    ("tiny-bloom", 32, 128, "tiny", 25),
+    ("tiny-wide-resnet", 64, None, "tiny", 25),
+    ("t5-large", 8, 512, "full", 45),
+    ("bloom-560m", 4, 1024, "full", 45),
+    ("wide-resnet101_2", 32, None, "full", 45),
 ]
+# Harness tools that may ride along in a worker (coverage's .pth under COVER_SUBPROCESSES) and the
+# project's own packages: not something a GPU host has to install.
+NOT_FOREIGN = {"coverage", "_pytest", "pytest", "trainer", "contract", "bench", "runner", "tests"}
 SMOKE_ROWS = [("tiny-t5", 4, 16, "tiny", 120)]
 
 
@@ -101,7 +106,40 @@ def measure(job: dict) -> dict:
                 "mfu": tokens * trainer.flops_per_token / trainer.peak, "peak_memory_gib": peak / 2**30,
                 "estimate_gib": estimate / 2**30, "estimate_vs_peak": (estimate / peak) if peak else None,
                 "params": trainer.spec.num_params, "dtype": cfg.train.dtype,
-                "datasets_imported": "datasets" in sys.modules}
+                "datasets_imported": "datasets" in sys.modules, "foreign_modules": foreign_modules()}
+
+
+def _requirements(roots: tuple[str, ...]) -> set[str]:
+    """The distributions `pip install torch transformers` brings (their non-extra requirements, transitively)."""
+    import importlib.metadata as md
+    import re
+
+    seen: set[str] = set()
+    todo = list(roots)
+    while todo:
+        name = re.sub(r"[-_.]+", "-", todo.pop().lower())
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            reqs = md.requires(name) or []
+        except md.PackageNotFoundError:
+            continue
+        todo += [re.split(r"[ <>=!~\[;(]", r, maxsplit=1)[0] for r in reqs
+                 if ";" not in r or "extra" not in r.split(";", 1)[1]]
+    return seen
+
+
+def foreign_modules() -> list[str]:
+    """Top-level modules this process imported from a distribution outside torch's and transformers'
+    requirements: what a GPU host with only those would lack."""
+    import importlib.metadata as md
+    import re
+
+    allowed = _requirements(("torch", "transformers"))
+    owners = md.packages_distributions()
+    return sorted(f"{mod} ({dist})" for mod in list(sys.modules) if "." not in mod and mod not in NOT_FOREIGN
+                  for dist in owners.get(mod, []) if re.sub(r"[-_.]+", "-", dist.lower()) not in allowed)
 
 
 def worker(job: dict) -> int:
@@ -125,8 +163,9 @@ def run_row(row: tuple, args: argparse.Namespace, timeout: float) -> dict:
     res: dict = {"preset": preset, "kind": kind, "batch": batch, "seq": seq}
     t0 = time.time()
     try:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
         proc = subprocess.run([sys.executable, "-m", "bench.gpu_families", "--worker", json.dumps(job)], cwd=REPO,
-                              capture_output=True, text=True, timeout=timeout)
+                              env=env, capture_output=True, text=True, timeout=timeout)
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
         res.update(json.loads(line[len("RESULT "):]) if line else {"error": (proc.stderr or proc.stdout)[-1500:]})
     except subprocess.TimeoutExpired:
@@ -161,8 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--budget", type=float, default=90.0, help="seconds for all rows together")
-    ap.add_argument("--json", default=str(REPO / "bench" / "results" / "gpu_families.json"))
+    ap.add_argument("--budget", type=float, default=120.0, help="seconds for all rows together")
+    ap.add_argument("--out", default=str(REPO / "bench" / "results"), help="directory for gpu_families.json")
     ap.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -182,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{device}, torch {torch.__version__} (CUDA {torch.version.cuda}), transformers {transformers.__version__}, "
           f"{'fp32' if args.smoke else 'bf16'}, compile off, {args.steps} steps after {args.warmup}, "
           f"budget {args.budget:.0f} s", flush=True)
-    out = Path(args.json)
+    out = Path(args.out) / "gpu_families.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     start, rows = time.time(), []
     for row in rows_todo:

@@ -259,6 +259,7 @@ def run(cfg: Config, env: dist_env.DistEnv) -> int:
         log.info("resolved config:\n%s", cfg.to_yaml().rstrip())
     if device.type == "cuda":
         device = torch.device("cuda", env.local_rank)
+    owns_group = not torch.distributed.is_initialized()  # a caller's group outlives this run
     backend = dist_env.init_process_group(env, device.type, cfg.parallel.backend, cfg.parallel.timeout_s)
     trainer = None
     try:
@@ -271,7 +272,8 @@ def run(cfg: Config, env: dist_env.DistEnv) -> int:
     finally:
         if trainer is not None:
             trainer.close()
-        dist_env.destroy_process_group()
+        if owns_group:
+            dist_env.destroy_process_group()
     return trainer.exit_code if trainer is not None else 0
 
 
