@@ -5,39 +5,39 @@ starting no process group; the arithmetic is contract/memory.py's (torch-free)."
 from __future__ import annotations
 
 import json
+import re
 import resource
+import shlex
+from pathlib import Path
 
 import pytest
 
 from contract.memory import StageLoad, in_flight, stage_memory, transformer_activation_bytes
 from tests import REPO
 
-# The guide's ten commands (A100 4-stage, A40 8-stage) in this trainer's spelling, then t5-11b and gpt3-175b.
-PAPER = {
-    "bert-huge 4": ("configs/perseus-bert-huge.yaml", "--partition_method", "custom:0,8,14,20,26",
-                    "--num_prof_steps", "30"),
-    "bloom-3b 4": ("configs/perseus-bloom-3b.yaml", "--partition_method", "custom:0,10,18,26,32",
-                   "--num_prof_steps", "4"),
-    "gpt3-xl 4": ("configs/perseus-gpt3-xl.yaml", "--partition_method", "custom:0,8,14,21,27", "--num_prof_steps", "4"),
-    "t5-3b 4": ("configs/perseus-t5-3b.yaml", "--partition_method", "custom:0,16,33,53,74", "--num_prof_steps", "30"),
-    "wide-resnet101_8 4": ("configs/perseus-wide-resnet101_8.yaml", "--partition_method", "custom:0,7,16,25,34",
-                           "--num_prof_steps", "20"),
-    "bert-huge 8": ("configs/perseus-bert-huge.yaml", "--pp", "8", "--dp", "1", "--tp", "1",
-                    "--partition_method", "uniform_transformer", "--num_prof_steps", "40"),
-    "bloom-3b 8": ("configs/perseus-bloom-3b.yaml", "--pp", "8", "--dp", "1", "--tp", "1",
-                   "--partition_method", "custom:0,6,10,14,18,22,26,30,32", "--num_prof_steps", "5"),
-    "gpt3-2.7b 8": ("configs/perseus-gpt3-2.7b.yaml", "--pp", "8", "--dp", "1", "--tp", "1",
-                    "--partition_method", "uniform_transformer", "--num_prof_steps", "4"),
-    "t5-3b 8": ("configs/perseus-t5-3b.yaml", "--pp", "8", "--dp", "1", "--tp", "1",
-                "--partition_method", "custom:0,9,16,24,33,43,53,63,74", "--num_prof_steps", "20"),
-    "wide-resnet101_8 8": ("configs/perseus-wide-resnet101_8.yaml", "--pp", "8", "--dp", "1", "--tp", "1",
-                           "--microbatch_num", "48", "--partition_method", "custom:0,4,9,13,17,21,25,30,34",
-                           "--num_prof_steps", "20"),
-    "t5-11b 8": ("configs/perseus-t5-3b.yaml", "--model.preset", "t5-11b", "--pp", "8",
-                 "--partition_method", "uniform_transformer"),
-    "gpt3-175b 8 x zero3 dp2": ("configs/perseus-gpt3-2.7b.yaml", "--model.preset", "gpt3-175b", "--dp", "2",
-                                "--parallel.sharding", "zero3"),
+
+def readme_commands() -> dict[str, list[str]]:
+    """The guide's ten commands (A100 4-stage, A40 8-stage) exactly as the README's table gives them:
+    "<model> <GPUs>" -> the arguments after `-m trainer`."""
+    rows = re.findall(r"^\| (?:4 A100|8 A40) \| `([^`]+)` \|", (REPO / "README.md").read_text(), re.M)
+    out = {}
+    for cmd in rows:
+        argv = shlex.split(cmd)
+        nproc = int(argv[argv.index("--nproc-per-node") + 1]) * (int(argv[argv.index("--nnodes") + 1])
+                                                                 if "--nnodes" in argv else 1)
+        argv = argv[argv.index("-m") + 2:]
+        out[f"{Path(argv[argv.index('--config') + 1]).stem.removeprefix('perseus-')} {nproc}"] = argv
+    return out
+
+
+# Beyond the guide: the largest T5 and GPT-3 on the same configs.
+EXTRA = {
+    "t5-11b 8": ["--config", "configs/perseus-t5-3b.yaml", "--model.preset", "t5-11b", "--pp", "8",
+                 "--partition_method", "uniform_transformer"],
+    "gpt3-175b 8 x zero3 dp2": ["--config", "configs/perseus-gpt3-2.7b.yaml", "--model.preset", "gpt3-175b",
+                                "--dp", "2", "--parallel.sharding", "zero3"],
 }
+
 # units per stage the partition means (Merak's items read as blocks / layers / bottlenecks)
 UNITS = {
     "bert-huge 4": [7, 6, 6, 5], "bloom-3b 4": [9, 8, 8, 5], "gpt3-xl 4": [6, 6, 7, 5], "t5-3b 4": [15, 13, 10, 10],
@@ -48,7 +48,8 @@ UNITS = {
 
 
 def test_every_paper_command_plans_on_the_meta_device(tmp_path, capsys, monkeypatch):
-    """Each command exactly as the README gives it, through the `trainer` entry point, in this process."""
+    """Each command exactly as the README's table gives it, through the `trainer` entry point with
+    --dry-run, in this process."""
     import torch.distributed as dist
 
     from trainer.cli import main
@@ -63,10 +64,13 @@ def test_every_paper_command_plans_on_the_meta_device(tmp_path, capsys, monkeypa
     (corpus / "bad.jsonl").write_text("{not json\n")
     out = tmp_path / "out"
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    paper = readme_commands()
+    assert sorted(paper) == sorted(set(UNITS) - set(EXTRA)), sorted(paper)  # all ten, once each
     plans = {}
-    for name, argv in PAPER.items():
+    for name, argv in {**paper, **EXTRA}.items():
+        argv = [str(REPO / a) if a.startswith("configs/") else a for a in argv]
         extra = ("--data.source", str(corpus)) if name == "bloom-3b 4" else ()
-        assert main(["--dry-run", "--json", "--config", str(REPO / argv[0]), *argv[1:], *extra, "--output-dir", str(out)]) == 0, name
+        assert main(["--dry-run", "--json", *argv, *extra, "--output-dir", str(out)]) == 0, name
         plans[name] = plan = json.loads(capsys.readouterr().out)
         assert plan["world"] == (16 if "175b" in name else int(name.split()[1])), name
         assert [s["pp_rank"] for s in plan["stages"]] == list(range(len(UNITS[name])))
