@@ -16,11 +16,13 @@ Each row runs in its own process with a timeout (clean memory counters; an out-o
 ends only that row), all within `--budget` seconds (default 120: rows that would start after it are
 recorded as skipped), so the whole run ends within about 130 s. DIR/gpu_families.json (default
 bench/results/) is rewritten after every row, so a run cut short keeps what it measured. Needs only
-torch (CUDA) and transformers and what they install: each row records the modules it imported from
-any other distribution (`foreign_modules`, empty; `datasets` is never imported: synthetic data).
+torch (CUDA) and transformers and what they install (`datasets` is never imported: synthetic data);
+each row lists the modules it imported from any other distribution (`foreign_modules`: optional
+ones, such as pynvml or PIL, that the code uses where present).
 
-`--smoke` runs the harness on CPU with one tiny row (numbers meaningless): a check that the
-script works on a machine without a GPU.
+`--smoke` runs the harness on CPU with one tiny row (numbers meaningless), its worker unable to
+import any distribution that torch and transformers do not install (`absent`): a check that the
+script works on a GPU host with just those two, from a machine without a GPU.
 """
 
 from __future__ import annotations
@@ -130,26 +132,69 @@ def _requirements(roots: tuple[str, ...]) -> set[str]:
     return seen
 
 
-def foreign_modules() -> list[str]:
-    """Top-level modules this process imported from a distribution outside torch's and transformers'
-    requirements: what a GPU host with only those would lack."""
+def _foreign() -> tuple[set[str], dict[str, list[str]]]:
+    """(distributions torch and transformers install, importable top-level module -> its distributions)."""
     import importlib.metadata as md
+
+    return _requirements(("torch", "transformers")), md.packages_distributions()
+
+
+def _norm(dist: str) -> str:
     import re
 
-    allowed = _requirements(("torch", "transformers"))
-    owners = md.packages_distributions()
+    return re.sub(r"[-_.]+", "-", dist.lower())
+
+
+def foreign_modules() -> list[str]:
+    """Top-level modules this process imported from a distribution outside torch's and transformers'
+    requirements: what a GPU host with only those would not have."""
+    allowed, owners = _foreign()
     return sorted(f"{mod} ({dist})" for mod in list(sys.modules) if "." not in mod and mod not in NOT_FOREIGN
-                  for dist in owners.get(mod, []) if re.sub(r"[-_.]+", "-", dist.lower()) not in allowed)
+                  for dist in owners.get(mod, []) if _norm(dist) not in allowed)
+
+
+def make_foreign_absent() -> list[str]:
+    """Make every top-level module of a distribution outside torch's and transformers' requirements
+    unimportable in this process, as on a host where only those two were installed; returns them."""
+    import importlib.abc
+
+    allowed, owners = _foreign()
+    absent = {mod for mod, dists in owners.items()
+              if mod not in NOT_FOREIGN and not any(_norm(d) in allowed for d in dists)}
+
+    class Hiding(importlib.abc.MetaPathFinder):
+        """Finds what `inner` finds, except the absent modules: importing one raises
+        ModuleNotFoundError and importlib.util.find_spec says None, as when not installed."""
+
+        def __init__(self, inner) -> None:  # noqa: ANN001 (any finder)
+            self.inner = inner
+
+        def find_spec(self, name, path=None, target=None):  # noqa: ANN001 (the finder protocol)
+            if name.partition(".")[0] in absent or not hasattr(self.inner, "find_spec"):
+                return None
+            return self.inner.find_spec(name, path, target)
+
+        def find_distributions(self, *args, **kwargs):  # noqa: ANN002, ANN003 (importlib.metadata's protocol)
+            found = getattr(self.inner, "find_distributions", None)
+            return found(*args, **kwargs) if found else iter(())
+
+        def invalidate_caches(self) -> None:
+            if hasattr(self.inner, "invalidate_caches"):
+                self.inner.invalidate_caches()
+
+    sys.meta_path[:] = [Hiding(f) for f in sys.meta_path]
+    return sorted(absent)
 
 
 def worker(job: dict) -> int:
+    absent = make_foreign_absent() if job.get("absent") else []
     import torch
 
     try:
         out = measure(job)
     except torch.cuda.OutOfMemoryError:
         out = {"oom": True}
-    print("RESULT " + json.dumps(out), flush=True)
+    print("RESULT " + json.dumps({**out, "absent": absent}), flush=True)
     return 0
 
 
@@ -159,7 +204,8 @@ def worker(job: dict) -> int:
 def run_row(row: tuple, args: argparse.Namespace, timeout: float) -> dict:
     preset, batch, seq, kind, _ = row
     job = {"preset": preset, "batch": batch, "seq": seq, "steps": args.steps, "warmup": args.warmup,
-           "device": "cpu" if args.smoke else "cuda", "dtype": "fp32" if args.smoke else "bf16"}
+           "device": "cpu" if args.smoke else "cuda", "dtype": "fp32" if args.smoke else "bf16",
+           "absent": args.smoke}
     res: dict = {"preset": preset, "kind": kind, "batch": batch, "seq": seq}
     t0 = time.time()
     try:
