@@ -42,11 +42,15 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "synthetic"           # synthetic | a file/dir of .txt/.jsonl/.json/.parquet
+    source: str = "synthetic"           # synthetic | a .txt/.jsonl/.json/.parquet/.arrow file, a folder of them,
+                                        # a `datasets` save_to_disk folder or a Hub dataset snapshot
+    split: str = "train"                # the split to read (save_to_disk DatasetDict, Hub snapshot)
     seq_len: int = 128
-    tokenizer: str | None = None        # tokenizer dir; None = train a BPE on the corpus
+    tokenizer: str | None = None        # tokenizer dir/file | train (a BPE on the corpus); None = model.path's
+                                        # own tokenizer, or a trained BPE without model.path (trainer/tokenizer.py)
     tokenizer_vocab_size: int = 4096    # for the trained BPE tokenizer
-    text_field: str = "text"            # column holding text in jsonl/parquet
+    text_field: str = "text"            # column holding text in jsonl/parquet/datasets
+    chat_template: bool = False         # text_field holds conversations: render them with the tokenizer's template
     eval_fraction: float = 0.0          # fraction of packed blocks held out for eval (text data)
     mlm_probability: float = 0.15       # masked-LM (BERT) masking rate
     num_workers: int = 0                # accepted for the FSDP stub; data is made in-process
@@ -339,6 +343,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"profile.format: '{cfg.profile.format}' (chrome or seed)")
     if cfg.data.source != "synthetic" and not Path(cfg.data.source).exists():
         raise ConfigError(f"data.source: '{cfg.data.source}' does not exist (a file or directory, or 'synthetic')")
+    if cfg.model.path is not None:
+        from trainer.hub_layout import model_dir
+
+        # A Hub cache repo folder means its snapshot; config.yaml records the folder that was read.
+        cfg.model.path = str(model_dir(cfg.model.path, cfg.model.load_weights))
 
 
 # ---------------------------------------------------------------- resolution
