@@ -10,13 +10,22 @@ exit 2, nothing trained."""
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests import REPO
-from tests.hub_fixtures import CORPUS, corpus_dataset, hub_layout, paragraphs, pretrained, snapshot
+from tests.hub_fixtures import (
+    CHAT_TEMPLATE,
+    CORPUS,
+    corpus_dataset,
+    hub_layout,
+    paragraphs,
+    pretrained,
+    snapshot,
+)
 from trainer.config import ConfigError, resolve
 from trainer.data import build_data, load_texts, load_tokenizer, pack
 from trainer.models import model_spec
@@ -183,3 +192,56 @@ def test_bad_inputs_are_one_line_and_nothing_trains(tmp_path, capsys, monkeypatc
         assert path in lines[0] and missing in lines[0], (case, lines[0])
         assert not (out / "metrics.jsonl").exists() and not (out / "config.yaml").exists(), case
         assert not (out / "checkpoints").exists(), case
+
+
+def test_fine_tuned_model_exports_to_transformers(tmp_path):
+    """The recipe at reduced size, in one process: a Hub snapshot of a Qwen3 with its tokenizer and
+    a save_to_disk dataset in, 3 steps, `trainer export`, then AutoModelForCausalLM + AutoTokenizer
+    on the export: the ids the trainer fed are that tokenizer's, the logits are the trainer's final
+    weights' (1e-5, and not the pretrained ones'), greedy generation gives the trainer model's argmax
+    continuation."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trainer.checkpoint_export import export
+    from trainer.dist_env import DistEnv
+    from trainer.parallel.mesh import ParallelDims
+    from trainer.train import Trainer
+
+    repo = pretrained(tmp_path, "qwen3")
+    data = corpus_dataset(tmp_path / "dataset")
+    out = tmp_path / "run"
+    out.mkdir()
+    cfg = _cfg(model__path=str(repo), data__source=str(data), data__seq_len=32, train__steps=3, optim__lr=1e-2,
+               checkpoint__enabled=True, checkpoint__on_signal=False, profile__batch="none", output_dir=str(out))
+    trainer = Trainer(cfg, DistEnv(), ParallelDims.from_config(cfg.parallel, 1, 1), torch.device("cpu"), "gloo")
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    final = trainer.par.model_parts[0].eval()
+    assert trainer.step == 3
+
+    ids_text = ["The model reads this sentence."]
+    original = AutoModelForCausalLM.from_pretrained(str(snapshot(repo)), local_files_only=True).eval()
+    shutil.rmtree(tmp_path / "hub")  # exported elsewhere: the run's model.path is a node's, not here
+    hf_dir = tmp_path / "hf"
+    assert export([str(out / "checkpoints"), str(hf_dir)]) == 0
+    hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), local_files_only=True).eval()
+    tok = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
+    texts = load_texts(cfg.data)
+    fed = pack(tok(texts, verbose=False)["input_ids"], trainer.tokenizer.eos_id, trainer.data.blocks.shape[1])
+    assert torch.equal(trainer.data.blocks, fed[: trainer.data.blocks.shape[0]])
+
+    assert tok.eos_token == "<|im_end|>" and tok.chat_template == CHAT_TEMPLATE  # the snapshot's, not a bare file's
+    ids = tok(ids_text, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        want = final(input_ids=ids).logits
+        got = hf(input_ids=ids).logits
+        assert (got - want).abs().max().item() <= 1e-5
+        assert (original(input_ids=ids).logits - want).abs().max().item() > 1e-3  # it was trained
+        gen = hf.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                          pad_token_id=trainer.tokenizer.eos_id)
+        greedy = ids
+        for _ in range(6):
+            greedy = torch.cat([greedy, final(input_ids=greedy).logits[:, -1:].argmax(-1)], dim=1)
+    assert torch.equal(gen, greedy)
