@@ -170,9 +170,13 @@ def push_to_nodes(cl: Cluster, arches: dict[str, str | None], quiet: bool = Fals
         ensure_built(tag, spec, build)
     use_relay = (cl.inv.job.push == "relay") if relay is None else relay
     plan = plan_push(cl, tags, force_full, use_relay and not force_full)
-    with transfer_progress(quiet) as progress:
-        results, failed = transfer(cl, plan, progress, force_full)
-        results.update(verify(cl, plan, failed, progress))
+    try:
+        with transfer_progress(quiet) as progress:
+            results, failed = transfer(cl, plan, progress, force_full)
+            results.update(verify(cl, plan, failed, progress))
+    finally:
+        for exp in plan.exports.values():
+            exp.release()
     out, errors = [], []
     for n in cl.inv.nodes:
         val = results[n.name]
@@ -204,9 +208,16 @@ def plan_push(cl: Cluster, tags: dict[str, str], force_full: bool, relay: bool) 
     if not relay:
         plan.direct = [r.node.name for r in need]
         return plan
+    from runner.relay import not_relayable
+
     for tag, exp in plan.exports.items():
         group = [r for r in need if tags[r.node.name] == tag]
         if len(group) < 2:
+            plan.direct += [r.node.name for r in group]
+            continue
+        why = not_relayable(exp)
+        if why:
+            log.warning("image %s is not relayed (%s); each node gets its own stream", tag, why)
             plan.direct += [r.node.name for r in group]
             continue
         facts = {r.node.name: (v, e) for r, v, e in cl.map(group, _relay_facts)}
