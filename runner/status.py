@@ -20,6 +20,7 @@ from runner import runs
 from runner.down import run_containers
 from runner.errors import UserError
 from runner.paths import node_paths
+from runner.perseus import LABEL_ROLE
 from runner.plan import LABEL_RANK, LABEL_RUN
 from runner.session import Cluster, add_inventory_args, load
 from runner.ssh import Remote
@@ -111,7 +112,7 @@ def status_rows(cl: Cluster, data, run_id: str) -> list[dict]:
                          "last_metrics": None, "progress": None, "error": cl.unreachable.get(n.name)})
             continue
         containers, dirs = data[n.name]
-        cs = [c for c in containers if c.labels.get(LABEL_RUN) == run_id]
+        cs = [c for c in containers if c.labels.get(LABEL_RUN) == run_id and LABEL_ROLE not in c.labels]
         row = {"node": n.name, "rank": None, "state": "absent", "exit_code": None, "uptime": "-", "last_metrics": None,
                "progress": None}
         if cs:
@@ -236,7 +237,7 @@ def cmd_logs(args) -> int:
 
         def show(item) -> None:
             node, c = item
-            prefix = f"[{node}/{c.labels.get(LABEL_RANK, '?')}]"
+            prefix = f"[{node}/{c.labels.get(LABEL_RANK, c.labels.get(LABEL_ROLE, '?'))}]"
             try:
                 _show(prefix, c)
             except Exception as exc:  # noqa: BLE001 - a node lost mid-follow ends its stream, not the others
