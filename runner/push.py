@@ -204,9 +204,16 @@ def plan_push(cl: Cluster, tags: dict[str, str], force_full: bool, relay: bool) 
     if not relay:
         plan.direct = [r.node.name for r in need]
         return plan
+    from runner.relay import not_relayable
+
     for tag, exp in plan.exports.items():
         group = [r for r in need if tags[r.node.name] == tag]
         if len(group) < 2:
+            plan.direct += [r.node.name for r in group]
+            continue
+        why = not_relayable(exp)
+        if why:
+            log.warning("image %s is not relayed (%s); each node gets its own stream", tag, why)
             plan.direct += [r.node.name for r in group]
             continue
         facts = {r.node.name: (v, e) for r, v, e in cl.map(group, _relay_facts)}

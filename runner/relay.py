@@ -15,8 +15,12 @@ direct push, and checks every node's image id.
 
 Node <-> node bytes travel plain TCP on an ephemeral port of the receiving node (the ports torch's
 own rendezvous and NCCL use are just as open between training nodes). They are authenticated by a
-per-transfer token sent over SSH, and checked against the host's digests by the receiving agent
-before its engine loads anything.
+per-transfer token sent over SSH, and checked against the host's digests by the receiving agent,
+which writes the archive its engine loads itself (docs/security.md, "Relay push").
+
+What an agent says is not trusted either (the node runs it): its report lines are read at most
+LINE_MAX bytes at a time, parsed strictly (parse_report), and a node whose line is too long or
+malformed fails alone, like any other failing node; its ssh's stderr is kept to a bounded tail.
 """
 
 from __future__ import annotations
@@ -25,16 +29,17 @@ import hashlib
 import json
 import logging
 import queue
+import re
 import secrets
 import shlex
 import subprocess
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from runner.images import Exported
+from runner.relay_agent import BLOCK, END, LINE_MAX, NAME, SIZE_MAX, SMALL_MAX, Tail, member_header
 from runner.ssh import Remote, is_loopback
 from runner.stream import CHUNK
 
@@ -45,6 +50,8 @@ START_S = 30.0        # an agent that has not bound its port by then is left out
 STALL_S = 300.0       # a node whose received count has not moved for this long is stopped
 LOAD_WAIT_S = 1800.0  # once a node has the whole archive, how long its `docker load` may take
 NO_PYTHON = 97
+REPORTS_QUEUED = 256  # an agent's parsed reports waiting for _watch (its reader waits when full)
+TEXT_MAX = 300        # characters kept of a message in an agent's report
 
 
 @dataclass
@@ -55,9 +62,10 @@ class RelayHop:
     loaded: bool = False          # its agent checked the archive and its `docker load` exited 0
     error: str | None = None      # why not (push relays to it again or streams to it directly)
     cut_off: bool = False         # through no fault of its own: a node before it failed
-    lines: queue.Queue = field(default_factory=queue.Queue, repr=False)
+    lines: queue.Queue = field(default_factory=lambda: queue.Queue(REPORTS_QUEUED), repr=False)  # parse_report's
     proc: subprocess.Popen | None = field(default=None, repr=False)
-    err: object = field(default=None, repr=False)  # its ssh's stderr (a temporary file)
+    err: Tail | None = field(default=None, repr=False)  # the last of its ssh's stderr
+    stopped: bool = field(default=False, repr=False)    # _stop ran: its reader queues nothing more
     last_move: float = field(default_factory=time.monotonic, repr=False)
     loading_since: float | None = field(default=None, repr=False)  # all received; its own load runs
 
@@ -77,12 +85,65 @@ def agent_command() -> str:
     return shlex.join(["sh", "-c", inner])
 
 
+def parts(exp: Exported, layers: list[int]) -> list[tuple[str, Path, int]]:
+    """(name in the archive, file, size) of each part a chain's stream carries, in the order the
+    agents expect them: manifest.json, the config, the given layers."""
+    config = exp.dir / exp.config
+    return [("manifest.json", exp.tag_manifest, exp.tag_manifest.stat().st_size),
+            (exp.config, config, config.stat().st_size),
+            *((exp.layers[i], exp.dir / exp.layers[i], exp.sizes[i]) for i in layers)]
+
+
 def expectation(exp: Exported, layers: list[int], load: list[int]) -> dict:
-    """What an agent checks the archive against (the digests of the two small files that decide
-    what gets loaded under which name, the layer paths that may appear) and what it loads."""
-    return {"manifest": hashlib.sha256(exp.tag_manifest.read_bytes()).hexdigest(),
-            "config": exp.config, "config_sha256": exp.image_id.split(":", 1)[1],
-            "layers": [exp.layers[i] for i in layers], "load": [exp.layers[i] for i in load]}
+    """What an agent checks the stream against: the digests and sizes of the two small files that
+    decide what gets loaded under which name (the manifest names the layer paths, the config
+    their digests), the layers the stream carries (index, size) in order, and those it loads."""
+    manifest = exp.tag_manifest.read_bytes()
+    return {"manifest": {"sha256": hashlib.sha256(manifest).hexdigest(), "size": len(manifest)},
+            "config": {"sha256": exp.image_id.split(":", 1)[1], "size": (exp.dir / exp.config).stat().st_size},
+            "layers": [[i, exp.sizes[i]] for i in layers], "load": list(load)}
+
+
+def head_line(exp: Exported, layers: list[int], load: list[int], token: str | None) -> dict:
+    """An agent's first line: the root's (token None: the stream comes on its stdin) or a
+    listener's, which accepts the upstream that sends this token."""
+    return {"mode": "root" if token is None else "listen", "expect": expectation(exp, layers, load),
+            **({"token": token} if token is not None else {})}
+
+
+def route_line(forward: tuple[str, int, str] | None, layers: list[int]) -> dict:
+    """An agent's second line: the next node's (address, port, token), or None at the chain's
+    end, and the layers it passes on."""
+    nxt = None if forward is None else dict(zip(("host", "port", "token"), forward, strict=True))
+    return {"forward": nxt, "layers": layers}
+
+
+def chain_plan(missing: list[list[int]], started: list[int]) -> tuple[list[int], dict[int, tuple[int | None, list[int]]]]:
+    """(the layers this host sends: those any started node lacks, {started node: (the next
+    started node or None, the layers it passes on: those the started nodes after it lack)}). So
+    each node receives exactly what it loads or passes on, which is what its agent expects
+    (TarCheck: the announced layers less those it neither loads nor forwards)."""
+    routes = {}
+    for i, k in enumerate(started):
+        later = started[i + 1:]
+        routes[k] = (later[0] if later else None, sorted(set().union(*(missing[j] for j in later))))
+    return sorted(set().union(*(missing[k] for k in started))), routes
+
+
+def not_relayable(exp: Exported) -> str | None:
+    """Why the agents could not check this export part by part (push then streams it to each
+    node directly), or None."""
+    if max(exp.sizes, default=0) > SIZE_MAX:
+        return f"a layer over {SIZE_MAX} bytes (the relay's tar headers hold 11 octal digits)"
+    if max(p.stat().st_size for p in (exp.tag_manifest, exp.dir / exp.config)) > SMALL_MAX:
+        return f"its manifest or config is over {SMALL_MAX} bytes"
+    for name, diff in zip(exp.layers, exp.diff_ids, strict=True):
+        blob = re.fullmatch(r"blobs/sha256/([0-9a-f]{64})", name)
+        if blob and f"sha256:{blob.group(1)}" != diff:  # the containerd image store saves layers compressed
+            return "its layers are saved compressed (each is checked against its uncompressed diff_id)"
+        if len(name) > 99 or not NAME.fullmatch(name):
+            return f"layer path {name[:120]!r} does not fit the relay's tar headers"
+    return None
 
 
 def relay_chain(chain: list[Remote], exp: Exported, missing: list[list[int]], progress=None,
@@ -101,17 +162,14 @@ def relay_chain(chain: list[Remote], exp: Exported, missing: list[list[int]], pr
         # whose agent did not start is passed over).
         tokens = [secrets.token_hex(32) for _ in chain]
         for k, (r, hop) in enumerate(zip(chain, hops, strict=True)):
-            head = {"mode": "listen" if k else "root", "expect": expectation(exp, layers, missing[k]),
-                    **({"token": tokens[k]} if k else {})}
-            _spawn(r, hop, head, bulk=k == 0)
+            _spawn(r, hop, head_line(exp, layers, missing[k], tokens[k] if k else None), bulk=k == 0)
         ports = _await_ports(hops[1:])
         started = [k for k, h in enumerate(hops) if h.error is None]
+        sent, routes = chain_plan(missing, started)
         for i, k in enumerate(started):
-            later = started[i + 1:]
-            nxt = None if not later else {"host": chain[later[0]].node.rank_addr, "port": ports[hops[later[0]].node],
-                                          "token": tokens[later[0]]}
-            after = sorted(set().union(*(missing[j] for j in later)))
-            _write(hops[k], {"forward": nxt, "layers": [exp.layers[i] for i in after]})
+            later, after = routes[k]
+            nxt = None if later is None else (chain[later].node.rank_addr, ports[hops[later].node], tokens[later])
+            _write(hops[k], route_line(nxt, after))
             if i:
                 hops[k].source = hops[started[i - 1]].node
             if progress is not None:  # a bar per node: the bytes reaching it (for itself and those after it)
@@ -120,16 +178,16 @@ def relay_chain(chain: list[Remote], exp: Exported, missing: list[list[int]], pr
                     f"{hops[k].node}: {len(missing[k])}/{len(exp.layers)} layers, relay from {hops[k].source}",
                     total=sum(exp.sizes[i] for i in comes) or 1)
         host_bytes = [0]
+        for k in started:  # the stall clock starts with the stream, not with the agents' start-up
+            hops[k].last_move = time.monotonic()
         if hops[0].error is None:
-            sender = threading.Thread(target=_send, args=(exp, layers, hops[0], host_bytes), daemon=True)
+            sender = threading.Thread(target=_send, args=(exp, sent, hops[0], host_bytes), daemon=True)
             sender.start()
         _watch([hops[k] for k in started], tasks, progress, stall_s)
         return RelayResult(hops, host_bytes[0], time.monotonic() - t0)
     finally:
         for h in hops:
             _stop(h)
-            if h.err is not None:
-                h.err.close()
         if sender is not None:
             sender.join(timeout=10)  # the root's stdin is closed: its last write fails at once
         for t in tasks.values():
@@ -139,10 +197,10 @@ def relay_chain(chain: list[Remote], exp: Exported, missing: list[list[int]], pr
 def _spawn(r: Remote, hop: RelayHop, header: dict, bulk: bool) -> None:
     """Start the node's agent over OpenSSH and hand it the first line. Only the first node's
     stream is bulk over SSH (compressed off loopback, AES where the node is amd64)."""
-    hop.err = tempfile.TemporaryFile()
     compress = bulk and not is_loopback(r.node.host)
     argv = [*r.openssh_argv(compress=compress, aes=bulk), agent_command()]
-    hop.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=hop.err)
+    hop.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    hop.err = Tail(hop.proc.stderr)
     threading.Thread(target=_read_lines, args=(hop,), daemon=True, name=f"relay-{hop.node}").start()
     _write(hop, header)
 
@@ -164,15 +222,19 @@ def _await_ports(hops: list[RelayHop]) -> dict[str, int]:
         time.sleep(0.02)
         for h in waiting[:]:
             try:
-                line = h.lines.get_nowait()
+                report = h.lines.get_nowait()
             except queue.Empty:
                 continue
-            if line is not None and line.startswith("PORT "):
-                ports[h.node] = int(line.split()[1])
-            elif line is not None and not line.startswith("ERROR "):
-                continue
+            if report is not None and report[0] == "PORT":
+                ports[h.node] = report[1]
+            elif report is None:
+                h.error = f"relay agent did not start{_tail(h)}"
+            elif report[0] == "ERROR":
+                h.error = f"relay agent: {report[1]}"
+            elif report[0] == "BAD":
+                h.error = f"relay agent sent a malformed report ({report[1]}); left it out"
             else:
-                h.error = f"relay agent: {line[6:]}" if line else f"relay agent did not start{_tail(h)}"
+                continue
             waiting.remove(h)
     for h in waiting:
         h.error = f"relay agent did not report a port within {START_S:.0f}s"
@@ -186,31 +248,106 @@ def _tail(h: RelayHop) -> str:
     """': ' + the last of its ssh's stderr (why a connection or the node's shell failed), or ''."""
     if h.err is None:
         return ""
-    h.err.seek(0)
-    text = " ".join(h.err.read().decode(errors="replace").split())[-200:]
+    text = printable(" ".join(h.err.text(wait=2).split())[-200:])
     return f": {text}" if text else ""
 
 
+def printable(text: str) -> str:
+    """A node's text as one line for a message: at most TEXT_MAX characters, every control or
+    other non-printing character shown as '?'."""
+    return "".join(c if c.isprintable() else "?" for c in text[:TEXT_MAX])
+
+
+_INT = re.compile(r"-?[0-9]{1,19}")
+
+
+def parse_report(raw: bytes) -> tuple | None:
+    """One line of an agent's report as (word, value...), each value checked (a port 1..65535, a
+    count, an exit status, a one-line printable message); None for a line that is no report (a
+    node's login script may print some: ignored). ValueError for a report with a bad value."""
+    word, _, rest = raw.decode("utf-8", "replace").rstrip("\n").partition(" ")
+
+    def number(s: str, lo: int, hi: int) -> int:
+        if not _INT.fullmatch(s) or not lo <= int(s) <= hi:
+            raise ValueError(f"{word} {printable(s[:40])!r}")
+        return int(s)
+
+    if word == "PORT":
+        return word, number(rest, 1, 65535)
+    if word == "BYTES":
+        return word, number(rest, 0, 1 << 62)
+    if word == "LOADING":
+        return (word,)
+    if word == "DONE":
+        rc, _, msg = rest.partition(" ")
+        return word, number(rc, -255, 255), printable(msg)
+    if word in ("PEER", "FORWARD_ERROR", "ERROR"):
+        return word, printable(rest)
+    return None
+
+
 def _read_lines(hop: RelayHop) -> None:
-    for raw in hop.proc.stdout:
-        hop.lines.put(raw.decode(errors="replace").rstrip("\n"))
-    hop.lines.put(None)
+    """The agent's stdout, a line of at most LINE_MAX bytes at a time, as parse_report's tuples
+    on hop.lines, then None at its end; a line too long or malformed is queued as ("BAD", why)
+    and ends the reading (the node is failed and stopped)."""
+    while True:
+        raw = hop.proc.stdout.readline(LINE_MAX + 1)
+        if not raw:
+            report = None
+        elif len(raw) > LINE_MAX:
+            report = ("BAD", f"a line over {LINE_MAX // 1024} KiB")
+        else:
+            try:
+                report = parse_report(raw)
+            except ValueError as e:
+                report = ("BAD", str(e))
+            if report is None:
+                continue
+        while not hop.stopped:  # a full queue waits for _watch, unless the node is done with
+            try:
+                hop.lines.put(report, timeout=0.5)
+                break
+            except queue.Full:
+                continue
+        if report is None or report[0] == "BAD" or hop.stopped:
+            return
+
+
+def chain_stream(exp: Exported, layers: list[int]):
+    """The chain's archive as the root agent reads it: each part (parts()) under the header every
+    agent writes for it (member_header), then the end blocks; yields it in chunks of at most
+    CHUNK bytes (a memoryview into one buffer: use each before asking for the next)."""
+    buf = memoryview(bytearray(CHUNK))
+    for name, path, size in parts(exp, layers):
+        yield member_header(name, size)
+        with open(path, "rb") as f:
+            left = size
+            while left:
+                n = f.readinto(buf[:min(CHUNK, left)])
+                if not n:
+                    raise OSError(f"{path} is shorter than {size} bytes")
+                yield buf[:n]
+                left -= n
+        yield bytes(-size % BLOCK)
+    yield END
 
 
 def _send(exp: Exported, layers: list[int], root: RelayHop, sent: list[int]) -> None:
-    """tar of the cached export -> the root agent's stdin; counts what this host sends."""
-    tar = subprocess.Popen(exp.archive_cmd(layers), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    """chain_stream -> the root agent's stdin; counts what this host sends."""
+    out = root.proc.stdin
     try:
-        while buf := tar.stdout.read1(CHUNK):
-            root.proc.stdin.write(buf)
-            sent[0] += len(buf)
-        root.proc.stdin.close()  # the end of the archive: the agent checks it is complete
-    except (OSError, ValueError):
-        pass  # the root went away: its agent's last line, or its exit, says why
+        for chunk in chain_stream(exp, layers):
+            out.write(chunk)
+            sent[0] += len(chunk)
+    except (BrokenPipeError, ValueError):
+        pass  # the root went away (or was stopped): its agent's last line, or its exit, says why
+    except OSError as e:  # reading the export
+        log.warning("relay %s: sending to %s: %s", exp.tag, root.node, e)
     finally:
-        if tar.poll() is None:
-            tar.kill()
-        tar.wait()
+        try:
+            out.close()  # the end of the stream: the agent checks it is complete
+        except (OSError, ValueError):
+            pass
 
 
 def _watch(hops: list[RelayHop], tasks: dict, progress, stall_s: float) -> None:
@@ -240,30 +377,32 @@ def _watch(hops: list[RelayHop], tasks: dict, progress, stall_s: float) -> None:
         for name, h in list(pending.items()):
             while name in pending:
                 try:
-                    line = h.lines.get_nowait()
+                    report = h.lines.get_nowait()
                 except queue.Empty:
                     break
-                if line is None:
+                if report is None:
                     fail(h, f"relay agent exited ({_rc(h)}) before it finished{_tail(h)}")
                     break
-                word, _, rest = line.partition(" ")
+                word, rest = report[0], report[1:]
                 if word == "BYTES":
-                    h.received, h.last_move = int(rest), now
+                    h.received, h.last_move = rest[0], now
                     if name in tasks:
                         progress.update(tasks[name], completed=h.received)
                 elif word == "LOADING":
                     h.loading_since = now
                 elif word == "FORWARD_ERROR":  # the nodes after it get nothing more: stop them now
-                    log.warning("node %s: relay to the next node failed: %s", name, rest)
-                    cut_after(h, f"{name} could not pass the archive on ({rest})", idle_only=False)
+                    log.warning("node %s: relay to the next node failed: %s", name, rest[0])
+                    cut_after(h, f"{name} could not pass the archive on ({rest[0]})", idle_only=False)
                 elif word == "DONE":
-                    rc, _, msg = rest.partition(" ")
-                    h.loaded = rc == "0"
+                    rc, msg = rest
+                    h.loaded = rc == 0
                     pending.pop(name)
                     if not h.loaded:
                         h.error = f"docker load failed (exit {rc}): {msg or 'no output'}"
                 elif word == "ERROR":
-                    fail(h, rest)
+                    fail(h, rest[0])
+                elif word == "BAD":  # its agent does not speak the protocol: this node alone fails
+                    fail(h, f"relay agent sent a malformed report ({rest[0]}); stopped it")
             if name in pending:
                 # Until a node has the whole archive, a stall anywhere before or after it (a
                 # full pipe backs up the chain) shows as nothing received; after, only its load runs.
@@ -287,6 +426,7 @@ def _stop(h: RelayHop) -> None:
     writing into its stdin, and closing that would wait for the write); a finished one has its
     stdin closed (in listen mode: the host is done with it) and a moment to exit."""
     p = h.proc
+    h.stopped = True
     if p is None:
         return
     if h.error is not None and p.poll() is None:

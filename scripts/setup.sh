@@ -17,7 +17,10 @@ PKGS=(docker.io openssh-server openssh-client debootstrap docker-compose iproute
       docker-registry apache2-utils
       # the Slurm sandbox cluster (runner sandbox up --slurm): slurmctld/slurmd/clients, munge,
       # runc for Slurm's native OCI containers
-      slurm-wlm munge runc)
+      slurm-wlm munge runc
+      # Go's archive/tar (the reader inside `docker load`) for the relay header fuzz test
+      # (tests/test_relay_headers.py builds tests/tarlist/main.go with it)
+      golang-go)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -623,7 +623,7 @@ def test_relay_with_a_stalled_node_stops_it_and_leaves_nothing_running(sandbox, 
         t.join()
         for r in chain:
             r.close()
-    assert stopped, "docker load never seen"
+    assert stopped, ("docker load never seen", res.hops)
     # node-0 backs up too (whether it is stopped as stalled before node-1's end frees it is a race);
     # node-1 is the stalled one; node-2 never gets the whole archive.
     n0, n1, n2 = res.hops

@@ -124,22 +124,27 @@ def _ssh_upload_seconds(inv: Path, node: str, size: int) -> float:
 
 def test_link_shaping_applies_to_ssh_streams_and_comes_off(netns_sandbox):
     state, inv = netns_sandbox["state"], netns_sandbox["inv"]
-    size = 8 << 20
-    shaped = sandbox_cmd(state, "up", "--nodes", "3", "--link", "50mbit", "--inventory", str(inv.parent / "x.yaml"))
+    # A slow shaped rate, so that the unshaped stream (bounded by ssh's CPU on a loaded 2-core
+    # machine, ~1 s for 8 MiB under CI) is far from it: CI once measured 0.97 s unshaped against
+    # 1.80 s at 50mbit, and "unshaped is twice as fast" was a claim about our CPU, not the link.
+    size = 4 << 20
+    shaped = sandbox_cmd(state, "up", "--nodes", "3", "--link", "10mbit", "--inventory", str(inv.parent / "x.yaml"))
     assert shaped.returncode == 0, shaped.stderr
     try:
         rows = json.loads(sandbox_cmd(state, "status", "--json").stdout)
-        assert {r["shaping"] for r in rows} == {"50Mbit"}, rows
+        assert {r["shaping"] for r in rows} == {"10Mbit"}, rows
         slow = _ssh_upload_seconds(inv, "node-1", size)
     finally:
         plain = sandbox_cmd(state, "up", "--nodes", "3", "--netns", "--inventory", str(inv.parent / "x.yaml"))
         assert plain.returncode == 0, plain.stderr
-    fast = _ssh_upload_seconds(inv, "node-1", size)
-    theory = size * 8 / 50e6
-    print(f"\n[figure] 8 MiB over ssh: {slow:.2f}s at --link 50mbit (line rate {theory:.2f}s), {fast:.2f}s unshaped")
-    assert slow >= 0.8 * theory, (slow, theory)   # the shaped link holds the stream to its rate
-    assert fast < 0.5 * slow, (fast, slow)
     assert {r["shaping"] for r in json.loads(sandbox_cmd(state, "status", "--json").stdout)} == {"unshaped"}
+    fast = _ssh_upload_seconds(inv, "node-1", size)
+    theory = size * 8 / 10e6
+    print(f"\n[figure] 4 MiB over ssh: {slow:.2f}s at --link 10mbit (line rate {theory:.2f}s), {fast:.2f}s unshaped")
+    assert slow >= 0.8 * theory, (slow, theory)   # the shaped link holds the stream to its rate
+    # Unshaped, the same bytes pass faster than the shaped link could ever carry them (the rule is
+    # off, not only reported off).
+    assert fast < 0.5 * theory, (fast, theory)
 
 
 def test_a_partitioned_node_is_detected_named_and_reclaimed(netns_sandbox, tmp_path):
@@ -308,7 +313,8 @@ def test_relay_agent_loads_nothing_from_a_stranger(netns_sandbox, tmp_path):
     """The listening agent is reachable by anyone on the nodes' network. A connection without the
     transfer's token is dropped and the agent keeps waiting; one with the token that sends a real
     `docker save` archive of another image (tagged as something the node runs) is refused before
-    the node's engine loads a byte of it."""
+    the node's engine loads a byte of it. (Without a sandbox, with many strangers and a hidden
+    archive: tests/test_relay_hostile.py.)"""
     import socket
 
     from runner.images import HOST_DOCKER
@@ -322,8 +328,9 @@ def test_relay_agent_loads_nothing_from_a_stranger(netns_sandbox, tmp_path):
     finally:
         remove_host_image(victim)
     token = os.urandom(32).hex()
-    header = {"mode": "listen", "token": token, "forward": None,
-              "expect": {"manifest": "0" * 64, "config": "c.json", "config_sha256": "1" * 64, "layers": []}}
+    header = {"mode": "listen", "token": token,
+              "expect": {"manifest": {"sha256": "0" * 64, "size": 300}, "config": {"sha256": "1" * 64, "size": 900},
+                         "layers": [], "load": []}}
     with remotes(inv)["node-1"] as r:
         agent = subprocess.Popen([*r.openssh_argv(), agent_command()], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
