@@ -232,6 +232,8 @@ class PerseusRounds:
         times: dict[str, list[list[float]]] = {k: [] for k in PLAN_KINDS}
         energies: dict[str, list[list[float]]] = {k: [] for k in PLAN_KINDS}
         iter_time, iter_energy = [], []
+        if self.energy is not None:  # the window's last instruction ended after the sampler's last row
+            self.energy.cover(self.spans[self.window_steps[-1]][1])
         for step in self.window_steps:
             t0, t1 = self.spans[step]
             iter_time.append((t1 - t0) / 1e9)
