@@ -15,8 +15,9 @@ from tests.trainer_run import run_trainer
 
 pytestmark = pytest.mark.multiproc
 
-MODEL = ("--model.preset", "tiny-llama", "--model.num_hidden_layers", "4", "--data.seq_len", "16",
-         "--train.batch_size", "8", "--train.microbatch_num", "4", "--parallel.pp", "2")
+SHAPE = ("--model.num_hidden_layers", "4", "--data.seq_len", "16", "--train.batch_size", "8", "--train.microbatch_num",
+         "4", "--parallel.pp", "2")
+MODEL = ("--model.preset", "tiny-llama", *SHAPE)
 # What torch's schedules run per step on 2 stages with 4 microbatches: (instruction, microbatch).
 ORDER = {
     "1f1b": [[("forward", 0), ("forward", 1), ("backward", 0), ("forward", 2), ("backward", 1), ("forward", 3),
@@ -92,13 +93,14 @@ def test_fixed_plan_three_rounds_1f1b(tmp_path):
 
 
 def test_plan_sequence_ends_with_profiling_done_gpipe(tmp_path):
-    """(b) PlanSequence over 3 different plans, GPipe, one step per plan: after the third the
-    server says [profiling-done], training ends (exit 0) long before train.steps, CSVs written."""
+    """(b) PlanSequence over 3 different plans, GPipe on BERT (BertStage), one step per plan: after
+    the third the server says [profiling-done], training ends (exit 0) long before train.steps,
+    CSVs written."""
     plans = [plan_for("gpipe", base) for base in (1400, 1200, 1000)]
     files = [write_plan(tmp_path / f"plan-{i}.py", p) for i, p in enumerate(plans)]
     with perseus_server(tmp_path, files, scheduler="PlanSequence") as srv:
         out = tmp_path / "out"
-        proc = run_trainer(out, *MODEL, "--parallel.pp_schedule", "gpipe", "--train_steps", "50",
+        proc = run_trainer(out, "--model.preset", "tiny-bert", *SHAPE, "--parallel.pp_schedule", "gpipe", "--train_steps", "50",
                            "--num_prof_steps", "1", "--export_timing_csv", "--perseus_url", srv.url, nproc=2)
         results = srv.results()
     assert proc.returncode == 0
@@ -132,3 +134,49 @@ def test_plan_that_does_not_fit_the_rank_is_one_line(tmp_path):
     assert not (out / "plans-0.csv").read_text().strip().splitlines()[1:]  # header only: no plan ran
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1]  # only the warm-up step, which runs under no plan
+
+
+# Interleaved 1F1B on GPT-2 (GPT2Stage): two stages per rank (0+2 and 1+3), the third schedule and
+# third stage class Perseus plans follow (1F1B on llama's DecoderStage in (a), GPipe on BertStage in
+# (b); qwen2/qwen3/mistral are DecoderStage too). (instruction, stage, microbatch) per rank and step.
+INTERLEAVED_ARGS = ("--model.preset", "tiny-gpt2", *SHAPE, "--parallel.pp_schedule", "interleaved1f1b",
+                    "--parallel.virtual_stages", "2")
+INTERLEAVED = [
+    [("forward", 0, 0), ("forward", 0, 1), ("forward", 2, 0), ("forward", 2, 1), ("forward", 0, 2), ("backward", 2, 0),
+     ("forward", 0, 3), ("backward", 2, 1), ("forward", 2, 2), ("backward", 0, 0), ("forward", 2, 3), ("backward", 0, 1),
+     ("backward", 2, 2), ("backward", 2, 3), ("backward", 0, 2), ("backward", 0, 3)],
+    [("forward", 1, 0), ("forward", 1, 1), ("forward", 3, 0), ("backward", 3, 0), ("forward", 3, 1), ("backward", 3, 1),
+     ("forward", 1, 2), ("backward", 1, 0), ("forward", 1, 3), ("backward", 1, 1), ("forward", 3, 2), ("backward", 3, 2),
+     ("forward", 3, 3), ("backward", 3, 3), ("backward", 1, 2), ("backward", 1, 3)]]
+
+
+def test_plans_follow_interleaved_1f1b_gpt2(tmp_path):
+    """Two plans (PlanSequence), one step each, then [profiling-done]. Each plan position lands on
+    the instruction the rank runs there, on either of its stages (plans-*.csv against the guide's
+    instructions CSVs, read as `trainer perseus-plans` reads them); the server gets every
+    instance's time; profile.csv is labelled per stage and frequency."""
+    from trainer.profiling.perseus_plans import rank_order
+
+    order = INTERLEAVED
+    plans = [[[(name, base + 100 * r + i) for i, (name, _, _) in enumerate(o)] for r, o in enumerate(order)]
+             for base in (1300, 900)]
+    files = [write_plan(tmp_path / f"plan-{i}.py", p) for i, p in enumerate(plans)]
+    with perseus_server(tmp_path, files, scheduler="PlanSequence") as srv:
+        out = tmp_path / "out"
+        run_trainer(out, *INTERLEAVED_ARGS, "--train_steps", "50", "--num_prof_steps", "1", "--export_timing_csv",
+                    "--perseus_url", srv.url, nproc=2)
+        results = srv.results()
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    for r in range(2):
+        assert rank_order(out / f"instructions-{r}.csv") == order[r]  # the guide's CSV, every step alike
+        assert (out / f"time-energy-{r}.csv").read_text().strip()  # rows, or the line saying there is no sensor
+        rows = read_csv(out / f"plans-{r}.csv")
+        assert [(row["plan"], row["instruction"], row["stage"], row["microbatch"], row["frequency"]) for row in rows] \
+            == [(str(p), name, str(stage), str(mb), str(plan[r][i][1]))
+                for p, plan in enumerate(plans) for i, (name, stage, mb) in enumerate(order[r])]
+    assert [[(x["rank"], [len(t) for t in x["time_breakdown"]["forward"]], [len(t) for t in x["time_breakdown"]
+              ["backward"]]) for x in per_rank] for per_rank in results] == [[(0, [8], [8]), (1, [8], [8])]] * 2
+    labelled = {(row["plan"], row["stage"], row["instruction"], row["frequency"]) for row in read_csv(out / "profile.csv")
+                if row["instruction"] != "load"}  # batch input: no plan position, no frequency
+    assert labelled == {(str(p), str(stage), name, str(plan[r][i][1])) for p, plan in enumerate(plans)
+                        for r in range(2) for i, (name, stage, _) in enumerate(order[r])}
