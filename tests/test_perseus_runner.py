@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from runner.errors import UserError
 from runner.inventory import load_inventory
 from tests import IMAGE
 from tests.perseus_helpers import write_plan
-from tests.runner_helpers import node_docker, run_cli, run_containers, runner, up_detached, wait_for
+from tests.runner_helpers import container_events, node_docker, run_cli, run_containers, runner, up_detached
 
 NODES = ("nodes:\n"
          "  - {name: m, host: 10.9.0.1, arch: amd64, role: master, slots: 2}\n"
@@ -72,8 +73,9 @@ def test_bad_plans_refused_at_dry_run(tmp_path, no_network, capsys, plan_text, p
 
 def test_job_perseus_on_the_sandbox(sandbox, pushed, tmp_path):
     """(c) Three nodes, one pipeline stage each (GPipe, 2 microbatches), PlanSequence over two plans,
-    one step per plan: the ranks run warm-up + 2 plans and exit 0 on [profiling-done]; the server
-    keeps running on the master until `runner down`, and collect brings its dump."""
+    one step per plan: the server starts on the master before any rank, every rank gets its URL, the
+    ranks run warm-up + 2 plans and exit 0 on [profiling-done]; the server keeps running on the master
+    until `runner down`, and collect brings its dump."""
     order = [("forward", 1410), ("forward", 1410), ("backward", 1410), ("backward", 1410)]
     plans = [write_plan(tmp_path / f"p{i}.py", [[(n, mhz - 100 * i - 10 * r) for n, mhz in order] for r in range(3)])
              for i in range(2)]
@@ -84,20 +86,27 @@ def test_job_perseus_on_the_sandbox(sandbox, pushed, tmp_path):
         "         --train.batch_size, '4', --train.microbatch_num, '2', --parallel.pp, '3',\n"
         "         --parallel.pp_schedule, gpipe, --train_steps, '40', --num_prof_steps, '1', --profile_batch, none]\n"
         f"  perseus:\n    plan: [{plans[0]}, {plans[1]}]\n")
+    since = time.time()
     run_id = up_detached(sandbox, job)
-    ranks = [f"runner-{run_id}-node-{i}" for i in range(3)]
+    ranks = {f"node-{i}": f"runner-{run_id}-node-{i}" for i in range(3)}
     server = f"runner-{run_id}-node-0-perseus"
-
-    def ranks_done() -> bool:
-        running = run_containers(sandbox, run_id, running_only=True)
-        return not any(c in ranks for cs in running.values() for c in cs)
-
-    wait_for(ranks_done, 600, interval=1.0)
+    for node, name in ranks.items():  # `docker wait`: returns when the rank's container has exited
+        code = node_docker(sandbox, node, "wait", name, timeout=600)
+        assert code.stdout.strip() == "0", runner("logs", run_id, "-i", str(sandbox)).stdout[-3000:]
     running = run_containers(sandbox, run_id, running_only=True)
     assert running == {"node-0": [server], "node-1": [], "node-2": []}  # the server is still up
-    for i, name in enumerate(ranks):
-        code = node_docker(sandbox, f"node-{i}", "inspect", "--format", "{{.State.ExitCode}}", name)
-        assert code.stdout.strip() == "0", runner("logs", run_id, "-i", str(sandbox)).stdout[-3000:]
+    cmd = json.loads(node_docker(sandbox, "node-0", "inspect", "--format", "{{json .Config.Cmd}}", server).stdout)
+    host, port = cmd[cmd.index("--host") + 1], cmd[cmd.index("--port") + 1]
+    master = load_inventory(sandbox, with_job=False).node("node-0").rank_addr
+    assert host == master and int(port) > 0
+    for node, name in ranks.items():
+        env = json.loads(node_docker(sandbox, node, "inspect", "--format", "{{json .Config.Env}}", name).stdout)
+        assert [e for e in env if e.startswith("PERSEUS_URL=")] == [f"PERSEUS_URL=http://{master}:{port}"]
+    started = {name: [t for t, action, attrs in container_events(sandbox, node, name, since)  # name= is a prefix
+                      if action == "start" and attrs.get("name") == name]
+               for node, name in [("node-0", server), *ranks.items()]}
+    assert all(len(ts) == 1 for ts in started.values()), started
+    assert all(started[server][0] < started[name][0] for name in ranks.values()), started  # one host clock
     down = runner("down", run_id, "-i", str(sandbox))
     assert down.returncode == 0, down.stderr
     assert not any(run_containers(sandbox, run_id).values())  # server and ranks: nothing left
@@ -120,5 +129,5 @@ def test_job_perseus_on_the_sandbox(sandbox, pushed, tmp_path):
             rows = list(csv.DictReader(f))
         assert [(row["plan"], row["window"], row["frequency"]) for row in rows] == \
             [(str(i), f"{i + 1}-{i + 1}", str(mhz - 100 * i - 10 * r)) for i in range(2) for _, mhz in order]
-        metrics = art / run_id / "node-2" / "metrics.jsonl"
+    metrics = art / run_id / "node-2" / "metrics.jsonl"  # the last stage's losses
     assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == [1, 2, 3]
