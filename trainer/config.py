@@ -132,7 +132,9 @@ class ProfileConfig:
     batch: str = "0"                    # Pi guide PROFILE_BATCH: batch index (or list/range) to record
     format: str = "chrome"              # chrome | seed
     export_timing_csv: bool = False     # Perseus/Merak instructions-*.csv and time-energy-*.csv
-    num_prof_steps: int = 0
+    num_prof_steps: int = 0             # steps averaged into profile.csv; with perseus_url: per plan
+    perseus_url: str | None = None      # Perseus server (Merak's --perseus_url): plans per num_prof_steps window
+    gpu_clocks: str = "off"             # off (record plans only) | auto (NVML if permitted) | on (or fail)
 
 
 @dataclass
@@ -341,6 +343,7 @@ def validate(cfg: Config) -> None:
     parse_batches(cfg.profile.batch)  # "1" | "1,3" | "2-4" | "none": one-line error otherwise
     if cfg.profile.format not in ("chrome", "seed"):
         raise ConfigError(f"profile.format: '{cfg.profile.format}' (chrome or seed)")
+    check_perseus(cfg)
     if cfg.data.source != "synthetic" and not Path(cfg.data.source).exists():
         raise ConfigError(f"data.source: '{cfg.data.source}' does not exist (a file or directory, or 'synthetic')")
     if cfg.model.path is not None:
@@ -348,6 +351,31 @@ def validate(cfg: Config) -> None:
 
         # A Hub cache repo folder means its snapshot; config.yaml records the folder that was read.
         cfg.model.path = str(model_dir(cfg.model.path, cfg.model.load_weights))
+
+
+def check_perseus(cfg: Config) -> None:
+    """profile.perseus_url and profile.gpu_clocks, before anything starts (docs/profiling.md)."""
+    from urllib.parse import urlsplit
+
+    prof = cfg.profile
+    if prof.gpu_clocks not in ("off", "auto", "on"):
+        raise ConfigError(f"profile.gpu_clocks: '{prof.gpu_clocks}' (off, auto or on)")
+    if prof.perseus_url is None:
+        return
+    u = urlsplit(prof.perseus_url)
+    try:
+        ok = u.scheme in ("http", "https") and bool(u.hostname) and (u.port is None or u.port > 0)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ConfigError(f"profile.perseus_url: {prof.perseus_url!r} is not an http:// URL (e.g. http://10.0.0.1:7787)")
+    if prof.num_prof_steps < 1:
+        raise ConfigError("profile.perseus_url needs --num_prof_steps N (N >= 1): the steps measured under each plan")
+    from trainer.parallel.schedule_table import schedule_spec
+
+    if cfg.parallel.pp > 1 and schedule_spec(cfg.parallel.pp_schedule).name in ("interleaved_zb", "zbv", "dualpipev"):
+        raise ConfigError(f"profile.perseus_url: {cfg.parallel.pp_schedule} splits the backward into input and weight "
+                          f"parts; Perseus plans name forward and backward only: use 1f1b, gpipe or interleaved1f1b")
 
 
 # ---------------------------------------------------------------- resolution
