@@ -15,6 +15,7 @@ from runner.errors import EXIT_NOT_READY, UserError
 from runner.fanout import DEFAULT_PARALLEL, parallel
 from runner.images import host_image_ids, node_image_id
 from runner.inventory import Inventory, Node
+from runner.node_output import cells
 from runner.session import (
     AUTO_PORT_BASE,
     AUTO_PORT_OFFSETS,
@@ -161,11 +162,12 @@ def main(args) -> int:
             t.add_column(col, overflow="fold")
         for c in checks:
             p = c.probe or Probe()
-            t.add_row(c.node, c.ssh, c.host_key, p.docker or ("FAIL" if c.probe else "-"), p.arch or "-",
-                      str(p.cpus or "-"), str(p.mem_gb or "-"), str(p.disk_free_gb if p.disk_free_gb is not None else "-"),
-                      str(p.gpus), f"{p.clock_offset_s:+.2f}s" if p.clock_offset_s is not None else "-",
-                      p.ifname or "-", " ".join(filter(None, (c.master_port, c.master_port_detail))),
-                      _image_cell(c))
+            # What the node answered, as text (runner/node_output.py): no markup, controls visible.
+            t.add_row(*cells(c.node, c.ssh, c.host_key, p.docker or ("FAIL" if c.probe else "-"), p.arch or "-",
+                             p.cpus or "-", p.mem_gb or "-", p.disk_free_gb if p.disk_free_gb is not None else "-",
+                             p.gpus, f"{p.clock_offset_s:+.2f}s" if p.clock_offset_s is not None else "-",
+                             p.ifname or "-", " ".join(filter(None, (c.master_port, c.master_port_detail))),
+                             _image_cell(c)))
         Console(width=200).print(t)
     failing = [c for c in checks if c.problems]
     if failing:

@@ -8,6 +8,7 @@ import sys
 
 from runner.errors import Terminated, UserError, interrupt_code, interrupt_on_signals
 from runner.fanout import raise_open_file_limit
+from runner.redact import Formatter, printable
 
 # Modules that contribute subcommands. Each exposes `register(subparsers)` which adds its
 # parser(s) and sets `func` to a callable taking the parsed args and returning an exit code.
@@ -43,8 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(message)s", stream=sys.stderr)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(Formatter("%(message)s"))  # secrets masked, a node's control characters visible
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, handlers=[handler])
     if args.verbose:
         logging.getLogger("paramiko").setLevel(logging.WARNING)
     interrupt_on_signals()
@@ -52,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except UserError as exc:
-        sys.stderr.write(f"runner: error: {exc}\n")
+        sys.stderr.write(f"runner: error: {printable(str(exc))}\n")
         return exc.exit_code
     except KeyboardInterrupt as exc:
         sys.stderr.write(f"runner: {'terminated' if isinstance(exc, Terminated) else 'interrupted'}\n")

@@ -18,6 +18,7 @@ from runner.errors import EXIT_PARTIAL
 from runner.fanout import DEFAULT_PARALLEL, parallel
 from runner.paths import node_paths
 from runner.plan import LABEL_GRACE, LABEL_NODE, LABEL_RUN
+from runner.redact import printable
 from runner.session import Cluster, add_inventory_args, load
 from runner.ssh import Remote
 
@@ -153,11 +154,11 @@ def main(args) -> int:
                                        else "nothing running (already down)")
                   + (f"; NOT reached: {', '.join(cl.unreachable)}" if cl.unreachable else ""))
             for e in errors:
-                sys.stderr.write(f"runner: error: run {run_id}: could not stop on {e}\n")
+                sys.stderr.write(f"runner: error: run {run_id}: could not stop on {printable(e)}\n")
         if args.keep_runs is not None and not errors:
             for e in prune_all(cl, args.keep_runs):
                 errors.append(e)
-                sys.stderr.write(f"runner: error: removing old runs: {e}\n")
+                sys.stderr.write(f"runner: error: removing old runs: {printable(str(e))}\n")
         code = _unreachable(cl, run_id, inv.path)
         return code or (EXIT_PARTIAL if errors else 0)
 
@@ -166,5 +167,5 @@ def _unreachable(cl: Cluster, run_id: str | None, inv_path: str) -> int:
     """One line per node `down` could not reach; non-zero so a script knows to run it again."""
     again = f"runner down {run_id} -i {inv_path}" if run_id else f"runner down -i {inv_path}"
     for msg in cl.unreachable.values():
-        sys.stderr.write(f"runner: error: {msg}; its containers were not stopped: `{again}` once it is reachable\n")
+        sys.stderr.write(f"runner: error: {printable(msg)}; its containers were not stopped: `{again}` once it is reachable\n")
     return EXIT_PARTIAL if cl.unreachable else 0

@@ -48,6 +48,13 @@ class Exported:
     diff_ids: list[str]
     sizes: list[int]          # uncompressed bytes per layer
     arch: str | None = None   # the image config's architecture (amd64, arm64): the node's too
+    hold: object = None       # the entry's shared "in use" lock: no other process prunes it meanwhile
+
+    def release(self) -> None:
+        """Let other processes prune this export again (also done by this process's exit)."""
+        if self.hold is not None:
+            self.hold.close()
+            self.hold = None
 
     @property
     def chains(self) -> list[str]:
@@ -138,16 +145,26 @@ def host_image(client, tag: str):
 
 
 def export(tag: str, cache: Path = CACHE) -> Exported:
-    """`docker save` of tag from this host's engine into cache/<image id>/ (skipped when cached)."""
+    """`docker save` of tag from this host's engine into cache/<image id>/ (skipped when cached).
+    The entry stays in use (a shared lock on <id>.use) until the returned export is released or
+    this process ends, so another push's export cannot prune it mid-transfer."""
     img = host_image(host_client(), tag)
     image_id = img.id
     d = cache / image_id.split(":", 1)[1]
     cache.mkdir(parents=True, exist_ok=True)
-    with open(cache / f"{d.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent pushes of one image export it once
-        if not (d / ".complete").exists() or not _intact(d):
-            _export_into(img, tag, image_id, d, cache)
-    return _load_export(tag, image_id, d)
+    use = open(cache / f"{d.name}.use", "w")
+    try:
+        fcntl.flock(use, fcntl.LOCK_SH)  # waits while a pruner removes it; then it is re-exported
+        with open(cache / f"{d.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent pushes of one image export it once
+            if not (d / ".complete").exists() or not _intact(d):
+                _export_into(img, tag, image_id, d, cache)
+        exp = _load_export(tag, image_id, d)
+    except BaseException:
+        use.close()
+        raise
+    exp.hold = use
+    return exp
 
 
 def _export_into(img, tag: str, image_id: str, d: Path, cache: Path) -> None:
@@ -212,11 +229,17 @@ def _write_tag_manifest(exp: Exported, manifest: dict) -> None:
 
 
 def _prune(cache: Path, keep: Path, max_entries: int = 3) -> None:
-    """Keep the cache bounded: the newest few exports survive."""
+    """Keep the cache bounded: the newest few exports survive, and none another process is using
+    (a concurrent push's export removed mid-transfer failed that push)."""
     entries = sorted((p for p in cache.iterdir() if p.is_dir() and p != keep and ".tmp" not in p.name),
                      key=lambda p: p.stat().st_mtime)
     for p in entries[: max(0, len(entries) - (max_entries - 1))]:
-        shutil.rmtree(p, ignore_errors=True)
+        with open(cache / f"{p.name}.use", "w") as use:
+            try:
+                fcntl.flock(use, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # in use: pruned by a later export once released
+            shutil.rmtree(p, ignore_errors=True)
 
 
 class _IterReader:

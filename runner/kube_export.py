@@ -25,9 +25,10 @@ from pathlib import Path
 import yaml
 
 from runner.errors import UserError
-from runner.inventory import Job
+from runner.inventory import Job, looks_secret
 from runner.job_data import refuse_for
 from runner.plan import MASK, OUT
+from runner.redact import hide_job
 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 CONFIG_DIR = "/run/runner/config"
@@ -219,21 +220,55 @@ def main(args) -> int:
         return tag
 
     secrets = job.secrets()
+    hide_job(job, secrets)
     config_text = Path(job.config).read_text() if job.config else None
     docs = manifest(job, groups_from(nodes), run_id, namespace=args.namespace, out_claim=args.out_claim,
                     secrets=secrets, config_text=config_text, image_for=image_for)
     head = (f"# runner export --to kubernetes: run {run_id}, {len(nodes)} pod(s), from {args.inventory}.\n"
             "# kubectl apply -f THIS (needs the JobSet controller: jobset.x-k8s.io).\n")
+    secret_inside = bool(secrets) or any(looks_secret(k) for k in job.env)
     if args.output == "-":
-        shown = [{**d, "data": dict.fromkeys(d["data"], MASK)} if d["kind"] == "Secret" else d for d in docs]
-        sys.stdout.write(head + dump(shown))
+        sys.stdout.write(head + dump(masked_docs(docs)))
         return 0
     out = Path(args.output or f"kubernetes-{run_id}.yaml")
-    text = head + dump(docs)
-    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if secrets else 0o644)
-    with os.fdopen(fd, "w") as fh:
-        os.fchmod(fh.fileno(), 0o600 if secrets else 0o644)  # a Secret inside: owner only
-        fh.write(text)
+    try:
+        write_private(out, head + dump(docs), 0o600 if secret_inside else 0o644)
+    except OSError as exc:
+        raise UserError(f"-o {out}: cannot write it: {exc.strerror}; nothing written") from None
     kinds = ", ".join(f"{d['kind']} {d['metadata']['name']}" for d in docs)
-    print(f"wrote {out}: {kinds} ({len(nodes)} pod(s))" + ("; holds the env_file's values: mode 0600" if secrets else ""))
+    print(f"wrote {out}: {kinds} ({len(nodes)} pod(s))" + ("; holds the env_file's values: mode 0600" if secrets else
+          "; holds job.env's secret-looking values: mode 0600" if secret_inside else ""))
     return 0
+
+
+def masked_docs(docs: list[dict]) -> list[dict]:
+    """The manifest as printed: the Secret's values and job.env's secret-looking ones (TOKEN, KEY...,
+    which land in the pod spec) masked, as every other printed form masks them."""
+    import copy
+
+    shown = copy.deepcopy(docs)
+    for d in shown:
+        if d["kind"] == "Secret":
+            d["data"] = dict.fromkeys(d["data"], MASK)
+        for rj in d.get("spec", {}).get("replicatedJobs", []):
+            for c in rj["template"]["spec"]["template"]["spec"]["containers"]:
+                for e in c.get("env", []):
+                    if "value" in e and looks_secret(e["name"]):
+                        e["value"] = MASK
+    return shown
+
+
+def write_private(path: Path, text: str, mode: int) -> None:
+    """path holds text, created with mode (0600 never passes through 0644), whole or not at all: a
+    failure leaves neither a partial file nor the temporary one."""
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # O_EXCL, 0600
+    try:
+        with os.fdopen(fd, "w") as fh:
+            os.fchmod(fh.fileno(), mode)
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

@@ -23,7 +23,7 @@ from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
-from runner import runs
+from runner import perseus, runs
 from runner.down import run_containers, stop_node, stop_run
 from runner.errors import (
     EXIT_INTERRUPTED,
@@ -37,6 +37,7 @@ from runner.inventory import ARCH_ALIASES, Inventory
 from runner.paths import node_paths
 from runner.plan import LABEL_GATE, OUT, Facts, NodePlan, Plan, docker_limits, make_plan, render_secrets_file
 from runner.profile_auto import pin_auto_partition
+from runner.redact import hide_job, printable
 from runner.rendezvous import choose_port, wait_listening
 from runner.resume_sync import CHECKPOINTS, sync_checkpoints
 from runner.session import Cluster, Probe, add_inventory_args, load, probe
@@ -95,6 +96,7 @@ def main(args) -> int:
     if args.trainer_args:
         inv.job.args = list(inv.job.args) + list(args.trainer_args)
     secret_vals = inv.job.secrets()
+    hide_job(inv.job, secret_vals)
     if args.dry_run:
         run_id = args.resume if args.resume not in (None, "latest") else "<new run id>"
         if args.resume:
@@ -103,7 +105,11 @@ def main(args) -> int:
 
         plan = make_plan(inv, run_id, _dry_facts(inv, args.arch), secret_keys=list(secret_vals),
                          trees=scan(inv.job.sync))
+        if inv.job.perseus is not None:
+            perseus.attach(plan, None)
         print(plan.render())
+        if inv.job.perseus is not None:
+            print(perseus.render(plan, inv.job.perseus))
         return 0
     return Launcher(inv, args, secret_vals).run()
 
@@ -115,6 +121,7 @@ class Launcher:
         self.lost_reclaimed = False           # ... and reached again, its container removed
         self.gates: dict[str, bool] = {}      # node -> its image carries runner.gate
         self.trees: list = []                 # job.sync's sources, scanned (runner/sync.py)
+        self.perseus_port: int | None = None  # job.perseus: the server's port on the master
 
     def run(self) -> int:
         t0 = time.time()
@@ -200,9 +207,12 @@ class Launcher:
             job.args = saved + resume_args
         try:
             facts = {n: replace(p.facts(), gate=self.gates.get(n, False)) for n, p in probes.items()}
-            return make_plan(self.inv, run_id, facts, master_port=port, secret_keys=list(self.secret_vals),
+            plan = make_plan(self.inv, run_id, facts, master_port=port, secret_keys=list(self.secret_vals),
                              strict=True, launch_token=secrets.token_hex(4),
                              gate_timeout=self.args.rendezvous_timeout + 60, trees=self.trees)
+            if job.perseus is not None:
+                perseus.attach(plan, self.perseus_port)
+            return plan
         finally:
             job.args = saved
 
@@ -244,6 +254,8 @@ class Launcher:
         self.lost, self.lost_reclaimed = None, False
         # Chosen now, not at preflight: the push may have taken minutes, and other runs start meanwhile.
         port = choose_port(cl[self.inv.master.name], self.inv.job.master_port, run_id)
+        if self.inv.job.perseus is not None:
+            self.perseus_port = perseus.choose_port(cl[self.inv.master.name], self.inv.job.perseus, run_id, port)
         plan = self.make_plan(probes, run_id, resume, port)
         if resume:
             self.clear_earlier_attempt(cl, run_id)
@@ -263,6 +275,8 @@ class Launcher:
             # Inside the try: a failure from here on removes what was staged (the secrets file too).
             self.stage_files(cl, plan)
             log.debug("files staged in %.2fs", time.time() - t0)
+            if self.inv.job.perseus is not None:  # the ranks register with it as they start
+                perseus.start(cl, plan, self.inv.job.perseus, self.perseus_port, self.args.rendezvous_timeout)
             create_container(cl[master.node], master).start()
             log.debug("master container started at %.2fs", time.time() - t0)
             # Gated workers start now: their gate imports torchrun while the master's comes up and
@@ -305,10 +319,10 @@ class Launcher:
             return 0
         what = failed.error or f"container exited with code {failed.exit_code}"
         for line in failed.last_lines:
-            sys.stderr.write(f"  [{failed.node}/{failed.rank}] {line}\n")
+            sys.stderr.write(f"  [{failed.node}/{failed.rank}] {line}\n")  # made visible when it was shown
         write_status(cl, plan, watcher, failed.exit_code or 1, skip={failed.node} if failed.lost else set())
         where = "every node" if not failed.lost else f"the other nodes ({watcher.stopped_in or 0:.1f}s after the loss)"
-        sys.stderr.write(f"runner: error: run {run_id}: node {failed.node} (rank {failed.rank}) failed: {what}; "
+        sys.stderr.write(f"runner: error: run {run_id}: node {failed.node} (rank {failed.rank}) failed: {printable(what)}; "
                          f"stopped the run on {where}\n")
         if failed.lost:
             self.lost = failed.node
@@ -345,7 +359,7 @@ class Launcher:
                 return True
         except KeyboardInterrupt:
             last = "gave up (interrupted)"
-        sys.stderr.write(f"runner: error: node {node} still unreachable ({last or 'no answer'}); its container of run "
+        sys.stderr.write(f"runner: error: node {node} still unreachable ({printable(last[:300]) or 'no answer'}); its container of run "
                          f"{run_id} may still be running: `{again}` once it is back\n")
         return False
 
@@ -380,7 +394,7 @@ def hand_back_runs(cl: Cluster, plan: Plan, probes: dict[str, Probe]) -> None:
             raise err if isinstance(err, UserError) else UserError(f"node {np_.node}: {err}")
         if first:
             print(f"run {plan.run_id}: {np_.node}: files not owned by {probes[np_.node].user or probes[np_.node].uid} "
-                  f"handed back to it (first: {first})", flush=True)
+                  f"handed back to it (first: {printable(first[:300])})", flush=True)
 
 
 def start_all(cl: Cluster, made: list[tuple[NodePlan, object]]) -> None:

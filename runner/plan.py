@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from runner.errors import UserError
 from runner.inventory import Inventory, Node, looks_secret
 from runner.paths import node_paths
+from runner.redact import MASK
 
 LABEL_PREFIX = "io.runner"
 LABEL_RUN = f"{LABEL_PREFIX}.run-id"
@@ -28,7 +29,6 @@ LABEL_GATE = f"{LABEL_PREFIX}.gate"
 OUT = "/out"
 SECRETS_IN_CONTAINER = "/run/runner/secrets.env"
 GATE_IN_CONTAINER = "/run/runner/gate"   # read-only mount of the node's gate dir
-MASK = "******"
 UNPROBED = "<probed at launch>"
 
 

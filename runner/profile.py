@@ -25,6 +25,7 @@ from rich.table import Table
 from runner import profile_cache
 from runner.errors import UserError
 from runner.inventory import Inventory, Node
+from runner.node_output import log_tail
 from runner.paths import node_paths
 from runner.plan import LABEL_NODE, LABEL_PREFIX, OUT, docker_limits, user_env
 from runner.session import Cluster, Probe, add_inventory_args, load, probe
@@ -215,11 +216,11 @@ def run_probes(cl: Cluster, order: list[Node], probes: dict[str, Probe], tags: d
         failed = _wait(containers, timeout)
         if failed:
             name, code = failed
-            tail = containers[name].logs(tail=20).decode(errors="replace").strip().splitlines()
+            tail = [ln for ln in log_tail(containers[name], 20) if ln.strip()]
             for line in tail[-8:]:
                 sys.stderr.write(f"  [{name}/probe] {line}\n")
             raise UserError(f"profile: node {name}: the probe {'exited ' + str(code) if code is not None else 'timed out'}"
-                            f"{': ' + tail[-1] if tail else ''}")
+                            f"{': ' + tail[-1][:300] if tail else ''}")
         docs = {}
         for i in active:
             n = order[i]

@@ -170,9 +170,13 @@ def push_to_nodes(cl: Cluster, arches: dict[str, str | None], quiet: bool = Fals
         ensure_built(tag, spec, build)
     use_relay = (cl.inv.job.push == "relay") if relay is None else relay
     plan = plan_push(cl, tags, force_full, use_relay and not force_full)
-    with transfer_progress(quiet) as progress:
-        results, failed = transfer(cl, plan, progress, force_full)
-        results.update(verify(cl, plan, failed, progress))
+    try:
+        with transfer_progress(quiet) as progress:
+            results, failed = transfer(cl, plan, progress, force_full)
+            results.update(verify(cl, plan, failed, progress))
+    finally:
+        for exp in plan.exports.values():
+            exp.release()
     out, errors = [], []
     for n in cl.inv.nodes:
         val = results[n.name]

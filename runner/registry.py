@@ -4,9 +4,10 @@ push from this machine (a cluster with its own registry, EC2 boxes pulling from 
 Each node pulls REGISTRY/TAG (or TAG itself when it already names the registry) with its own
 docker CLI and tags the result as the job's tag, so plans, `check` and `status` see the same tag
 either way. Credentials: RUNNER_REGISTRY_USER / RUNNER_REGISTRY_PASSWORD in job.env_file, or the
-node's own `docker login` when those are absent. The env_file's credentials reach the node as a
-0600 config.json in a private 0700 directory (DOCKER_CONFIG) that is removed after the pull:
-never in an argv, a log line, or the job's containers.
+node's own `docker login` when those are absent. The env_file's credentials reach the node on a
+command's stdin, as a 0600 config.json in a private 0700 directory (DOCKER_CONFIG) that the
+node's shell removes when the pull ends, or when the runner's connection does (PULL_SH): never
+in an argv, a log line, or the job's containers, and not left behind by a dropped connection.
 
 A node whose registry does not answer or lacks the tag: one line naming the node, job.registry
 and docker's own reason, before any container starts.
@@ -17,12 +18,12 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import secrets
 import shlex
 import time
 
 from runner.errors import UserError
 from runner.job_data import registry_ref
+from runner.redact import hide
 from runner.ssh import Remote
 
 log = logging.getLogger("runner.registry")
@@ -34,6 +35,25 @@ def docker_config(registry: str, user: str, password: str) -> bytes:
     return json.dumps({"auths": {registry: {"auth": token}}}).encode()
 
 
+# With credentials: the node's shell makes the private DOCKER_CONFIG, reads the login from stdin,
+# pulls, and removes it on every way out. The runner holds stdin open for the whole pull, so its
+# connection dropping (EOF) ends the pull and with it the login (a cleanup sent from here would
+# need the very connection that was lost). Logins a killed shell left (a node rebooted mid-pull)
+# are swept once they are older than any pull can be.
+PULL_SH = r"""
+umask 077
+find "$1" -maxdepth 1 -name '.runner-registry-*' -mmin +$4 -exec rm -rf {} + 2>/dev/null
+d=$(mktemp -d "$1/.runner-registry-XXXXXXXX") || exit 125
+trap 'rm -rf "$d"' EXIT
+trap 'exit 129' HUP INT TERM
+head -c "$2" > "$d/config.json"
+DOCKER_CONFIG="$d" docker pull -q "$3" & pull=$!
+exec 3<&0
+(cat <&3; [ -d "$d" ] && kill "$pull") >/dev/null 2>&1 &
+wait "$pull"
+"""
+
+
 def pull_one(remote: Remote, registry: str, tag: str, auth: tuple[str, str] | None, home: str
              ) -> tuple[dict, float]:
     """Pull and tag on one node; (the node's image attrs for tag, seconds)."""
@@ -42,25 +62,19 @@ def pull_one(remote: Remote, registry: str, tag: str, auth: tuple[str, str] | No
     name = remote.node.name
     ref = registry_ref(registry, tag)
     t0 = time.time()
-    cfg_dir = None
-    try:
-        prefix: list[str] = []
-        if auth is not None:
-            cfg_dir = f"{home.rstrip('/')}/.runner-registry-{secrets.token_hex(6)}"
-            remote.makedirs(cfg_dir, 0o700)
-            remote.put_bytes(f"{cfg_dir}/config.json", docker_config(registry, *auth), 0o600)
-            prefix = ["env", f"DOCKER_CONFIG={cfg_dir}"]
-        res = remote.run([*prefix, "docker", "pull", "-q", ref], timeout=PULL_TIMEOUT_S)
+    if auth is None:
+        res = remote.run(["docker", "pull", "-q", ref], timeout=PULL_TIMEOUT_S)
+    else:
+        login = docker_config(registry, *auth)
+        res = remote.run(["sh", "-c", PULL_SH, "runner-pull", home.rstrip("/") or "/", str(len(login)), ref,
+                          str(int(2 * PULL_TIMEOUT_S / 60))], stdin=login, hold_stdin=True, timeout=PULL_TIMEOUT_S)
+    if res.rc != 0:
+        why = " ".join(res.err.strip().splitlines())[-300:] or f"exit {res.rc}"
+        raise UserError(f"node {name}: job.registry {registry}: pulling {ref} failed: {why}")
+    if ref != tag:
+        res = remote.run(["docker", "tag", ref, tag], timeout=60)
         if res.rc != 0:
-            why = " ".join(res.err.strip().splitlines())[-300:] or f"exit {res.rc}"
-            raise UserError(f"node {name}: job.registry {registry}: pulling {ref} failed: {why}")
-        if ref != tag:
-            res = remote.run(["docker", "tag", ref, tag], timeout=60)
-            if res.rc != 0:
-                raise UserError(f"node {name}: tagging {ref} as {tag} failed: {res.err.strip()[-200:]}")
-    finally:
-        if cfg_dir is not None:
-            remote.run(["rm", "-rf", "--", cfg_dir], timeout=60)
+            raise UserError(f"node {name}: tagging {ref} as {tag} failed: {res.err.strip()[-200:]}")
     try:
         attrs = remote.docker().images.get(tag).attrs
     except docker.errors.ImageNotFound:
@@ -75,6 +89,7 @@ def pull_to_nodes(cl, tags: dict[str, str], host_ids: dict[str, str | None]) -> 
 
     job = cl.inv.job
     auth = job.registry_auth()
+    hide(auth or ())
     remotes = [cl[n.name] for n in cl.inv.nodes]
 
     def one(r: Remote) -> PushResult:

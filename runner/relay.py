@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runner.images import Exported
+from runner.node_output import visible
 from runner.relay_agent import BLOCK, END, LINE_MAX, NAME, SIZE_MAX, SMALL_MAX, Tail, member_header
 from runner.ssh import Remote, is_loopback
 from runner.stream import CHUNK
@@ -248,14 +249,8 @@ def _tail(h: RelayHop) -> str:
     """': ' + the last of its ssh's stderr (why a connection or the node's shell failed), or ''."""
     if h.err is None:
         return ""
-    text = printable(" ".join(h.err.text(wait=2).split())[-200:])
+    text = visible(" ".join(h.err.text(wait=2).split())[-200:])
     return f": {text}" if text else ""
-
-
-def printable(text: str) -> str:
-    """A node's text as one line for a message: at most TEXT_MAX characters, every control or
-    other non-printing character shown as '?'."""
-    return "".join(c if c.isprintable() else "?" for c in text[:TEXT_MAX])
 
 
 _INT = re.compile(r"-?[0-9]{1,19}")
@@ -263,13 +258,14 @@ _INT = re.compile(r"-?[0-9]{1,19}")
 
 def parse_report(raw: bytes) -> tuple | None:
     """One line of an agent's report as (word, value...), each value checked (a port 1..65535, a
-    count, an exit status, a one-line printable message); None for a line that is no report (a
-    node's login script may print some: ignored). ValueError for a report with a bad value."""
+    count, an exit status, a message of at most TEXT_MAX characters with its controls visible);
+    None for a line that is no report (a node's login script may print some: ignored). ValueError
+    for a report with a bad value."""
     word, _, rest = raw.decode("utf-8", "replace").rstrip("\n").partition(" ")
 
     def number(s: str, lo: int, hi: int) -> int:
         if not _INT.fullmatch(s) or not lo <= int(s) <= hi:
-            raise ValueError(f"{word} {printable(s[:40])!r}")
+            raise ValueError(f"{word} {visible(s[:40])!r}")
         return int(s)
 
     if word == "PORT":
@@ -280,9 +276,9 @@ def parse_report(raw: bytes) -> tuple | None:
         return (word,)
     if word == "DONE":
         rc, _, msg = rest.partition(" ")
-        return word, number(rc, -255, 255), printable(msg)
+        return word, number(rc, -255, 255), visible(msg[:TEXT_MAX])
     if word in ("PEER", "FORWARD_ERROR", "ERROR"):
-        return word, printable(rest)
+        return word, visible(rest[:TEXT_MAX])
     return None
 
 

@@ -12,6 +12,7 @@ import re
 import time
 
 from runner.errors import JobFailed, UserError
+from runner.node_output import log_tail
 from runner.plan import NodePlan
 from runner.ssh import Remote
 
@@ -83,10 +84,10 @@ def wait_listening(remote: Remote, np: NodePlan, port: int, timeout: float) -> N
                 code = c.attrs["State"].get("ExitCode")
                 if code == 0 and not foreign:
                     return  # a job this short (one node) may finish before we look
-                tail = c.logs(tail=10).decode(errors="replace").strip().splitlines()
+                tail = [ln for ln in log_tail(c, 10) if ln.strip()]
                 raise JobFailed(f"node {np.node}: master container exited ({code}) before its port {port} listened"
                                 + (" (another process holds that port)" if foreign else "")
-                                + f"; last line: {tail[-1] if tail else '(no output)'}")
+                                + f"; last line: {tail[-1][:300] if tail else '(no output)'}")
         time.sleep(POLL_S if not foreign else 0.5)
     raise UserError(f"node {np.node}: master port {port} did not listen within {timeout:.0f}s "
                     f"(--rendezvous-timeout); check `runner logs --node {np.node}`"

@@ -148,6 +148,9 @@ MAX_FILE_BYTES = 1 << 44      # 16 TiB: no shard is bigger; a node saying so is 
 MAX_FILES = 100_000           # files under checkpoints/ on one node
 MAX_JSON_BYTES = 16 << 20     # trainer_state.json, manifest.rank<r>.json
 MAX_WORLD = 1 << 20
+# The listing's own bound: MAX_FILES records of a checked name pair (2 x 255 bytes) and a size fit
+# in it, so an honest node is stopped by MAX_FILES' line, not by Remote.run's 8 MiB default.
+MAX_LISTING_BYTES = 64 << 20
 
 # NUL-separated records: no file name can break a record (a newline in a name is just a name).
 LIST_SCRIPT = r"""
@@ -166,7 +169,7 @@ exit 0
 
 def list_node(remote: Remote, root: str) -> Listing:
     node = remote.node.name
-    res = remote.run(["sh", "-c", LIST_SCRIPT, "list", root], timeout=120)
+    res = remote.run(["sh", "-c", LIST_SCRIPT, "list", root], timeout=120, max_output=MAX_LISTING_BYTES)
     if res.rc != 0:
         raise UserError(f"node {node}: listing {root} failed: {res.err.strip()[:200]!r}")
     latest, ckpts = None, {}

@@ -185,6 +185,7 @@ echo "docker=$V"
 
 
 PROBE_END = "__runner_probe_end__"
+PROBE_LINE, PROBE_LINES = 4096, 1000  # what the probe's answer may hold (a few dozen short lines)
 
 
 def _probe_session(remote: Remote, script: str, clock: bool, samples: int = 3) -> tuple[list[str], float | None]:
@@ -196,7 +197,11 @@ def _probe_session(remote: Remote, script: str, clock: bool, samples: int = 3) -
     try:
         chan.settimeout(30)
         out = chan.makefile("rb")
-        while (raw := out.readline()) and (line := raw.decode(errors="replace").rstrip("\n")) != PROBE_END:
+        # A node's answer is read a bounded line at a time, and only so many of them.
+        while (raw := out.readline(PROBE_LINE)) and (line := raw.decode(errors="replace").rstrip("\n")) != PROBE_END:
+            if len(lines) == PROBE_LINES:
+                raise UserError(f"node {remote.node.name}: the probe's answer is over {PROBE_LINES} lines; "
+                                "is the login shell printing something?")
             lines.append(line)
         return lines, (_clock_offset(chan, out, samples) if clock else None)
     except (OSError, TimeoutError):
@@ -211,7 +216,7 @@ def _clock_offset(chan, replies, samples: int) -> float | None:
     for _ in range(samples):
         t0 = time.time()
         chan.sendall(b"\n")
-        out = replies.readline().strip()
+        out = replies.readline(64).strip()
         t1 = time.time()
         if not out.isdigit():
             return None

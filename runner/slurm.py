@@ -19,6 +19,8 @@ from pathlib import Path
 
 from runner.errors import Terminated, UserError
 from runner.job_data import refuse_for
+from runner.node_output import visible
+from runner.redact import hide_job
 from runner.slurm_inventory import SlurmInventory
 from runner.slurm_jobs import (
     JobState,
@@ -43,6 +45,7 @@ def cmd_up(args, inv: SlurmInventory) -> int:
     if args.trainer_args:
         inv.job.args = list(inv.job.args) + list(args.trainer_args)
     secrets = inv.job.secrets()
+    hide_job(inv.job, secrets)
     if args.dry_run:
         run_id = args.resume if args.resume not in (None, "latest") else "<new run id>"
         home = None if inv.slurm.login else str(Path.home())
@@ -101,26 +104,40 @@ def _facts(sh: Shell, inv: SlurmInventory, wd: str) -> SlurmFacts:
 
 
 def submit(sh: Shell, inv: SlurmInventory, plan: SlurmPlan, secrets: dict[str, str]) -> str:
+    """Stage the run's files and sbatch the script; the job id. Until Slurm has taken the job, a
+    failure (sbatch refusing it, a lost connection, Ctrl-C) removes the secrets file and the script
+    (job.env's values) it staged: no job, nothing of it left that holds a value."""
     from runner.plan import render_secrets_file
 
-    sh.makedirs(plan.slurm_dir)
-    if plan.config_file and inv.job.config:
-        sh.put_bytes(plan.config_file, Path(inv.job.config).read_bytes())
-    if plan.secrets_file:
-        sh.makedirs(plan.secrets_file.rsplit("/", 1)[0], 0o700)
-        sh.put_bytes(plan.secrets_file, render_secrets_file(secrets).encode(), 0o600)
-    if plan.oci_config is not None:
-        # Mounted into every container of the bundle: they must exist. Same content for every run
-        # from this workdir, so rewriting it never changes what a running job was started with.
-        sh.makedirs(f"{plan.workdir}/secrets", 0o700)
-        if sh.read_bytes(f"{plan.bundle}/config.json") != oci_config_json(plan):
-            sh.put_bytes(f"{plan.bundle}/config.json", oci_config_json(plan))
-    sh.put_bytes(plan.script_path, plan.script.encode(), 0o700)  # job.env values: owner only
-    res = sh.run(["sbatch", "--parsable", plan.script_path], timeout=120)
-    job_id = res.out.strip().split(";")[0]
-    if res.rc != 0 or not job_id.isdigit():
-        why = (res.err or res.out).strip().splitlines()[-1:] or [f"exit {res.rc}"]
-        raise UserError(f"sbatch failed on {sh.where}: {why[0]}")
+    staged: list[str] = []
+    try:
+        sh.makedirs(plan.slurm_dir)
+        if plan.config_file and inv.job.config:
+            sh.put_bytes(plan.config_file, Path(inv.job.config).read_bytes())
+        if plan.secrets_file:
+            sh.makedirs(plan.secrets_file.rsplit("/", 1)[0], 0o700)
+            staged.append(plan.secrets_file)
+            sh.put_bytes(plan.secrets_file, render_secrets_file(secrets).encode(), 0o600)
+        if plan.oci_config is not None:
+            # Mounted into every container of the bundle: they must exist. Same content for every run
+            # from this workdir, so rewriting it never changes what a running job was started with.
+            sh.makedirs(f"{plan.workdir}/secrets", 0o700)
+            if sh.read_bytes(f"{plan.bundle}/config.json") != oci_config_json(plan):
+                sh.put_bytes(f"{plan.bundle}/config.json", oci_config_json(plan))
+        staged.append(plan.script_path)
+        sh.put_bytes(plan.script_path, plan.script.encode(), 0o700)  # job.env values: owner only
+        res = sh.run(["sbatch", "--parsable", plan.script_path], timeout=120)
+        job_id = res.out.strip().split(";")[0]
+        if res.rc != 0 or not job_id.isdigit():
+            why = (res.err or res.out).strip().splitlines()[-1:] or [f"exit {res.rc}"]
+            raise UserError(f"sbatch failed on {sh.where}: {visible(why[0])[:300]}; nothing submitted")
+    except BaseException:
+        for path in staged:
+            try:
+                sh.remove(path)
+            except Exception:  # noqa: BLE001 - the connection that failed may be gone: the first error says why
+                pass
+        raise
     rec = read_record(sh, plan.run_dir) or {"run_id": plan.run_id, "inventory": inv.path, "submissions": []}
     rec.update({"grace_period": inv.job.grace_period, "container": inv.slurm.container, "nodes": inv.slurm.nodes})
     rec["submissions"].append({"job_id": job_id, "submission": plan.submission, "script": plan.script_path,
@@ -204,8 +221,8 @@ def cmd_down(args, inv: SlurmInventory) -> int:
             print(f"run {run_id}: nothing running (Slurm job {job_id} {st.state})")
             return 0
         latest = (sh.read_bytes(f"{run_dir}/checkpoints/latest") or b"").decode(errors="replace").strip()
-        print(f"run {run_id}: Slurm job {job_id} {how}; {st.state} after {time.monotonic() - t0:.1f}s"
-              + (f"; latest checkpoint {latest}" if latest else ""))
+        print(visible(f"run {run_id}: Slurm job {job_id} {how}; {st.state} after {time.monotonic() - t0:.1f}s"
+                      + (f"; latest checkpoint {latest[:200]}" if latest else "")))
         return 0 if not st.active else 1
     finally:
         sh.close()

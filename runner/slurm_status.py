@@ -2,7 +2,7 @@
 
 Each node's output is the file `srun --output` writes on the shared filesystem
 (`slurm/<job>/node<K>.out`); it is shown prefixed `[node/rank]` as the SSH runner prefixes a
-container's output. Followed by polling the files' new bytes (no tail process left behind on a
+container's output, cut and made visible the same way (runner/node_output.py). Followed by polling the files' new bytes (no tail process left behind on a
 login node).
 """
 
@@ -12,10 +12,14 @@ import json
 import sys
 import time
 
+from runner.node_output import LineSplitter, visible
 from runner.slurm_jobs import JobState, job_state, node_names, read_record, resolve_run, workdir
 from runner.slurm_shell import Shell
 
 POLL_S = 0.5
+READ_PIECE = 1 << 20   # bytes of a node's output file read at once
+MAX_PIECES = 16        # ... and at most this many per file and poll
+METRICS_TAIL = 16384   # bytes read from the end of metrics.jsonl (runner/status.py reads as many)
 
 
 class Follower:
@@ -26,7 +30,7 @@ class Follower:
         self.nodes = nodes
         self.out = out or sys.stdout
         self.offsets: dict[str, int] = {}
-        self.partial: dict[str, bytes] = {}
+        self.split: dict[str, LineSplitter] = {}
 
     def _files(self) -> list[tuple[str, str]]:
         d = f"{self.run_dir}/slurm"
@@ -34,24 +38,27 @@ class Follower:
         if not self.nodes:
             self.nodes = node_names(self.sh, self.run_dir, self.job_id) or None
         for k, name in enumerate(self.nodes or []):
-            files.append((f"[{name}/{k}]", f"{d}/{self.job_id}/node{k}.out"))
+            files.append((f"[{visible(name)[:64]}/{k}]", f"{d}/{self.job_id}/node{k}.out"))
         return files
 
     def poll(self, final: bool = False) -> None:
+        """What each file gained since the last poll, READ_PIECE bytes at a time (at most
+        MAX_PIECES a file and poll while the job runs: one that writes faster is followed a
+        little behind; the final poll reads to the end)."""
         for prefix, path in self._files():
-            data = self.sh.read_bytes(path, self.offsets.get(path, 0))
-            if not data:
-                continue
-            self.offsets[path] = self.offsets.get(path, 0) + len(data)
-            buf = self.partial.get(path, b"") + data
-            *lines, rest = buf.split(b"\n")
-            self.partial[path] = rest
-            for ln in lines:
-                self.out.write(f"{prefix} {ln.decode(errors='replace')}\n")
-        if final:
-            for prefix, path in self._files():
-                if self.partial.get(path):
-                    self.out.write(f"{prefix} {self.partial.pop(path).decode(errors='replace')}\n")
+            split = self.split.setdefault(path, LineSplitter())
+            pieces = 0
+            while final or pieces < MAX_PIECES:  # the job has ended: all that is left
+                data = self.sh.read_bytes(path, self.offsets.get(path, 0), READ_PIECE)
+                if not data:
+                    break
+                pieces += 1
+                self.offsets[path] = self.offsets.get(path, 0) + len(data)
+                self.out.writelines(f"{prefix} {ln}\n" for ln in split.feed(data))
+                if len(data) < READ_PIECE:
+                    break
+            if final:
+                self.out.writelines(f"{prefix} {ln}\n" for ln in split.end())
         self.out.flush()
 
     def follow(self) -> JobState:
@@ -81,7 +88,9 @@ def cmd_status(args, inv, sh: Shell) -> int:
     job_id, rec = last_job(sh, run_dir)
     st = job_state(sh, job_id, run_dir) if job_id else JobState("-", "NOT SUBMITTED", None)
     nodes = node_names(sh, run_dir, job_id) if job_id else []
-    metrics = (sh.read_bytes(f"{run_dir}/metrics.jsonl") or b"").decode(errors="replace").strip().splitlines()
+    tail = sh.read_bytes(f"{run_dir}/metrics.jsonl", -METRICS_TAIL) or b""
+    metrics = [ln for ln in tail.decode(errors="replace").splitlines()[1 if len(tail) == METRICS_TAIL else 0:]
+               if ln.strip()]  # the first line of a tail may be cut
     doc = {"run_id": run_id, "scheduler": "slurm", "job_id": job_id, "state": st.state, "exit_code": st.exit_code,
            "reason": st.reason, "run_time": st.run_time, "nodes": nodes, "submissions": len(rec.get("submissions", [])),
            "last_metrics": metrics[-1] if metrics else None, "run_dir": run_dir}
@@ -90,12 +99,12 @@ def cmd_status(args, inv, sh: Shell) -> int:
         return 0
     exit_s = f", exit {st.exit_code}" if st.exit_code is not None and not st.active else ""
     why = f" ({st.reason})" if st.reason and st.reason != "None" else ""
-    print(f"run {run_id}: Slurm job {job_id} {st.state}{why}{exit_s}" + (f", {st.run_time}" if st.run_time else "")
-          + f"; submission {doc['submissions']}; run dir {run_dir}")
+    print(visible(f"run {run_id}: Slurm job {job_id} {st.state}{why}{exit_s}" + (f", {st.run_time}" if st.run_time else "")
+                  + f"; submission {doc['submissions']}; run dir {run_dir}"))
     for k, n in enumerate(nodes):
-        print(f"  [{n}/{k}]")
+        print(f"  [{visible(n)[:64]}/{k}]")
     if doc["last_metrics"]:
-        print(f"  last metrics: {doc['last_metrics'][:160]}")
+        print(f"  last metrics: {visible(doc['last_metrics'][:160])}")
     return 0
 
 
@@ -110,7 +119,7 @@ def cmd_logs(args, inv, sh: Shell) -> int:
     f = Follower(sh, run_dir, job_id)
     if args.node:
         names = node_names(sh, run_dir, job_id)
-        keep = [f"[{n}/{k}]" for k, n in enumerate(names) if n in args.node]
+        keep = [f"[{visible(n)[:64]}/{k}]" for k, n in enumerate(names) if n in args.node]
         f.out = _Filter(sys.stdout, tuple(keep))
     if args.follow:
         try:
@@ -137,8 +146,9 @@ def cmd_ls(args, inv, sh: Shell) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     for r in rows:
-        print(f"{r['run_id']}  job {r['job_id']}  {r['state']}"
-              + (f"  exit {r['exit_code']}" if r["exit_code"] is not None else "") + f"  submissions {r['submissions']}")
+        print(visible(f"{r['run_id']}  job {r['job_id']}  {r['state']}"
+                      + (f"  exit {r['exit_code']}" if r["exit_code"] is not None else "")
+                      + f"  submissions {r['submissions']}"))
     return 0
 
 
@@ -149,6 +159,10 @@ class _Filter:
     def write(self, s: str) -> None:
         if s.startswith(self.prefixes):
             self.out.write(s)
+
+    def writelines(self, lines) -> None:
+        for s in lines:
+            self.write(s)
 
     def flush(self) -> None:
         self.out.flush()

@@ -24,6 +24,7 @@ import socket
 import stat
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 
 import paramiko
@@ -33,6 +34,7 @@ from runner.errors import UserError
 from runner.fanout import DEFAULT_PARALLEL, parallel
 from runner.hostkeys import fingerprint, known_hosts_name
 from runner.inventory import Node
+from runner.node_output import read_capped, visible
 from runner.ssh_jump import BASTIONS, proxy_command
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,10 @@ CONNECT_TIMEOUT = 10.0
 # OpenSSH bulk streams (push, collect): a peer that stops answering at the SSH level (a hung
 # node, a frozen sshd) ends the stream after ALIVE_S x ALIVE_COUNT seconds.
 ALIVE_S, ALIVE_COUNT = 10, 3
+# What one command's stdout (and, apart, its stderr) or one file read whole may hold. The largest
+# honest ones: a batch of sha256sum lines (runner/digest.py), a listing of a run dir's files.
+MAX_OUTPUT = 8 << 20
+PROC_NET_LIMIT = 64 << 20  # /proc/net/tcp{,6}: 150 bytes a socket, a busy server has 100k of them
 # A listing bigger than this is not a run dir (a node answering with a tree that never ends).
 WALK_MAX_FILES = 1_000_000
 
@@ -286,8 +292,12 @@ class Remote:
 
     # -- commands ------------------------------------------------------------------------
     def run(self, command: str | list[str], timeout: float = 60.0, stdin: bytes | None = None,
-            check: bool = False) -> Result:
-        """Run a command (a list is shell-quoted). Never put secrets in it: argv is visible on the node."""
+            check: bool = False, max_output: int = MAX_OUTPUT, hold_stdin: bool = False) -> Result:
+        """Run a command (a list is shell-quoted). Never put secrets in it: argv is visible on the node.
+        Its stdout and its stderr are each read up to max_output bytes: a node that writes more is
+        named in one UserError and the command is treated as failed (its channel closed).
+        hold_stdin: stdin stays open after `stdin` until the command ends, so the command sees the
+        runner's connection ending as EOF (runner/registry.py cleans up on it)."""
         if isinstance(command, list):
             command = shlex.join(command)
         assert self.client is not None, "not connected"
@@ -296,29 +306,45 @@ class Remote:
         chan.exec_command(command)
         if stdin is not None:
             chan.sendall(stdin)
+        if stdin is not None and not hold_stdin:
             chan.shutdown_write()
-        err = bytearray()
+        err, over = bytearray(), []
 
         def read_err() -> None:
             try:
-                err.extend(chan.makefile_stderr("rb").read())
+                got, too_much = read_capped(chan.recv_stderr, max_output)
             except OSError:
-                pass
+                return
+            err.extend(got)
+            if too_much:
+                over.append("stderr")
+                chan.close()  # stdout's reader sees the end at once
 
         t = threading.Thread(target=read_err, daemon=True)
         t.start()
+        deadline = time.monotonic() + timeout
         try:
-            out = chan.makefile("rb").read()
+            out, too_much = read_capped(chan.recv, max_output)
+            if too_much:
+                over.append("stdout")
+                chan.close()  # the node stops being read; stderr's reader sees the end
+            t.join(max(0.0, deadline - time.monotonic()))
+            # An exit status the node never sends must not hold the runner either.
+            if not over and not chan.status_event.wait(max(0.0, deadline - time.monotonic())):
+                raise TimeoutError
         except TimeoutError:
             chan.close()
             raise UserError(f"node {self.node.name}: command timed out after {timeout:.0f}s: {command[:80]}") from None
-        t.join(timeout)
+        if over:
+            chan.close()
+            raise UserError(f"node {self.node.name}: `{command[:80]}` wrote more than {max_output >> 20} MiB to "
+                            f"{over[0]}; treated as failed (a command's output is capped)")
         rc = chan.recv_exit_status()
         chan.close()
         res = Result(rc, out.decode(errors="replace"), err.decode(errors="replace"))
         if check and rc != 0:
-            raise UserError(f"node {self.node.name}: `{command[:80]}` failed (exit {rc}): "
-                            f"{(res.err or res.out).strip().splitlines()[-1:] or ''}")
+            last = (res.err or res.out).strip().splitlines()[-1:] or [""]
+            raise UserError(f"node {self.node.name}: `{command[:80]}` failed (exit {rc}): {visible(last[0])[:300]}")
         return res
 
     def open_exec(self, command: str) -> paramiko.Channel:
@@ -390,12 +416,17 @@ class Remote:
                 if self.stat(d) is None:
                     raise UserError(f"node {self.node.name}: cannot create {d}") from None
 
-    def read_text(self, path: str) -> str | None:
+    def read_text(self, path: str, limit: int = MAX_OUTPUT) -> str | None:
+        """A file on the node (None when it cannot be read); one over limit bytes is the node's
+        error, named in one UserError, not a reason to hold whatever it holds."""
         try:
             with self.sftp.open(path, "r") as fh:
-                return fh.read().decode(errors="replace")
+                data = fh.read(limit + 1)  # to EOF or one byte past the limit, in paramiko's round trips
         except OSError:
             return None
+        if len(data) > limit:
+            raise UserError(f"node {self.node.name}: {path} is over {limit >> 20} MiB; refusing to read it")
+        return data.decode(errors="replace")
 
     def listening_ports(self) -> set[int]:
         """TCP ports in LISTEN state on the node, from /proc/net/tcp{,6} over SFTP (no shell)."""
@@ -405,7 +436,7 @@ class Remote:
         """{port: socket inodes} of the node's listening TCP sockets (/proc/net/tcp{,6}, over SFTP)."""
         out: dict[int, set[str]] = {}
         for f in ("/proc/net/tcp", "/proc/net/tcp6"):
-            for line in (self.read_text(f) or "").splitlines()[1:]:
+            for line in (self.read_text(f, PROC_NET_LIMIT) or "").splitlines()[1:]:
                 parts = line.split()
                 if len(parts) > 9 and parts[3] == "0A":
                     out.setdefault(int(parts[1].rsplit(":", 1)[1], 16), set()).add(parts[9])
@@ -422,12 +453,35 @@ class Remote:
         self._ping_sftp.stat(".")
 
     def put_bytes(self, path: str, data: bytes, mode: int = 0o644) -> None:
-        """Write a file on the node; mode is set BEFORE data is written (secrets are never 0644)."""
+        """Write a file on the node, created with mode (secrets are never 0644, not even while the
+        file is still empty: a reader that opened it then would read what comes later)."""
         tmp = f"{path}.tmp-{os.getpid()}"
-        with self.sftp.open(tmp, "wb") as fh:
-            fh.chmod(mode)
+        try:
+            self.sftp.remove(tmp)  # one a dead runner left: open below must create the file
+        except OSError:
+            pass
+        with self.create(tmp, mode) as fh:
             fh.write(data)
         self.sftp.posix_rename(tmp, path)
+
+    def create(self, path: str, mode: int) -> paramiko.SFTPFile:
+        """A new file on the node, opened for writing with its permissions given in the SFTP open
+        (sftp-server creates it with them, less its umask): paramiko's open() sends none, so the file
+        would exist 0644 until a chmod. Refused (OSError) when path exists."""
+        sftp = self.sftp
+        attrs = paramiko.SFTPAttributes()
+        attrs.st_mode = mode
+        flags = paramiko.sftp.SFTP_FLAG_WRITE | paramiko.sftp.SFTP_FLAG_CREATE | paramiko.sftp.SFTP_FLAG_EXCL
+        t, msg = sftp._request(paramiko.sftp.CMD_OPEN, sftp._adjust_cwd(path), flags, attrs)
+        if t != paramiko.sftp.CMD_HANDLE:
+            raise paramiko.SFTPError("Expected handle")
+        fh = paramiko.SFTPFile(sftp, msg.get_binary(), "wb")
+        try:
+            fh.chmod(mode)  # exactly mode, past the node's umask (the open made it no wider)
+        except BaseException:
+            fh.close()
+            raise
+        return fh
 
     def stat(self, path: str) -> paramiko.SFTPAttributes | None:
         try:

@@ -14,12 +14,15 @@ from datetime import datetime, timezone
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from contract import metrics
 from runner import runs
 from runner.down import run_containers
 from runner.errors import UserError
+from runner.node_output import LineSplitter, cells, log_chunks, visible
 from runner.paths import node_paths
+from runner.perseus import LABEL_ROLE
 from runner.plan import LABEL_RANK, LABEL_RUN
 from runner.session import Cluster, add_inventory_args, load
 from runner.ssh import Remote
@@ -68,7 +71,7 @@ def gather(cl: Cluster, containers: bool = True, docs: bool = False) -> dict[str
     for r, val, err in res:
         out[r.node.name] = val if err is None else ([], {})
         if err is not None:
-            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            first = visible((str(err).strip().splitlines() or [type(err).__name__])[0])[:300]
             print(f"runner: warning: node {r.node.name}: {first} (left out)", file=sys.stderr)
     return out
 
@@ -85,21 +88,42 @@ def node_progress(remote: Remote, run_dir: str) -> tuple[str | None, metrics.Pro
         with remote.sftp.open(posixpath.join(run_dir, metrics.FILE), "rb") as fh:
             size = fh.stat().st_size or 0
             fh.seek(max(0, size - METRICS_TAIL))
-            text = fh.read().decode(errors="replace")
+            text = fh.read(METRICS_TAIL).decode(errors="replace")  # however much the node says is there
     except OSError:
         return None, None
     lines = [ln for ln in text.splitlines() if ln.strip()]
     if size > METRICS_TAIL:
         lines = lines[1:]  # the first may be cut
-    total = metrics.total_steps(remote.read_text(posixpath.join(run_dir, "config.yaml")))
+    total = metrics.total_steps(plain_yaml(remote.read_text(posixpath.join(run_dir, "config.yaml"))))
     return (lines[-1] if lines else None), metrics.progress(metrics.parse("\n".join(lines)), total)
+
+
+def plain_yaml(text: str | None) -> str | None:
+    """text, unless it holds YAML aliases: a node's file is parsed only without them (a 1 KB alias
+    bomb expands to gigabytes in yaml.safe_load). The trainer's own config.yaml has none."""
+    import yaml
+
+    if text is None or ("*" not in text and "&" not in text):  # no alias can be written without them
+        return text
+    try:
+        return None if any(isinstance(t, yaml.AliasToken) for t in yaml.scan(text, yaml.SafeLoader)) else text
+    except yaml.YAMLError:
+        return None
+
+
+def _label_int(value) -> int | None:
+    """A label the node gave: an int, or None for anything else (never a traceback)."""
+    return int(value) if isinstance(value, str) and value.isascii() and value.lstrip("-").isdigit() else None
 
 
 def _uptime(c) -> str:
     st = c.attrs.get("State", {})
     if st.get("Running"):
-        t = datetime.fromisoformat(st["StartedAt"][:26].rstrip("Z") + "+00:00") if st.get("StartedAt") else None
-        return f"{(datetime.now(timezone.utc) - t).total_seconds():.0f}s" if t else "?"
+        try:
+            t = datetime.fromisoformat(str(st.get("StartedAt"))[:26].rstrip("Z") + "+00:00")
+        except ValueError:  # no time, or not one: the engine's word
+            return "?"
+        return f"{(datetime.now(timezone.utc) - t).total_seconds():.0f}s"
     return "-"
 
 
@@ -111,12 +135,12 @@ def status_rows(cl: Cluster, data, run_id: str) -> list[dict]:
                          "last_metrics": None, "progress": None, "error": cl.unreachable.get(n.name)})
             continue
         containers, dirs = data[n.name]
-        cs = [c for c in containers if c.labels.get(LABEL_RUN) == run_id]
+        cs = [c for c in containers if c.labels.get(LABEL_RUN) == run_id and LABEL_ROLE not in c.labels]
         row = {"node": n.name, "rank": None, "state": "absent", "exit_code": None, "uptime": "-", "last_metrics": None,
                "progress": None}
         if cs:
             c = cs[0]
-            row.update(rank=int(c.labels.get(LABEL_RANK, -1)), state=c.status,
+            row.update(rank=_label_int(c.labels.get(LABEL_RANK)), state=c.status,
                        exit_code=c.attrs.get("State", {}).get("ExitCode") if c.status == "exited" else None,
                        uptime=_uptime(c))
         elif run_id in dirs:
@@ -176,13 +200,13 @@ def cmd_status(args) -> int:
     if args.json:
         print(json.dumps({"run_id": run_id, "nodes": rows}, indent=2))
         return 0
-    t = Table(title=f"run {run_id}")
+    t = Table(title=Text(f"run {visible(run_id)}"))
     for col in ("node", "rank", "state", "exit", "uptime", "progress"):
         t.add_column(col, overflow="fold")
     for r in rows:
         prog = str(metrics.Progress(**r["progress"])) if r["progress"] else "-"
-        t.add_row(r["node"], str(r["rank"] if r["rank"] is not None else "-"), r["state"],
-                  str(r["exit_code"] if r["exit_code"] is not None else "-"), r["uptime"], prog)
+        t.add_row(*cells(r["node"], r["rank"] if r["rank"] is not None else "-", r["state"],
+                          r["exit_code"] if r["exit_code"] is not None else "-", r["uptime"], prog))
     _console().print(t)
     return 0
 
@@ -211,7 +235,7 @@ def cmd_ls(args) -> int:
         t.add_column(col)
     for r in rows:
         states = ", ".join(f"{n}:{s}" for n, s in r["containers"].items()) or "-"
-        t.add_row(r["run_id"], states, str(r.get("result", "-")), ", ".join(r["nodes_with_dir"]) or "-")
+        t.add_row(*cells(r["run_id"], states, r.get("result", "-"), ", ".join(r["nodes_with_dir"]) or "-"))
     _console().print(t)
     return 0
 
@@ -236,25 +260,24 @@ def cmd_logs(args) -> int:
 
         def show(item) -> None:
             node, c = item
-            prefix = f"[{node}/{c.labels.get(LABEL_RANK, '?')}]"
+            label = c.labels.get(LABEL_RANK, c.labels.get(LABEL_ROLE, "?"))
+            prefix = f"[{node}/{visible(str(label))[:20]}]"  # a label: the node's word
             try:
                 _show(prefix, c)
             except Exception as exc:  # noqa: BLE001 - a node lost mid-follow ends its stream, not the others
-                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                first = visible((str(exc).strip().splitlines() or [type(exc).__name__])[0])[:300]
                 sys.stderr.write(f"runner: warning: {prefix} log stream ended: {first}\n")
 
         def _show(prefix: str, c) -> None:
-            buf = b""
-            out = c.logs(stream=True, follow=args.follow, tail=tail)
-            for chunk in out if args.follow else [out if isinstance(out, bytes) else b"".join(out)]:
-                buf += chunk
-                *lines, buf = buf.split(b"\n")
-                with lock:
-                    for ln in lines:
-                        sys.stdout.write(f"{prefix} {ln.decode(errors='replace')}\n")
-                    sys.stdout.flush()
-            if buf:
-                sys.stdout.write(f"{prefix} {buf.decode(errors='replace')}\n")
+            split = LineSplitter()
+            for chunk in log_chunks(c, follow=args.follow, tail=tail):
+                lines = split.feed(chunk)
+                if lines:
+                    with lock:
+                        sys.stdout.writelines(f"{prefix} {ln}\n" for ln in lines)
+                        sys.stdout.flush()
+            with lock:
+                sys.stdout.writelines(f"{prefix} {ln}\n" for ln in split.end())
 
         if args.follow:
             threads = [threading.Thread(target=show, args=(t,), daemon=True) for t in targets]
@@ -290,7 +313,10 @@ def _kept_logs(run_id: str, args, ranks: dict[str, int | None]) -> int:
                 rank = json.loads((f.parent / "runner-status.json").read_text()).get("rank")
             except (OSError, ValueError):
                 rank = None
-        prefix = f"[{node}/{rank if rank is not None else '?'}]"
-        for line in f.read_text(errors="replace").splitlines():
-            sys.stdout.write(f"{prefix} {line}\n")
+        prefix = f"[{node}/{rank if isinstance(rank, int) else '?'}]"
+        split = LineSplitter()
+        with open(f, "rb") as fh:  # raw bytes as the job wrote them: cut and made visible here
+            while chunk := fh.read(1 << 20):
+                sys.stdout.writelines(f"{prefix} {ln}\n" for ln in split.feed(chunk))
+        sys.stdout.writelines(f"{prefix} {ln}\n" for ln in split.end())
     return 0

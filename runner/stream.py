@@ -4,13 +4,15 @@ no GIL; paramiko managed a quarter of scp's rate), watched for stalls. Used by `
 
 A stream that moves no byte for `stall_s` is killed, and OpenSSH's ServerAlive probes end one
 whose node stopped answering at the SSH level: a frozen node never blocks the runner forever.
-Every process is reaped on every path, and stderr goes to files (an unread pipe could stall it).
+Every process is reaped on every path, and stderr goes to a pipe that a thread always drains,
+keeping only its last bytes (an unread pipe could stall a process; a file would grow with whatever
+a node writes).
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -43,6 +45,44 @@ class Watchdog:
 
     def stop(self) -> None:
         self._done.set()
+
+
+class StderrTail:
+    """A pipe for processes' stderr, drained as it fills by a thread that keeps its last KEEP bytes:
+    what an error message quotes, never more, however much a node or a local tool writes there."""
+
+    KEEP = 64 << 10
+
+    def __init__(self) -> None:
+        self._r, self._w = os.pipe()
+        self._buf = bytearray()
+        self._t = threading.Thread(target=self._drain, daemon=True, name="stderr-tail")
+        self._t.start()
+
+    def fileno(self) -> int:
+        """The write end, for Popen(stderr=...)."""
+        return self._w
+
+    def _drain(self) -> None:
+        try:
+            while chunk := os.read(self._r, self.KEEP):
+                self._buf += chunk
+                if len(self._buf) > 2 * self.KEEP:
+                    del self._buf[:-self.KEEP]
+        finally:
+            os.close(self._r)
+
+    def close_writer(self) -> None:
+        """Once every writer was started: the reader sees the end when the last of them exits."""
+        if self._w >= 0:
+            os.close(self._w)
+            self._w = -1
+
+    def text(self, n: int = 300) -> str:
+        """The last n characters, on one line."""
+        self.close_writer()
+        self._t.join(10)  # a writer's leftover child may hold the pipe: what came so far will do
+        return " ".join(bytes(self._buf[-self.KEEP:]).decode(errors="replace").strip().splitlines())[-n:]
 
 
 def transfer_progress(quiet: bool = False, eta: bool = True):
@@ -96,7 +136,7 @@ def ssh_stream(remote: Remote, remote_cmd: str, local: list[list[str]], *, uploa
     (a `docker load` still unpacking). Returns what happened; the caller words the error."""
     stall = STALL_S if stall_s is None else stall_s
     res = Result()
-    ssh_err, local_err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+    ssh_err, local_err = StderrTail(), StderrTail()
     procs: list[subprocess.Popen] = []
     # Compression only pays off on real links (on loopback it burns the cores both ends share),
     # and never on what gzip already packed.
@@ -124,6 +164,8 @@ def ssh_stream(remote: Remote, remote_cmd: str, local: list[list[str]], *, uploa
             src, dst = ssh.stdout, sink.stdin
             feeder = threading.Thread(target=_feed, args=(ssh.stdin, stdin_data or b""), daemon=True)
             feeder.start()
+        ssh_err.close_writer()  # every process holds its own copy now
+        local_err.close_writer()
         dog = Watchdog(procs, stall)
         try:
             res.moved, res.broken = pump(src, dst, dog, on_chunk)
@@ -145,9 +187,7 @@ def ssh_stream(remote: Remote, remote_cmd: str, local: list[list[str]], *, uploa
         _reap(procs)
         res.ssh_rc = ssh.returncode if ssh is not None else None
         res.local_rcs = res.local_rcs or [p.returncode for p in procs if p is not ssh]
-        res.ssh_err, res.local_err = _tail(ssh_err), _tail(local_err)
-        ssh_err.close()
-        local_err.close()
+        res.ssh_err, res.local_err = ssh_err.text(), local_err.text()
     return res
 
 
@@ -185,8 +225,3 @@ def _reap(procs: list[subprocess.Popen]) -> None:
             p.wait(timeout=10)
         except subprocess.TimeoutExpired:  # stuck in the kernel: do not hang on it
             pass
-
-
-def _tail(f, n: int = 300) -> str:
-    f.seek(0)
-    return " ".join(f.read().decode(errors="replace").strip().splitlines())[-n:]

@@ -1,5 +1,5 @@
-"""Watch a launched run: stream every container's output prefixed `[node/rank]` (also kept per
-node), and fail fast: the first container exiting non-zero or node becoming unreachable stops
+"""Watch a launched run: stream every container's output prefixed `[node/rank]` (lines cut at 64 KiB,
+control characters made visible: runner/node_output.py; the raw bytes kept per node), and fail fast: the first container exiting non-zero or node becoming unreachable stops
 every other container of the run (one shared event, as Horovod's safe_shell_exec does)."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import TextIO
 
 from runner.down import stop_run
 from runner.fanout import DEFAULT_PARALLEL
+from runner.node_output import LineSplitter, log_chunks, visible
 from runner.plan import Plan
 from runner.ssh import Remote
 
@@ -67,14 +68,11 @@ class Watcher:
         self.stopped_in: float | None = None  # seconds from the failure to the others stopped
 
     # -- threads ---------------------------------------------------------------------------
-    def _emit(self, prefix: str, node: str, line: str, fh) -> None:
+    def _emit(self, prefix: str, node: str, line: str) -> None:
         self.tail[node].append(line)
         with self._print_lock:
             self.out.write(f"{prefix} {line}\n")
             self.out.flush()
-        if fh:
-            fh.write(line + "\n")
-            fh.flush()
 
     def _follow(self, np) -> None:
         """Stream the container's output until it ends (the container exited), then its exit code."""
@@ -83,22 +81,23 @@ class Watcher:
         if self.log_dir:
             d = self.log_dir / np.node
             d.mkdir(parents=True, exist_ok=True)
-            fh = open(d / "container.log", "a")
+            fh = open(d / "container.log", "ab")  # the bytes as the job wrote them
         try:
             c = self.remotes[np.node].docker().containers.get(np.container)
-            buf = b""
-            for chunk in c.logs(stream=True, follow=True):
-                buf += chunk
-                *lines, buf = buf.split(b"\n")
-                for ln in lines:
-                    self._emit(prefix, np.node, ln.decode(errors="replace").rstrip("\r"), fh)
-            if buf:
-                self._emit(prefix, np.node, buf.decode(errors="replace"), fh)
+            split = LineSplitter()
+            for chunk in log_chunks(c, follow=True):
+                if fh:
+                    fh.write(chunk)
+                    fh.flush()
+                for line in split.feed(chunk):
+                    self._emit(prefix, np.node, line)
+            for line in split.end():
+                self._emit(prefix, np.node, line)
             res = c.wait(timeout=None)  # at once: the stream ends when the container does
             self.events.put(Outcome(np.node, np.rank, exit_code=int(res.get("StatusCode", 1))))
         except Exception as exc:  # noqa: BLE001
             if not self.stop.is_set():
-                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                first = visible((str(exc).strip().splitlines() or [type(exc).__name__])[0])[:300]
                 self.events.put(Outcome(np.node, np.rank, error=f"lost contact with the engine: {first}",
                                         since=self.last_ok.get(np.node, time.time()), lost=True))
         finally:
@@ -122,7 +121,7 @@ class Watcher:
                 self.last_ok[np.node] = time.time()
             except Exception as exc:  # noqa: BLE001
                 if not self.stop.is_set():
-                    why = str(exc).strip() or f"no answer within {HEARTBEAT_TIMEOUT_S:.0f}s"
+                    why = visible(str(exc).strip())[:300] or f"no answer within {HEARTBEAT_TIMEOUT_S:.0f}s"
                     self.events.put(Outcome(np.node, np.rank, error=f"node unreachable ({why})",
                                             since=self.last_ok[np.node], lost=True))
             finally:

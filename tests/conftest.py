@@ -95,14 +95,15 @@ def _sandbox_cluster(state, *up_args: str):
     import subprocess
     inv = state / "local.yaml"
     up = subprocess.run(_sandbox_cmd("--dir", str(state / "s"), "up", *up_args, "--inventory", str(inv)),
-                        capture_output=True, text=True, cwd=REPO)
+                        capture_output=True, text=True, cwd=REPO, timeout=900)
     assert up.returncode == 0, up.stderr
     inv.write_text(inv.read_text().replace("image: runner-trainer:latest", f"image: {IMAGE}"))
     try:
         yield inv
     finally:
         # --purge: each node keeps a copy of the image (GBs); a suite must not leave them behind.
-        subprocess.run(_sandbox_cmd("--dir", str(state / "s"), "down", "--purge"), capture_output=True, cwd=REPO)
+        subprocess.run(_sandbox_cmd("--dir", str(state / "s"), "down", "--purge"), capture_output=True, cwd=REPO,
+                       timeout=900)  # bounded here: pytest-timeout times tests' calls only
 
 
 @pytest.fixture(scope="session")

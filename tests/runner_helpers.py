@@ -202,6 +202,22 @@ def container_events(inventory: Path, node: str, container: str, since: float) -
     return [(e["timeNano"], e["Action"], e["Actor"]["Attributes"]) for e in evs]
 
 
+def assert_others_stopped_then_lost_reclaimed(inventory: Path, run_id: str, since: float, lost: str,
+                                              others: tuple[str, ...]) -> None:
+    """From the engines' event logs: each of `others` was started, then stopped by the watcher's
+    SIGTERM, died and was removed; the lost node's container was touched (killed, removed) only
+    after all of that, once it answered again."""
+    events = {n: container_events(inventory, n, f"runner-{run_id}-{n}", since) for n in (*others, lost)}
+    gone = []
+    for n in others:
+        acts = [(a, attrs.get("signal")) for _, a, attrs in events[n] if a in ("start", "kill", "die", "destroy")]
+        assert acts[:2] == [("start", None), ("kill", "15")], (n, acts)  # started, then the watcher's SIGTERM
+        assert acts[-2:] == [("die", None), ("destroy", None)], (n, acts)
+        gone.append(events[n][-1][0])
+    reclaim = [t for t, a, _ in events[lost] if a in ("kill", "destroy")]
+    assert reclaim and min(reclaim) > max(gone), events[lost]
+
+
 def containers_created(inventory: Path, since: float) -> dict[str, list[str]]:
     """{node: names of the runner containers its engine created after `since` (time.time()), in
     order}, from the engine's event log: a container created and removed again counts, one that

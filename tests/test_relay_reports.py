@@ -37,7 +37,9 @@ def end(h: RelayHop) -> None:
     (b"BYTES 1048576\n", ("BYTES", 1048576)),
     (b"LOADING\n", ("LOADING",)),
     (b"DONE 0 Loaded image: app:1\n", ("DONE", 0, "Loaded image: app:1")),
-    (b"DONE 1 \x1b]52;c;cm0gLXJmIH4=\x07pwned\r\n", ("DONE", 1, "?]52;c;cm0gLXJmIH4=?pwned?")),  # no escape reaches a terminal
+    # no escape reaches a terminal: controls shown as everything else from a node (node_output.visible)
+    (b"DONE 1 \x1b]52;c;cm0gLXJmIH4=\x07pwned\r\n", ("DONE", 1, "^[]52;c;cm0gLXJmIH4=^Gpwned^M")),
+    (b"ERROR \xc2\x9b2J\ttab\n", ("ERROR", "M-^[2J\ttab")),
     (b"ERROR refused: " + b"x" * 5000 + b"\n", ("ERROR", "refused: " + "x" * (relay.TEXT_MAX - 9))),
     (b"hello from .bashrc\n", None),  # not a report: ignored
 ])

@@ -23,7 +23,7 @@ from runner.plan import LABEL_RUN
 from tests import IMAGE
 from tests.conftest import REPO
 from tests.runner_helpers import (
-    container_events,
+    assert_others_stopped_then_lost_reclaimed,
     down_while_held,
     node_engine_containers,
     node_workdir,
@@ -203,15 +203,7 @@ def test_node_lost_mid_run_others_stopped_by_the_watcher_then_reclaimed(sandbox,
     assert "runner: node node-2 is reachable again: stopped and removed its container" in err, err
     assert node_engine_containers(sandbox, "node-2", run_id) == []
     assert run_containers(sandbox, run_id) == {n: [] for n in NODES}
-    events = {n: container_events(sandbox, n, f"runner-{run_id}-{n}", since) for n in NODES}
-    gone = []
-    for n in ("node-0", "node-1"):
-        acts = [(a, attrs.get("signal")) for _, a, attrs in events[n] if a in ("start", "kill", "die", "destroy")]
-        assert acts[:2] == [("start", None), ("kill", "15")], (n, acts)  # started, then the watcher's SIGTERM
-        assert acts[-2:] == [("die", None), ("destroy", None)], (n, acts)
-        gone.append(events[n][-1][0])
-    reclaim = [t for t, a, _ in events["node-2"] if a in ("kill", "destroy")]
-    assert reclaim and min(reclaim) > max(gone), events["node-2"]  # node-2 only once it answered again
+    assert_others_stopped_then_lost_reclaimed(sandbox, run_id, since, "node-2", ("node-0", "node-1"))
 
 
 def test_dead_node_orphan_removed_by_resume_relaunch(sandbox, pushed, tmp_path):

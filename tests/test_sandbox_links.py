@@ -21,9 +21,9 @@ import yaml
 from runner.sandbox_net import SandboxNet
 from tests import IMAGE, REPO
 from tests.runner_helpers import (
+    assert_others_stopped_then_lost_reclaimed,
     build_image,
     build_scratch_image,
-    container_events,
     node_docker,
     node_workdir,
     parse_push,
@@ -183,15 +183,7 @@ def test_a_partitioned_node_is_detected_named_and_reclaimed(netns_sandbox, tmp_p
     assert f"runner: error: run {run_id}: node node-2 (rank 2) failed: node unreachable" in err, err
     assert "runner: node node-2 is reachable again: stopped and removed its container" in err, err
     assert run_containers(inv, run_id) == {n: [] for n in NODES}
-    events = {n: container_events(inv, n, f"runner-{run_id}-{n}", since) for n in NODES}
-    gone = []
-    for n in ("node-0", "node-1"):
-        acts = [(a, attrs.get("signal")) for _, a, attrs in events[n] if a in ("start", "kill", "die", "destroy")]
-        assert acts[:2] == [("start", None), ("kill", "15")], (n, acts)  # started, then the watcher's SIGTERM
-        assert acts[-2:] == [("die", None), ("destroy", None)], (n, acts)
-        gone.append(events[n][-1][0])
-    reclaim = [t for t, a, _ in events["node-2"] if a in ("kill", "destroy")]
-    assert reclaim and min(reclaim) > max(gone), events["node-2"]  # node-2 only once its link is back
+    assert_others_stopped_then_lost_reclaimed(inv, run_id, since, "node-2", ("node-0", "node-1"))
 
 
 def test_link_of_a_loopback_sandbox_or_unknown_node_is_one_line(netns_sandbox, tmp_path):

@@ -39,6 +39,7 @@ COMMANDS: dict[str, str] = {
     "export": "trainer.checkpoint:export_main",
     "plot": "trainer.plots:main",
     "probe": "trainer.probe:main",  # per-node measurements for parallel.partition auto (runner profile)
+    "perseus-plans": "trainer.profiling.perseus_plans:main",  # plan files from instructions-{rank}.csv
 }
 
 

@@ -20,7 +20,6 @@ its copy to the device does not wait for the host. It is keyed by position: a re
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,15 +27,12 @@ from typing import Any
 import torch
 
 from trainer.config import ConfigError, DataConfig
+from trainer.text_sources import load_texts
+from trainer.tokenizer import Tokenizer, load_tokenizer
 
+__all__ = ["DataStream", "Tokenizer", "build_data", "load_texts", "load_tokenizer", "pack"]
 log = logging.getLogger("trainer")
 
-# Nothing downloads at run time; without these `datasets` waits on network timeouts even for local files.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-
-TEXT_EXT = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-SPECIAL_TOKENS = ["<|endoftext|>", "[MASK]", "[PAD]"]
 _EVAL_OFFSET = 1 << 40  # synthetic eval samples live far from training indices
 
 
@@ -44,79 +40,17 @@ def _gen(seed: int, index: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + index) % (1 << 63))
 
 
-@dataclass
-class Tokenizer:
-    vocab_size: int
-    eos_id: int
-    mask_id: int | None
-    backend: Any                         # a tokenizers.Tokenizer
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.backend.encode_batch(texts)]
-
-
 # ---------------------------------------------------------------- text corpus
 
 
-def _data_files(source: str) -> tuple[str, list[str]]:
-    p = Path(source)
-    files = sorted(str(f) for f in p.rglob("*") if f.suffix in TEXT_EXT) if p.is_dir() else [str(p)]
-    if not files:
-        raise ConfigError(f"data.source: no .txt/.jsonl/.parquet files under '{source}'")
-    kinds = {TEXT_EXT.get(Path(f).suffix) for f in files}
-    if None in kinds or len(kinds) != 1:
-        raise ConfigError(f"data.source: '{source}' must hold files of one kind (.txt, .jsonl/.json or .parquet)")
-    return kinds.pop(), files
-
-
-def load_texts(dcfg: DataConfig, cache_dir: str | None = None) -> list[str]:
-    """Documents (paragraphs for plain text) through `datasets`, read from local files only."""
-    import datasets
-
-    datasets.disable_progress_bars()
-    kind, files = _data_files(dcfg.source)
-    kwargs: dict[str, Any] = {"sample_by": "paragraph"} if kind == "text" else {}
-    ds = datasets.load_dataset(kind, data_files=files, split="train", cache_dir=cache_dir, **kwargs)
-    field = "text" if kind == "text" else dcfg.text_field
-    if field not in ds.column_names:
-        raise ConfigError(f"data.text_field: column '{field}' not in {dcfg.source} (columns: {ds.column_names})")
-    return [t for t in ds[field] if t and t.strip()]
-
-
-def load_tokenizer(dcfg: DataConfig, texts: list[str]) -> Tokenizer:
-    """A tokenizer directory, or a byte-level BPE trained on the corpus (deterministic)."""
-    from tokenizers import Tokenizer as HFTokenizer
-
-    if dcfg.tokenizer:
-        path = Path(dcfg.tokenizer)
-        file = path / "tokenizer.json" if path.is_dir() else path
-        if not file.is_file():
-            raise ConfigError(f"data.tokenizer: no tokenizer.json at '{dcfg.tokenizer}'")
-        tok = HFTokenizer.from_file(str(file))
-    else:
-        from tokenizers import decoders, models, pre_tokenizers, trainers
-
-        tok = HFTokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=dcfg.tokenizer_vocab_size, special_tokens=SPECIAL_TOKENS,
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-        tok.train_from_iterator(texts, trainer=trainer)
-    vocab = tok.get_vocab_size()
-    eos = next((tok.token_to_id(t) for t in ("<|endoftext|>", "</s>", "<eos>", "[SEP]") if tok.token_to_id(t) is not None),
-               None)
-    if eos is None:
-        raise ConfigError(f"data.tokenizer: '{dcfg.tokenizer}' has no end-of-text token")
-    mask = next((tok.token_to_id(t) for t in ("[MASK]", "<mask>") if tok.token_to_id(t) is not None), None)
-    return Tokenizer(vocab, eos, mask, tok)
-
-
 def pack(token_lists: list[list[int]], eos_id: int, block: int) -> torch.Tensor:
-    """Concatenate documents separated by EOS and cut into [n, block] (remainder dropped)."""
+    """Concatenate documents separated by EOS and cut into [n, block] (remainder dropped). A
+    document the tokenizer already ended with EOS (T5's `</s>`, BERT's `[SEP]`) gets no second one."""
     flat: list[int] = []
     for ids in token_lists:
         flat.extend(ids)
-        flat.append(eos_id)
+        if not ids or ids[-1] != eos_id:
+            flat.append(eos_id)
     n = len(flat) // block
     return torch.tensor(flat[: n * block], dtype=torch.long).view(n, block)
 

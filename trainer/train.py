@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from trainer import dist_env
+from trainer import dist_env, model_files
 from trainer.config import Config, ConfigError, resolve
 from trainer.config_checks import resolve_loss_chunks
 from trainer.data import DataStream, build_data, load_texts, load_tokenizer, reads_text
@@ -78,11 +78,11 @@ class Trainer:
         if reads_text(d, task_of(cfg.model)):  # an image folder is read by build_data
             self._tmp = tempfile.TemporaryDirectory(prefix="trainer-datasets-")
             texts = load_texts(d, cache_dir=self._tmp.name)
-            tokenizer = load_tokenizer(d, texts)
-            if env.local_rank == 0:
-                tokenizer.backend.save(str(self.output_dir / "tokenizer.json"))
+            tokenizer = load_tokenizer(d, texts, cfg.model)
         self.tokenizer = tokenizer
         self.spec = model_spec(cfg.model, tokenizer.vocab_size if tokenizer else None)
+        if tokenizer is not None:
+            tokenizer.check_fits(int(self.spec.hf_config.vocab_size))
         log.info("model: %s (%s), %d layers, hidden %d, Number of parameters: %.2fM", cfg.model.path or cfg.model.preset,
                  self.spec.family, self.spec.num_layers, self.spec.hidden_size, self.spec.num_params / 1e6)
         # What `auto` means here, recorded in config.yaml as what ran.
@@ -183,6 +183,8 @@ class Trainer:
     def _write_config(self) -> None:
         if self.env.local_rank == 0:
             (self.output_dir / "config.yaml").write_text(self.cfg.to_yaml())
+            # config.json and the tokenizer: what `trainer export` needs besides the weights (every checkpoint keeps them)
+            model_files.write(self.output_dir, self.spec.hf_config, self.tokenizer, self.cfg.model.path)
 
     def _elapsed(self, since: float) -> float:
         if self.device.type == "cuda":

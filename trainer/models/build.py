@@ -111,6 +111,8 @@ def task_of(mcfg: ModelConfig) -> str:
 
 def build_hf_config(mcfg: ModelConfig, vocab_size: int | None = None) -> tuple[str, Any]:
     """(family, transformers config) with preset, overrides and data vocab applied."""
+    if mcfg.path is not None and mcfg.load_weights:
+        vocab_size = None  # the weights fix the vocabulary; the tokenizer must fit it (Tokenizer.check_fits)
     family = _family_of(mcfg)
     fam = FAMILIES[family]
     if mcfg.path is not None:
@@ -204,11 +206,20 @@ def build_model(spec: ModelSpec, mcfg: ModelConfig, seed: int) -> nn.Module:
     cls = _transformers_attr(FAMILIES[spec.family].model_cls)
     torch.manual_seed(seed)
     if mcfg.path is not None and mcfg.load_weights:
+        _transformers_attr("utils").logging.disable_progress_bar()  # one bar per rank in the logs otherwise
         try:
-            model = cls.from_pretrained(mcfg.path, config=spec.hf_config, local_files_only=True,
-                                        dtype=torch.float32)
-        except OSError as e:
-            raise ConfigError(f"model.path: cannot load weights from '{mcfg.path}': {str(e).splitlines()[0]}") from None
+            model, info = cls.from_pretrained(mcfg.path, config=spec.hf_config, local_files_only=True,
+                                              dtype=torch.float32, output_loading_info=True)
+        except (OSError, RuntimeError, ValueError) as e:
+            raise ConfigError(f"model.path: cannot load weights from '{mcfg.path}': "
+                              f"{' '.join(str(e).split())[:300]}") from None
+        # transformers initialises what the files lack at random and says so in a warning only: a
+        # model.* override that changed the architecture would train half-random "pretrained" weights.
+        missing = sorted(info.get("missing_keys") or []) + sorted(str(m) for m in info.get("mismatched_keys") or [])
+        if missing:
+            raise ConfigError(f"model.path: the weights in '{mcfg.path}' lack {len(missing)} tensor(s) of this model "
+                              f"(first: {missing[0]}); drop the model.* overrides that change its architecture, or "
+                              "set model.load_weights false")
     else:
         model = cls(spec.hf_config)
     return model.float()

@@ -1,0 +1,156 @@
+"""Bytes from a node or a job, bounded before they are held and made harmless before they are printed.
+
+Whatever a node, its engine or a job writes is read in bounded pieces: lines are cut at MAX_LINE
+bytes (the piece is shown with CUT_MARK and the rest of the line follows as the next piece), a
+command's output is capped (runner/ssh.py), a log stream's frames are read a piece at a time
+whatever length their header claims. Before a line reaches the terminal, C0 and C1 control
+characters (except tab) are shown in `cat -v` notation: ESC as `^[`, CR as `^M`, DEL as `^?`, the
+C1 CSI (U+009B) as `M-^[`. So a job cannot write the clipboard (OSC 52), retitle the window, or
+repaint a line as another node's (`\\r` + erase-line). The per-node log file keeps the raw bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+MAX_LINE = 64 << 10        # bytes of one line held or printed; a longer one goes on in pieces
+PIECE = 64 << 10           # bytes read at a time from a stream whose frame says how long it is
+CUT_MARK = " [runner: line over 64 KiB, cut here; it goes on in the next line]"
+
+# C0 (but tab), DEL and C1: what a terminal acts on instead of showing.
+_SHOW = {c: ("^" + chr(c + 64) if c < 0x20 else "^?" if c == 0x7f else "M-^" + chr(c - 0x80 + 64))
+         for c in (*range(0x00, 0x09), *range(0x0a, 0x20), *range(0x7f, 0xa0))}
+
+
+def visible(text: str) -> str:
+    """text with every control character but tab shown as `cat -v` shows it (ESC -> `^[`)."""
+    if text.isprintable():  # the common line: one scan in C, no copy (a tab takes the long way)
+        return text
+    return text.translate(_SHOW)
+
+
+class LineSplitter:
+    """Bytes in as they arrive, the lines they complete out as shown() makes them, each at most
+    max_line bytes (a longer line comes out in pieces, each but the last marked cut). Linear: each
+    byte is scanned once and the pending part of a line never exceeds max_line, however long the
+    line or small the chunks."""
+
+    def __init__(self, max_line: int = MAX_LINE):
+        self.max_line = max_line
+        self.pending = bytearray()
+
+    def feed(self, chunk: bytes) -> list[str]:
+        if not self.pending and chunk.endswith(b"\n") and len(chunk) <= self.max_line:
+            return [shown(ln) for ln in chunk[:-1].split(b"\n")]  # whole lines: the usual frame
+        out: list[str] = []
+        start = 0
+        while (nl := chunk.find(b"\n", start)) >= 0:
+            self._add(chunk, start, nl, out)
+            out.append(shown(self.pending))
+            self.pending.clear()
+            start = nl + 1
+        self._add(chunk, start, len(chunk), out)
+        return out
+
+    def end(self) -> list[str]:
+        """The last line, when the stream ended without a newline."""
+        if not self.pending:
+            return []
+        line = shown(self.pending)
+        self.pending.clear()
+        return [line]
+
+    def _add(self, chunk: bytes, start: int, stop: int, out: list[str]) -> None:
+        """Append chunk[start:stop] (no newline in it) to the pending line, giving out full pieces."""
+        p = self.pending
+        while stop - start > self.max_line - len(p):
+            take = self.max_line - len(p)
+            p += chunk[start:start + take]
+            cut = _char_boundary(p)
+            out.append(shown(p[:cut], cut=True))
+            del p[:cut]  # at most the 3 bytes of a UTF-8 character cut in two
+            start += take
+        p += chunk[start:stop]
+
+
+def _char_boundary(b: bytearray) -> int:
+    """Where to cut b (full) so that a UTF-8 character is not split: before its lead byte."""
+    n = len(b)
+    for i in range(n - 1, max(n - 4, 0) - 1, -1):
+        c = b[i]
+        if c < 0x80:
+            return n
+        if c >= 0xC0:  # a lead byte: whole if its character fits before n
+            need = 2 if c < 0xE0 else 3 if c < 0xF0 else 4
+            return n if i + need <= n else (i or n)
+    return n
+
+
+def shown(line: bytes | bytearray, cut: bool = False) -> str:
+    """One line of node output as the terminal gets it: decoded, a CRLF's CR dropped, controls
+    made visible, the cut marker on a piece of a longer line."""
+    text = line.decode(errors="replace")
+    if not text.isprintable():  # the usual line is printable as it is: one scan in C
+        text = visible(text.rstrip("\r"))
+    return text + CUT_MARK if cut else text
+
+
+def cells(*values) -> list:
+    """rich table cells from values a node gave (labels, states, versions): plain text, never read
+    as rich markup (`[link=...]` would make a hyperlink), controls visible, at most 200 characters."""
+    from rich.text import Text
+
+    return [Text(visible(str(v))[:200]) for v in values]
+
+
+def read_capped(recv: Callable[[int], bytes], cap: int, piece: int = PIECE) -> tuple[bytearray, bool]:
+    """Read until EOF or until more than cap bytes came: (what was read, at most cap; over)."""
+    buf = bytearray()
+    while chunk := recv(piece):
+        if len(buf) + len(chunk) > cap:
+            buf += chunk[:cap - len(buf)]
+            return buf, True
+        buf += chunk
+    return buf, False
+
+
+def log_chunks(container, *, follow: bool, tail: int | str = "all") -> Iterator[bytes]:
+    """A container's output (stdout and stderr as they interleave) as the engine streams it, in
+    pieces of at most PIECE bytes. docker's own reader trusts each frame's 4-byte length and reads
+    that much at once (up to 4 GiB held from one header); this one never holds more than a piece."""
+    api = container.client.api
+    params = {"stdout": 1, "stderr": 1, "timestamps": 0, "follow": int(follow), "tail": tail}
+    res = api._get(api._url("/containers/{0}/logs", container.id), params=params, stream=True)
+    try:
+        api._raise_for_status(res)
+        if follow:  # a quiet rank must not time the stream out (docker's reader does the same)
+            api._disable_socket_timeout(api._get_raw_response_socket(res))
+        raw = res.raw
+        if (container.attrs.get("Config") or {}).get("Tty"):  # no frames (the runner makes no such container)
+            read = getattr(raw, "read1", raw.read)  # urllib3 1.x has no read1: whole pieces then
+            while data := read(PIECE):
+                yield data
+            return
+        while len(header := raw.read(8)) == 8:
+            left = int.from_bytes(header[4:8], "big")
+            while left > 0:
+                data = raw.read(min(left, PIECE))
+                if not data:
+                    return
+                left -= len(data)
+                yield data
+    finally:
+        res.close()
+
+
+def log_tail(container, lines: int) -> list[str]:
+    """The last `lines` lines of a container's output, shown (cut, made visible), for an error
+    message: never more than lines x MAX_LINE held."""
+    from collections import deque
+
+    keep: deque[str] = deque(maxlen=lines)
+    split = LineSplitter()
+    for chunk in log_chunks(container, follow=False, tail=lines):
+        keep.extend(split.feed(chunk))
+    keep.extend(split.end())
+    return list(keep)
