@@ -1,7 +1,7 @@
 """Pretrained models and datasets as the Hub hands them to a user, made here with no network.
 
 `pretrained(...)`: a tiny model of a family with a real tokenizer of that family's transformers
-class (a BPE or WordPiece model trained on the bundled corpus with `tokenizers`), both
+class (a BPE, WordPiece or Unigram model trained on the bundled corpus with `tokenizers`), both
 saved with save_pretrained, then laid out as `hf download` leaves them in the cache:
 `models--org--name/{blobs/<sha256>, refs/main, snapshots/<rev>/<file> -> ../../blobs/<sha256>}`.
 `corpus_dataset(...)`: the corpus's paragraphs as a `datasets` DatasetDict saved with save_to_disk.
@@ -33,7 +33,11 @@ TOKENIZERS: dict[str, tuple[str, list[str], str, dict]] = {
               dict(unk_token="<unk>", bos_token="<s>", eos_token="</s>")),
     "gpt2": ("bpe", ["<|endoftext|>"], "GPT2Tokenizer",
              dict(eos_token="<|endoftext|>", bos_token="<|endoftext|>", unk_token="<|endoftext|>")),
+    "bloom": ("bpe", ["<unk>", "<s>", "</s>", "<pad>"], "PreTrainedTokenizerFast",
+              dict(unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>")),
     "bert": ("wordpiece", ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"], "BertTokenizer", {}),
+    "t5": ("unigram", ["<pad>", "</s>", "<unk>"], "T5Tokenizer",
+           dict(eos_token="</s>", pad_token="<pad>", unk_token="<unk>", extra_ids=0)),
 }
 
 
@@ -53,12 +57,18 @@ def train_tokenizer(family: str, vocab: int = 400) -> Any:
         tok.decoder = decoders.ByteLevel()
         trainer: Any = trainers.BpeTrainer(vocab_size=vocab, special_tokens=specials, show_progress=False,
                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    else:  # wordpiece
+    elif kind == "wordpiece":
         tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
         tok.normalizer = normalizers.BertNormalizer(lowercase=True)
         tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
         tok.decoder = decoders.WordPiece()
         trainer = trainers.WordPieceTrainer(vocab_size=vocab, special_tokens=specials, show_progress=False)
+    else:
+        tok = Tokenizer(models.Unigram())
+        tok.pre_tokenizer = pre_tokenizers.Metaspace()
+        tok.decoder = decoders.Metaspace()
+        trainer = trainers.UnigramTrainer(vocab_size=vocab, special_tokens=specials, unk_token="<unk>",
+                                          show_progress=False)
     tok.train_from_iterator(paragraphs(), trainer=trainer)
     hf = getattr(transformers, cls)(tokenizer_object=tok, **kwargs)
     if family.startswith("qwen"):
