@@ -30,6 +30,15 @@ COPY docker/requirements-trainer.txt /tmp/requirements-trainer.txt
 RUN set -e; [ -f /tmp/certs/ca.crt ] && export PIP_CERT=/tmp/certs/ca.crt; \
     pip install -r /tmp/requirements-trainer.txt
 
+# The Perseus server's own environment (job.perseus, runner/perseus.py): Zeus's pipeline frequency
+# optimizer needs pydantic<2, so its packages go to /opt/perseus, put on PYTHONPATH only in the
+# server's container (numpy and pandas come from /opt/venv). Pure-Python wheels, ~13 MB.
+COPY docker/requirements-perseus.txt /tmp/requirements-perseus.txt
+RUN set -e; [ -f /tmp/certs/ca.crt ] && export PIP_CERT=/tmp/certs/ca.crt; \
+    pip install --no-deps --target /opt/perseus --only-binary=:all: --platform any --implementation py \
+      --python-version "$(python -c 'import sys; print("%d.%d" % sys.version_info[:2])')" \
+      -r /tmp/requirements-perseus.txt
+
 # torchrun forwards only the signals it is told to handle and dies of any other: Slurm's
 # `--signal=USR1@60` or `docker kill -s USR1` would kill it and orphan the workers without a
 # checkpoint. torch's process layer reads TORCHELASTIC_SIGNALS_TO_HANDLE, but torch 2.13's torchrun

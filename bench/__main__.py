@@ -4,7 +4,8 @@ Each prints a Markdown table and writes bench/results/<name>.json. Without names
 The sandbox ones (launch, push, collect, fanout, partition) start a sandbox cluster of their own
 (127.0.9.x, BENCH_BASE_ADDR) and need the trainer image on this host (scripts/build-image.sh).
 gpu_throughput measures on a CUDA GPU and says so and measures nothing elsewhere; on a GPU host it
-runs without this project's virtualenv: `PYTHONPATH=. python3 -m bench gpu_throughput`.
+runs without this project's virtualenv: `PYTHONPATH=. python3 -m bench gpu_throughput` (likewise
+gpu_families, the Perseus families' time and memory against the dry run's estimate).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import subprocess
 import sys
 
 BENCHES = ["trainer_throughput", "pipeline_schedules", "launch", "push", "collect", "fanout", "gpu_throughput",
-           "partition", "links", "push_relay"]
+           "partition", "links", "push_relay", "gpu_families"]
 
 
 def main(argv: list[str]) -> int:

@@ -110,7 +110,7 @@ def memory_bytes(text: str) -> int | None:
 DEFAULT_FIELDS = NODE_FIELDS - {"name", "host", "addr", "role", "host_key"}
 PUSH_MODES = ("relay", "direct")
 JOB_FIELDS = {"image", "config", "args", "env", "env_file", "master_port", "nproc_per_node",
-              "grace_period", "command", "build", "sync", "mounts", "unsafe_mounts", "registry", "push"}
+              "grace_period", "command", "build", "sync", "mounts", "unsafe_mounts", "registry", "push", "perseus"}
 BUILD_FIELDS = {"context", "dockerfile", "args", "platform"}
 TOP_FIELDS = {"defaults", "nodes", "job", "slurm"}
 # In job.env_file: how the nodes log in to job.registry (never passed to the job's containers).
@@ -190,6 +190,7 @@ class Job:
     unsafe_mounts: list[str] = field(default_factory=list)  # job.mounts node paths that hand the job the node, on purpose
     registry: str | None = None       # nodes pull the job's tags from HOST:PORT instead of a push
     push: str = "relay"               # relay: this host sends each layer once, nodes pass it on; direct: one stream each
+    perseus: Any = None               # runner/perseus.py PerseusSpec: a Perseus server beside the job
 
     def image_for(self, arch: str | None) -> str | None:
         if isinstance(self.image, str):
@@ -527,6 +528,10 @@ def load_inventory(path: str | os.PathLike, *, check_files: bool = True,
                 jv = top["job"][1].value if "job" in top else {}
                 c.fail(jv["image"][0] if isinstance(jv, dict) and "image" in jv else n.line, "job.image",
                        f"no image for arch {n.arch} (node {n.name}); add `{n.arch}: <tag>`")
+    if job.perseus is not None:
+        from runner.perseus import check_world
+
+        check_world(job.perseus, sum(job.nproc_per_node or n.slots for n in nodes))
     return Inventory(path=path, nodes=nodes, job=job)
 
 
@@ -710,6 +715,10 @@ def _job(c: _Checker, v: _Val, base: Path) -> Job:
             job.unsafe_mounts = parse_unsafe_mounts(c, x)
         elif key == "registry":
             job.registry = parse_registry(c, x)
+        elif key == "perseus":
+            from runner.perseus import parse_perseus
+
+            job.perseus = parse_perseus(c, x, lambda p: _expand(p, base))
         elif key == "push":
             job.push = c.str_(x, w)
             if job.push not in PUSH_MODES:

@@ -209,8 +209,8 @@ def refuse_for(job, backend: str) -> None:
     """The backends that do not carry job.sync/mounts/registry yet say so instead of dropping them."""
     from runner.errors import UserError
 
-    used = [name for name, on in (("job.sync", job.sync), ("job.mounts", job.mounts), ("job.registry", job.registry))
-            if on]
+    used = [name for name, on in (("job.sync", job.sync), ("job.mounts", job.mounts), ("job.registry", job.registry),
+                                  ("job.perseus", getattr(job, "perseus", None))) if on]
     if used:
         raise UserError(f"{', '.join(used)}: not supported by {backend} yet (the SSH runner's `runner up` is); "
                         "put the data on the cluster's shared storage and pass its path in job.args")

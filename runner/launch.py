@@ -23,7 +23,7 @@ from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
-from runner import runs
+from runner import perseus, runs
 from runner.down import run_containers, stop_node, stop_run
 from runner.errors import (
     EXIT_INTERRUPTED,
@@ -105,7 +105,11 @@ def main(args) -> int:
 
         plan = make_plan(inv, run_id, _dry_facts(inv, args.arch), secret_keys=list(secret_vals),
                          trees=scan(inv.job.sync))
+        if inv.job.perseus is not None:
+            perseus.attach(plan, None)
         print(plan.render())
+        if inv.job.perseus is not None:
+            print(perseus.render(plan, inv.job.perseus))
         return 0
     return Launcher(inv, args, secret_vals).run()
 
@@ -117,6 +121,7 @@ class Launcher:
         self.lost_reclaimed = False           # ... and reached again, its container removed
         self.gates: dict[str, bool] = {}      # node -> its image carries runner.gate
         self.trees: list = []                 # job.sync's sources, scanned (runner/sync.py)
+        self.perseus_port: int | None = None  # job.perseus: the server's port on the master
 
     def run(self) -> int:
         t0 = time.time()
@@ -202,9 +207,12 @@ class Launcher:
             job.args = saved + resume_args
         try:
             facts = {n: replace(p.facts(), gate=self.gates.get(n, False)) for n, p in probes.items()}
-            return make_plan(self.inv, run_id, facts, master_port=port, secret_keys=list(self.secret_vals),
+            plan = make_plan(self.inv, run_id, facts, master_port=port, secret_keys=list(self.secret_vals),
                              strict=True, launch_token=secrets.token_hex(4),
                              gate_timeout=self.args.rendezvous_timeout + 60, trees=self.trees)
+            if job.perseus is not None:
+                perseus.attach(plan, self.perseus_port)
+            return plan
         finally:
             job.args = saved
 
@@ -246,6 +254,8 @@ class Launcher:
         self.lost, self.lost_reclaimed = None, False
         # Chosen now, not at preflight: the push may have taken minutes, and other runs start meanwhile.
         port = choose_port(cl[self.inv.master.name], self.inv.job.master_port, run_id)
+        if self.inv.job.perseus is not None:
+            self.perseus_port = perseus.choose_port(cl[self.inv.master.name], self.inv.job.perseus, run_id, port)
         plan = self.make_plan(probes, run_id, resume, port)
         if resume:
             self.clear_earlier_attempt(cl, run_id)
@@ -265,6 +275,8 @@ class Launcher:
             # Inside the try: a failure from here on removes what was staged (the secrets file too).
             self.stage_files(cl, plan)
             log.debug("files staged in %.2fs", time.time() - t0)
+            if self.inv.job.perseus is not None:  # the ranks register with it as they start
+                perseus.start(cl, plan, self.inv.job.perseus, self.perseus_port, self.args.rendezvous_timeout)
             create_container(cl[master.node], master).start()
             log.debug("master container started at %.2fs", time.time() - t0)
             # Gated workers start now: their gate imports torchrun while the master's comes up and

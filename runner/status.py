@@ -22,6 +22,7 @@ from runner.down import run_containers
 from runner.errors import UserError
 from runner.node_output import LineSplitter, cells, log_chunks, visible
 from runner.paths import node_paths
+from runner.perseus import LABEL_ROLE
 from runner.plan import LABEL_RANK, LABEL_RUN
 from runner.session import Cluster, add_inventory_args, load
 from runner.ssh import Remote
@@ -134,7 +135,7 @@ def status_rows(cl: Cluster, data, run_id: str) -> list[dict]:
                          "last_metrics": None, "progress": None, "error": cl.unreachable.get(n.name)})
             continue
         containers, dirs = data[n.name]
-        cs = [c for c in containers if c.labels.get(LABEL_RUN) == run_id]
+        cs = [c for c in containers if c.labels.get(LABEL_RUN) == run_id and LABEL_ROLE not in c.labels]
         row = {"node": n.name, "rank": None, "state": "absent", "exit_code": None, "uptime": "-", "last_metrics": None,
                "progress": None}
         if cs:
@@ -259,7 +260,8 @@ def cmd_logs(args) -> int:
 
         def show(item) -> None:
             node, c = item
-            prefix = f"[{node}/{visible(str(c.labels.get(LABEL_RANK, '?')))[:20]}]"  # a label: the node's word
+            label = c.labels.get(LABEL_RANK, c.labels.get(LABEL_ROLE, "?"))
+            prefix = f"[{node}/{visible(str(label))[:20]}]"  # a label: the node's word
             try:
                 _show(prefix, c)
             except Exception as exc:  # noqa: BLE001 - a node lost mid-follow ends its stream, not the others

@@ -52,6 +52,9 @@ if [[ ! -f $stamp ]]; then
   touch "$stamp"
 fi
 
+# --- the Perseus server's own virtualenv (zeus 0.16, pydantic<2): .venv-perseus ------------
+"$ROOT/scripts/perseus-env.sh"
+
 # --- host Docker engine (the "laptop's" engine, where images are built) ------------------
 # No bridge: starting sandbox engines with --bridge none would delete a default bridge anyway,
 # so everything builds and runs with host networking.

@@ -18,4 +18,5 @@ if [[ ${COVER_SUBPROCESSES:-} == 1 ]]; then
 fi
 cov=(--cov --cov-report=term)
 [[ ${COVERAGE:-1} == 0 ]] && cov=()  # COVERAGE=0: no measurement at all
-exec .venv/bin/pytest -p no:cacheprovider "${cov[@]}" "$@"
+# --durations: the 30 slowest steps close every run, so CI's own output says where its time went.
+exec .venv/bin/pytest -p no:cacheprovider --durations=30 "${cov[@]}" "$@"

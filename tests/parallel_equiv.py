@@ -7,11 +7,10 @@ every step, not only the loss.
 
 from __future__ import annotations
 
-import functools
 import tempfile
 from pathlib import Path
 
-from tests.trainer_run import read_metrics, run_trainer
+from tests.trainer_run import read_metrics, run_trainer, run_trainers
 
 REL_TOL = 1e-5
 
@@ -25,6 +24,10 @@ MODELS = {
                                       'full_attention]}'),
     # Masked LM: microbatches hold different numbers of labelled tokens.
     "bert": ("--model.preset", "tiny-bert"),
+    # The Perseus families (tests/test_perseus_parallel.py): encoder-decoder, ALiBi, convolutions.
+    "t5": ("--model.preset", "tiny-t5"),
+    "bloom": ("--model.preset", "tiny-bloom"),
+    "wide_resnet": ("--model.preset", "tiny-wide-resnet"),
 }
 
 
@@ -34,23 +37,42 @@ def common(global_batch: int, dp: int, micro: int) -> tuple[str, ...]:
             "--train.grad_clip", "0.5", "--optim.lr", "0.001")
 
 
-@functools.cache
-def reference(model: str, global_batch: int = 8) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """(losses, grad norms) of the single-process run; cached across tests of one session."""
-    out = Path(tempfile.mkdtemp(prefix=f"ref-{model}-"))
-    run_trainer(out, *MODELS[model], *common(global_batch, 1, 1))
-    m = read_metrics(out)
-    return tuple(r["loss"] for r in m), tuple(r["grad_norm"] for r in m)
+_REFERENCES: dict[tuple[str, int, int], tuple[tuple[float, ...], tuple[float, ...]]] = {}
+
+
+def references(models: list[str], global_batch: int = 8, micro: int = 1) -> None:
+    """Run the single-process references of `models` not run yet in this session, all in one process
+    (run_trainers). `micro`: their microbatches (BatchNorm normalises per microbatch: the layouts
+    compared must split alike)."""
+    todo = [m for m in models if (m, global_batch, micro) not in _REFERENCES]
+    if not todo:
+        return
+    base = Path(tempfile.mkdtemp(prefix="ref-"))
+    run_trainers([(base / m, (*MODELS[m], *common(global_batch, 1, micro))) for m in todo])
+    for m in todo:
+        rows = read_metrics(base / m)
+        _REFERENCES[(m, global_batch, micro)] = tuple(r["loss"] for r in rows), tuple(r["grad_norm"] for r in rows)
+
+
+def reference(model: str, global_batch: int = 8, micro: int = 1) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(losses, grad norms) of the single-process run; kept across tests of one session."""
+    references([model], global_batch, micro)
+    return _REFERENCES[(model, global_batch, micro)]
+
+
+def layout_args(model: str, *args: str, global_batch: int = 8, dp: int = 1, micro: int = 4) -> tuple[str, ...]:
+    """The trainer arguments of `model` in a layout: the reference's run plus `args`."""
+    return (*MODELS[model], *common(global_batch, dp, micro), *args)
 
 
 def run_layout(out: Path, model: str, nproc: int, *args: str, global_batch: int = 8, dp: int = 1,
                micro: int = 4) -> list[dict]:
-    run_trainer(out, *MODELS[model], *common(global_batch, dp, micro), *args, nproc=nproc)
+    run_trainer(out, *layout_args(model, *args, global_batch=global_batch, dp=dp, micro=micro), nproc=nproc)
     return read_metrics(out)
 
 
-def assert_equivalent(metrics: list[dict], model: str, global_batch: int = 8) -> None:
-    ref_loss, ref_norm = reference(model, global_batch)
+def assert_equivalent(metrics: list[dict], model: str, global_batch: int = 8, micro: int = 1) -> None:
+    ref_loss, ref_norm = reference(model, global_batch, micro)
     losses = [r["loss"] for r in metrics]
     assert len(losses) == len(ref_loss) == 4, (losses, ref_loss)
     for step, (a, b) in enumerate(zip(losses, ref_loss, strict=True), 1):

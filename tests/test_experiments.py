@@ -207,9 +207,10 @@ def test_perseus_gpt3_xl_four_stages_timing_csvs(tmp_path):
                        "--train.microbatch_num", "8", "--train.steps", "5", "--train.dtype", "fp32",
                        "--partition_method", "custom:0,8,14,21,27", "--export_timing_csv", "true",
                        "--num_prof_steps", "4", nproc=4, timeout=900)
-    for line in ("stage 0 (pp rank 0): embeddings + layers 0-6 (7 layers", "stage 1 (pp rank 1): layers 7-12 (6 layers",
-                 "stage 2 (pp rank 2): layers 13-19 (7 layers",
-                 "stage 3 (pp rank 3): layers 20-23 + norm + head (4 layers"):
+    # Merak's items: wte, wpe, 24 blocks, ln_f + head (27): blocks 0-5 | 6-11 | 12-18 | 19-23.
+    for line in ("stage 0 (pp rank 0): embeddings + layers 0-5 (6 layers", "stage 1 (pp rank 1): layers 6-11 (6 layers",
+                 "stage 2 (pp rank 2): layers 12-18 (7 layers",
+                 "stage 3 (pp rank 3): layers 19-23 + norm + head (5 layers"):
         assert line in proc.stdout
     assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4, 5]
     # This machine has no energy sensor (no /sys/class/powercap, no GPU): every rank's file says so

@@ -63,8 +63,8 @@ def test_weighted_gives_faster_nodes_more_layers():
 
 @pytest.mark.parametrize("method,fragment", [
     ("custom:0,7,28", "has 3 boundaries but 3 stages need 4"),
-    ("custom:1,7,21,28", "must start at 0 and end at the layer count 28"),
-    ("custom:0,7,21,27", "must start at 0 and end at the layer count 28"),
+    ("custom:1,7,21,28", "must start at 0 and end at 28 (layers) or 30 (Merak's items)"),
+    ("custom:0,7,21,27", "must start at 0 and end at 28 (layers) or 30 (Merak's items)"),
     ("custom:0,7,7,28", "strictly increasing"),
     ("custom:a,b,c,d", "comma-separated integers"),
     ("weighted:1,2", "has 2 weights but there are 3 stages"),
@@ -78,30 +78,36 @@ def test_partition_errors_are_one_line(method, fragment):
     assert fragment in msg and "\n" not in msg and msg.startswith("parallel.partition")
 
 
-@pytest.mark.parametrize("method", ["custom:0,7,28", "custom:0,7,21,27", "custom:0,7,21,29", "custom:0,7,21,32"])
+@pytest.mark.parametrize("method", ["custom:0,7,28", "custom:0,7,21,27", "custom:0,7,21,29", "custom:0,7,21,31"])
 def test_custom_count_errors_name_both_accepted_endings(method):
-    """Any other last boundary: the error names the layer count and Merak's item counts (L+2, L+3)."""
+    """Any other last boundary: the error names the layer count and the model's Merak item count."""
     with pytest.raises(PartitionError) as e:
         partition_layers(method, 28, 3)
     msg = str(e.value)
-    assert "the layer count 28 (custom:0,...,28)" in msg
-    assert "Merak's item count 30 (embeddings + 28 layers + head) or 31 (embeddings + layers + final norm + head)" in msg
+    assert "28 (layers) or 30 (Merak's items); the model has 30 Merak items or 28 layers" in msg
 
 
 def test_custom_merak_item_counts_are_read_and_said():
-    # Perseus' gpt3-xl spelling on 24 layers (27 items: embeddings, 24 blocks, final norm, head).
-    gpt = partition_layers("custom:0,8,14,21,27", 24, 4)
-    assert bounds(gpt) == [0, 7, 13, 20, 24] == bounds(partition_layers("custom:0,7,13,20,24", 24, 4))
-    assert describe_custom("custom:0,8,14,21,27", 24, 4) == (
-        "custom:0,8,14,21,27 ends at 27 = 24 layers + 3: read as Merak item boundaries (item 0 embeddings, "
-        "items 1-24 layers, then final norm, head), i.e. layer boundaries custom:0,7,13,20,24")
-    # BERT's (head = one item): L+2.
+    from trainer.models.layout import layout_of
+
+    # Perseus' gpt3-xl spelling: Merak's GPT items are wte, wpe, the blocks, ln_f + head (L + 3).
+    gpt = layout_of(tiny("gpt2", layers=24), "gpt3-xl").counting
+    assert (gpt.items, gpt.units) == (27, 24)
+    ranges = partition_layers("custom:0,8,14,21,27", 24, 4, counting=gpt)
+    assert bounds(ranges) == [0, 6, 12, 19, 24] == bounds(partition_layers("custom:0,6,12,19,24", 24, 4))
+    assert describe_custom("custom:0,8,14,21,27", 24, 4, gpt) == (
+        "custom:0,8,14,21,27 ends at 27, gpt3-xl's Merak item count (item 0 wte, item 1 wpe, items 2-25 layers "
+        "0-23, item 26 norm + head): read as item boundaries, i.e. layers custom:0,6,12,19,24")
+    # BERT's (embeddings and head one item each): L+2, the default counting.
     assert bounds(partition_layers("custom:0,8,14,20,26", 24, 4)) == [0, 7, 13, 19, 24]
-    assert "24 layers + 2" in describe_custom("custom:0,8,14,20,26", 24, 4)
-    # The layer spelling needs no note; an item spelling that leaves a stage without layers is refused.
-    assert describe_custom("custom:0,7,13,20,24", 24, 4) is None
-    with pytest.raises(PartitionError, match="ends at Merak's item count 27 but its inner boundaries"):
-        partition_layers("custom:0,1,14,21,27", 24, 4)
+    assert "ends at 26, the model's Merak item count" in describe_custom("custom:0,8,14,20,26", 24, 4)
+    # The layer spelling needs no note; item 1 (wpe) cannot start a stage: the nearest legal items are named.
+    assert describe_custom("custom:0,6,12,19,24", 24, 4, gpt) is None
+    with pytest.raises(PartitionError, match=r"item 1 \(wpe\) cannot start a stage .* the nearest legal "
+                                             r"boundaries are 2$"):
+        partition_layers("custom:0,1,14,21,27", 24, 4, counting=gpt)
+    # Embeddings alone on the first stage (item 2 = block 0 starts stage 1) is a legal Merak split.
+    assert bounds(partition_layers("custom:0,2,14,27", 24, 3, counting=gpt)) == [0, 0, 12, 24]
 
 
 def test_split_for_pipeline_logs_the_merak_reading(caplog):
@@ -115,8 +121,10 @@ def test_split_for_pipeline_logs_the_merak_reading(caplog):
             split_for_pipeline(model, schedule_spec("gpipe"), "custom:0,2,4,7", 0, 3, 1)
     finally:
         logger.removeHandler(caplog.handler)
-    assert "custom:0,2,4,7 ends at 7 = 4 layers + 3: read as Merak item boundaries" in caplog.text
-    assert "stage 1 (pp rank 1): layers 1-2 (2 layers" in caplog.text
+    assert "custom:0,2,4,7 ends at 7, gpt2's Merak item count (item 0 wte, item 1 wpe, items 2-5 layers 0-3, " \
+        "item 6 norm + head): read as item boundaries, i.e. layers custom:0,0,2,4" in caplog.text
+    assert "stage 0 (pp rank 0): embeddings (0 layers" in caplog.text
+    assert "stage 1 (pp rank 1): layers 0-1 (2 layers" in caplog.text
 
 
 def test_v_placement_zigzags():

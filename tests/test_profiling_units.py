@@ -164,6 +164,34 @@ def test_energy_interpolation():
     assert s.energy_at(50) == 5.0 and s.energy_at(150) == 20.0 and s.energy_at(250) is None
 
 
+def test_energy_cover_waits_for_the_counter_past_an_instruction():
+    """A Perseus round's last instruction ends after the sampler's last row (rows come only when the
+    counter moves): cover(t) waits for the counter's next move after t, or records the reading now
+    when it does not move, so energy_at(t) is known and the result does not report 0 J for it."""
+    import time
+
+    counter = {"j": 0.0, "moving": False}
+
+    def read() -> float:
+        if counter["moving"]:
+            counter["j"] += 1.5
+        return counter["j"]
+
+    clock = RankClock(0, time.perf_counter_ns())
+    s = energy.EnergySampler(clock, read, interval=0.001)
+    s.start()
+    t1 = clock.now()
+    assert s.energy_at(t1) is None  # the counter has not moved since the first row
+    s.cover(t1, timeout=0)  # a stuck counter: the reading as of now, flat
+    assert s.rows[-1][0] >= t1 and s.rows[-1][1] == 0.0 and s.energy_at(t1) == 0.0
+    t2 = clock.now()
+    counter["moving"] = True
+    s.cover(t2, timeout=60)  # returns on the sampler's first row after t2: the counter's move
+    assert s.rows[-1][0] >= t2 and s.rows[-1][1] > 0.0 and s.energy_at(t2) is not None
+    s.stop()
+    assert [t for t, _ in s.rows] == sorted(t for t, _ in s.rows)
+
+
 class FakeNVML:
     """Stands in for pynvml: no NVIDIA GPU (hence no libnvidia-ml) exists on the test machine.
 

@@ -26,7 +26,9 @@ def _stream(task="causal_lm", preset="tiny-llama", rank=0, dp=1, local=4, seed=5
 @pytest.mark.parametrize("task,preset,source", [("causal_lm", "tiny-llama", "synthetic"),
                                                 ("masked_lm", "tiny-bert", "synthetic"),
                                                 ("mae", "tiny-vitmae", "synthetic"),
-                                                ("causal_lm", "tiny-gpt2", str(CORPUS))])
+                                                ("causal_lm", "tiny-gpt2", str(CORPUS)),
+                                                ("seq2seq", "tiny-t5", str(CORPUS)),
+                                                ("image", "tiny-wide-resnet", "synthetic")])
 def test_dp_shards_concatenate_to_the_single_rank_batch(task, preset, source):
     whole = _stream(task, preset, local=4, source=source)
     halves = [_stream(task, preset, rank=r, dp=2, local=2, source=source) for r in range(2)]

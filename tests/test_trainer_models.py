@@ -59,4 +59,5 @@ def test_bad_override_is_a_config_error():
 
 
 def test_every_preset_has_a_family():
-    assert {p.family for p in PRESETS.values()} <= {"llama", "qwen2", "qwen3", "gpt2", "bert", "vitmae"}
+    assert {p.family for p in PRESETS.values()} <= {"llama", "qwen2", "qwen3", "gpt2", "bert", "vitmae", "t5", "bloom",
+                                                    "wide_resnet"}

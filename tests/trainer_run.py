@@ -53,6 +53,26 @@ def run_trainer(out_dir: Path, *args: str, nproc: int = 1, env: dict[str, str] |
     return proc
 
 
+def run_trainers(runs: list[tuple[Path, tuple[str, ...]]], nproc: int = 1, timeout: float = 900) -> None:
+    """Run several `trainer` commands of one world size one after another in the same processes
+    (tests/trainer_sequence.py: one torchrun, one process group), paying Python's, torch's and
+    transformers' start-up (~90% of a tiny run's CPU) once; each is still the trainer's own entry
+    point with its own output directory. One run goes through run_trainer."""
+    if len(runs) == 1:
+        run_trainer(runs[0][0], *runs[0][1], nproc=nproc, timeout=timeout)
+        return
+    argvs = [[*args, "--output-dir", str(out)] for out, args in runs]
+    spec = Path(runs[0][0]).parent / f".trainer-sequence-{len(argvs)}-{nproc}.json"
+    spec.write_text(json.dumps(argvs))
+    head = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                 f"--nproc-per-node={nproc}"]
+    cmd = [*head, "-m", "tests.trainer_sequence", str(spec)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=trainer_env(), cwd=REPO)
+    if proc.returncode != 0:
+        raise AssertionError(f"trainer sequence exited {proc.returncode}\ncmd: {' '.join(cmd)} ({spec})\n"
+                             f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-6000:]}")
+
+
 def start_trainer(out_dir: Path, *args: str, nproc: int = 1, env: dict[str, str] | None = None,
                   log: Path | None = None, node: tuple[int, int, int] | None = None) -> subprocess.Popen:
     """Start `trainer` in the background (its own session, so signals reach only what a test sends

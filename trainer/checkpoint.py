@@ -7,7 +7,7 @@ Layout under checkpoint.dir (default OUTPUT_DIR/checkpoints; see docs/checkpoint
       trainer_state.json         step, tokens, epoch, data position, LR schedule, layout, model
       rank<r>.pt                 per-rank RNG (torch, python, numpy, cuda) and data position
       manifest.rank<r>.json      size + crc32 of every file rank r wrote (verified on load)
-      config.yaml, tokenizer.json, [*_state_dict.pt with format: full]
+      config.yaml, config.json, tokenizer files (trainer/model_files.py), [*_state_dict.pt with format: full]
     step-8.preempt/              written on SIGTERM/SIGUSR1 or every preempt_interval steps
     latest                       the name of the newest complete checkpoint
 
@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from trainer import test_hold
+from trainer import model_files, test_hold
 from trainer.checkpoint_state import ModelOptimState, merged_model, model_signature, rng_state, set_rng_state
 from trainer.checkpoint_storage import MISSING_HINT, StorageLayout, agree_on_latest, probe, share_rank0_files
 from trainer.config import ConfigError
@@ -342,9 +342,7 @@ class Checkpointer:
         if rank == 0:
             (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
             (tmp / "config.yaml").write_text(trainer.cfg.to_yaml())
-            tok = trainer.output_dir / "tokenizer.json"
-            if tok.is_file():
-                shutil.copyfile(tok, tmp / "tokenizer.json")
+            model_files.copy(trainer.output_dir, tmp)  # config.json, tokenizer: `trainer export` reads them
         self.saved_step = step
         self.pending = (future, tmp, final, preempt, step, t0)
         if future is None:

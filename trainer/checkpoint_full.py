@@ -37,12 +37,24 @@ def _merge_optim(parts: list[dict]) -> dict:
     return out
 
 
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
 def write_full(trainer: Any, model: nn.Module, tmp: Path, state: dict, rank: int) -> None:
     """Collective: every rank gathers its stage's full tensors; stage leaders send them to rank 0."""
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_sd = get_model_state_dict(model, options=opts)
-    optim_sd = get_optimizer_state_dict(model, trainer.optimizer, options=opts)
     dims = trainer.dims
+    # cpu_offload leaves the full tensors on global rank 0 only (every other rank gets {}): with a
+    # pipeline, each stage leader must keep its own stage's, so they are gathered and then copied.
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=dims.pp == 1)
+    model_sd = _to_cpu(get_model_state_dict(model, options=opts))
+    optim_sd = _to_cpu(get_optimizer_state_dict(model, trainer.optimizer, options=opts))
     parts = [(model_sd, optim_sd)]
     if dims.pp > 1:  # each pipeline stage holds part of the model: collect the stage leaders' parts
         leader = dims.coord("dp") == 0 and dims.coord("tp") == 0

@@ -11,8 +11,8 @@ one complete-looking checkpoint directory per node instead of one in total:
 - The leader of each disk creates the temporary directory, and after the barrier that confirms
   every shard on every node is written, renames it and writes its own `latest`.
 - The files only rank 0 writes and that every rank reads on resume (DCP's `.metadata`,
-  `trainer_state.json`, `config.yaml`, `tokenizer.json`) are broadcast to every other leader
-  (`share_rank0_files`), so every node's directory describes the whole checkpoint.
+  `trainer_state.json`, `config.yaml`, and the model files of trainer/model_files.py) are broadcast
+  to every other leader (`share_rank0_files`), so every node's directory describes the whole checkpoint.
 
 DCP dedups replicated tensors (a DDP model is written once, by rank 0), so a rank may need a
 shard file that lives on another node: resuming needs the union of all nodes' files in each
@@ -31,9 +31,10 @@ from typing import Any
 import torch.distributed as dist
 
 from trainer.config import ConfigError
+from trainer.model_files import MODEL_FILES
 
 # Written by rank 0 alone, read by every rank on resume (DCP reads .metadata on every rank).
-RANK0_FILES = (".metadata", "trainer_state.json", "config.yaml", "tokenizer.json")
+RANK0_FILES = (".metadata", "trainer_state.json", "config.yaml", *MODEL_FILES)
 MISSING_HINT = ("checkpoints on nodes without shared storage hold only their own ranks' files: "
                 "run `runner up --resume`, which syncs checkpoints across nodes")
 _PROBE = ".probe-"

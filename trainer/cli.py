@@ -20,6 +20,7 @@ from typing import Any
 from trainer.config import ConfigError
 
 USAGE = """usage: trainer [train] [--config X.yaml | X.yaml] [--section.key VALUE ...] [seed flags]
+       trainer --dry-run [--json] [--config X.yaml] [...]   the layout and per-stage memory, nothing run
        trainer COMMAND ...
 
 Train (the default command) with a YAML config plus overrides. Precedence: CLI flag > env var >
@@ -38,6 +39,7 @@ COMMANDS: dict[str, str] = {
     "export": "trainer.checkpoint:export_main",
     "plot": "trainer.plots:main",
     "probe": "trainer.probe:main",  # per-node measurements for parallel.partition auto (runner profile)
+    "perseus-plans": "trainer.profiling.perseus_plans:main",  # plan files from instructions-{rank}.csv
 }
 
 
@@ -95,6 +97,10 @@ def train_main(argv: list[str]) -> int:
     from trainer.dist_env import from_environ
     from trainer.parallel.mesh import ParallelDims
 
+    if "--dry-run" in argv:  # trainer/dry_run.py: meta device only, no launcher, no process group
+        from trainer.dry_run import main as dry_run
+
+        return dry_run(argv)
     config_path, overrides = parse_train_args(argv)
     cfg = resolve(config_path, overrides)
     env = from_environ()

@@ -42,11 +42,15 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "synthetic"           # synthetic | a file/dir of .txt/.jsonl/.json/.parquet
+    source: str = "synthetic"           # synthetic | a .txt/.jsonl/.json/.parquet/.arrow file, a folder of them,
+                                        # a `datasets` save_to_disk folder or a Hub dataset snapshot
+    split: str = "train"                # the split to read (save_to_disk DatasetDict, Hub snapshot)
     seq_len: int = 128
-    tokenizer: str | None = None        # tokenizer dir; None = train a BPE on the corpus
+    tokenizer: str | None = None        # tokenizer dir/file | train (a BPE on the corpus); None = model.path's
+                                        # own tokenizer, or a trained BPE without model.path (trainer/tokenizer.py)
     tokenizer_vocab_size: int = 4096    # for the trained BPE tokenizer
-    text_field: str = "text"            # column holding text in jsonl/parquet
+    text_field: str = "text"            # column holding text in jsonl/parquet/datasets
+    chat_template: bool = False         # text_field holds conversations: render them with the tokenizer's template
     eval_fraction: float = 0.0          # fraction of packed blocks held out for eval (text data)
     mlm_probability: float = 0.15       # masked-LM (BERT) masking rate
     num_workers: int = 0                # accepted for the FSDP stub; data is made in-process
@@ -135,7 +139,9 @@ class ProfileConfig:
     batch: str = "0"                    # Pi guide PROFILE_BATCH: batch index (or list/range) to record
     format: str = "chrome"              # chrome | seed
     export_timing_csv: bool = False     # Perseus/Merak instructions-*.csv and time-energy-*.csv
-    num_prof_steps: int = 0
+    num_prof_steps: int = 0             # steps averaged into profile.csv; with perseus_url: per plan
+    perseus_url: str | None = None      # Perseus server (Merak's --perseus_url): plans per num_prof_steps window
+    gpu_clocks: str = "off"             # off (record plans only) | auto (NVML if permitted) | on (or fail)
 
 
 @dataclass
@@ -307,7 +313,7 @@ def validate(cfg: Config) -> None:
     pp=1 is still a typo to report). Checks that need the model's config (sequence length vs
     positions, head divisibility) are in trainer/config_checks.py:check_model, run before start."""
     from trainer.config_checks import check_ranges
-    from trainer.models.presets import PRESETS
+    from trainer.models.presets import PRESETS, unknown_preset_message
 
     p, t = cfg.parallel, cfg.train
     if p.sharding not in SHARDING:
@@ -317,7 +323,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.dtype: unknown dtype '{t.dtype}' (auto, fp32 or bf16)")
     t.dtype = DTYPES[t.dtype]
     if cfg.model.path is None and cfg.model.preset not in PRESETS:
-        raise ConfigError(f"model.preset: unknown preset '{cfg.model.preset}' (known: {', '.join(sorted(PRESETS))})")
+        raise ConfigError(unknown_preset_message(cfg.model.preset))
     if cfg.model.path is not None and not Path(cfg.model.path).is_dir():
         raise ConfigError(f"model.path: '{cfg.model.path}' is not a local model directory")
     if t.microbatch_num is None:
@@ -344,8 +350,39 @@ def validate(cfg: Config) -> None:
     parse_batches(cfg.profile.batch)  # "1" | "1,3" | "2-4" | "none": one-line error otherwise
     if cfg.profile.format not in ("chrome", "seed"):
         raise ConfigError(f"profile.format: '{cfg.profile.format}' (chrome or seed)")
+    check_perseus(cfg)
     if cfg.data.source != "synthetic" and not Path(cfg.data.source).exists():
         raise ConfigError(f"data.source: '{cfg.data.source}' does not exist (a file or directory, or 'synthetic')")
+    if cfg.model.path is not None:
+        from trainer.hub_layout import model_dir
+
+        # A Hub cache repo folder means its snapshot; config.yaml records the folder that was read.
+        cfg.model.path = str(model_dir(cfg.model.path, cfg.model.load_weights))
+
+
+def check_perseus(cfg: Config) -> None:
+    """profile.perseus_url and profile.gpu_clocks, before anything starts (docs/profiling.md)."""
+    from urllib.parse import urlsplit
+
+    prof = cfg.profile
+    if prof.gpu_clocks not in ("off", "auto", "on"):
+        raise ConfigError(f"profile.gpu_clocks: '{prof.gpu_clocks}' (off, auto or on)")
+    if prof.perseus_url is None:
+        return
+    u = urlsplit(prof.perseus_url)
+    try:
+        ok = u.scheme in ("http", "https") and bool(u.hostname) and (u.port is None or u.port > 0)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ConfigError(f"profile.perseus_url: {prof.perseus_url!r} is not an http:// URL (e.g. http://10.0.0.1:7787)")
+    if prof.num_prof_steps < 1:
+        raise ConfigError("profile.perseus_url needs --num_prof_steps N (N >= 1): the steps measured under each plan")
+    from trainer.parallel.schedule_table import schedule_spec
+
+    if cfg.parallel.pp > 1 and schedule_spec(cfg.parallel.pp_schedule).name in ("interleaved_zb", "zbv", "dualpipev"):
+        raise ConfigError(f"profile.perseus_url: {cfg.parallel.pp_schedule} splits the backward into input and weight "
+                          f"parts; Perseus plans name forward and backward only: use 1f1b, gpipe or interleaved1f1b")
 
 
 # ---------------------------------------------------------------- resolution

@@ -162,8 +162,9 @@ def check_model(cfg: Config, hf: Any, task: str) -> None:
             raise ConfigError(f"data.seq_len {seq} is longer than the model's {limit} positions; use "
                               f"--data.seq_len <= {limit} or raise model.hf_overrides.max_position_embeddings")
     if t.loss_chunks != "auto":
-        if task == "mae" and t.loss_chunks > 1:
-            raise ConfigError(f"train.loss_chunks {t.loss_chunks}: ViT-MAE has no LM head to chunk; use auto or 1")
+        if task in ("mae", "image") and t.loss_chunks > 1:
+            raise ConfigError(f"train.loss_chunks {t.loss_chunks}: {'ViT-MAE' if task == 'mae' else 'an image model'} "
+                              f"has no LM head to chunk; use auto or 1")
         tokens = microbatch_tokens(cfg)
         if t.loss_chunks > tokens:
             raise ConfigError(f"train.loss_chunks {t.loss_chunks} is more than the {tokens} tokens of a microbatch "

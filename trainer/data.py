@@ -1,4 +1,10 @@
-"""Training data: synthetic tokens/images, or local text/jsonl/parquet tokenised and packed.
+"""Training data: synthetic tokens/images, local text/jsonl/parquet tokenised and packed, or an
+image folder (one subdirectory per class, as ImageNet's train/ is laid out).
+
+Per task: causal LM (inputs, inputs shifted by one), masked LM, T5's seq2seq (a block of 2 x seq_len
+tokens: the first half is the encoder's input, the second the labels; the model feeds the decoder
+the labels shifted right), ViT-MAE images + masking noise, and image classification (3 x size x size
+images and class labels: synthetic images are a class's fixed pattern plus noise, so the loss falls).
 
 Every sample has a global index; sample i is a pure function of (seed, i). A step's global
 batch is samples [c, c + G) with G = batch_size x grad_acc_steps x dp, and DP rank r takes the
@@ -14,7 +20,6 @@ its copy to the device does not wait for the host. It is keyed by position: a re
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,15 +27,12 @@ from typing import Any
 import torch
 
 from trainer.config import ConfigError, DataConfig
+from trainer.text_sources import load_texts
+from trainer.tokenizer import Tokenizer, load_tokenizer
 
+__all__ = ["DataStream", "Tokenizer", "build_data", "load_texts", "load_tokenizer", "pack"]
 log = logging.getLogger("trainer")
 
-# Nothing downloads at run time; without these `datasets` waits on network timeouts even for local files.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-
-TEXT_EXT = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-SPECIAL_TOKENS = ["<|endoftext|>", "[MASK]", "[PAD]"]
 _EVAL_OFFSET = 1 << 40  # synthetic eval samples live far from training indices
 
 
@@ -38,81 +40,79 @@ def _gen(seed: int, index: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + index) % (1 << 63))
 
 
-@dataclass
-class Tokenizer:
-    vocab_size: int
-    eos_id: int
-    mask_id: int | None
-    backend: Any                         # a tokenizers.Tokenizer
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.backend.encode_batch(texts)]
-
-
 # ---------------------------------------------------------------- text corpus
 
 
-def _data_files(source: str) -> tuple[str, list[str]]:
-    p = Path(source)
-    files = sorted(str(f) for f in p.rglob("*") if f.suffix in TEXT_EXT) if p.is_dir() else [str(p)]
-    if not files:
-        raise ConfigError(f"data.source: no .txt/.jsonl/.parquet files under '{source}'")
-    kinds = {TEXT_EXT.get(Path(f).suffix) for f in files}
-    if None in kinds or len(kinds) != 1:
-        raise ConfigError(f"data.source: '{source}' must hold files of one kind (.txt, .jsonl/.json or .parquet)")
-    return kinds.pop(), files
-
-
-def load_texts(dcfg: DataConfig, cache_dir: str | None = None) -> list[str]:
-    """Documents (paragraphs for plain text) through `datasets`, read from local files only."""
-    import datasets
-
-    datasets.disable_progress_bars()
-    kind, files = _data_files(dcfg.source)
-    kwargs: dict[str, Any] = {"sample_by": "paragraph"} if kind == "text" else {}
-    ds = datasets.load_dataset(kind, data_files=files, split="train", cache_dir=cache_dir, **kwargs)
-    field = "text" if kind == "text" else dcfg.text_field
-    if field not in ds.column_names:
-        raise ConfigError(f"data.text_field: column '{field}' not in {dcfg.source} (columns: {ds.column_names})")
-    return [t for t in ds[field] if t and t.strip()]
-
-
-def load_tokenizer(dcfg: DataConfig, texts: list[str]) -> Tokenizer:
-    """A tokenizer directory, or a byte-level BPE trained on the corpus (deterministic)."""
-    from tokenizers import Tokenizer as HFTokenizer
-
-    if dcfg.tokenizer:
-        path = Path(dcfg.tokenizer)
-        file = path / "tokenizer.json" if path.is_dir() else path
-        if not file.is_file():
-            raise ConfigError(f"data.tokenizer: no tokenizer.json at '{dcfg.tokenizer}'")
-        tok = HFTokenizer.from_file(str(file))
-    else:
-        from tokenizers import decoders, models, pre_tokenizers, trainers
-
-        tok = HFTokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=dcfg.tokenizer_vocab_size, special_tokens=SPECIAL_TOKENS,
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-        tok.train_from_iterator(texts, trainer=trainer)
-    vocab = tok.get_vocab_size()
-    eos = next((tok.token_to_id(t) for t in ("<|endoftext|>", "</s>", "<eos>", "[SEP]") if tok.token_to_id(t) is not None),
-               None)
-    if eos is None:
-        raise ConfigError(f"data.tokenizer: '{dcfg.tokenizer}' has no end-of-text token")
-    mask = next((tok.token_to_id(t) for t in ("[MASK]", "<mask>") if tok.token_to_id(t) is not None), None)
-    return Tokenizer(vocab, eos, mask, tok)
-
-
 def pack(token_lists: list[list[int]], eos_id: int, block: int) -> torch.Tensor:
-    """Concatenate documents separated by EOS and cut into [n, block] (remainder dropped)."""
+    """Concatenate documents separated by EOS and cut into [n, block] (remainder dropped). A
+    document the tokenizer already ended with EOS (T5's `</s>`, BERT's `[SEP]`) gets no second one."""
     flat: list[int] = []
     for ids in token_lists:
         flat.extend(ids)
-        flat.append(eos_id)
+        if not ids or ids[-1] != eos_id:
+            flat.append(eos_id)
     n = len(flat) // block
     return torch.tensor(flat[: n * block], dtype=torch.long).view(n, block)
+
+
+# ---------------------------------------------------------------- image folder
+
+IMAGE_EXT = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
+# torchvision's ImageNet normalisation
+_MEAN, _STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+@dataclass
+class ImageFolder:
+    """`root/<class>/<image>` (ImageNet's layout): classes are the sorted subdirectory names."""
+
+    classes: list[str]
+    train_files: list[tuple[str, int]]
+    eval_files: list[tuple[str, int]]
+    channels: int
+
+    @classmethod
+    def scan(cls, root: str, seed: int, eval_fraction: float, num_classes: int, channels: int) -> ImageFolder:
+        base = Path(root)
+        if not base.is_dir():
+            raise ConfigError(f"data.source: '{root}' must be a directory of class subdirectories of images")
+        classes = sorted(d.name for d in base.iterdir() if d.is_dir())
+        if not classes:
+            raise ConfigError(f"data.source: '{root}' has no class subdirectories (expected root/<class>/<image>)")
+        if len(classes) > num_classes:
+            raise ConfigError(f"data.source: '{root}' has {len(classes)} classes but the model has {num_classes}; "
+                              f"set model.hf_overrides.num_classes {len(classes)}")
+        files = [(str(f), i) for i, c in enumerate(classes) for f in sorted((base / c).iterdir())
+                 if f.suffix.lower() in IMAGE_EXT]
+        if not files:
+            raise ConfigError(f"data.source: no {'/'.join(IMAGE_EXT)} images under '{root}'/<class>/")
+        order = torch.randperm(len(files), generator=_gen(seed, -(1 << 20))).tolist()
+        files = [files[i] for i in order]  # held-out images drawn from every class
+        n_eval = int(round(len(files) * eval_fraction))
+        return cls(classes, files[: len(files) - n_eval], files[len(files) - n_eval:], channels)
+
+    def load(self, item: tuple[str, int], size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The image resized (shorter side to `size`), centre-cropped to size x size, normalised."""
+        import numpy as np
+        from PIL import Image
+
+        path, label = item
+        try:
+            with Image.open(path) as im:
+                im = im.convert("RGB" if self.channels == 3 else "L")
+                w, h = im.size
+                scale = size / min(w, h)
+                im = im.resize((max(size, round(w * scale)), max(size, round(h * scale))), Image.BILINEAR)
+                w, h = im.size
+                left, top = (w - size) // 2, (h - size) // 2
+                im = im.crop((left, top, left + size, top + size))
+                x = torch.from_numpy(np.asarray(im, dtype=np.float32).copy()) / 255.0
+        except OSError as e:
+            raise ConfigError(f"data.source: cannot read image '{path}': {e}") from None
+        x = x.permute(2, 0, 1) if x.dim() == 3 else x.unsqueeze(0)
+        if self.channels == 3:
+            x = (x - torch.tensor(_MEAN).view(3, 1, 1)) / torch.tensor(_STD).view(3, 1, 1)
+        return x, torch.tensor(label)
 
 
 # ---------------------------------------------------------------- the stream
@@ -123,8 +123,10 @@ class DataStream:
 
     def __init__(self, kind: str, dcfg: DataConfig, seed: int, local_batch: int, dp_rank: int, dp_size: int, *,
                  vocab_size: int = 0, mask_id: int | None = None, blocks: torch.Tensor | None = None,
-                 eval_blocks: torch.Tensor | None = None, image: tuple[int, int, int, int] | None = None):
+                 eval_blocks: torch.Tensor | None = None, image: tuple[int, int, int, int] | None = None,
+                 images: ImageFolder | None = None):
         self.kind, self.dcfg, self.seed = kind, dcfg, seed
+        self.images = images             # classification: an image folder (None: synthetic images)
         self.local_batch, self.dp_rank, self.dp_size = local_batch, dp_rank, dp_size
         self.global_batch = local_batch * dp_size
         self.vocab_size, self.mask_id = vocab_size, mask_id
@@ -136,7 +138,7 @@ class DataStream:
 
     # --- one sample as (input, label) tensors
     def _token_block(self, index: int, evaluation: bool) -> torch.Tensor:
-        s = self.dcfg.seq_len + 1
+        s = self.block_len
         if self.blocks is None:
             # Learnable synthetic text: a random start and stride per sample, tokens (start + k*stride) mod V.
             # The loss can fall far below ln V, so runs show learning, yet every sample is fresh.
@@ -159,7 +161,17 @@ class DataStream:
             self._perm = (epoch, perm)
         return self._perm[1]
 
+    @property
+    def block_len(self) -> int:
+        """Tokens per sample block: seq_len + 1 (shifted LM targets), T5: seq_len in + seq_len out."""
+        return 2 * self.dcfg.seq_len if self.kind == "seq2seq" else self.dcfg.seq_len + 1
+
     def sample(self, index: int, evaluation: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.kind == "image":
+            return self._image(index, evaluation)
+        if self.kind == "seq2seq":
+            block = self._token_block(index, evaluation)
+            return block[: self.dcfg.seq_len], block[self.dcfg.seq_len:]
         if self.kind == "mae":
             c, h, w, patches = self.image  # type: ignore[misc]
             g = _gen(self.seed, index + (_EVAL_OFFSET if evaluation else 0))
@@ -174,6 +186,20 @@ class DataStream:
             ids[masked] = self.mask_id  # type: ignore[assignment]
             return ids, labels
         return block[:-1], block[1:]
+
+    def _image(self, index: int, evaluation: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        c, h, w, classes = self.image  # type: ignore[misc]
+        if self.images is not None:
+            files = self.images.eval_files if evaluation else self.images.train_files
+            epoch, pos = divmod(index, len(files))
+            if not evaluation:
+                pos = int(self._permutation(epoch, len(files))[pos])
+            return self.images.load(files[pos], h)
+        g = _gen(self.seed, index + (_EVAL_OFFSET if evaluation else 0))
+        label = int(torch.randint(0, classes, (1,), generator=g))
+        # The class's pattern (a function of the seed and the class only) under per-sample noise.
+        pattern = torch.randn(c, h, w, generator=_gen(self.seed + 11, label))
+        return pattern + 0.5 * torch.randn(c, h, w, generator=g), torch.tensor(label)
 
     def _batch(self, start: int, evaluation: bool) -> tuple[torch.Tensor, torch.Tensor]:
         first = start + self.dp_rank * self.local_batch
@@ -195,10 +221,14 @@ class DataStream:
     def eval_batch(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.blocks is not None and (self.eval_blocks is None or len(self.eval_blocks) == 0):
             raise ConfigError("data.eval_fraction must be > 0 to evaluate on text data")
+        if self.images is not None and not self.images.eval_files:
+            raise ConfigError("data.eval_fraction must be > 0 to evaluate on an image folder")
         return self._batch(j * self.global_batch, True)
 
     @property
     def steps_per_epoch(self) -> int | None:
+        if self.images is not None:
+            return len(self.images.train_files) // self.global_batch
         return None if self.blocks is None else self.blocks.shape[0] // self.global_batch
 
     def state_dict(self) -> dict:
@@ -210,8 +240,25 @@ class DataStream:
         self.consumed = int(state["consumed"])
 
 
+def reads_text(dcfg: DataConfig, task: str) -> bool:
+    """Whether the run tokenises a text corpus (images are read by build_data itself)."""
+    return dcfg.source != "synthetic" and task not in ("image", "mae")
+
+
 def build_data(dcfg: DataConfig, task: str, hf_config: Any, seed: int, local_batch: int, dp_rank: int,
                dp_size: int, tokenizer: Tokenizer | None = None, texts: list[str] | None = None) -> DataStream:
+    if task == "image":
+        c, size, classes = hf_config.num_channels, hf_config.image_size, hf_config.num_classes
+        folder = None
+        if dcfg.source != "synthetic":
+            folder = ImageFolder.scan(dcfg.source, seed, dcfg.eval_fraction, classes, c)
+            if len(folder.train_files) < local_batch * dp_size:
+                raise ConfigError(f"data.source: {len(folder.train_files)} training images in '{dcfg.source}' are "
+                                  f"fewer than one global batch ({local_batch * dp_size})")
+            log.info("data: %d training images in %d classes (%d held out), %dx%d", len(folder.train_files),
+                     len(folder.classes), len(folder.eval_files), size, size)
+        return DataStream(task, dcfg, seed, local_batch, dp_rank, dp_size, image=(c, size, size, classes),
+                          images=folder)
     if task == "mae":
         if dcfg.source != "synthetic":
             raise ConfigError("data.source: ViT-MAE trains on synthetic images only (data.source: synthetic)")
@@ -221,15 +268,16 @@ def build_data(dcfg: DataConfig, task: str, hf_config: Any, seed: int, local_bat
     if dcfg.source == "synthetic":
         return DataStream(task, dcfg, seed, local_batch, dp_rank, dp_size, vocab_size=vocab, mask_id=vocab - 1)
     assert tokenizer is not None and texts is not None
-    blocks = pack(tokenizer.encode_batch(texts), tokenizer.eos_id, dcfg.seq_len + 1)
+    block = 2 * dcfg.seq_len if task == "seq2seq" else dcfg.seq_len + 1
+    blocks = pack(tokenizer.encode_batch(texts), tokenizer.eos_id, block)
     n_eval = int(round(blocks.shape[0] * dcfg.eval_fraction))
     train_blocks, eval_blocks = blocks[: blocks.shape[0] - n_eval], blocks[blocks.shape[0] - n_eval:]
     if train_blocks.shape[0] < local_batch * dp_size:
-        raise ConfigError(f"data.source: {train_blocks.shape[0]} blocks of {dcfg.seq_len + 1} tokens are fewer than "
+        raise ConfigError(f"data.source: {train_blocks.shape[0]} blocks of {block} tokens are fewer than "
                           f"one global batch ({local_batch * dp_size}); use more text or a smaller batch/seq_len")
     if task == "masked_lm" and tokenizer.mask_id is None:
         raise ConfigError("data.tokenizer: a masked LM needs a [MASK] token in the tokenizer")
     log.info("data: %d training blocks of %d tokens (%d held out), vocab %d", train_blocks.shape[0],
-             dcfg.seq_len + 1, n_eval, tokenizer.vocab_size)
+             block, n_eval, tokenizer.vocab_size)
     return DataStream(task, dcfg, seed, local_batch, dp_rank, dp_size, vocab_size=vocab, mask_id=tokenizer.mask_id,
                       blocks=train_blocks, eval_blocks=eval_blocks)

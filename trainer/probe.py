@@ -171,7 +171,7 @@ def measure_compute(train_argv: list[str], min_seconds: float) -> dict:
         mem, mem_src = memory_available()
     vocab = None
     if cfg.model.vocab_size is None and cfg.data.source != "synthetic":
-        vocab = load_tokenizer(cfg.data, load_texts(cfg.data)).vocab_size  # as the trainer sizes it
+        vocab = load_tokenizer(cfg.data, load_texts(cfg.data), cfg.model).vocab_size  # as the trainer sizes it
     runtime = rss_bytes() if device.type == "cpu" else 0  # libraries and data, before any model
     full = model_spec(cfg.model, vocab)
     cfg.model.num_hidden_layers = 1  # one layer of each kind is all the planner needs

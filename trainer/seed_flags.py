@@ -87,6 +87,7 @@ FLAGS: dict[str, Alias] = {
     "--partition_method": Alias("parallel.partition", MERAK),
     "--export_timing_csv": Alias("profile.export_timing_csv", MERAK, is_switch=True),
     "--num_prof_steps": Alias("profile.num_prof_steps", MERAK),
+    "--perseus_url": Alias("profile.perseus_url", MERAK, env="PERSEUS_URL"),
     # ours
     "--resume": Alias("checkpoint.resume", OURS),
     "--seed": Alias("train.seed", OURS),

@@ -31,17 +31,18 @@ from typing import Any
 
 import torch
 
-from trainer import dist_env
+from trainer import dist_env, model_files
 from trainer.config import Config, ConfigError, resolve
 from trainer.config_checks import microbatch_tokens, resolve_log_interval, resolve_loss_chunks
-from trainer.data import DataStream, build_data, load_texts, load_tokenizer
+from trainer.data import DataStream, build_data, load_texts, load_tokenizer, reads_text
 from trainer.metrics import MetricsWriter, StepStats, flops_per_token, format_line, memory_bytes, peak_flops
-from trainer.models.build import build_model, model_spec
+from trainer.models.build import build_model, model_spec, task_of
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.parallel.compile import blocks_running_eager, compile_report, resolve_compile
 from trainer.parallel.compose import Parallelized, builds_on_meta, check_supported, parallelize
 from trainer.parallel.mesh import ParallelDims
 from trainer.parallel.ordered_reduce import ordered_mean
+from trainer.parallel.running_stats import sync_running_stats
 
 log = logging.getLogger("trainer")
 
@@ -76,14 +77,14 @@ class Trainer:
         t, d = cfg.train, cfg.data
 
         tokenizer, texts, self._tmp = None, None, None
-        if d.source != "synthetic":
+        if reads_text(d, task_of(cfg.model)):  # an image folder is read by build_data
             self._tmp = tempfile.TemporaryDirectory(prefix="trainer-datasets-")
             texts = load_texts(d, cache_dir=self._tmp.name)
-            tokenizer = load_tokenizer(d, texts)
-            if env.local_rank == 0:
-                tokenizer.backend.save(str(self.output_dir / "tokenizer.json"))
+            tokenizer = load_tokenizer(d, texts, cfg.model)
         self.tokenizer = tokenizer
         self.spec = model_spec(cfg.model, tokenizer.vocab_size if tokenizer else None)
+        if tokenizer is not None:
+            tokenizer.check_fits(int(self.spec.hf_config.vocab_size))
         log.info("model: %s (%s), %d layers, hidden %d, Number of parameters: %.2fM", cfg.model.path or cfg.model.preset,
                  self.spec.family, self.spec.num_layers, self.spec.hidden_size, self.spec.num_params / 1e6)
         # What `auto` means here, recorded in config.yaml as what ran.
@@ -118,6 +119,8 @@ class Trainer:
         self.tokens_per_sample = self.spec.tokens_per_sample(d.seq_len)
         self.flops_per_token = flops_per_token(self.spec.num_params, self.spec.num_layers,
                                                self.spec.attention_width, self.tokens_per_sample)
+        if self.spec.train_flops_per_sample:  # convolutions: FLOPs counted per image (ModelSpec)
+            self.flops_per_token = self.spec.train_flops_per_sample / self.tokens_per_sample
         self.peak, peak_src = peak_flops(device, t.dtype, cfg.logging.peak_flops)
         log.info("global batch %d samples x %d tokens; %d steps; peak %.3g FLOP/s per device from %s",
                  self.global_samples, self.tokens_per_sample, self.total_steps, self.peak, peak_src)
@@ -169,6 +172,7 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        sync_running_stats(self.par.model_parts, self.dims)  # BatchNorm models only
         if self.step + 1 < self.total_steps:
             self.data.prefetch()  # the host builds the next batch while the device runs this one
         return (None if loss is None else self._dp_mean(loss)), grad_norm
@@ -187,6 +191,8 @@ class Trainer:
     def _write_config(self) -> None:
         if self.env.local_rank == 0:
             (self.output_dir / "config.yaml").write_text(self.cfg.to_yaml())
+            # config.json and the tokenizer: what `trainer export` needs besides the weights (every checkpoint keeps them)
+            model_files.write(self.output_dir, self.spec.hf_config, self.tokenizer, self.cfg.model.path)
 
     def _elapsed(self, since: float) -> float:
         if self.device.type == "cuda":
@@ -292,6 +298,7 @@ def run(cfg: Config, env: dist_env.DistEnv) -> int:
     if env.rank == 0:
         log.info("resolved config:\n%s", cfg.to_yaml().rstrip())
     device = dist_env.local_device(device.type, env.local_rank)
+    owns_group = not torch.distributed.is_initialized()  # a caller's group outlives this run
     backend = dist_env.init_process_group(env, device.type, cfg.parallel.backend, cfg.parallel.timeout_s)
     trainer = None
     try:
@@ -304,7 +311,8 @@ def run(cfg: Config, env: dist_env.DistEnv) -> int:
     finally:
         if trainer is not None:
             trainer.close()
-        dist_env.destroy_process_group()
+        if owns_group:
+            dist_env.destroy_process_group()
     return trainer.exit_code if trainer is not None else 0
 
 

@@ -1,4 +1,5 @@
-"""Build transformers models from presets or a local directory, and say how to compute their loss.
+"""Build models (transformers families, and the trainer's own Wide-ResNet) from presets or a local
+directory, and say how to compute their loss.
 
 Random init happens on one seed before any sharding, so every rank and every parallel layout
 starts from identical weights. Parameter counts of big presets are taken on the meta device
@@ -20,9 +21,9 @@ from trainer.models.presets import PRESETS
 
 @dataclass(frozen=True)
 class Family:
-    config_cls: str
+    config_cls: str                      # a transformers name, or "module:Name" for the trainer's own
     model_cls: str
-    task: str                            # causal_lm | masked_lm | mae
+    task: str                            # causal_lm | masked_lm | mae | seq2seq | image
 
 
 FAMILIES: dict[str, Family] = {
@@ -32,9 +33,20 @@ FAMILIES: dict[str, Family] = {
     "gpt2": Family("GPT2Config", "GPT2LMHeadModel", "causal_lm"),
     "bert": Family("BertConfig", "BertForMaskedLM", "masked_lm"),
     "vitmae": Family("ViTMAEConfig", "ViTMAEForPreTraining", "mae"),
+    "bloom": Family("BloomConfig", "BloomForCausalLM", "causal_lm"),
+    "t5": Family("T5Config", "trainer.models.t5:T5ForConditionalGeneration", "seq2seq"),
+    "wide_resnet": Family("trainer.models.wide_resnet:WideResNetConfig", "trainer.models.wide_resnet:WideResNet",
+                          "image"),
 }
 MODEL_TYPE_TO_FAMILY = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2", "bert": "bert",
-                        "vit_mae": "vitmae"}
+                        "vit_mae": "vitmae", "bloom": "bloom", "t5": "t5", "wide_resnet": "wide_resnet"}
+# model.<key> overrides under each family's own name for the field (None: the family has no such knob).
+_OVERRIDE_NAMES = {
+    "gpt2": {"intermediate_size": "n_inner"},
+    "t5": {"intermediate_size": "d_ff"},
+    "bloom": {"intermediate_size": None},  # BLOOM's MLP is 4 x hidden, fixed
+    "wide_resnet": dict.fromkeys(("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size")),
+}
 
 # Dropout draws random numbers per rank, which would make parallel layouts diverge; pretraining
 # here runs without it (re-enable through model.hf_overrides).
@@ -42,10 +54,18 @@ _NO_DROPOUT = {
     "gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
     "bert": dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
     "vitmae": dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+    "bloom": dict(hidden_dropout=0.0, attention_dropout=0.0),
+    "t5": dict(dropout_rate=0.0),
 }
 
 
 def _transformers_attr(name: str) -> Any:
+    """A transformers class by name, or one of the trainer's own as "module:Name"."""
+    if ":" in name:
+        import importlib
+
+        module, _, attr = name.partition(":")
+        return getattr(importlib.import_module(module), attr)
     import transformers
 
     return getattr(transformers, name)
@@ -62,11 +82,14 @@ class ModelSpec:
     num_layers: int
     hidden_size: int
     attention_width: int = 0             # heads x head_dim (Qwen3-0.6B: 16 x 128 = 2048, hidden 1024)
+    train_flops_per_sample: float | None = None  # where 6 N per token does not apply (convolutions)
 
     def tokens_per_sample(self, seq_len: int) -> int:
         if self.task == "mae":  # one token per image patch
             c = self.hf_config
             return (c.image_size // c.patch_size) ** 2
+        if self.task == "image":  # throughput in images
+            return 1
         return seq_len
 
 
@@ -81,8 +104,15 @@ def _family_of(mcfg: ModelConfig) -> str:
     return PRESETS[mcfg.preset].family
 
 
+def task_of(mcfg: ModelConfig) -> str:
+    """The model's task (causal_lm | masked_lm | mae | seq2seq | image) from its preset or directory."""
+    return FAMILIES[_family_of(mcfg)].task
+
+
 def build_hf_config(mcfg: ModelConfig, vocab_size: int | None = None) -> tuple[str, Any]:
     """(family, transformers config) with preset, overrides and data vocab applied."""
+    if mcfg.path is not None and mcfg.load_weights:
+        vocab_size = None  # the weights fix the vocabulary; the tokenizer must fit it (Tokenizer.check_fits)
     family = _family_of(mcfg)
     fam = FAMILIES[family]
     if mcfg.path is not None:
@@ -91,9 +121,18 @@ def build_hf_config(mcfg: ModelConfig, vocab_size: int | None = None) -> tuple[s
         cfg = _transformers_attr(fam.config_cls)(**_NO_DROPOUT.get(family, {}), **PRESETS[mcfg.preset].config)
     for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size"):
         value = getattr(mcfg, key)
-        if value is not None:
-            setattr(cfg, "n_inner" if (family == "gpt2" and key == "intermediate_size") else key, value)
-    if vocab_size is not None and mcfg.vocab_size is None and fam.task != "mae":
+        if value is None:
+            continue
+        name = _OVERRIDE_NAMES.get(family, {}).get(key, key)
+        if name is None:
+            raise ConfigError(f"model.{key}: {family} has no such setting; use model.hf_overrides with a field of "
+                              f"{type(cfg).__name__}")
+        setattr(cfg, name, value)
+        if family == "t5" and key == "num_hidden_layers":
+            cfg.num_decoder_layers = value  # T5's depth is per stack: the decoder follows the encoder
+    if family == "wide_resnet" and mcfg.vocab_size is not None:
+        raise ConfigError("model.vocab_size: Wide-ResNet classifies images; set model.hf_overrides.num_classes")
+    if vocab_size is not None and mcfg.vocab_size is None and fam.task not in ("mae", "image"):
         cfg.vocab_size = vocab_size
     if mcfg.vocab_size is not None:
         if vocab_size is not None and mcfg.vocab_size < vocab_size:
@@ -119,7 +158,9 @@ def build_hf_config(mcfg: ModelConfig, vocab_size: int | None = None) -> tuple[s
         cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
     if hasattr(cfg, "use_cache"):
         cfg.use_cache = False
-    cfg._attn_implementation = mcfg.attn_implementation
+    # BLOOM (ALiBi) and Wide-ResNet have one attention code path (or none): no implementation to pick.
+    if family not in ("bloom", "wide_resnet"):
+        cfg._attn_implementation = mcfg.attn_implementation
     return family, cfg
 
 
@@ -141,10 +182,23 @@ def attention_width(hf_config: Any) -> int:
     return int(heads) * int(head_dim if isinstance(head_dim, int) and head_dim > 0 else hidden // int(heads))
 
 
+def num_units(family: str, hf_config: Any) -> int:
+    """The repeated blocks a pipeline distributes: transformer layers, T5's encoder then decoder
+    blocks, Wide-ResNet's bottlenecks."""
+    if family == "t5":
+        return int(hf_config.num_layers) + int(hf_config.num_decoder_layers)
+    return int(hf_config.num_hidden_layers)
+
+
 def model_spec(mcfg: ModelConfig, vocab_size: int | None = None) -> ModelSpec:
     family, cfg = build_hf_config(mcfg, vocab_size)
+    flops = None
+    if family == "wide_resnet":
+        from trainer.models.wide_resnet import train_flops_per_image
+
+        flops = train_flops_per_image(cfg)
     return ModelSpec(family, FAMILIES[family].task, cfg, count_params(family, cfg),
-                     int(cfg.num_hidden_layers), int(cfg.hidden_size), attention_width(cfg))
+                     num_units(family, cfg), int(cfg.hidden_size), attention_width(cfg), flops)
 
 
 def build_model(spec: ModelSpec, mcfg: ModelConfig, seed: int, meta: bool = False) -> nn.Module:
@@ -156,18 +210,27 @@ def build_model(spec: ModelSpec, mcfg: ModelConfig, seed: int, meta: bool = Fals
             return cls(spec.hf_config).float()
     torch.manual_seed(seed)
     if mcfg.path is not None and mcfg.load_weights:
+        _transformers_attr("utils").logging.disable_progress_bar()  # one bar per rank in the logs otherwise
         try:
-            model = cls.from_pretrained(mcfg.path, config=spec.hf_config, local_files_only=True,
-                                        dtype=torch.float32)
-        except OSError as e:
-            raise ConfigError(f"model.path: cannot load weights from '{mcfg.path}': {str(e).splitlines()[0]}") from None
+            model, info = cls.from_pretrained(mcfg.path, config=spec.hf_config, local_files_only=True,
+                                              dtype=torch.float32, output_loading_info=True)
+        except (OSError, RuntimeError, ValueError) as e:
+            raise ConfigError(f"model.path: cannot load weights from '{mcfg.path}': "
+                              f"{' '.join(str(e).split())[:300]}") from None
+        # transformers initialises what the files lack at random and says so in a warning only: a
+        # model.* override that changed the architecture would train half-random "pretrained" weights.
+        missing = sorted(info.get("missing_keys") or []) + sorted(str(m) for m in info.get("mismatched_keys") or [])
+        if missing:
+            raise ConfigError(f"model.path: the weights in '{mcfg.path}' lack {len(missing)} tensor(s) of this model "
+                              f"(first: {missing[0]}); drop the model.* overrides that change its architecture, or "
+                              "set model.load_weights false")
     else:
         model = cls(spec.hf_config)
     return model.float()
 
 
 BLOCK_PATHS = ("model.layers", "transformer.h", "bert.encoder.layer", "vit.encoder.layer", "vit.layers",
-               "decoder.decoder_layers")
+               "decoder.decoder_layers", "encoder.block", "decoder.block", "layer1", "layer2", "layer3", "layer4")
 
 
 def block_containers(model: nn.Module) -> list[nn.ModuleList | nn.ModuleDict]:
@@ -211,14 +274,16 @@ class Task:
     def constant_weight(self) -> bool:
         """Every sample carries the same weight (causal LM on packed blocks: every token is a target;
         images: one per sample), so a rank's share of the global weight is known without asking."""
-        return self.kind in ("causal_lm", "mae")
+        return self.kind in ("causal_lm", "mae", "image")
 
     def weight(self, inputs: torch.Tensor, labels: torch.Tensor) -> int:
-        if self.kind == "mae":
+        if self.kind in ("mae", "image"):
             return int(inputs.shape[0])
         return int((labels != -100).sum())
 
     def loss_sum(self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.kind == "image":  # labels are class indices; the model sums the batch's cross entropy
+            return model(pixel_values=inputs, targets=labels)
         if self.kind == "mae":
             # labels carry the masking noise so every layout masks the same patches
             out = model(pixel_values=inputs, noise=labels)

@@ -69,12 +69,17 @@ def check_supported(cfg: Config) -> None:
     from trainer.parallel.tensor_parallel import check_tp
 
     if p.pp > 1:
+        from trainer.models.layout import model_layout
+
         if hf.model_type not in SUPPORTED:
             raise ConfigError(f"parallel.pp: pipeline splitting supports {', '.join(SUPPORTED)}, "
                               f"not {hf.model_type!r}")
+        # The model's units and Merak items, counted on the meta device (trainer/models/layout.py).
+        layout = model_layout(family, hf, cfg.model.path or cfg.model.preset)
         check_schedule(p.pp_schedule, p.pp, p.virtual_stages, t.microbatch_num * t.grad_acc_steps,
-                       hf.num_hidden_layers)
-        partition_layers(p.partition, hf.num_hidden_layers, p.pp * p.virtual_stages, layer_params=1)
+                       layout.num_units)
+        partition_layers(p.partition, layout.num_units, p.pp * p.virtual_stages, layer_params=1,
+                         counting=layout.counting)
     check_tp(hf, p.tp, check_vocab=False)
     from trainer.parallel.tensor_parallel import sequence_parallel_applies
 
@@ -300,12 +305,13 @@ def _parallelize_pipeline(model: nn.Module, spec: ModelSpec, dims: ParallelDims,
         tied_groups,
     )
     p, t = cfg.parallel, cfg.train
-    if task.kind not in ("causal_lm", "masked_lm"):
+    if task.kind not in ("causal_lm", "masked_lm", "seq2seq", "image"):
         raise ConfigError(f"parallel.pp: pipeline parallelism supports language models, not {spec.family}")
     sched = check_schedule(p.pp_schedule, p.pp, p.virtual_stages, t.microbatch_num * t.grad_acc_steps,
                            spec.num_layers)
     num_stages = p.pp * p.virtual_stages
-    parts, tied, _ = split_for_pipeline(model, sched, p.partition, dims.coord("pp"), p.pp, p.virtual_stages)
+    parts, tied, _ = split_for_pipeline(model, sched, p.partition, dims.coord("pp"), p.pp, p.virtual_stages,
+                                        name=cfg.model.path or cfg.model.preset)
     del model  # other ranks' layers are freed with it
     sharded = _sharded(dims)
     # Stages of one rank share modules (rotary embeddings): take every value before any goes to meta.
@@ -313,10 +319,7 @@ def _parallelize_pipeline(model: nn.Module, spec: ModelSpec, dims: ParallelDims,
     par = PipelineParallelized([], task, dims, device, cfg.train.dtype)
     for i, (s, part) in enumerate(sorted(parts.items())):
         part.loss_chunks = chunks  # the last stage computes the loss in its forward, chunked
-        if sharded:
-            move(part, "meta")
-        else:
-            part.to(device)
+        move(part, "meta" if sharded else device)  # ties inside a stage stay one parameter
         if dims.tp > 1:
             _apply_tp(part, spec, dims, cfg, pipeline=True, announce=i == 0)
         _checkpoint_and_compile(part, cfg, dims, compile_mode, announce=i == 0)

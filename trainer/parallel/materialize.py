@@ -49,10 +49,11 @@ def _keep_parameter_objects() -> Iterator[None]:
 
 
 def move(module: nn.Module, device: torch.device | str) -> None:
-    """`module.to(device)` keeping every tied weight one Parameter. A plain `.to("meta")` gives
-    each attribute its own new Parameter (CPU -> meta is no in-place conversion), so a CPU-built
-    module loses ties that a meta-built one keeps: their `named_parameters()` then differ in
-    length, and so would the collectives of `materialize` on the ranks of one stage (a hang)."""
+    """`module.to(device)` keeping weights tied inside it one parameter (a T5 stage's decoder
+    embedding and head, BERT's decoder bias). A plain `.to("meta")` gives each use its own new
+    Parameter (CPU -> meta is no in-place conversion), so a CPU-built stage would lose ties that a
+    meta-built one keeps: their `named_parameters()` would differ in length, and so would the
+    collectives of `materialize` on the ranks of one stage (a hang)."""
     with _keep_parameter_objects():
         module.to(device)
 

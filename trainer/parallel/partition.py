@@ -1,6 +1,6 @@
-"""Which transformer layers go to which pipeline stage.
+"""Which units (transformer layers, T5 blocks, Wide-ResNet bottlenecks) go to which pipeline stage.
 
-Pure functions: a method string and a few counts in, half-open layer ranges out. The methods
+Pure functions: a method string and a few counts in, half-open unit ranges out. The methods
 are the ones Merak users know (`uniform`, `uniform_transformer`, `parameters`,
 `custom:a,b,...`) plus `weighted:w0,w1,...` for pipelines whose nodes differ in speed (a Pi 5
 next to a Pi 4 should take proportionally more layers), and `auto`: `runner up` measures every
@@ -11,10 +11,15 @@ profile (plain torchrun) `auto` means `parameters`, said in one log line.
 The embeddings always live on the first stage and the final norm + head on the last; the
 methods that balance "items" (`uniform`, `parameters`) count them as one item each so that
 the first and last stage take fewer transformer layers when those parts are heavy.
+
+`custom:` boundaries are read in units (last boundary = the unit count) or in Merak's items
+(last boundary = the model's item count, trainer/models/layout.py: the `Counting` of its family);
+a spec ending at neither names both counts.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from contract.partition import uniform_bounds
@@ -29,6 +34,39 @@ class PartitionError(ConfigError, ValueError):
 
 
 @dataclass(frozen=True)
+class Counting:
+    """How a model's `custom:` numbers may be counted: in units, or in Merak's items.
+
+    `item_starts[i]` is the unit boundary item i starts at, None where no stage can start (inside
+    a unit, between two embeddings); `item_labels[i]` says what the item holds."""
+
+    name: str                              # the model, for messages ("t5-3b")
+    units: int
+    noun: str                              # layers | blocks | bottlenecks
+    item_starts: tuple[int | None, ...]
+    item_labels: tuple[str, ...]
+
+    @property
+    def items(self) -> int:
+        return len(self.item_starts)
+
+    def both(self) -> str:
+        """`t5-3b has 74 Merak items or 48 blocks`."""
+        return f"{self.name} has {self.items} Merak items or {self.units} {self.noun}"
+
+    def nearest_legal(self, item: int) -> tuple[int | None, int | None]:
+        before = next((i for i in range(item - 1, 0, -1) if self.item_starts[i] is not None), None)
+        after = next((i for i in range(item + 1, self.items) if self.item_starts[i] is not None), None)
+        return before, after
+
+
+def generic_counting(num_layers: int, name: str = "the model") -> Counting:
+    """Merak's counting of a transformer with one embedding item and one head item (L + 2)."""
+    return Counting(name, num_layers, "layers", (0, *range(num_layers), num_layers),
+                    ("embeddings", *(f"layer {i}" for i in range(num_layers)), "head"))
+
+
+@dataclass(frozen=True)
 class StageRange:
     stage: int
     start: int  # first layer index (inclusive)
@@ -40,9 +78,11 @@ class StageRange:
 
 
 def partition_layers(method: str, num_layers: int, num_stages: int, *,
-                     layer_params: int = 0, embed_params: int = 0, head_params: int = 0,
-                     key: str = "parallel.partition") -> list[StageRange]:
-    """Split `num_layers` transformer layers over `num_stages` stages with `method`."""
+                     layer_params: int | list[int] = 0, embed_params: int = 0, head_params: int = 0,
+                     key: str = "parallel.partition", counting: Counting | None = None) -> list[StageRange]:
+    """Split `num_layers` units over `num_stages` stages with `method`. `layer_params`: one count
+    for every unit, or one per unit (T5's decoder blocks outweigh its encoder blocks); `counting`:
+    the model's Merak items for `custom:` (default: embeddings + layers + head)."""
     if num_stages < 1:
         raise PartitionError(f"{key}: need at least 1 stage, got {num_stages}")
     if num_layers < num_stages and not method.startswith(("uniform", "parameters")):
@@ -57,12 +97,14 @@ def partition_layers(method: str, num_layers: int, num_stages: int, *,
         # Merak's `uniform`: embeddings, every layer and the head each count as one item.
         bounds = _items_to_layer_bounds(_balanced_bounds([1] * (num_layers + 2), num_stages), num_layers)
     elif method == "parameters":
-        if layer_params <= 0:
+        per_unit = list(layer_params) if isinstance(layer_params, (list, tuple)) else [layer_params] * num_layers
+        if len(per_unit) != num_layers or any(w <= 0 for w in per_unit):
             raise PartitionError(f"{key}: 'parameters' needs the per-layer parameter count")
-        weights = [embed_params] + [layer_params] * num_layers + [head_params]
+        weights = [embed_params] + per_unit + [head_params]
         bounds = _items_to_layer_bounds(_balanced_bounds(weights, num_stages), num_layers)
     elif method.startswith("custom:"):
-        bounds = _custom_bounds(method[len("custom:"):], num_layers, num_stages, key)
+        bounds = _custom_bounds(method[len("custom:"):], num_layers, num_stages, key,
+                                counting or generic_counting(num_layers))
     elif method.startswith("weighted:"):
         bounds = _weighted_bounds(method[len("weighted:"):], num_layers, num_stages, key)
     else:
@@ -140,62 +182,89 @@ def _parse_ints(text: str, what: str, method: str, key: str, cast=int) -> list:
         raise PartitionError(f"{key}: {method}:{text} must be comma-separated {what}") from None
 
 
-def merak_items_to_layers(bounds: list[int], num_layers: int) -> list[int] | None:
-    """Merak's custom boundaries count graph items, not transformer layers: item 0 is the
-    embeddings, items 1..L the layers, then the head as one item (BERT: L+2 in all, Perseus'
-    bert-huge `custom:0,8,14,20,26`) or final norm + LM head as two (GPT: L+3, Perseus' gpt3-xl
-    `custom:0,8,14,21,27`). Stage s then starts at layer bounds[s] - 1. None: not that counting."""
-    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] not in (num_layers + 2, num_layers + 3):
+def merak_items_to_units(bounds: list[int], counting: Counting, key: str = "parallel.partition") -> list[int] | None:
+    """Item boundaries -> unit boundaries (None: `bounds` does not end at the item count). A
+    boundary at an item no stage can start at is refused, naming the nearest legal ones."""
+    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != counting.items or counting.items == counting.units:
         return None
-    inner = [b - 1 for b in bounds[1:-1]]
-    if any(not 0 < b < num_layers for b in inner):
-        return None
-    return [0, *inner, num_layers]
+    spec = "custom:" + ",".join(map(str, bounds))
+    if any(hi <= lo for lo, hi in zip(bounds[:-1], bounds[1:], strict=False)):
+        raise PartitionError(f"{key}: {spec} ends at {counting.name}'s Merak item count {counting.items} but its "
+                             f"boundaries must be strictly increasing")
+    units = [0]
+    for b in bounds[1:-1]:
+        start = counting.item_starts[b]
+        if start is None:
+            lo, hi = counting.nearest_legal(b)
+            legal = " or ".join(str(x) for x in (lo, hi) if x is not None)
+            raise PartitionError(f"{key}: {spec}: item {b} ({counting.item_labels[b]}) cannot start a stage "
+                                 f"(it continues item {b - 1}, {counting.item_labels[b - 1]}); the nearest "
+                                 f"legal boundaries are {legal}")
+        units.append(start)
+    units.append(counting.units)
+    return units
 
 
-def _endings(num_layers: int) -> str:
+def _endings(counting: Counting) -> str:
     """The two last boundaries `custom:` accepts, for error messages."""
-    return (f"the layer count {num_layers} (custom:0,...,{num_layers}) or Merak's item count {num_layers + 2} "
-            f"(embeddings + {num_layers} layers + head) or {num_layers + 3} (embeddings + layers + final norm "
-            f"+ head)")
+    return (f"{counting.units} ({counting.noun}) or {counting.items} (Merak's items); "
+            f"{counting.both()}")
 
 
-def describe_custom(method: str, num_layers: int, num_stages: int) -> str | None:
+def describe_custom(method: str, num_layers: int, num_stages: int, counting: Counting | None = None) -> str | None:
     """The line that says a `custom:` spec was read as Merak item boundaries, or that `auto` fell
-    back to `parameters` (None otherwise), logged with the stage plan so nobody wonders why 27
-    means 24 layers or which split `auto` made."""
+    back to `parameters` (None otherwise), logged with the stage plan so nobody wonders why 74
+    means 48 blocks or which split `auto` made."""
     if method.strip() == "auto":
         return (f"auto: no profile of the nodes reached this run (plain torchrun; `runner up` measures them and "
                 f"passes the split as custom:...), so the split is `{AUTO_FALLBACK}`")
     if not method.strip().startswith("custom:"):
         return None
+    counting = counting or generic_counting(num_layers)
     try:
         bounds = [int(x) for x in method.strip()[len("custom:"):].split(",") if x.strip()]
-    except ValueError:
+        units = merak_items_to_units(bounds, counting)
+    except (ValueError, PartitionError):
         return None
-    layers = merak_items_to_layers(bounds, num_layers)
-    if layers is None or len(bounds) != num_stages + 1:
+    if units is None or len(bounds) != num_stages + 1:
         return None
-    extra = bounds[-1] - num_layers
-    return (f"{method.strip()} ends at {bounds[-1]} = {num_layers} layers + {extra}: read as Merak item boundaries "
-            f"(item 0 embeddings, items 1-{num_layers} layers, then {'head' if extra == 2 else 'final norm, head'}), "
-            f"i.e. layer boundaries custom:{','.join(map(str, layers))}")
+    return (f"{method.strip()} ends at {bounds[-1]}, {counting.name}'s Merak item count "
+            f"({', '.join(_item_groups(counting))}): read as item boundaries, i.e. {counting.noun} "
+            f"custom:{','.join(map(str, units))}")
 
 
-def _custom_bounds(text: str, num_layers: int, num_stages: int, key: str) -> list[int]:
+def _item_groups(counting: Counting) -> list[str]:
+    """Item ranges by what they hold, for the note: `item 0 shared embedding`, `items 25-72 decoder 0-23`."""
+    out, i = [], 0
+    labels, starts = counting.item_labels, counting.item_starts
+    while i < len(labels):
+        group = labels[i].split(" ")[0]
+        j = i
+        while group in ("encoder", "decoder", "layer", "bottleneck") and j + 1 < len(labels) \
+                and labels[j + 1].split(" ")[0] == group:
+            j += 1
+        units = [s for s in starts[i:j + 1] if s is not None]
+        if i == j or not units:
+            out.append(f"item {i} {labels[i]}")
+        else:
+            word = {"layer": "layers", "bottleneck": "bottlenecks"}.get(group, group)
+            each = (j - i + 1) // len(units)
+            first, last = labels[i].split(" ")[1], labels[j].split(" ")[1]
+            out.append(f"items {i}-{j} {word} {first}-{last}" + (f" ({each} items each)" if each > 1 else ""))
+        i = j + 1
+    return out
+
+
+def _custom_bounds(text: str, num_layers: int, num_stages: int, key: str, counting: Counting) -> list[int]:
     bounds = _parse_ints(text, "integers", "custom", key)
-    merak = merak_items_to_layers(bounds, num_layers)
-    if merak is not None and len(bounds) == num_stages + 1:
-        bounds = merak
     if len(bounds) != num_stages + 1:
         raise PartitionError(f"{key}: custom:{text} has {len(bounds)} boundaries but {num_stages} stages need "
-                             f"{num_stages + 1}: first 0, last {_endings(num_layers)}")
-    if bounds[-1] in (num_layers + 2, num_layers + 3) and bounds[0] == 0:
-        raise PartitionError(f"{key}: custom:{text} ends at Merak's item count {bounds[-1]} but its inner "
-                             f"boundaries must lie between items 2 and {num_layers} (item 0 is the embeddings, "
-                             f"items 1-{num_layers} the layers), strictly increasing")
+                             f"{num_stages + 1}: first 0, last {_endings(counting)}")
+    merak = merak_items_to_units(bounds, counting, key)
+    if merak is not None:
+        return merak
     if bounds[0] != 0 or bounds[-1] != num_layers:
-        raise PartitionError(f"{key}: custom:{text} must start at 0 and end at {_endings(num_layers)}")
+        raise PartitionError(f"{key}: custom:{text} must start at 0 and end at {_endings(counting)}")
     if any(hi <= lo for lo, hi in zip(bounds[:-1], bounds[1:], strict=False)):
         raise PartitionError(f"{key}: custom:{text} boundaries must be strictly increasing "
                              f"(every stage needs at least one layer)")
@@ -233,20 +302,26 @@ def stage_to_rank(stage: int, pp: int, num_stages: int, style: str = "loop") -> 
     return stage % pp
 
 
-def format_ranges(ranges: list[StageRange], pp: int, *, style: str = "loop",
-                  params: list[int] | None = None) -> str:
-    """Human-readable plan, one line per stage, printed at start."""
+def format_ranges(ranges: list[StageRange], pp: int, *, style: str = "loop", params: list[int] | None = None,
+                  describe: Callable[[int, int], str] | None = None, first: str = "embeddings",
+                  last: str = "norm + head", noun: str = "layers") -> str:
+    """Human-readable plan, one line per stage, printed at start. `describe(start, end)` names a
+    unit range (`encoder 15-23 + decoder 0-3`); `first`/`last` what the first and last stage hold
+    besides their units."""
     n = len(ranges)
     lines = []
     for r in ranges:
         parts = []
         if r.stage == 0:
-            parts.append("embeddings")
+            parts.append(first)
         if r.num_layers:
-            parts.append(f"layers {r.start}-{r.end - 1}" if r.num_layers > 1 else f"layer {r.start}")
+            if describe is not None:
+                parts.append(describe(r.start, r.end))
+            else:
+                parts.append(f"layers {r.start}-{r.end - 1}" if r.num_layers > 1 else f"layer {r.start}")
         if r.stage == n - 1:
-            parts.append("norm + head")
+            parts.append(last)
         extra = f", {params[r.stage] / 1e6:.2f}M params" if params else ""
         lines.append(f"stage {r.stage} (pp rank {stage_to_rank(r.stage, pp, n, style)}): "
-                     f"{' + '.join(parts)} ({r.num_layers} layers{extra})")
+                     f"{' + '.join(parts)} ({r.num_layers} {noun}{extra})")
     return "\n".join(lines)

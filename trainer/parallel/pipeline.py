@@ -35,7 +35,7 @@ from trainer.parallel.partition import (
     stage_to_rank,
 )
 from trainer.parallel.schedule_table import ALIASES, SCHEDULES, PipelineError, ScheduleSpec, schedule_spec  # noqa: F401
-from trainer.parallel.stages import TiedWeights, num_layers, part_param_counts, split_model, sync_tied_grads
+from trainer.parallel.stages import TiedWeights, split_model, sync_tied_grads
 
 log = logging.getLogger(__name__)
 
@@ -75,27 +75,41 @@ def local_stage_ids(spec: ScheduleSpec, pp_rank: int, pp: int, num_stages: int) 
     return [s for s in range(num_stages) if stage_to_rank(s, pp, num_stages, spec.style) == pp_rank]
 
 
-def plan_ranges(model: nn.Module, partition: str, num_stages: int) -> list[StageRange]:
-    layer_p, embed_p, head_p = part_param_counts(model)
-    return partition_layers(partition, num_layers(model), num_stages, layer_params=layer_p,
-                            embed_params=embed_p, head_params=head_p)
+def plan_ranges(model: nn.Module, partition: str, num_stages: int, layout=None) -> list[StageRange]:
+    """The stage ranges of `model` (its layout: trainer/models/layout.py) under `partition`."""
+    from trainer.models.layout import layout_of
+
+    layout = layout or layout_of(model)
+    return partition_layers(partition, layout.num_units, num_stages, layer_params=layout.unit_weights(),
+                            embed_params=layout.embed_params, head_params=layout.head_params,
+                            counting=layout.counting)
+
+
+def describe_plan(layout, ranges: list[StageRange], partition: str, pp: int, style: str,
+                  params: list[int]) -> tuple[str | None, str]:
+    """(the Merak-counting note or None, one line per stage: what it holds and its parameters)."""
+    note = describe_custom(partition, layout.num_units, len(ranges), layout.counting)
+    return note, format_ranges(ranges, pp, style=style, params=params, describe=layout.describe,
+                               first=layout.first_name, last=layout.last_name, noun=layout.counting.noun)
 
 
 def split_for_pipeline(model: nn.Module, spec: ScheduleSpec, partition: str, pp_rank: int, pp: int,
-                       virtual_stages: int) -> tuple[dict[int, nn.Module], TiedWeights, list[StageRange]]:
-    """This rank's stage modules (stage index -> module), the tied-weight map and every range."""
+                       virtual_stages: int, name: str | None = None
+                       ) -> tuple[dict[int, nn.Module], TiedWeights, list[StageRange]]:
+    """This rank's stage modules (stage index -> module), the tied-weight map and every range.
+    `name` (the preset) names the model in messages."""
+    from trainer.models.layout import layout_of
+
     num_stages = pp * virtual_stages
-    ranges = plan_ranges(model, partition, num_stages)
+    layout = layout_of(model, name)
+    ranges = plan_ranges(model, partition, num_stages, layout)
+    params: list[int] = []
+    parts, tied = split_model(model, ranges, keep=local_stage_ids(spec, pp_rank, pp, num_stages), params=params)
     if pp_rank == 0:
-        layer_p, embed_p, head_p = part_param_counts(model)
-        params = [r.num_layers * layer_p + (embed_p if r.stage == 0 else 0)
-                  + (head_p if r.stage == num_stages - 1 else 0) for r in ranges]
-        note = describe_custom(partition, num_layers(model), num_stages)
+        note, plan = describe_plan(layout, ranges, partition, pp, spec.style, params)
         if note:  # Merak's item counting: say how the numbers were read
             log.info("parallel.partition %s", note)
-        log.info("pipeline %s, partition %s:\n%s", spec.name, partition,
-                 format_ranges(ranges, pp, style=spec.style, params=params))
-    parts, tied = split_model(model, ranges, keep=local_stage_ids(spec, pp_rank, pp, num_stages))
+        log.info("pipeline %s, partition %s:\n%s", spec.name, partition, plan)
     return parts, tied, ranges
 
 
@@ -136,8 +150,6 @@ class PipelineRunner:
     def __init__(self, parts: dict[int, nn.Module], spec: ScheduleSpec, num_stages: int,
                  pp_group: dist.ProcessGroup, device: torch.device, tied: TiedWeights | None = None,
                  tied_pgs: dict | None = None, tp: int = 1):
-        from torch.distributed.pipelining import PipelineStage
-
         self.spec, self.num_stages, self.tp = spec, num_stages, tp
         self.stage_ids = sorted(parts)
         self.parts = parts
@@ -149,7 +161,8 @@ class PipelineRunner:
                            for g in self.tied.groups]
         self.tied_local = [(ps, key) for ps, key in self.tied_local if ps]
         self.tied_copy_ids = {id(named[s][n]) for g in self.tied.groups for s, n in g[1:] if s in parts}
-        self.stages = [PipelineStage(parts[s], s, num_stages, device, group=pp_group) for s in self.stage_ids]
+        stage_cls = buffer_safe_stage()
+        self.stages = [stage_cls(parts[s], s, num_stages, device, group=pp_group) for s in self.stage_ids]
         self.pp_group, self.device = pp_group, device
         self.pp_rank, self.pp_size = dist.get_rank(pp_group), dist.get_world_size(pp_group)
         self.has_first = 0 in parts
@@ -198,31 +211,115 @@ class PipelineRunner:
         """Forward only, stage after stage with plain send/recv; loss on the rank of the last stage.
 
         Not a torch schedule: running a second schedule object over the training stages left
-        their state changed and the next training step's gradients slightly off.
+        their state changed and the next training step's gradients slightly off. What a stage
+        sends is whatever its forward returned (a tensor of any shape, or T5's tuple), each tensor
+        preceded by its shape (send_tensors).
         """
         n_tokens = denominator or max(int((labels != IGNORE_INDEX).sum()), 1)
-        hidden = getattr(self.parts[self.stage_ids[0]], "config", None)
-        hidden = getattr(hidden, "hidden_size", None) or getattr(hidden, "n_embd", None)
         total = torch.zeros((), device=self.device)
         for x, y in zip(input_ids.tensor_split(n_micro), labels.tensor_split(n_micro), strict=True):
-            h = x
+            h: tuple = (x,)
             for s in range(self.num_stages):
                 here = self.rank_of(s)
                 if here != self.pp_rank:
                     continue
                 if s > 0 and self.rank_of(s - 1) != self.pp_rank:
-                    h = torch.empty(x.shape[0], x.shape[1], hidden, device=self.device)
-                    dist.recv(h, group=self.pp_group, group_src=self.rank_of(s - 1))
+                    h = recv_tensors(self.pp_group, self.rank_of(s - 1), self.device)
                 with loss_context(self.tp):
-                    h = self.parts[s](h, targets=y)
+                    out = self.parts[s](*h, targets=y)
+                h = out if isinstance(out, tuple) else (out,)
                 if s + 1 < self.num_stages and self.rank_of(s + 1) != self.pp_rank:
-                    dist.send(h.float().contiguous(), group=self.pp_group, group_dst=self.rank_of(s + 1))
+                    send_tensors(h, self.pp_group, self.rank_of(s + 1))
             if self.has_last:
-                total += make_loss_fn({"n_tokens": n_tokens})(h, y)
+                total += make_loss_fn({"n_tokens": n_tokens})(h[0], y)
         return total if self.has_last else None
 
     def rank_of(self, stage: int) -> int:
         return stage_to_rank(stage, self.pp_size, self.num_stages, self.spec.style)
+
+
+_MAX_DIMS = 8
+
+
+def send_tensors(tensors: tuple[torch.Tensor, ...], group: dist.ProcessGroup, dst: int) -> None:
+    """Send a tuple of float tensors of any shapes: a header (count, then per tensor ndim + shape),
+    then each tensor in fp32."""
+    header = torch.zeros(1 + len(tensors) * (1 + _MAX_DIMS), dtype=torch.int64)
+    header[0] = len(tensors)
+    for i, t in enumerate(tensors):
+        base = 1 + i * (1 + _MAX_DIMS)
+        header[base] = t.dim()
+        header[base + 1: base + 1 + t.dim()] = torch.tensor(t.shape)
+    dev = tensors[0].device
+    dist.send(torch.tensor([header.numel()], dtype=torch.int64, device=dev), group=group, group_dst=dst)
+    dist.send(header.to(dev), group=group, group_dst=dst)
+    for t in tensors:
+        dist.send(t.float().contiguous(), group=group, group_dst=dst)
+
+
+def recv_tensors(group: dist.ProcessGroup, src: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    size = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.recv(size, group=group, group_src=src)
+    header = torch.zeros(int(size), dtype=torch.int64, device=device)
+    dist.recv(header, group=group, group_src=src)
+    header = header.cpu()
+    out = []
+    for i in range(int(header[0])):
+        base = 1 + i * (1 + _MAX_DIMS)
+        shape = header[base + 1: base + 1 + int(header[base])].tolist()
+        t = torch.empty(shape, device=device)
+        dist.recv(t, group=group, group_src=src)
+        out.append(t)
+    return tuple(out)
+
+
+def _snapshot(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(b, b.detach().clone()) for b in module.buffers()]
+
+
+def _restore(saved: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
+    with torch.no_grad():
+        for b, value in saved or []:
+            b.copy_(value)
+
+
+_BUFFER_SAFE: list[type] = []
+
+
+def buffer_safe_stage() -> type:
+    """torch's PipelineStage whose metadata inference (the first step runs every stage once, on the
+    first microbatch or, past stage 0, on uninitialised tensors of the right shape) leaves the
+    stage's buffers as they were: BatchNorm's running statistics would take that extra, or garbage,
+    batch (NaN evaluation losses on Wide-ResNet past its first stage). The buffers are restored once
+    the inference's autograd graph is gone (restoring them earlier trips its version checks)."""
+    if _BUFFER_SAFE:
+        return _BUFFER_SAFE[0]
+    from torch.distributed.pipelining import PipelineStage
+
+    hooks: dict = {}
+    if hasattr(PipelineStage, "_forward_metadata_inference"):  # torch >= 2.12: forward and backward
+        def forward_inference(self, *args, **kwargs):
+            if getattr(self, "_kept_buffers", None) is None:
+                self._kept_buffers = _snapshot(self.submod)
+            return PipelineStage._forward_metadata_inference(self, *args, **kwargs)
+
+        def cleanup(self) -> None:
+            PipelineStage._post_metadata_inference_cleanup(self)
+            _restore(getattr(self, "_kept_buffers", None))
+            self._kept_buffers = None
+
+        hooks = {"_forward_metadata_inference": forward_inference, "_post_metadata_inference_cleanup": cleanup}
+    elif hasattr(PipelineStage, "_shape_inference"):  # older torch: one forward under no_grad
+        def shape_inference(self, *args, **kwargs):
+            kept = _snapshot(self.submod)
+            try:
+                return PipelineStage._shape_inference(self, *args, **kwargs)
+            finally:
+                _restore(kept)
+
+        hooks = {"_shape_inference": shape_inference}
+    _BUFFER_SAFE.append(type("BufferSafeStage", (PipelineStage,), hooks))
+    return _BUFFER_SAFE[0]
 
 
 def pp_lines(mesh) -> list[list[int]]:

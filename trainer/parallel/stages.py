@@ -1,14 +1,23 @@
-"""Cut a transformers model into pipeline stage modules.
+"""Cut a model into pipeline stage modules.
 
 Each stage module holds the very submodules of the full model (no copies, so the same seeded
 initialisation), keyed by their global layer index so that parameter names stay those of the
 full model (`model.layers.7.self_attn.q_proj.weight`), which keeps checkpoints comparable.
 
-A stage's forward takes `input_ids` (first stage) or hidden states (later stages) and returns
-hidden states or, on the last stage, logits; given `targets`, the last stage returns the summed
-cross entropy instead, chunked over tokens (`loss_chunks`, trainer/models/lm_loss.py). Position
-ids, rotary embeddings and the attention mask are rebuilt inside every stage with the same transformers helpers the full model uses, so
-the stages chained together give bit-identical numbers to the full forward.
+A stage's forward takes `input_ids` (first stage) or what the previous stage sent and returns
+what the next stage needs or, on the last stage, logits; given `targets`, the last stage returns
+the summed cross entropy instead, chunked over tokens (`loss_chunks`, trainer/models/lm_loss.py).
+Position ids, rotary embeddings, ALiBi and the attention masks are rebuilt inside every stage with
+the same transformers helpers the full model uses, so the stages chained together give the full
+forward's numbers.
+
+What travels between stages: hidden states [B, S, hidden] (decoder-only and BERT), Wide-ResNet's
+feature maps [B, C, H, W] (their shape changes along the network), and for T5 a tuple: (encoder
+hidden, the encoder's relative position bias) inside the encoder, then (decoder hidden, encoder
+output, the decoder's position bias) once the decoder has started; the first decoder stage reads
+its inputs (the targets shifted right) from the `targets` every stage receives. The biases are
+computed once, by the first block of each stack (their parameters live there), and carried, with
+their gradients flowing back, exactly as the full model reuses them.
 
 Weights tied across stages (embedding and LM head of GPT-2, BERT, tied Qwen3) cannot be one
 Parameter when the stages live on different ranks: the later stage gets its own copy and
@@ -17,6 +26,7 @@ Parameter when the stages live on different ranks: the later stage gets its own 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +37,7 @@ from trainer.models.lm_loss import lm_loss_sum
 from trainer.parallel.partition import StageRange
 
 DECODER_TYPES = ("llama", "qwen2", "qwen3", "mistral")
-SUPPORTED = (*DECODER_TYPES, "gpt2", "bert")
+SUPPORTED = (*DECODER_TYPES, "gpt2", "bert", "bloom", "t5", "wide_resnet")
 
 
 class StageError(ConfigError, ValueError):
@@ -42,43 +52,32 @@ def model_type(model: nn.Module) -> str:
 
 
 def num_layers(model: nn.Module) -> int:
-    return len(_layers(model))
-
-
-def _layers(model: nn.Module) -> nn.ModuleList:
+    """The units a pipeline distributes (trainer/models/layout.py)."""
     mt = model_type(model)
+    if mt == "t5":
+        return len(model.encoder.block) + len(model.decoder.block)
+    if mt == "wide_resnet":
+        return len(model.bottlenecks())
     if mt in DECODER_TYPES:
-        return model.model.layers
-    if mt == "gpt2":
-        return model.transformer.h
-    return model.bert.encoder.layer
+        return len(model.model.layers)
+    if mt in ("gpt2", "bloom"):
+        return len(model.transformer.h)
+    return len(model.bert.encoder.layer)
 
 
-def part_param_counts(model: nn.Module) -> tuple[int, int, int]:
-    """(per-layer, embeddings, norm+head) parameter counts, for the `parameters` partition."""
-    layer = sum(p.numel() for p in _layers(model)[0].parameters())
-    embed = sum(p.numel() for p in _embed_modules(model).parameters())
-    # A tied head weight counts on both sides: the last stage holds (and computes with) a copy.
-    head = sum(p.numel() for p in _head_modules(model).parameters())
-    return layer, embed, head
+@functools.lru_cache(maxsize=1)
+def _cache_keyword() -> str:
+    import inspect
+
+    from transformers.masking_utils import create_causal_mask
+
+    return "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
 
 
-def _embed_modules(model: nn.Module) -> nn.ModuleDict:
-    mt = model_type(model)
-    if mt in DECODER_TYPES:
-        return nn.ModuleDict({"embed_tokens": model.model.embed_tokens})
-    if mt == "gpt2":
-        return nn.ModuleDict({"wte": model.transformer.wte, "wpe": model.transformer.wpe})
-    return nn.ModuleDict({"embeddings": model.bert.embeddings})
-
-
-def _head_modules(model: nn.Module) -> nn.ModuleDict:
-    mt = model_type(model)
-    if mt in DECODER_TYPES:
-        return nn.ModuleDict({"norm": model.model.norm, "lm_head": model.lm_head})
-    if mt == "gpt2":
-        return nn.ModuleDict({"ln_f": model.transformer.ln_f, "lm_head": model.lm_head})
-    return nn.ModuleDict({"cls": model.cls})
+def _no_cache() -> dict:
+    """The 'no KV cache' keyword of transformers' mask helpers (`cache` from 5.x on, before that
+    `past_key_values`)."""
+    return {_cache_keyword(): None}
 
 
 class _Container(nn.Module):
@@ -113,8 +112,8 @@ class DecoderStage(nn.Module):
 
         h = self.model.embed_tokens(x) if self.is_first else x
         pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-        mask_kwargs = {"config": self.config, "inputs_embeds": h, "attention_mask": None,
-                       "past_key_values": None, "position_ids": pos}
+        mask_kwargs = {"config": self.config, "inputs_embeds": h, "attention_mask": None, "position_ids": pos,
+                       **_no_cache()}
         types = getattr(self.config, "layer_types", None)
         masks = {"full_attention": create_causal_mask(**mask_kwargs)}
         if types and "sliding_attention" in types:
@@ -155,8 +154,8 @@ class GPT2Stage(nn.Module):
             h = self.transformer.drop(emb + self.transformer.wpe(pos))
         else:
             h = x
-        mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None,
-                                  past_key_values=None, position_ids=pos)
+        mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None, position_ids=pos,
+                                  **_no_cache())
         for block in self.transformer.h.values():
             h = block(h, None, mask, None, encoder_attention_mask=None, use_cache=False, position_ids=pos)
             h = h[0] if isinstance(h, tuple) else h
@@ -196,7 +195,166 @@ class BertStage(nn.Module):
         return h
 
 
-_STAGE_CLASSES = {**dict.fromkeys(DECODER_TYPES, DecoderStage), "gpt2": GPT2Stage, "bert": BertStage}
+class BloomStage(nn.Module):
+    """BLOOM: word embeddings + their LayerNorm | blocks (ALiBi, causal) | ln_f + tied head."""
+
+    loss_chunks = 1
+
+    def __init__(self, full: nn.Module, r: StageRange, is_first: bool, is_last: bool):
+        super().__init__()
+        self.config = full.config
+        self.is_first, self.is_last = is_first, is_last
+        self.transformer = _Container()
+        tr = full.transformer
+        if is_first:
+            self.transformer.word_embeddings = tr.word_embeddings
+            self.transformer.word_embeddings_layernorm = tr.word_embeddings_layernorm
+        self.transformer.h = nn.ModuleDict({str(i): tr.h[i] for i in range(r.start, r.end)})
+        if is_last:
+            self.transformer.ln_f = tr.ln_f
+            self.lm_head = full.lm_head
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+        from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+
+        tr = self.transformer
+        h = tr.word_embeddings_layernorm(tr.word_embeddings(x)) if self.is_first else x
+        # Without padding ALiBi depends on positions only: the full model's values, [B * heads, 1, S].
+        ones = torch.ones(h.shape[0], h.shape[1], device=h.device, dtype=torch.long)
+        alibi = build_alibi_tensor(ones, self.config.n_head, h.dtype)
+        mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None, **_no_cache())
+        for block in tr.h.values():
+            h = block(h, alibi=alibi, attention_mask=mask, use_cache=False)
+            h = h[0] if isinstance(h, tuple) else h
+        if self.is_last:
+            return _head_out(self.lm_head, tr.ln_f(h), targets, self.loss_chunks)
+        return h
+
+
+class T5Stage(nn.Module):
+    """T5 units [start, end) over encoder blocks 0..E-1 then decoder blocks E..E+D-1 (module doc).
+
+    The first stage holds the shared embedding; whoever holds decoder block 0 also holds the
+    encoder's final norm and the decoder's embedding (the shared one: a tied copy on a later
+    stage); the last holds the decoder's final norm and the tied head."""
+
+    loss_chunks = 1
+
+    def __init__(self, full: nn.Module, r: StageRange, is_first: bool, is_last: bool):
+        super().__init__()
+        self.config = full.config
+        self.is_first, self.is_last = is_first, is_last
+        self.n_enc, self.n_dec = len(full.encoder.block), len(full.decoder.block)
+        self.start, self.end = r.start, r.end
+        self.enc_config, self.dec_config = full.encoder.config, full.decoder.config
+        self.encoder, self.decoder = _Container(), _Container()
+        e = self.n_enc
+        if is_first:
+            self.shared = full.shared
+        self.encoder.block = nn.ModuleDict({str(i): full.encoder.block[i] for i in range(r.start, min(r.end, e))})
+        self.encoder.dropout = full.encoder.dropout
+        if r.start <= e < r.end:  # holds decoder block 0: the encoder ends and the decoder starts here
+            self.encoder.final_layer_norm = full.encoder.final_layer_norm
+            self.decoder.embed_tokens = full.decoder.embed_tokens
+        self.decoder.block = nn.ModuleDict({str(i - e): full.decoder.block[i - e]
+                                            for i in range(max(r.start, e), r.end)})
+        self.decoder.dropout = full.decoder.dropout
+        if is_last:
+            self.decoder.final_layer_norm = full.decoder.final_layer_norm
+            self.lm_head = full.lm_head
+
+    def _outputs(self, h: torch.Tensor, bias: torch.Tensor | None, enc_out: torch.Tensor | None
+                 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """What the next stage needs at boundary `self.end` (see the module doc)."""
+        b, e = self.end, self.n_enc
+        if b == 0 or b == e or b == e + self.n_dec:
+            return h
+        # The bias is a permuted view (heads first); point-to-point sends need contiguous tensors.
+        if b < e:
+            return h, bias.contiguous()
+        return h, enc_out, bias.contiguous()
+
+    def forward(self, *args: torch.Tensor, targets: torch.Tensor | None = None):
+        from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+
+        from trainer.models.t5 import output_scale, shift_right
+
+        e, start, end = self.n_enc, self.start, self.end
+        bias = enc_out = None
+        if self.is_first:
+            h = self.encoder.dropout(self.shared(args[0]))
+        elif start == 0 or start == e or start == e + self.n_dec:
+            h = args[0]
+        elif start < e:
+            h, bias = args
+        else:
+            h, enc_out, bias = args
+        if start < e and end > start:
+            mask = create_bidirectional_mask(config=self.enc_config, inputs_embeds=h, attention_mask=None)
+            for block in self.encoder.block.values():
+                h, bias, _ = block(h, mask, bias, None, None, None)
+        if start <= e < end:
+            enc_out = self.encoder.dropout(self.encoder.final_layer_norm(h))
+            h = self.decoder.dropout(self.decoder.embed_tokens(shift_right(targets, self.config)))
+            bias = None
+        if end > max(start, e):
+            mask = create_causal_mask(config=self.dec_config, inputs_embeds=h, attention_mask=None, **_no_cache())
+            cross = create_bidirectional_mask(config=self.dec_config, inputs_embeds=h, attention_mask=None,
+                                              encoder_hidden_states=enc_out)
+            cross_bias = None
+            for block in self.decoder.block.values():
+                h, bias, cross_bias = block(h, mask, bias, enc_out, cross, cross_bias)
+        if self.is_last:
+            h = self.decoder.dropout(self.decoder.final_layer_norm(h))
+            scale = output_scale(self.config)
+            if scale is not None:
+                h = h * scale
+            return _head_out(self.lm_head, h, targets, self.loss_chunks)
+        return self._outputs(h, bias, enc_out)
+
+
+class WideResNetStage(nn.Module):
+    """Wide-ResNet: stem | bottlenecks (global index over layer1..layer4) | pool + fc."""
+
+    loss_chunks = 1
+
+    def __init__(self, full: nn.Module, r: StageRange, is_first: bool, is_last: bool):
+        from trainer.models.wide_resnet import STAGES
+
+        super().__init__()
+        self.config = full.config
+        self.is_first, self.is_last = is_first, is_last
+        if is_first:
+            self.conv1, self.bn1, self.relu, self.maxpool = full.conv1, full.bn1, full.relu, full.maxpool
+        index = 0
+        self.groups: list[str] = []
+        for name in STAGES:
+            held = {}
+            for j, block in enumerate(getattr(full, name)):
+                if r.start <= index < r.end:
+                    held[str(j)] = block
+                index += 1
+            if held:
+                setattr(self, name, nn.ModuleDict(held))
+                self.groups.append(name)
+        if is_last:
+            self.avgpool, self.fc = full.avgpool, full.fc
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        from trainer.models.wide_resnet import classify
+
+        h = self.maxpool(self.relu(self.bn1(self.conv1(x)))) if self.is_first else x
+        for name in self.groups:
+            for block in getattr(self, name).values():
+                h = block(h)
+        if self.is_last:
+            return classify(self.fc, self.avgpool, h, targets)
+        return h
+
+
+_STAGE_CLASSES = {**dict.fromkeys(DECODER_TYPES, DecoderStage), "gpt2": GPT2Stage, "bert": BertStage,
+                  "bloom": BloomStage, "t5": T5Stage, "wide_resnet": WideResNetStage}
 
 
 @dataclass
@@ -213,9 +371,10 @@ class TiedWeights:
         return sorted({s for s, _ in group})
 
 
-def split_model(full: nn.Module, ranges: list[StageRange], keep: list[int] | None = None
-                ) -> tuple[dict[int, nn.Module], TiedWeights]:
+def split_model(full: nn.Module, ranges: list[StageRange], keep: list[int] | None = None,
+                params: list[int] | None = None) -> tuple[dict[int, nn.Module], TiedWeights]:
     """Stage modules for the stage indices in `keep` (all when None), plus the tied-weight map.
+    `params`, when given, receives every stage's parameter count (tied copies included).
 
     Stages built for other ranks are dropped here, so their layers are freed with the full model.
     """
@@ -223,6 +382,8 @@ def split_model(full: nn.Module, ranges: list[StageRange], keep: list[int] | Non
     n = len(ranges)
     stages = {r.stage: cls(full, r, r.stage == 0, r.stage == n - 1) for r in ranges}
     tied = _untie_across_stages(stages)
+    if params is not None:
+        params[:] = [sum(p.numel() for p in stages[s].parameters()) for s in sorted(stages)]
     keep_set = set(range(n) if keep is None else keep)
     return {s: m for s, m in stages.items() if s in keep_set}, tied
 
@@ -280,9 +441,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
-def chain_forward(stages: list[nn.Module], input_ids: torch.Tensor) -> torch.Tensor:
-    """Run stage modules one after another in this process (tests, debugging)."""
-    h = input_ids
+def chain_forward(stages: list[nn.Module], input_ids: torch.Tensor, targets: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+    """Run stage modules one after another in this process (tests, debugging, the dry run)."""
+    h: tuple = (input_ids,)
     for m in stages:
-        h = m(h)
-    return h
+        out = m(*h) if targets is None else m(*h, targets=targets)
+        h = out if isinstance(out, tuple) else (out,)
+    return h[0]

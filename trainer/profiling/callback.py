@@ -1,5 +1,7 @@
 """The profiling callback: records the batches named by profile.batch (`--profile_batch`, env
-PROFILE_BATCH) and writes timelines, bubble summaries and the Perseus/Merak CSVs.
+PROFILE_BATCH) and writes timelines, bubble summaries and the Perseus/Merak CSVs. With
+profile.perseus_url it also runs the Perseus frequency-plan rounds (perseus_rounds.py), recording
+every step while they go on.
 
 Found by train.py through CALLBACKS ("trainer.profiling:make_callback"). Every rank records;
 rank 0 merges. See docs/profiling.md for the files and what each number means.
@@ -19,6 +21,7 @@ from trainer.profiling import bubble, timing_csv, trace
 from trainer.profiling.batches import parse_batches
 from trainer.profiling.clocks import RankClock, estimate_offsets
 from trainer.profiling.energy import EnergySampler, probe
+from trainer.profiling.perseus_rounds import PerseusRounds
 from trainer.profiling.recorder import Recorder
 from trainer.profiling.reduce_timing import DDPReduceTimer
 
@@ -35,7 +38,9 @@ class ProfilingCallback:
         self.out: Path = trainer.output_dir
         self.timelines, self.prof_steps = set(timelines), prof_steps
         self.record = self.timelines | set(prof_steps)
-        self.last_recorded = max(self.record)
+        perseus = self.cfg.profile.perseus_url is not None
+        # Under Perseus the rounds decide how long recording goes on: the CSVs are written at the end.
+        self.last_recorded = None if perseus else max(self.record)
         self.clock = RankClock.start(self.rank)
         # Clock sync and merges go over gloo with CPU objects, whatever the training backend.
         self.group = dist.new_group(backend="gloo") if self.world > 1 else None
@@ -55,7 +60,7 @@ class ProfilingCallback:
         self.csv = self.cfg.profile.export_timing_csv
         self.energy: EnergySampler | None = None
         self.energy_reason = ""
-        if self.csv:
+        if self.csv or perseus:
             reader, why = probe(cuda_index, trainer.device.type == "cuda")
             if reader is None:
                 self.energy_reason = why
@@ -64,6 +69,10 @@ class ProfilingCallback:
                 self.energy = EnergySampler(self.clock, reader)
                 log.info("energy sensor: %s", why)
         self._csv_done = False
+        self.rounds: PerseusRounds | None = None
+        if perseus:
+            self.rounds = PerseusRounds(trainer, self.rank, self.world, self.group, self.rec, self.energy, sync,
+                                        cuda_index if trainer.device.type == "cuda" else None, self.csv)
 
     def _time_ddp(self, model: Any, cuda: bool) -> DDPReduceTimer | None:
         from torch.nn.parallel import DistributedDataParallel
@@ -79,30 +88,44 @@ class ProfilingCallback:
         if self.world > 1:
             # Every recorded batch ends in a collective merge: ranks that disagree would hang there.
             plans = [None] * self.world
-            dist.all_gather_object(plans, (sorted(self.timelines), self.prof_steps, self.csv), group=self.group)
+            dist.all_gather_object(plans, (sorted(self.timelines), self.prof_steps, self.csv,
+                                           self.cfg.profile.perseus_url), group=self.group)
             if any(p != plans[0] for p in plans):
-                raise ConfigError(f"profile.batch / num_prof_steps / export_timing_csv differ between ranks "
-                                  f"({plans[0]} on rank 0, {next(p for p in plans if p != plans[0])} elsewhere); "
-                                  f"set the same PROFILE_BATCH on every node")
+                raise ConfigError(f"profile.batch / num_prof_steps / export_timing_csv / perseus_url differ between "
+                                  f"ranks ({plans[0]} on rank 0, {next(p for p in plans if p != plans[0])} elsewhere); "
+                                  f"set the same PROFILE_BATCH and PERSEUS_URL on every node")
+        if self.rounds is not None:
+            self.rounds.start(trainer)
+
+    def _now(self) -> int:
+        if self.rec.sync is not None:
+            self.rec.sync()  # a step's time is the device's, not the launches'
+        return self.clock.now()
 
     def on_step_start(self, trainer: Any, step: int) -> None:
-        if step in self.record:
+        rounds = self.rounds is not None and self.rounds.records(step)
+        if step in self.record or rounds:
             if self.energy is not None:
                 self.energy.start()
             if self.ddp_timer is not None:
                 self.ddp_timer.attach()
             self.rec.begin(step)
+            if rounds:
+                self.rounds.step_started(step, self._now())
 
     def on_step_end(self, trainer: Any, record: dict | None) -> None:
         batch = self.rec.active
         if batch is None:
             return
+        t_end = self._now()  # before the sampler's last reading, so the step's energy interpolates
         if self.ddp_timer is not None:
             self.ddp_timer.flush()  # CUDA event pairs -> events, while the batch is still active
             self.ddp_timer.detach()
         self.rec.end()
         if self.energy is not None:
             self.energy.stop()
+        if self.rounds is not None and batch in self.rounds.spans:
+            self.rounds.step_ended(trainer, batch, t_end)
         if batch in self.timelines:
             # Re-measured right after the batch, so slow drift since start-up does not enter it.
             estimate_offsets(self.clock, self.group)
@@ -113,7 +136,10 @@ class ProfilingCallback:
     def on_train_end(self, trainer: Any) -> None:
         if self.rec.active is not None:
             self.rec.end()
-        if not self._csv_done and self.rec.events:
+        if self.rounds is not None:
+            self.rounds.clocks.reset()
+            self._write_csvs()
+        elif not self._csv_done and self.rec.events:
             log.warning("profiling: training ended before batch %d; CSVs hold the batches recorded so far",
                         self.last_recorded)
             self._write_csvs()
@@ -155,13 +181,18 @@ class ProfilingCallback:
 
     def _write_csvs(self) -> None:
         self._csv_done = True
+        if self.rounds is not None:
+            gathered = self._gather(self.rounds.profile)
+            if self.rank == 0 and any(gathered):
+                timing_csv.write_profile(self.out / "profile.csv", [r for rs in gathered for r in rs])
+                log.info("profile.csv: %d plan(s) of %d steps each", self.rounds.plan_no + 1, self.rounds.window)
         if not self.csv:
             return
         events = self.rec.events
         n = timing_csv.write_instructions(self.out / f"instructions-{self.rank}.csv", events, self.clock.to_ref)
         timing_csv.write_time_energy(self.out / f"time-energy-{self.rank}.csv", self.energy, self.energy_reason,
                                      self.clock.to_ref)
-        log.info("instructions-%d.csv: %d rows over batches %s", self.rank, n, sorted(self.record))
+        log.info("instructions-%d.csv: %d rows over batches %s", self.rank, n, sorted({e.batch for e in events}))
         if not self.prof_steps:
             return
         steps = set(self.prof_steps)
@@ -179,8 +210,10 @@ def make_callback(trainer: Any) -> ProfilingCallback | None:
     if prof.num_prof_steps < 0:
         raise ConfigError(f"profile.num_prof_steps must be >= 0, got {prof.num_prof_steps}")
     timelines = parse_batches(prof.batch)
-    prof_steps = aggregated_steps(timelines, prof.num_prof_steps)
-    if not timelines and not prof_steps:
+    perseus = prof.perseus_url is not None
+    # Under Perseus num_prof_steps is the window of each plan (perseus_rounds.py), not one average.
+    prof_steps = [] if perseus else aggregated_steps(timelines, prof.num_prof_steps)
+    if not timelines and not prof_steps and not perseus:
         if prof.export_timing_csv and trainer.env.rank == 0:
             log.warning("profiling: --export_timing_csv with nothing to record (profile.batch %s, num_prof_steps 0): "
                         "no CSV is written; set --num_prof_steps N or --profile_batch K", prof.batch)

@@ -91,14 +91,17 @@ class EnergySampler:
         self._base: float | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._moved = threading.Condition()    # notified on every new row (rows stay in time order)
 
     def _sample(self, force: bool = False) -> None:
-        v = self.reader()
-        if self._base is None:
-            self._base = v
-        e = v - self._base
-        if force or not self.rows or e != self.rows[-1][1]:
-            self.rows.append((self.clock.now(), e))
+        with self._moved:
+            v = self.reader()
+            if self._base is None:
+                self._base = v
+            e = v - self._base
+            if force or not self.rows or e != self.rows[-1][1]:
+                self.rows.append((self.clock.now(), e))
+                self._moved.notify_all()
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -116,6 +119,17 @@ class EnergySampler:
             self._thread.join()
             self._thread = None
             self._sample(force=True)  # closes the interval, so every instruction inside it interpolates
+
+    def cover(self, t_ns: int, timeout: float = 1.0) -> None:
+        """Make energy_at(t_ns) known while the sampler runs: rows are added only when the counter
+        moves, so an instruction that just ended lies past the last row (NVML's counter moves every
+        few ms to tens of ms). Wait, up to `timeout`, for the counter's next move after t_ns; if it
+        does not move (an idle or stuck sensor), record the reading as of now."""
+        with self._moved:
+            self._moved.wait_for(lambda: bool(self.rows) and self.rows[-1][0] >= t_ns,
+                                 timeout=timeout if self._thread is not None else 0)
+        if not self.rows or self.rows[-1][0] < t_ns:
+            self._sample(force=True)
 
     def energy_at(self, t_ns: int) -> float | None:
         """Cumulative Joules at t (linear interpolation, as Perseus' post-processing does)."""

@@ -89,25 +89,33 @@ def nvml_handle(nvml: Any, ident: CudaIdentity, visible: str | None) -> tuple[An
     return _by_visible_entry(nvml, entries[ident.index])
 
 
-def nvml_reader(index: int, nvml: Any = None, ident: CudaIdentity | None = None,
-                environ: dict[str, str] | None = None) -> tuple[Callable[[], float] | None, str]:
-    """(reader of this GPU's cumulative Joules, "NVML <device>") or (None, why not).
+def open_device(index: int, nvml: Any = None, ident: CudaIdentity | None = None,
+                environ: dict[str, str] | None = None) -> tuple[Any, Any, str]:
+    """(pynvml module, NVML handle of cuda:index, how it was found); raises on any NVML failure.
 
     `nvml` and `ident` default to pynvml and what torch reports; tests pass stand-ins because no
-    GPU exists on the test machine.
-    """
+    GPU exists on the test machine."""
     if nvml is None:
-        try:
-            import pynvml as nvml
-        except ImportError:
-            return None, "pynvml not installed (pip install nvidia-ml-py)"
+        import pynvml as nvml
     env = os.environ if environ is None else environ
+    nvml.nvmlInit()
+    ident = ident or cuda_identity(index)
+    handle, how = nvml_handle(nvml, ident, env.get("CUDA_VISIBLE_DEVICES"))
+    return nvml, handle, how
+
+
+def nvml_reader(index: int, nvml: Any = None, ident: CudaIdentity | None = None,
+                environ: dict[str, str] | None = None) -> tuple[Callable[[], float] | None, str]:
+    """(reader of this GPU's cumulative Joules, "NVML <device>") or (None, why not)."""
     try:
-        nvml.nvmlInit()
-        ident = ident or cuda_identity(index)
-        handle, how = nvml_handle(nvml, ident, env.get("CUDA_VISIBLE_DEVICES"))
+        nvml, handle, how = open_device(index, nvml, ident, environ)
+    except ImportError:
+        return None, "pynvml not installed (pip install nvidia-ml-py)"
+    except Exception as e:  # noqa: BLE001 - any NVML failure means: no usable sensor
+        return None, f"NVML unusable for cuda:{index} ({e})"
+    try:
         nvml.nvmlDeviceGetTotalEnergyConsumption(handle)  # Volta and newer; raises NotSupported before
         name = nvml.nvmlDeviceGetUUID(handle)
-    except Exception as e:  # noqa: BLE001 - any NVML failure means: no usable sensor
+    except Exception as e:  # noqa: BLE001
         return None, f"NVML unusable for cuda:{index} ({e})"
     return (lambda: nvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1e3), f"NVML {name} (by {how})"  # mJ -> J

@@ -153,6 +153,9 @@ class Recorder:
         self._op_tags: dict[int, dict] = {}
         self._mb_fwd = 0
         self._last_fwd_end: int | None = None
+        # Called as (action, stage, microbatch) when a compute instruction of a recorded batch is
+        # about to run: where a Perseus plan sets its frequency (perseus_rounds.py).
+        self.on_instruction: Any = None
 
     # ------------------------------------------------------------ bracketing
 
@@ -182,6 +185,8 @@ class Recorder:
             return fn()
         if self.sync is not None:
             self.sync()
+        if self.on_instruction is not None and action in COMPUTE:
+            self.on_instruction(action, stage, mb)
         t0 = self.clock.now()
         out = fn()
         if self.sync is not None:
@@ -262,6 +267,9 @@ class Recorder:
             now = self._synced_now()
             if self._last_fwd_end is not None:
                 self.add(Event("backward", self._last_fwd_end, now, stage=0, mb=self._mb_fwd - 1))
+            if self.on_instruction is not None:
+                self.on_instruction("forward", 0, self._mb_fwd)
+                now = self.clock.now()
             self._fwd_start = now
 
         def post_hook(module: Any, args: Any, output: Any) -> None:
@@ -269,6 +277,9 @@ class Recorder:
                 return
             self._last_fwd_end = self._synced_now()
             self.add(Event("forward", self._fwd_start, self._last_fwd_end, stage=0, mb=self._mb_fwd))
+            if self.on_instruction is not None:
+                self.on_instruction("backward", 0, self._mb_fwd)
+                self._last_fwd_end = self.clock.now()
             self._mb_fwd += 1
 
         def forward_backward(*args: Any, **kwargs: Any) -> Any:

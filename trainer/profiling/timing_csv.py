@@ -7,7 +7,8 @@ plus the ones it did not record (send/recv, split backward, reductions, optimize
 time-energy-{rank}.csv: `time,energy` (seconds, cumulative Joules) from a real sensor, or a
 single comment line saying why there is none. profile.csv: per stage and instruction
 (forward/backward/load), the mean time and energy of one instance over the profiled steps;
-energy is empty without a sensor.
+energy is empty without a sensor. Under a Perseus server (perseus_rounds.py) each plan's window
+is labelled: `stage,instruction,frequency,time,energy,plan` (Perseus' columns, plus the plan).
 """
 
 from __future__ import annotations
@@ -55,18 +56,22 @@ def write_time_energy(path: Path, sampler: EnergySampler | None, reason: str, to
             w.writerow([f"{to_ref(t) / 1e9:.9f}", f"{e:.6f}"])
 
 
-def profile_rows(events: list[Event], sampler: EnergySampler | None) -> list[dict]:
-    """Per (stage, kind): summed time/energy and the number of instances (microbatches or batches).
+def profile_rows(events: list[Event], sampler: EnergySampler | None,
+                 label: Callable[[Event], dict] | None = None) -> list[dict]:
+    """Per (stage, kind[, label]): summed time/energy and the number of instances (microbatches or
+    batches). `label(event)` adds fields that split the rows (a Perseus plan and frequency).
 
     A split backward's input and weight parts add up to one backward instance of its microbatch.
     """
-    acc: dict[tuple[int, str], dict] = {}
+    acc: dict[tuple, dict] = {}
     for e in events:
         kind = PROFILE_KINDS.get(e.action)
         if kind is None or e.stage is None:
             continue
-        a = acc.setdefault((e.stage, kind), {"stage": e.stage, "instruction": kind, "time": 0.0,
-                                             "energy": 0.0, "instances": set(), "has_energy": sampler is not None})
+        extra = label(e) if label is not None else {}
+        a = acc.setdefault((e.stage, kind, *sorted(extra.items())),
+                           {"stage": e.stage, "instruction": kind, "time": 0.0, **extra,
+                            "energy": 0.0, "instances": set(), "has_energy": sampler is not None})
         a["time"] += (e.end_ns - e.start_ns) / 1e9
         a["instances"].add((e.batch, e.mb))
         if sampler is not None:
@@ -79,16 +84,21 @@ def profile_rows(events: list[Event], sampler: EnergySampler | None) -> list[dic
 
 
 def write_profile(path: Path, rows: list[dict]) -> None:
-    """Merge rows of all ranks (DP replicas of a stage are averaged) into stage,instruction,time,energy."""
-    merged: dict[tuple[int, str], list[dict]] = {}
+    """Merge rows of all ranks (DP replicas of a stage are averaged) into stage,instruction,time,energy;
+    rows labelled with a Perseus plan give stage,instruction,frequency,time,energy,plan."""
+    plans = any("plan" in r for r in rows)
+    merged: dict[tuple, list[dict]] = {}
     for r in rows:
-        merged.setdefault((r["stage"], r["instruction"]), []).append(r)
+        merged.setdefault((r.get("plan", 0), r["stage"], r["instruction"], r.get("frequency")), []).append(r)
     order = {"load": 0, "forward": 1, "backward": 2}
     with path.open("w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["stage", "instruction", "time", "energy"])
-        for (stage, kind), rs in sorted(merged.items(), key=lambda kv: (kv[0][0], order[kv[0][1]])):
+        w.writerow(["stage", "instruction", "frequency", "time", "energy", "plan"] if plans
+                   else ["stage", "instruction", "time", "energy"])
+        for (plan, stage, kind, freq), rs in sorted(merged.items(), key=lambda kv: (
+                kv[0][0], kv[0][1], order[kv[0][2]], -(kv[0][3] or 0))):
             t = sum(r["time"] / r["instances"] for r in rs) / len(rs)
             energy = (sum(r["energy"] / r["instances"] for r in rs) / len(rs)
                       if all(r["has_energy"] for r in rs) else math.nan)
-            w.writerow([stage, kind, f"{t:.9f}", "" if math.isnan(energy) else f"{energy:.6f}"])
+            e = "" if math.isnan(energy) else f"{energy:.6f}"
+            w.writerow([stage, kind, _fmt(freq), f"{t:.9f}", e, plan] if plans else [stage, kind, f"{t:.9f}", e])
