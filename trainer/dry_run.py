@@ -47,7 +47,7 @@ def _dtype(cfg: Config) -> tuple[str, str]:
 
 
 def make_plan(cfg: Config) -> dict[str, Any]:
-    from trainer.config_checks import resolve_loss_chunks
+    from trainer.config_checks import microbatch_tokens, resolve_loss_chunks
     from trainer.models.build import FAMILIES, build_hf_config
     from trainer.models.layout import meta_model, model_layout
     from trainer.models.lm_loss import install_loss_forward
@@ -71,7 +71,7 @@ def make_plan(cfg: Config) -> dict[str, Any]:
     dtype, dtype_note = _dtype(cfg)
     n_micro = t.microbatch_num * t.grad_acc_steps
     micro = t.batch_size // t.microbatch_num
-    chunks = resolve_loss_chunks(t.loss_chunks, task, int(getattr(hf, "vocab_size", 0) or 0))
+    chunks = resolve_loss_chunks(t.loss_chunks, task, int(getattr(hf, "vocab_size", 0) or 0), microbatch_tokens(cfg))
     if task != "mae":
         install_loss_forward(model, chunks)
     num_stages = p.pp * p.virtual_stages
