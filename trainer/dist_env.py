@@ -101,9 +101,16 @@ def training_dtype(requested: str, device_type: str, native_bf16: bool | None = 
                     "(torch.cuda.is_bf16_supported(including_emulation=False) is False); training in fp32")
 
 
-def resolve_param_dtype(requested: str, dtype: str, device_type: str) -> str:
+def resolve_param_dtype(requested: str, dtype: str, device_type: str, task: str = "") -> str:
     """train.param_dtype for this run: auto -> bf16 where the run computes in bf16 on CUDA (FSDP2's
-    mixed precision: bf16 activations throughout), else fp32 (autocast over fp32 weights)."""
+    mixed precision: bf16 activations throughout), else fp32 (autocast over fp32 weights).
+    Image models (Wide-ResNet) stay fp32: mixed precision would cast BatchNorm's weight to bf16
+    beside its fp32 running statistics, a mix batch_norm refuses (cuDNN and CPU alike)."""
+    if task == "image":
+        if requested == "bf16":
+            raise ConfigError("train.param_dtype bf16: not for an image model (its BatchNorm keeps fp32 running "
+                              "statistics); use auto or fp32 (train.dtype bf16 still computes in bf16 via autocast)")
+        return "fp32"
     if requested == "auto":
         return "bf16" if dtype == "bf16" and device_type == "cuda" else "fp32"
     return requested

@@ -93,7 +93,7 @@ class Trainer:
                                             microbatch_tokens(cfg))
         t.compile = resolve_compile(t.compile, device.type)
         t.dtype = dist_env.training_dtype(t.dtype, device.type)[0]
-        t.param_dtype = dist_env.resolve_param_dtype(t.param_dtype, t.dtype, device.type)
+        t.param_dtype = dist_env.resolve_param_dtype(t.param_dtype, t.dtype, device.type, self.spec.task)
         cfg.logging.log_interval = resolve_log_interval(cfg.logging.log_interval, device.type)
         log.info("training in %s (parameters %s), compile %s, activation checkpointing %s, loss in %d chunk(s), "
                  "%d microbatch(es) per batch, log every %d step(s)", t.dtype, t.param_dtype, t.compile,
@@ -292,7 +292,8 @@ def run(cfg: Config, env: dist_env.DistEnv) -> int:
     if precision and env.rank == 0:
         log.info("train.dtype fp32 on CUDA: %s", precision)
     cfg.train.compile = resolve_compile(cfg.train.compile, device.type)
-    cfg.train.param_dtype = dist_env.resolve_param_dtype(cfg.train.param_dtype, cfg.train.dtype, device.type)
+    cfg.train.param_dtype = dist_env.resolve_param_dtype(cfg.train.param_dtype, cfg.train.dtype, device.type,
+                                                          task_of(cfg.model))
     cfg.logging.log_interval = resolve_log_interval(cfg.logging.log_interval, device.type)
     dims = ParallelDims.from_config(cfg.parallel, env.world_size, env.local_world_size)
     if env.rank == 0:

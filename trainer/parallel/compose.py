@@ -97,6 +97,7 @@ class Parallelized:
     dtype: str = "fp32"
     owns_loss: bool = True
     fsdp: bool = False
+    fsdp_casts: bool = False              # FSDP2's mixed precision casts to bf16 (else autocast does)
     sync_every_microbatch: bool = False   # zero3: reduce-scatter per microbatch keeps grads sharded
     extras: dict = field(default_factory=dict)
 
@@ -108,8 +109,9 @@ class Parallelized:
             m.train(mode)
 
     def _autocast(self) -> Any:
-        # FSDP2 casts through its MixedPrecisionPolicy; DDP and single process use autocast.
-        if self.dtype == "bf16" and not self.fsdp:
+        # FSDP2 casts through its MixedPrecisionPolicy; DDP, single process and FSDP2 over a model
+        # with BatchNorm (fp32 weights beside fp32 running statistics) use autocast.
+        if self.dtype == "bf16" and not (self.fsdp and self.fsdp_casts):
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
@@ -180,7 +182,7 @@ def parallelize(model: nn.Module, spec: ModelSpec, dims: ParallelDims, cfg: Conf
     if dims.pp > 1:
         return _parallelize_pipeline(model, spec, dims, cfg, device, backend, task, chunks, compile_mode)
     # bf16 parameters (train.param_dtype) are FSDP2's mixed precision: FSDP2 on every layout then.
-    mixed = resolve_param_dtype(t.param_dtype, t.dtype, device.type) == "bf16"
+    mixed = resolve_param_dtype(t.param_dtype, t.dtype, device.type, spec.task) == "bf16"
     data_parallel = dims.mesh is not None and (dims.dp > 1 or mixed)
     ref = to_meta(model) if _sharded(dims) else None
     if ref is None:
@@ -283,11 +285,11 @@ def _apply_dp(par: Parallelized, model: nn.Module, blocks: list[nn.Module], dims
 
 def _apply_fsdp(par: Parallelized, model: nn.Module, blocks: list[nn.Module], mesh: Any, cfg: Config, backend: str,
                 reshard: bool, pipeline: bool = False) -> None:
-    bf16 = resolve_param_dtype(cfg.train.param_dtype, cfg.train.dtype, par.device.type) == "bf16" or \
-        cfg.train.dtype == "bf16"
+    bf16 = (resolve_param_dtype(cfg.train.param_dtype, cfg.train.dtype, par.device.type) == "bf16" or
+            cfg.train.dtype == "bf16") and not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     apply_fsdp(model, blocks, mesh, reshard_after_forward=reshard, param_dtype=torch.bfloat16 if bf16 else None,
                backend=backend, pipeline=pipeline)
-    par.fsdp = True
+    par.fsdp, par.fsdp_casts = True, bf16
     par.sync_every_microbatch = reshard
 
 
