@@ -180,3 +180,20 @@ def test_plans_follow_interleaved_1f1b_gpt2(tmp_path):
                 if row["instruction"] != "load"}  # batch input: no plan position, no frequency
     assert labelled == {(str(p), str(stage), name, str(plan[r][i][1])) for p, plan in enumerate(plans)
                         for r in range(2) for i, (name, stage, _) in enumerate(order[r])}
+
+
+@pytest.mark.parametrize("preset", ["tiny-t5", "tiny-bloom", "tiny-wide-resnet"])
+def test_the_loop_runs_the_perseus_families(tmp_path, preset):
+    """The Perseus paper's other families through the loop (GPipe, 2 stages, 2 rounds): T5's stages
+    carry the encoder output beside the decoder's hidden, Wide-ResNet's 4-D activations; every
+    position of the plan lands on the instruction the rank runs there."""
+    plan = plan_for("gpipe", 1000)
+    with perseus_server(tmp_path, [write_plan(tmp_path / "plan.py", plan)]) as srv:
+        out = tmp_path / "out"
+        run_trainer(out, "--model.preset", preset, "--data.seq_len", "16", "--train.batch_size", "8",
+                    "--train.microbatch_num", "4", "--parallel.pp", "2", "--parallel.pp_schedule", "gpipe",
+                    "--train_steps", "3", "--num_prof_steps", "1", "--perseus_url", srv.url, nproc=2)
+        results = srv.results()
+    check_results(results, rounds=2, steps=1)
+    check_plans_csv(out, "gpipe", [plan] * 2, ["1-1", "2-2"])
+    assert {r["plan"] for r in read_csv(out / "profile.csv")} == {"0", "1"}
