@@ -35,7 +35,8 @@ def require(what: str, ok: bool, reason: str) -> None:
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("RUN_SLOW") == "1":
         return
-    skip_slow = pytest.mark.skip(reason="slow test (qemu emulation, benchmark smoke runs); set RUN_SLOW=1 to run")
+    skip_slow = pytest.mark.skip(reason="slow tier (qemu emulation, benchmark smoke runs, layouts beyond one per "
+                                         "claim); set RUN_SLOW=1 to run")
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip_slow)

@@ -63,7 +63,13 @@ def _check_step3(ckpts: Path, nproc: int) -> None:
     assert len(list(step3.glob("__*_*.distcp"))) == nproc
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+# CI: one layout per kind of checkpoint (DDP, FSDP2, async, a pipeline, TP x FSDP2 DTensors); the
+# rest (tp2 alone, hybrid, interleaved stages) in the slow tier, RUN_SLOW=1.
+SLOW_LAYOUTS = {"tp2", "zero3_hybrid", "pp2_interleaved"}
+
+
+@pytest.mark.parametrize("layout", [pytest.param(k, marks=pytest.mark.slow) if k in SLOW_LAYOUTS else k
+                                    for k in LAYOUTS])
 def test_resume_is_bitwise_equal(tmp_path, straight_run, layout):
     args, nproc = LAYOUTS[layout]
     straight, resumed = straight_run(layout), tmp_path / "resumed"

@@ -36,7 +36,10 @@ FEATURES = {
     "pp2_1f1b": [("--train.loss_chunks", "4", "--train.activation_checkpointing", "selective"),
                  ("--train.activation_checkpointing", "full")],
 }
-CASES = [(layout, feats) for layout, runs in FEATURES.items() for feats in runs]
+# CI: the first run of each layout (loss chunks, and on two ranks with selective checkpointing);
+# full checkpointing and single-process selective in the slow tier, RUN_SLOW=1.
+CASES = [pytest.param(layout, feats, marks=pytest.mark.slow) if i else (layout, feats)
+         for layout, runs in FEATURES.items() for i, feats in enumerate(runs)]
 
 
 def _series(out: Path) -> list[tuple[float, float]]:
@@ -69,7 +72,8 @@ def default_run(tmp_path_factory):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("layout, feats", CASES, ids=[f"{lay}-{'-'.join(f[1::2])}" for lay, f in CASES])
+@pytest.mark.parametrize("layout, feats", CASES,
+                         ids=[f"{lay}-{'-'.join(f[1::2])}" for lay, runs in FEATURES.items() for f in runs])
 def test_feature_keeps_the_losses(tmp_path, default_run, layout, feats):
     args, nproc = LAYOUTS[layout]
     proc = run_trainer(tmp_path, *BASE, *args, *feats, nproc=nproc)
