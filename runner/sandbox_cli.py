@@ -118,6 +118,13 @@ def _down(args) -> int:
     print(f"stopped: {', '.join(stopped) if stopped else 'nothing was running'}")
     if args.purge:
         import shutil
+        from concurrent.futures import ThreadPoolExecutor
+
+        # Each node's directory holds its engine's copy of the images (GBs of small files): removed
+        # side by side, then what is left.
+        node_dirs = [p for p in sb.state.glob("node-*") if p.is_dir()] if sb.state.is_dir() else []
+        with ThreadPoolExecutor(max_workers=max(1, min(len(node_dirs), 8))) as pool:
+            list(pool.map(lambda p: shutil.rmtree(p, ignore_errors=True), node_dirs))
         shutil.rmtree(sb.state, ignore_errors=True)
         shutil.rmtree(sb.run_root, ignore_errors=True)
         print(f"removed {sb.state}")
