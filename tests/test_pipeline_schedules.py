@@ -15,7 +15,8 @@ from tests.trainer_run import read_metrics, run_trainer
 pytestmark = pytest.mark.multiproc
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+# GPipe against one process is in CI through the Perseus families (pp=4) and the Perseus loop.
+@pytest.mark.parametrize("schedule", [pytest.param("gpipe", marks=pytest.mark.slow), "1f1b"])
 def test_pp2_single_stage_schedules(tmp_path, schedule):
     m = run_layout(tmp_path, "llama", 2, "--parallel.pp", "2", "--parallel.pp_schedule", schedule)
     assert_equivalent(m, "llama")
