@@ -285,8 +285,8 @@ def _apply_dp(par: Parallelized, model: nn.Module, blocks: list[nn.Module], dims
 
 def _apply_fsdp(par: Parallelized, model: nn.Module, blocks: list[nn.Module], mesh: Any, cfg: Config, backend: str,
                 reshard: bool, pipeline: bool = False) -> None:
-    bf16 = (resolve_param_dtype(cfg.train.param_dtype, cfg.train.dtype, par.device.type) == "bf16" or
-            cfg.train.dtype == "bf16") and not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    # bf16 parameters imply train.dtype bf16 (config_checks): the dtype alone decides.
+    bf16 = cfg.train.dtype == "bf16" and not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     apply_fsdp(model, blocks, mesh, reshard_after_forward=reshard, param_dtype=torch.bfloat16 if bf16 else None,
                backend=backend, pipeline=pipeline)
     par.fsdp, par.fsdp_casts = True, bf16

@@ -129,21 +129,30 @@ class DecoderStage(nn.Module):
         return h
 
 
+def _transformer_h_parts(stage: nn.Module, full: nn.Module, r: StageRange, is_first: bool, is_last: bool,
+                         embeddings: tuple[str, ...]) -> None:
+    """The parts of a `transformer.h` model (GPT-2, BLOOM) a stage holds, under the full model's
+    names: the named embedding modules on the first stage, blocks [start, end), ln_f and the head
+    on the last."""
+    stage.config = full.config
+    stage.is_first, stage.is_last = is_first, is_last
+    stage.transformer = _Container()
+    tr = full.transformer
+    if is_first:
+        for name in embeddings:
+            setattr(stage.transformer, name, getattr(tr, name))
+    stage.transformer.h = nn.ModuleDict({str(i): tr.h[i] for i in range(r.start, r.end)})
+    if is_last:
+        stage.transformer.ln_f = tr.ln_f
+        stage.lm_head = full.lm_head
+
+
 class GPT2Stage(nn.Module):
     loss_chunks = 1
 
     def __init__(self, full: nn.Module, r: StageRange, is_first: bool, is_last: bool):
         super().__init__()
-        self.config = full.config
-        self.is_first, self.is_last = is_first, is_last
-        self.transformer = _Container()
-        tr = full.transformer
-        if is_first:
-            self.transformer.wte, self.transformer.wpe, self.transformer.drop = tr.wte, tr.wpe, tr.drop
-        self.transformer.h = nn.ModuleDict({str(i): tr.h[i] for i in range(r.start, r.end)})
-        if is_last:
-            self.transformer.ln_f = tr.ln_f
-            self.lm_head = full.lm_head
+        _transformer_h_parts(self, full, r, is_first, is_last, ("wte", "wpe", "drop"))
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask
@@ -202,17 +211,7 @@ class BloomStage(nn.Module):
 
     def __init__(self, full: nn.Module, r: StageRange, is_first: bool, is_last: bool):
         super().__init__()
-        self.config = full.config
-        self.is_first, self.is_last = is_first, is_last
-        self.transformer = _Container()
-        tr = full.transformer
-        if is_first:
-            self.transformer.word_embeddings = tr.word_embeddings
-            self.transformer.word_embeddings_layernorm = tr.word_embeddings_layernorm
-        self.transformer.h = nn.ModuleDict({str(i): tr.h[i] for i in range(r.start, r.end)})
-        if is_last:
-            self.transformer.ln_f = tr.ln_f
-            self.lm_head = full.lm_head
+        _transformer_h_parts(self, full, r, is_first, is_last, ("word_embeddings", "word_embeddings_layernorm"))
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask
