@@ -59,8 +59,9 @@ SAMPLE = {  # a valid value for each canonical key a seed flag maps to
     "parallel.pp_schedule": "gpipe", "parallel.dp": "2", "train.grad_acc_steps": "2", "data.seq_len": "64",
     "model.preset": "HuggingFaceTB/SmolLM-1.7B", "parallel.partition": "custom:0,1,3",
     "profile.export_timing_csv": "true", "profile.num_prof_steps": "4", "checkpoint.resume": "latest",
-    "train.seed": "7",
+    "train.seed": "7", "profile.perseus_url": "http://127.0.0.1:7787",
 }
+NEEDS = {"profile.perseus_url": ["--num_prof_steps", "2"]}  # a plan window for the Perseus server
 EXPECTED = {"model.preset": "smollm-1.7b", "profile.export_timing_csv": True}
 
 
@@ -68,7 +69,7 @@ EXPECTED = {"model.preset": "smollm-1.7b", "profile.export_timing_csv": True}
 def test_every_seed_flag_parses(tmp_path, flag):
     alias = FLAGS[flag]
     value = str(tmp_path) if alias.canonical == "data.source" else SAMPLE[alias.canonical]
-    c = cfg_from(["--train.steps", "1", flag, value])
+    c = cfg_from(["--train.steps", "1", *NEEDS.get(alias.canonical, []), flag, value])
     expected = EXPECTED.get(alias.canonical, value)
     assert str(get_key(c, alias.canonical)) == str(expected)
 

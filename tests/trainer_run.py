@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from tests import REPO
+from tests.trainer_zygote import zygote_for
 
 
 def trainer_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -41,12 +42,26 @@ def trainer_cmd(out_dir: Path, *args: str, nproc: int = 1, node: tuple[int, int,
     return [*cmd, *args, "--output-dir", str(out_dir)]
 
 
+def _run(cmd: list[str], entry: str, argv: list[str], env: dict[str, str] | None, timeout: float,
+         fresh: bool) -> subprocess.CompletedProcess:
+    """`cmd` as a process, or (a single-process run, fresh=False) the same entry point forked from
+    the session's warm trainer (tests/trainer_zygote.py: the same run without importing torch and
+    transformers again)."""
+    full_env = trainer_env(env)
+    zygote = None if fresh else zygote_for(full_env, trainer_env(), REPO)
+    if zygote is None:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
+    rc, out, err = zygote.run(entry, argv, full_env, REPO, timeout)
+    return subprocess.CompletedProcess(cmd, rc, out, err)
+
+
 def run_trainer(out_dir: Path, *args: str, nproc: int = 1, env: dict[str, str] | None = None,
-                timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
-    """Run `trainer` to the end (see trainer_cmd); raise with its output if it fails and check is set."""
+                timeout: float = 600, check: bool = True, fresh: bool = False) -> subprocess.CompletedProcess:
+    """Run `trainer` to the end (see trainer_cmd); raise with its output if it fails and check is set.
+    One process (nproc=1) is forked from the warm trainer unless `fresh` (a test of what a new
+    interpreter does: import-time behaviour, memory, start-up)."""
     cmd = trainer_cmd(out_dir, *args, nproc=nproc)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=trainer_env(env),
-                          cwd=REPO)
+    proc = _run(cmd, "trainer", [*args, "--output-dir", str(out_dir)], env, timeout, fresh or nproc != 1)
     if check and proc.returncode != 0:
         raise AssertionError(f"trainer exited {proc.returncode}\ncmd: {' '.join(cmd)}\n"
                              f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-6000:]}")
@@ -67,7 +82,7 @@ def run_trainers(runs: list[tuple[Path, tuple[str, ...]]], nproc: int = 1, timeo
     head = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                  f"--nproc-per-node={nproc}"]
     cmd = [*head, "-m", "tests.trainer_sequence", str(spec)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=trainer_env(), cwd=REPO)
+    proc = _run(cmd, "sequence", [str(spec)], None, timeout, nproc != 1)
     if proc.returncode != 0:
         raise AssertionError(f"trainer sequence exited {proc.returncode}\ncmd: {' '.join(cmd)} ({spec})\n"
                              f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-6000:]}")

@@ -32,5 +32,10 @@ def main(path: str) -> int:
     return 0
 
 
+def main_argv(argv: list[str]) -> int:
+    """main() for tests/trainer_zygote.py, which calls entry points with their argv."""
+    return main(argv[0])
+
+
 if __name__ == "__main__":
     raise SystemExit(main(sys.argv[1]))
