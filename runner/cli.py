@@ -19,6 +19,7 @@ COMMAND_MODULES = [
     "runner.slurm_cli",
     "runner.kube_export",
     "runner.profile",  # per-node measurements; parallel.partition auto in `up`
+    "runner.node_exec",  # `runner exec`: a shell or command in a node's job container
 ]
 
 
