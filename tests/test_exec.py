@@ -75,7 +75,8 @@ def test_tty_session_through_a_pseudo_terminal(held):
         out += chunk
     _, status = os.waitpid(pid, 0)
     os.close(fd)
-    lines = out.decode(errors="replace").replace("\r", "").splitlines()
+    # The shell's terminal escapes (bash's bracketed paste on, off) are not the session's lines.
+    lines = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.decode(errors="replace")).replace("\r", "").splitlines()
     assert os.waitstatus_to_exitcode(status) == 3, out
     assert "42-node-0" in lines, out  # the command's output (the typed line reads $((6*7))-$NODE_NAME)
     assert any(re.fullmatch(r"/dev/pts/\d+", ln) for ln in lines), out
