@@ -142,6 +142,10 @@ def interactive(argv: list[str]) -> int:
     old = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         return p.wait()
+    except KeyboardInterrupt:  # SIGTERM to the runner (runner/errors.py): the session ends with it
+        p.terminate()
+        p.wait()
+        raise
     finally:
         signal.signal(signal.SIGINT, old)
 

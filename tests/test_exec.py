@@ -16,7 +16,15 @@ import pytest
 import yaml
 
 from runner.node_exec import srun_argv
-from tests.runner_helpers import finish_run, runner, runner_cmd, up_detached, write_job
+from tests.runner_helpers import (
+    finish_run,
+    node_workdir,
+    runner,
+    runner_cmd,
+    up_detached,
+    wait_for,
+    write_job,
+)
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.docker]
 
@@ -30,6 +38,8 @@ def held(sandbox, pushed, tmp_path_factory):
     inv = tmp / "one.yaml"
     inv.write_text(yaml.safe_dump(doc))
     run_id = up_detached(inv, write_job(tmp, hold=True))
+    # The job's own start: its probe file (up --detach returns once the container runs).
+    wait_for((node_workdir(inv, "node-0") / "runs" / run_id / "probe-node-0.json").exists, 120)
     yield inv, run_id
     finish_run(inv, run_id)
     runner("down", run_id, "-i", str(inv))
