@@ -19,6 +19,8 @@ COMMAND_MODULES = [
     "runner.slurm_cli",
     "runner.kube_export",
     "runner.profile",  # per-node measurements; parallel.partition auto in `up`
+    "runner.node_exec",  # `runner exec`: a shell or command in a node's job container
+    "runner.notify",  # `up --notify`: told on this machine when the run ends
 ]
 
 

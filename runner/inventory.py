@@ -110,7 +110,8 @@ def memory_bytes(text: str) -> int | None:
 DEFAULT_FIELDS = NODE_FIELDS - {"name", "host", "addr", "role", "host_key"}
 PUSH_MODES = ("relay", "direct")
 JOB_FIELDS = {"image", "config", "args", "env", "env_file", "master_port", "nproc_per_node",
-              "grace_period", "command", "build", "sync", "mounts", "unsafe_mounts", "registry", "push", "perseus"}
+              "grace_period", "command", "build", "sync", "mounts", "unsafe_mounts", "registry", "push", "perseus",
+              "notify"}
 BUILD_FIELDS = {"context", "dockerfile", "args", "platform"}
 TOP_FIELDS = {"defaults", "nodes", "job", "slurm"}
 # In job.env_file: how the nodes log in to job.registry (never passed to the job's containers).
@@ -191,6 +192,7 @@ class Job:
     registry: str | None = None       # nodes pull the job's tags from HOST:PORT instead of a push
     push: str = "relay"               # relay: this host sends each layer once, nodes pass it on; direct: one stream each
     perseus: Any = None               # runner/perseus.py PerseusSpec: a Perseus server beside the job
+    notify: Any = None                # runner/notify.py NotifySpec: told on this machine when `up` ends
 
     def image_for(self, arch: str | None) -> str | None:
         if isinstance(self.image, str):
@@ -719,6 +721,13 @@ def _job(c: _Checker, v: _Val, base: Path) -> Job:
             from runner.perseus import parse_perseus
 
             job.perseus = parse_perseus(c, x, lambda p: _expand(p, base))
+        elif key == "notify":
+            from runner.notify import parse as parse_notify
+
+            try:
+                job.notify = parse_notify([a.value for a in x.value] if isinstance(x.value, list) else x.value)
+            except ValueError as exc:
+                c.fail(x.line, w, str(exc))
         elif key == "push":
             job.push = c.str_(x, w)
             if job.push not in PUSH_MODES:

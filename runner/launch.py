@@ -97,6 +97,9 @@ def main(args) -> int:
         inv.job.args = list(inv.job.args) + list(args.trainer_args)
     secret_vals = inv.job.secrets()
     hide_job(inv.job, secret_vals)
+    from runner.notify import Outcome, from_args, notifying
+
+    spec = from_args(args, inv.job, inv.path)  # a malformed --notify is refused for --dry-run too
     if args.dry_run:
         run_id = args.resume if args.resume not in (None, "latest") else "<new run id>"
         if args.resume:
@@ -111,12 +114,15 @@ def main(args) -> int:
         if inv.job.perseus is not None:
             print(perseus.render(plan, inv.job.perseus))
         return 0
-    return Launcher(inv, args, secret_vals).run()
+    with notifying(spec, Outcome(inv.path, "ssh", [n.name for n in inv.ordered()])) as outcome:
+        outcome.exit_code = Launcher(inv, args, secret_vals, outcome if spec else None).run()
+    return outcome.exit_code
 
 
 class Launcher:
-    def __init__(self, inv: Inventory, args, secret_vals: dict[str, str]):
+    def __init__(self, inv: Inventory, args, secret_vals: dict[str, str], outcome=None):
         self.inv, self.args, self.secret_vals = inv, args, secret_vals
+        self.outcome = outcome                # runner/notify.py Outcome: what a notification says
         self.lost: str | None = None          # node lost during the last attempt
         self.lost_reclaimed = False           # ... and reached again, its container removed
         self.gates: dict[str, bool] = {}      # node -> its image carries runner.gate
@@ -128,6 +134,8 @@ class Launcher:
         with Cluster(self.inv, self.args.accept_new_host_keys, workers=self.args.parallel) as cl:
             log.debug("connected to %d node(s) in %.2fs", len(cl.remotes), time.time() - t0)
             run_id = self._run_id(cl)  # a --resume naming no run fails before anything is pushed
+            if self.outcome:
+                self.outcome.run_id = run_id
             probes = self.preflight(cl)
             log.debug("preflight done at %.2fs", time.time() - t0)
             if not self.args.no_push:
@@ -316,6 +324,7 @@ class Launcher:
             write_status(cl, plan, watcher, 0)
             stop_run(cl.remotes, run_id, grace=0, workers=cl.workers)  # exited containers: remove them
             print(f"run {run_id} finished: all {plan.nnodes} node(s) exited 0; collect: runner collect {run_id}")
+            self._tell(cl, plan, f"run {run_id} finished: all {plan.nnodes} node(s) exited 0")
             return 0
         what = failed.error or f"container exited with code {failed.exit_code}"
         for line in failed.last_lines:
@@ -324,10 +333,19 @@ class Launcher:
         where = "every node" if not failed.lost else f"the other nodes ({watcher.stopped_in or 0:.1f}s after the loss)"
         sys.stderr.write(f"runner: error: run {run_id}: node {failed.node} (rank {failed.rank}) failed: {printable(what)}; "
                          f"stopped the run on {where}\n")
+        self._tell(cl, plan, f"run {run_id}: node {failed.node} (rank {failed.rank}) failed: {what}",
+                   skip={failed.node} if failed.lost else set())
         if failed.lost:
             self.lost = failed.node
             self.lost_reclaimed = self.reclaim_lost(cl, failed.node, run_id)
         return EXIT_JOB_FAILED  # the job's own code is in the line above and in `runner status`
+
+    def _tell(self, cl: Cluster, plan: Plan, summary: str, skip: set[str] = frozenset()) -> None:
+        """The notification's summary and the run's last metrics record (read only when one is sent)."""
+        if self.outcome is None:
+            return
+        self.outcome.summary = summary
+        self.outcome.last_metrics = last_metrics(cl, [np for np in plan.nodes if np.node not in skip])
 
     def reclaim_lost(self, cl: Cluster, node: str, run_id: str) -> bool:
         """A lost node's container still runs on its engine (closing SSH stops nothing): keep
@@ -362,6 +380,23 @@ class Launcher:
         sys.stderr.write(f"runner: error: node {node} still unreachable ({printable(last[:300]) or 'no answer'}); its container of run "
                          f"{run_id} may still be running: `{again}` once it is back\n")
         return False
+
+
+def last_metrics(cl: Cluster, nodes: list[NodePlan]) -> str | None:
+    """The run's newest metrics.jsonl record among the nodes' run dirs (the logging rank's node
+    holds it; which one that is depends on the layout), as the node wrote it; None if none has one."""
+    from runner.status import node_progress
+
+    found = []
+    for _, got, err in cl.map(nodes, lambda np: node_progress(cl[np.node], np.run_dir)[0]):
+        if err is None and got:
+            try:
+                step = json.loads(got).get("step")
+            except (ValueError, AttributeError):
+                continue
+            if isinstance(step, int):
+                found.append((step, got))
+    return max(found)[1] if found else None
 
 
 def resume_run(master: Remote, wanted: str) -> str:

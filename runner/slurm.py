@@ -25,6 +25,7 @@ from runner.slurm_inventory import SlurmInventory
 from runner.slurm_jobs import (
     JobState,
     job_state,
+    node_names,
     preflight,
     read_record,
     resolve_run,
@@ -34,7 +35,7 @@ from runner.slurm_jobs import (
 )
 from runner.slurm_plan import DOWN_MARK, SlurmFacts, SlurmPlan, make_slurm_plan, oci_config_json
 from runner.slurm_shell import Shell, open_shell
-from runner.slurm_status import Follower, last_job
+from runner.slurm_status import Follower, last_job, last_metrics_line
 
 
 def cmd_up(args, inv: SlurmInventory) -> int:
@@ -46,6 +47,9 @@ def cmd_up(args, inv: SlurmInventory) -> int:
         inv.job.args = list(inv.job.args) + list(args.trainer_args)
     secrets = inv.job.secrets()
     hide_job(inv.job, secrets)
+    from runner.notify import Outcome, from_args, notifying
+
+    spec = from_args(args, inv.job, inv.path)  # a malformed --notify is refused for --dry-run too
     if args.dry_run:
         run_id = args.resume if args.resume not in (None, "latest") else "<new run id>"
         home = None if inv.slurm.login else str(Path.home())
@@ -53,6 +57,12 @@ def cmd_up(args, inv: SlurmInventory) -> int:
                                secret_keys=list(secrets))
         print(plan.render(inv, _where(inv)))
         return 0
+    with notifying(spec, Outcome(inv.path, "slurm")) as outcome:
+        outcome.exit_code = _up(args, inv, secrets, outcome)
+    return outcome.exit_code
+
+
+def _up(args, inv: SlurmInventory, secrets: dict[str, str], outcome) -> int:
     sh = open_shell(inv, args.accept_new_host_keys)
     try:
         part = preflight(sh, inv)
@@ -75,13 +85,14 @@ def cmd_up(args, inv: SlurmInventory) -> int:
         plan = make_slurm_plan(inv, run_id, facts, submission=submission, resume=bool(args.resume),
                                requeue=args.requeue, secret_keys=list(secrets))
         test_only(sh, inv, plan.script)
+        outcome.run_id = run_id
         job_id = submit(sh, inv, plan, secrets)
         print(f"run {run_id} submitted: Slurm job {job_id} ({inv.slurm.nodes} node(s), partition {part.name}, "
               f"container {inv.slurm.container}) from {sh.where}", flush=True)
         if args.detach:
             print(f"follow: runner logs {run_id} -f -i {inv.path}   stop: runner down {run_id} -i {inv.path}")
             return 0
-        return _follow(sh, inv, plan, job_id)
+        return _follow(sh, inv, plan, job_id, outcome)
     finally:
         sh.close()
 
@@ -147,9 +158,14 @@ def submit(sh: Shell, inv: SlurmInventory, plan: SlurmPlan, secrets: dict[str, s
     return job_id
 
 
-def _follow(sh: Shell, inv: SlurmInventory, plan: SlurmPlan, job_id: str) -> int:
+def _follow(sh: Shell, inv: SlurmInventory, plan: SlurmPlan, job_id: str, outcome=None) -> int:
     try:
         st = Follower(sh, plan.run_dir, job_id).follow()
+        if outcome is not None:
+            outcome.nodes = node_names(sh, plan.run_dir, job_id)
+            outcome.last_metrics = last_metrics_line(sh, plan.run_dir)
+            outcome.summary = (f"run {plan.run_id}: Slurm job {job_id} ended {st.state}"
+                               + (f" (exit {st.exit_code})" if st.exit_code is not None else ""))
     except KeyboardInterrupt as exc:
         sys.stderr.write(f"runner: {'terminated' if isinstance(exc, Terminated) else 'interrupted'}: stopping run "
                          f"{plan.run_id} (Slurm job {job_id}, grace {inv.job.grace_period:.0f}s)\n")

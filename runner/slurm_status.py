@@ -81,6 +81,14 @@ def last_job(sh: Shell, run_dir: str) -> tuple[str | None, dict]:
     return (subs[-1]["job_id"] if subs else None), rec
 
 
+def last_metrics_line(sh: Shell, run_dir: str) -> str | None:
+    """The run's last metrics.jsonl line, from the file's last METRICS_TAIL bytes."""
+    tail = sh.read_bytes(f"{run_dir}/metrics.jsonl", -METRICS_TAIL) or b""
+    lines = [ln for ln in tail.decode(errors="replace").splitlines()[1 if len(tail) == METRICS_TAIL else 0:]
+             if ln.strip()]  # the first line of a tail may be cut
+    return lines[-1] if lines else None
+
+
 def cmd_status(args, inv, sh: Shell) -> int:
     wd = workdir(sh, inv)
     run_id = resolve_run(sh, wd, args.run)
@@ -88,12 +96,10 @@ def cmd_status(args, inv, sh: Shell) -> int:
     job_id, rec = last_job(sh, run_dir)
     st = job_state(sh, job_id, run_dir) if job_id else JobState("-", "NOT SUBMITTED", None)
     nodes = node_names(sh, run_dir, job_id) if job_id else []
-    tail = sh.read_bytes(f"{run_dir}/metrics.jsonl", -METRICS_TAIL) or b""
-    metrics = [ln for ln in tail.decode(errors="replace").splitlines()[1 if len(tail) == METRICS_TAIL else 0:]
-               if ln.strip()]  # the first line of a tail may be cut
+    last = last_metrics_line(sh, run_dir)
     doc = {"run_id": run_id, "scheduler": "slurm", "job_id": job_id, "state": st.state, "exit_code": st.exit_code,
            "reason": st.reason, "run_time": st.run_time, "nodes": nodes, "submissions": len(rec.get("submissions", [])),
-           "last_metrics": metrics[-1] if metrics else None, "run_dir": run_dir}
+           "last_metrics": last, "run_dir": run_dir}
     if getattr(args, "json", False):
         print(json.dumps(doc, indent=2))
         return 0

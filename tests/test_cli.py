@@ -17,7 +17,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
 # Every command of the runner, each listed by `runner --help` with its one-line summary: a new
 # command is added here (and to the README) or this test fails.
 RUNNER_COMMANDS = ("sandbox", "check", "push", "sync", "up", "status", "ls", "logs", "down", "collect", "export",
-                   "profile")
+                   "profile", "exec")
 
 
 def test_runner_help_lists_every_command():

@@ -150,6 +150,9 @@ class LoggingConfig:
     line: str = "picotron"              # console line: picotron (tokens/s, MFU, memory) | minimal-3d (samples/s)
     seed_line: bool = True              # also print the Pi guide's `[rank0] step N loss X.XXXX`
     peak_flops: float | None = None     # per-device peak for MFU; default GPU table / CPU matmul probe
+    tensorboard: bool = False           # metrics.jsonl's records also as TensorBoard events in OUTPUT_DIR/tensorboard/
+    wandb: str | None = None            # a W&B project: the records also to a W&B run in OUTPUT_DIR/wandb/
+    wandb_mode: str = "offline"         # offline (nodes without internet; `wandb sync` it later) | online
 
 
 @dataclass
@@ -339,6 +342,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"schedule.decay: '{cfg.schedule.decay}' (cosine or constant)")
     if cfg.logging.line not in LOG_LINES:
         raise ConfigError(f"logging.line: '{cfg.logging.line}' ({' or '.join(LOG_LINES)})")
+    if cfg.logging.wandb_mode not in ("offline", "online"):
+        raise ConfigError(f"logging.wandb_mode: '{cfg.logging.wandb_mode}' (offline or online)")
+    if cfg.logging.wandb is not None and not cfg.logging.wandb.strip():
+        raise ConfigError("logging.wandb: a W&B project name, or leave it unset")
     if cfg.model.attn_implementation not in ("sdpa", "eager"):
         raise ConfigError(f"model.attn_implementation: '{cfg.model.attn_implementation}' (sdpa or eager)")
     if cfg.checkpoint.format not in ("dcp", "full"):

@@ -150,11 +150,13 @@ def format_line(r: dict[str, Any], style: str = "picotron") -> str:
 
 
 class MetricsWriter:
-    """Appends one JSON object per line to OUTPUT_DIR/metrics.jsonl (only on the logging rank)."""
+    """Appends one JSON object per line to OUTPUT_DIR/metrics.jsonl (only on the logging rank), and
+    hands each record to the trackers (trainer/tracking.py: TensorBoard, W&B), if any."""
 
-    def __init__(self, output_dir: str | Path, enabled: bool, resume: bool = False):
+    def __init__(self, output_dir: str | Path, enabled: bool, resume: bool = False, trackers=None):
         self.path = Path(output_dir) / "metrics.jsonl"
         self.enabled = enabled
+        self.trackers = trackers if enabled and trackers is not None and trackers.wanted else None
         if enabled and not resume and self.path.exists():
             self.path.unlink()  # a fresh run starts a fresh file; a resumed run appends
 
@@ -163,3 +165,9 @@ class MetricsWriter:
             return
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.trackers is not None:
+            self.trackers.write(record)
+
+    def close(self) -> None:
+        if self.trackers is not None:
+            self.trackers.close()

@@ -43,6 +43,7 @@ from trainer.parallel.compose import Parallelized, builds_on_meta, check_support
 from trainer.parallel.mesh import ParallelDims
 from trainer.parallel.ordered_reduce import ordered_mean
 from trainer.parallel.running_stats import sync_running_stats
+from trainer.tracking import Trackers
 
 log = logging.getLogger("trainer")
 
@@ -131,7 +132,8 @@ class Trainer:
             for h in log.handlers:
                 if type(h) is logging.StreamHandler:
                     h.setLevel(logging.INFO)
-        self.metrics = MetricsWriter(self.output_dir, self.is_logger, resume=bool(cfg.checkpoint.resume))
+        self.metrics = MetricsWriter(self.output_dir, self.is_logger, resume=bool(cfg.checkpoint.resume),
+                                     trackers=Trackers(cfg, self.output_dir))
         # The smallest reported loss so far (checkpoints record it), kept on the device.
         self.loss_min = torch.full((), math.inf, device=device)
         self.callbacks = self._load_callbacks()
@@ -271,11 +273,15 @@ class Trainer:
         self._emit("on_train_end")
 
     def close(self) -> None:
+        self.metrics.close()
         if self._tmp is not None:
             self._tmp.cleanup()
 
 
 def run(cfg: Config, env: dist_env.DistEnv) -> int:
+    from trainer import tracking
+
+    tracking.check(cfg)  # a tracker without its package: one line, before anything starts
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     setup_logging(env.rank, out, console=env.rank == 0)

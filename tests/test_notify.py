@@ -1,0 +1,172 @@
+"""`runner up --notify CMD|URL` / `job.notify`: a command on this machine with the run's facts in its
+environment when the run ends, or a JSON POST to a webhook (a local http.server here); failures
+are one warning line and never change the run's exit code; malformed values are one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import socket
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import yaml
+
+from runner import notify
+from runner.errors import UserError
+from runner.inventory import load_inventory
+from runner.notify import NotifySpec, Outcome
+from tests.runner_helpers import run_cli, runner, write_job
+
+DUMP_ENV = ("import json, os, sys; json.dump({k: v for k, v in os.environ.items() if k.startswith('RUNNER_')}, "
+            "open(sys.argv[1], 'w'))")
+
+
+@pytest.mark.sandbox
+@pytest.mark.docker
+def test_a_failed_run_runs_the_command_with_its_facts(sandbox, pushed, tmp_path):
+    """A one-node run on the session sandbox whose job writes a metrics record and exits 3: the
+    notify command runs once the run has ended, with its id, state, exit code, summary and last
+    metrics record in its environment; `up` still exits 4 (the job failed)."""
+    doc = yaml.safe_load(Path(sandbox).read_text())
+    doc["nodes"] = doc["nodes"][:1]
+    inv = tmp_path / "one.yaml"
+    inv.write_text(yaml.safe_dump(doc))
+    job = write_job(tmp_path, extra={"command": ["sh", "-c", """echo '{"step": 3, "loss": 1.25}' > "$OUTPUT_DIR/metrics.jsonl"; exit 3"""]})
+    got = tmp_path / "env.json"
+    p = runner("up", "-i", str(inv), "--job", str(job), "--logs-dir", str(tmp_path / "logs"),
+               "--notify", shlex.join([sys.executable, "-c", DUMP_ENV, str(got)]))
+    assert p.returncode == 4, p.stdout + p.stderr
+    run_id = re.search(r"run (\S+) started", p.stdout)[1]
+    env = {k: v for k, v in json.loads(got.read_text()).items() if os.environ.get(k) != v}  # not the test's own
+    assert float(env.pop("RUNNER_DURATION_S")) > 0
+    summary = env.pop("RUNNER_SUMMARY")
+    assert re.fullmatch(rf"run {run_id}: node node-0 \(rank 0\) failed: container exited with code \d+", summary)
+    assert f"runner: error: {summary}; stopped the run on every node" in p.stderr
+    assert env == {"RUNNER_RUN_ID": run_id, "RUNNER_STATE": "failed", "RUNNER_EXIT": "4", "RUNNER_INVENTORY": str(inv),
+                   "RUNNER_SCHEDULER": "ssh", "RUNNER_NODES": "node-0",
+                   "RUNNER_LAST_METRICS": '{"step": 3, "loss": 1.25}'}
+
+
+class _Hook(BaseHTTPRequestHandler):
+    def do_POST(self):  # noqa: N802 - http.server's name
+        srv = self.server
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        srv.got.append((self.path, self.headers["Content-Type"], json.loads(body)))
+        if srv.hold is not None:
+            srv.hold.wait()  # never answers until the test is done
+        self.send_response(srv.status)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *a):
+        pass
+
+
+@pytest.fixture
+def hook():
+    def make(status: int = 204, hold: bool = False):
+        srv = ThreadingHTTPServer(("127.0.0.1", 0), _Hook)
+        srv.got, srv.status, srv.hold = [], status, threading.Event() if hold else None
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        made.append(srv)
+        return srv, f"http://127.0.0.1:{srv.server_address[1]}/hook/T0KEN-abc"
+    made: list = []
+    yield make
+    for srv in made:
+        if srv.hold is not None:
+            srv.hold.set()
+        srv.shutdown()
+        srv.server_close()
+
+
+def _outcome() -> Outcome:
+    o = Outcome("hosts/x.yaml", "ssh", ["node-0", "node-1"], run_id="20260101-000000-abcd",
+                summary="run 20260101-000000-abcd finished: all 2 node(s) exited 0",
+                last_metrics='{"step": 5, "loss": 2.5}')
+    o.exit_code = 0
+    return o
+
+
+def test_webhook_gets_the_json(hook, capsys):
+    srv, url = hook()
+    assert notify.send(notify.parse(url), _outcome())
+    [(path, ctype, doc)] = srv.got
+    assert (path, ctype) == ("/hook/T0KEN-abc", "application/json")
+    assert doc.pop("duration_s") >= 0
+    assert doc == {"run_id": "20260101-000000-abcd", "state": "succeeded", "exit_code": 0,
+                   "summary": "run 20260101-000000-abcd finished: all 2 node(s) exited 0", "inventory": "hosts/x.yaml",
+                   "scheduler": "ssh", "nodes": ["node-0", "node-1"], "last_metrics": {"step": 5, "loss": 2.5}}
+    assert capsys.readouterr().err == ""
+
+
+def test_webhook_failures_are_one_line_without_the_token(hook, capsys, monkeypatch):
+    srv, url = hook(status=500)
+    assert not notify.send(notify.parse(url), _outcome())
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}/hook/T0KEN-abc"
+    assert not notify.send(notify.parse(closed), _outcome())
+    monkeypatch.setattr(notify, "NOTIFY_TIMEOUT_S", 0.5)
+    held, url = hook(hold=True)
+    assert not notify.send(notify.parse(url), _outcome())
+    assert len(held.got) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 3 and "T0KEN" not in "".join(err)
+    tail = " (the run's result is unchanged)"
+    assert err[0] == f"runner: warning: notify POST http://127.0.0.1: HTTP 500 Internal Server Error{tail}"
+    assert err[1].startswith("runner: warning: notify POST http://127.0.0.1: [Errno 111] Connection refused")
+    assert err[2] in (f"runner: warning: notify POST http://127.0.0.1: no answer within 0.5s{tail}",
+                      f"runner: warning: notify POST http://127.0.0.1: timed out{tail}")
+
+
+def test_command_failure_is_one_line(capsys):
+    assert not notify.send(NotifySpec(argv=("sh", "-c", "exit 9")), _outcome())
+    assert not notify.send(NotifySpec(argv=("/nonexistent/notify-me",)), _outcome())
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["runner: warning: notify `exit 9`: exited 9 (the run's result is unchanged)",
+                   "runner: warning: notify `/nonexistent/notify-me`: cannot run it: No such file or directory "
+                   "(the run's result is unchanged)"]
+
+
+@pytest.mark.parametrize("bad, why", [
+    ("http://", "not a URL with a host"),
+    ("https://hooks.example.com/a b", "holds a space or a control character"),
+    ("ftp://example.com/x", "only http:// and https:// URLs are posted to"),
+    ("http://example.com:99999/x", "port is not a number"),
+    ("", "give a command line or an http(s):// URL"),
+])
+def test_malformed_notify_is_one_line_nothing_started(tmp_path, capsys, bad, why):
+    inv = tmp_path / "inv.yaml"
+    inv.write_text("nodes:\n  - {name: n0, host: 192.0.2.1, arch: amd64, role: master}\njob: {image: 'x:1'}\n")
+    rc, out = run_cli("up", "-i", str(inv), "--dry-run", "--notify", bad)
+    err = capsys.readouterr().err
+    assert rc == 2 and out == "" and len(err.splitlines()) == 1 and why in err, err
+    assert err.startswith("runner: error: --notify: ")
+    # The same value as job.notify names the inventory's line.
+    inv.write_text(inv.read_text().replace("job: {image: 'x:1'}", f"job:\n  image: 'x:1'\n  notify: {json.dumps(bad)}"))
+    with pytest.raises(UserError, match=rf"^{re.escape(str(inv))}:5: job\.notify: .*{re.escape(why)}"):
+        load_inventory(inv)
+
+
+def test_job_notify_forms_and_detach(tmp_path, capsys):
+    inv = tmp_path / "inv.yaml"
+    inv.write_text("nodes:\n  - {name: n0, host: 192.0.2.1, arch: amd64, role: master}\n"
+                   "job: {image: 'x:1', notify: [notify-send, 'run ended']}\n")
+    job = load_inventory(inv).job
+    assert job.notify == NotifySpec(argv=("notify-send", "run ended"))  # an argv: no shell
+    assert notify.parse("https://h.example/x?a=1") == NotifySpec(url="https://h.example/x?a=1")
+    assert notify.parse("echo $RUNNER_RUN_ID") == NotifySpec(argv=("sh", "-c", "echo $RUNNER_RUN_ID"))
+
+    class Args:
+        notify, detach = None, True
+    assert notify.from_args(Args, job, str(inv)) is None  # job.notify: skipped for a detached run, said so
+    assert capsys.readouterr().err == (f"runner: note: {inv}: job.notify is not run for a detached run "
+                                       "(nothing on this machine follows it)\n")
+    rc, _ = run_cli("up", "-i", str(inv), "--detach", "--notify", "true")
+    assert rc == 2 and capsys.readouterr().err.startswith("runner: error: --notify needs `runner up` to follow the run")
