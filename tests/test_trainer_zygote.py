@@ -34,7 +34,7 @@ def test_a_forked_run_equals_a_fresh_process(tmp_path):
 
 def _lines(text: str, out: Path) -> list[str]:
     """The output's lines with the run's directory and every number (times, rates) abstracted."""
-    return [re.sub(r"\s*\d+(\.\d+)?(e[+-]\d+)?[KMG]?", " N", ln.replace(str(out), "OUT")) for ln in text.splitlines()]
+    return [re.sub(r"\s*[-+]?\d+(\.\d+)?(e[+-]\d+)?[KMG]?", " N", ln.replace(str(out), "OUT")) for ln in text.splitlines()]
 
 
 def test_status_and_error_line_are_a_processes(tmp_path):
@@ -65,3 +65,22 @@ def test_a_timed_out_run_is_killed_and_the_next_one_runs(tmp_path):
     assert psutil.Process(zygote.proc.pid).children(recursive=True) == []  # the held run is gone
     run_trainer(tmp_path / "next", *TINY)
     assert len(numeric_metrics(tmp_path / "next")) == 3
+
+
+def test_a_torchrun_with_forked_workers_equals_torchrun_m_trainer(tmp_path):
+    """nproc=2 through torchrun's own CLI either way: workers forked from the warm launcher, or
+    `torchrun -m trainer` in new interpreters; the same losses, files and per-rank logs."""
+    args = (*TINY, "--parallel.sharding", "zero3")
+    run_trainer(tmp_path / "warm", *args, nproc=2)
+    run_trainer(tmp_path / "fresh", *args, nproc=2, fresh=True)
+    assert numeric_metrics(tmp_path / "warm") == numeric_metrics(tmp_path / "fresh")
+    assert _files(tmp_path / "warm") == _files(tmp_path / "fresh")
+    assert "logs/rank1.log" in _files(tmp_path / "warm")
+    for rank in (0, 1):
+        warm, fresh = ((tmp_path / d / "logs" / f"rank{rank}.log").read_text() for d in ("warm", "fresh"))
+        assert _lines(_untimed(warm), tmp_path / "warm") == _lines(_untimed(fresh), tmp_path / "fresh")
+
+
+def _untimed(log: str) -> str:
+    """A rank log without the timestamps its lines start with."""
+    return "\n".join(ln.split(" ", 2)[-1] if ln[:1].isdigit() else ln for ln in log.splitlines())

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from tests import REPO
-from tests.trainer_zygote import zygote_for
+from tests.trainer_zygote import torchrun_argv, zygote_for
 
 
 def trainer_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -58,10 +58,16 @@ def _run(cmd: list[str], entry: str, argv: list[str], env: dict[str, str] | None
 def run_trainer(out_dir: Path, *args: str, nproc: int = 1, env: dict[str, str] | None = None,
                 timeout: float = 600, check: bool = True, fresh: bool = False) -> subprocess.CompletedProcess:
     """Run `trainer` to the end (see trainer_cmd); raise with its output if it fails and check is set.
-    One process (nproc=1) is forked from the warm trainer unless `fresh` (a test of what a new
-    interpreter does: import-time behaviour, memory, start-up)."""
+    The run is forked from the session's warm trainer (tests/trainer_zygote.py; several processes:
+    torchrun's own CLI with its workers forked) unless `fresh` (a test of what a new interpreter
+    does: import-time behaviour, memory, start-up) or, for several processes, `check` is off."""
     cmd = trainer_cmd(out_dir, *args, nproc=nproc)
-    proc = _run(cmd, "trainer", [*args, "--output-dir", str(out_dir)], env, timeout, fresh or nproc != 1)
+    argv = [*args, "--output-dir", str(out_dir)]
+    if nproc == 1:
+        proc = _run(cmd, "trainer", argv, env, timeout, fresh)
+    else:
+        proc = _run(cmd, "torchrun", torchrun_argv(nproc, REPO / "tests" / "trainer_entry.py", argv), env, timeout,
+                    fresh or not check)
     if check and proc.returncode != 0:
         raise AssertionError(f"trainer exited {proc.returncode}\ncmd: {' '.join(cmd)}\n"
                              f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-6000:]}")
@@ -82,7 +88,11 @@ def run_trainers(runs: list[tuple[Path, tuple[str, ...]]], nproc: int = 1, timeo
     head = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                  f"--nproc-per-node={nproc}"]
     cmd = [*head, "-m", "tests.trainer_sequence", str(spec)]
-    proc = _run(cmd, "sequence", [str(spec)], None, timeout, nproc != 1)
+    if nproc == 1:
+        proc = _run(cmd, "sequence", [str(spec)], None, timeout, False)
+    else:
+        proc = _run(cmd, "torchrun", torchrun_argv(nproc, REPO / "tests" / "trainer_sequence.py", [str(spec)]), None,
+                    timeout, False)
     if proc.returncode != 0:
         raise AssertionError(f"trainer sequence exited {proc.returncode}\ncmd: {' '.join(cmd)} ({spec})\n"
                              f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-6000:]}")

@@ -1,19 +1,23 @@
-"""A warm trainer for the tests' single-process runs: imported once, forked per run.
+"""A warm trainer for the tests' runs: torch, transformers and the trainer imported once, forked
+per run.
 
 A tiny trainer run spends ~85% of its CPU importing torch and transformers (8-9 s of CPU per
-process on a CI-sized machine, of which the steps take ~1 s), and the suite makes a few hundred
-such runs. `python -m tests.trainer_zygote SOCKET` imports torch, transformers, the trainer and
-every model family's classes once, then serves one run at a time: for each request it forks a
-child that takes the request's environment, working directory and argv, writes its stdout and
-stderr to the request's files and runs the trainer's own entry point (`trainer.cli.main`, or
-tests/trainer_sequence.py for run_trainers), ending as an interpreter does (non-daemon threads
-joined, atexit handlers run) before it exits with the trainer's status.
+process on a CI-sized machine, the steps ~1 s), and the suite makes hundreds of such runs.
+`python -m tests.trainer_zygote SOCKET` imports everything once, then serves one run at a time:
+for each request it forks a child that takes the request's environment, working directory and
+argv, writes its stdout and stderr to the request's files and runs an entry point (ENTRIES): the
+trainer's own `trainer.cli.main`; tests/trainer_sequence.py for run_trainers; or torchrun's own
+`main` for a multi-process run, with `--start-method fork --run-path tests/trainer_entry.py`, so
+that its workers are forked from the warm process and run the same `trainer.cli.main` that
+`torchrun -m trainer` runs in new interpreters. The child ends as an interpreter does (non-daemon
+threads joined, atexit handlers run) and exits with the run's status.
 
-What a fork cannot give a run is an import-time environment of its own, so the client
+What a fork cannot give a run is an import-time environment of its own: the client
 (tests/trainer_run.py) sends a run here only when every variable a library reads at import time
-(IMPORT_TIME_PREFIXES) equals the zygote's; any other run, every multi-process run (torchrun
-and its workers stay real processes) and every run a test signals or watches
-(start_trainer) starts a fresh interpreter. TESTS_FRESH_PROCESSES=1 turns the zygote off.
+(IMPORT_TIME_PREFIXES) equals the zygote's. Runs that must be what users start stay fresh
+interpreters: any run a test signals or watches (start_trainer), a multi-process run whose failure
+a test reads (check=False: torchrun reports a forked worker's failure in other words), and runs
+asked for with fresh=True. TESTS_FRESH_PROCESSES=1 turns the zygote off.
 """
 
 from __future__ import annotations
@@ -35,7 +39,14 @@ from pathlib import Path
 IMPORT_TIME_PREFIXES = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_",
                         "CUDA", "NCCL", "NVIDIA", "TOKENIZERS", "SAFETENSORS", "PYTHON", "LD_", "XDG_",
                         "MPLCONFIGDIR", "HOME", "TRITON", "USE_", "DISABLE_", "TF_", "GLOO_", "COVERAGE")
-ENTRIES = {"trainer": "trainer.cli:main", "sequence": "tests.trainer_sequence:main_argv"}
+ENTRIES = {"trainer": "trainer.cli:main", "sequence": "tests.trainer_sequence:main_argv",
+           "torchrun": "torch.distributed.run:main"}
+
+
+def torchrun_argv(nproc: int, script: Path, args: list[str]) -> list[str]:
+    """torchrun's own CLI, its workers forked from it (start method fork) and running `script`
+    in the warm interpreter (--run-path) instead of `-m trainer` in a new one."""
+    return ["--standalone", f"--nproc-per-node={nproc}", "--start-method=fork", "--run-path", str(script), *args]
 
 
 def import_time_env(env: dict[str, str]) -> dict[str, str]:
