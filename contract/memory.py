@@ -96,9 +96,11 @@ def auto_loss_chunks(tokens: int, vocab: int) -> int:
 
 
 def loss_scratch_bytes(tokens: int, vocab: int, dtype: str, chunks: int) -> int:
-    """The LM loss's scratch on the last stage: one chunk's logits in the compute dtype, their fp32
-    copy and its gradient."""
-    return tokens * vocab * (DTYPE_BYTES[dtype] + 8) // max(chunks, 1)
+    """The LM loss's scratch on the last stage, per chunk: the fp32 logits and their gradient, and
+    the logits in the compute dtype where that is not fp32 (the log-softmax the loss keeps for
+    backward is in the stage's activations)."""
+    per = 8 + (DTYPE_BYTES[dtype] if dtype != "fp32" else 0)
+    return tokens * vocab * per // max(chunks, 1)
 
 
 def sizing_dtype(train_dtype: str, *, gpu: bool) -> str:

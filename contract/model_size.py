@@ -37,6 +37,7 @@ _ALIASES = {
     "bloom": {"num_hidden_layers": "n_layer", "num_attention_heads": "n_head"},
 }
 # transformers' defaults where a config leaves a field out (a preset does; a config.json rarely)
+HEAD_DIM_DEFAULT = {"qwen3": 128}  # Qwen3Config's; Llama's is hidden / heads, Qwen2 has none
 _TIED_DEFAULT = {"llama": False, "qwen2": False, "qwen3": False, "gpt2": True, "bert": True, "bloom": True}
 
 
@@ -129,6 +130,8 @@ def with_overrides(family: str, cfg: dict, model: dict, hf_overrides: dict, *, p
     hidden_size, num_attention_heads, intermediate_size, vocab_size; None = unset) and
     model.hf_overrides applied as trainer/models/build.py applies them."""
     out = dict(cfg)
+    if family == "llama" and "head_dim" not in cfg:  # LlamaConfig fixes it at construction
+        out["head_dim"] = int(_get(cfg, family, "hidden_size")) // int(_get(cfg, family, "num_attention_heads"))
     for name, value in model.items():
         if value is not None:
             out[_ALIASES.get(family, {}).get(name, name)] = value
@@ -159,7 +162,7 @@ def model_shape(family: str, cfg: dict, *, eager_attention: bool = False) -> Mod
     heads = int(_get(cfg, family, "num_attention_heads"))
     vocab = int(_get(cfg, family, "vocab_size"))
     kv = int(_get(cfg, family, "num_key_value_heads", heads)) if family in ("llama", "qwen2", "qwen3") else heads
-    d = int(_get(cfg, family, "head_dim", 0) or h // heads)
+    d = int(_get(cfg, family, "head_dim", 0) or (HEAD_DIM_DEFAULT.get(family) or h // heads))
     ffn = int(_get(cfg, family, "intermediate_size", 0) or 4 * h)
     if family == "bloom":
         ffn = 4 * h
