@@ -61,10 +61,10 @@ def test_up_dry_run_sizes_each_pi_and_refuses_the_stage_that_cannot_fit(tmp_path
     assert "pi-0: stage 0 (embeddings + layers 0-6): needs 5.68 GiB = runtime 400.0 MiB + weights 1013.6 MiB" \
         in lines[1] and lines[1].endswith("has 8.00 GiB (inventory memory: 8g): fits")
     assert "pi-1: stage 1 (layers 7-20): needs 5.43 GiB" in lines[2] and "(2 in flight)" in lines[2]
-    assert "pi-2: stage 2 (layers 21-27 + head): needs 5.95 GiB" in lines[3] and \
+    assert "pi-2: stage 2 (layers 21-27 + head): needs 5.66 GiB" in lines[3] and \
         lines[3].endswith("has 4.00 GiB (inventory memory: 4g): DOES NOT FIT")
     assert err == ("runner: error: " + str(inv) + ": node pi-2 cannot hold pipeline stage 2 (layers 21-27 + head): it "
-                   "needs 5.95 GiB and has 4.00 GiB (inventory memory: 4g); use `parallel.partition: auto` (stages "
+                   "needs 5.66 GiB and has 4.00 GiB (inventory memory: 4g); use `parallel.partition: auto` (stages "
                    "sized to each node's measured memory) or a smaller microbatch (--batch_size / --microbatch_num), "
                    "or give the node more memory (--ignore-sizing launches anyway)\n")
     sizing = size_job(load_inventory(inv))
@@ -95,7 +95,7 @@ def test_up_refuses_before_any_socket_and_without_torch(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
     assert r.returncode == 2, r.stderr
     assert r.stderr.splitlines() == [f"runner: error: {inv}: node pi-2 cannot hold pipeline stage 2 (layers 21-27 + "
-                                     "head): it needs 5.95 GiB and has 4.00 GiB (inventory memory: 4g); use "
+                                     "head): it needs 5.66 GiB and has 4.00 GiB (inventory memory: 4g); use "
                                      "`parallel.partition: auto` (stages sized to each node's measured memory) or a "
                                      "smaller microbatch (--batch_size / --microbatch_num), or give the node more "
                                      "memory (--ignore-sizing launches anyway)"]
