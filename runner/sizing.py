@@ -312,8 +312,6 @@ def _memory(node: Node, gpu: bool, prof: dict | None) -> tuple[int | None, str]:
 def size_job(inv: Inventory) -> Sizing:
     """The per-node sizing of the inventory's job; NotSized, saying why, for a job this arithmetic
     does not cover."""
-    if inv.job.command:
-        raise NotSized("job.command replaces the trainer")
     s = job_settings(inv.job)
     name, shape = model_of(s, inv.job)
     pp, tp, vs = int(s["parallel.pp"]), int(s["parallel.tp"]), int(s["parallel.virtual_stages"])
@@ -377,7 +375,10 @@ def refusal(sizing: Sizing, path: str) -> str | None:
 
 
 def check_sizing(inv: Inventory, *, show: bool, ignore: bool) -> None:
-    """Print the sizing (`show`) and refuse a plan whose stage cannot fit unless `ignore`."""
+    """Print the sizing (`show`) and refuse a plan whose stage cannot fit unless `ignore`. A
+    job.command is not the trainer: nothing to size, nothing printed."""
+    if inv.job.command:
+        return
     try:
         sizing = size_job(inv)
     except NotSized as e:

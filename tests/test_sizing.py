@@ -215,9 +215,9 @@ MODELS = {  # big enough that the model, not the interpreter, makes the peak (~2
 
 
 def test_the_estimate_is_within_25_percent_of_the_measured_peak_on_cpu(tmp_path):
-    """One process trains each model 2 steps (fp32, CPU, the trainer's own loop) and measures its
-    peak RSS over the RSS after imports and a warm-up run (big tensors mmapped, so freed memory
-    leaves RSS); `trainer --dry-run`'s estimate and the runner's arithmetic both within 25 %."""
+    """One process trains each model 2 steps (fp32, CPU, the trainer's own loop: one launch per
+    model) and measures its peak RSS over the RSS after the imports (big tensors mmapped, so freed
+    memory leaves RSS); `trainer --dry-run`'s estimate and the runner's arithmetic both within 25 %."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "2"}
     r = subprocess.run([sys.executable, str(MEASURE), json.dumps(MODELS), str(tmp_path)], capture_output=True,
                        text=True, cwd=REPO, env=env, timeout=600)
