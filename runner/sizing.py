@@ -123,8 +123,9 @@ def _set(out: dict, key: str, value: Any) -> None:
 # ------------------------------------------------------------------ the model
 
 
-def _local_model_dir(path: str, job: Job) -> Path:
-    """The folder on this host that job.sync sends to the container path `path`."""
+def _local_model_dir(path: str, job: Job) -> tuple[Path, Path]:
+    """(the config.json on this host that job.sync sends under the container path `path`, the
+    sync source it is in)."""
     for spec in job.sync:
         dst = spec.dst.rstrip("/")
         if path == dst or path.startswith(dst + "/"):
@@ -136,7 +137,7 @@ def _local_model_dir(path: str, job: Job) -> Path:
                     local = local / "snapshots" / ref.read_text().strip()
                 elif len(snaps) == 1:
                     local = snaps[0]
-            return local
+            return local / "config.json", Path(spec.src).expanduser()
     raise NotSized(f"model.path {path} is not under a job.sync destination (it is on the nodes): "
                    f"`trainer --dry-run` in the image sizes it")
 
@@ -148,13 +149,15 @@ def model_of(s: dict[str, Any], job: Job) -> tuple[str, ModelShape]:
                                           "intermediate_size", "vocab_size")}
     if s["model.path"]:
         name = str(s["model.path"])
-        config = _local_model_dir(name, job) / "config.json"
+        config, root = _local_model_dir(name, job)
+        if not config.resolve().is_relative_to(root.resolve()):  # as job.sync sends it: no link out
+            raise NotSized(f"model.path {name}: {config} links out of the job.sync source {root}")
         try:
-            if config.stat().st_size > CONFIG_JSON_MAX:
-                raise NotSized(f"{config}: over {CONFIG_JSON_MAX >> 10} KiB, not a model's config.json")
-            fields = json.loads(config.read_text())
+            fields = json.loads(config.read_text()) if config.stat().st_size <= CONFIG_JSON_MAX else None
         except (OSError, ValueError) as e:
             raise NotSized(f"model.path {name}: {config} unreadable ({type(e).__name__})") from None
+        if fields is None:
+            raise NotSized(f"model.path {name}: {config} is over {CONFIG_JSON_MAX >> 10} KiB, not a model's config")
         if not isinstance(fields, dict):
             raise NotSized(f"model.path {name}: {config} is not a JSON object")
         family = MODEL_TYPES.get(str(fields.get("model_type")))

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from contract.memory import auto_loss_chunks, in_flight, stage_memory
-from contract.model_size import model_shape, stage_loads, with_overrides
+from contract.model_size import NotSized, model_shape, stage_loads, with_overrides
 from contract.presets import PRESETS
 from runner.inventory import Job, load_inventory
 from runner.sizing import (
@@ -141,6 +141,14 @@ def test_profiled_memory_and_a_synced_hub_snapshot(tmp_path, monkeypatch, capsys
     assert main(["up", "-i", str(inv), "--dry-run", "--", "--parallel.partition", "custom:0,7,21,28"]) == 0
     assert "sizing: not estimated here: parallel.partition custom:0,7,21,28: not a split of 32 layers into 3 " \
         "stages" in capsys.readouterr().out
+    # a config.json that links out of the synced folder is not read (job.sync refuses it too)
+    outside = tmp_path / "elsewhere.json"
+    outside.write_text((snap / "config.json").read_text())
+    (snap / "config.json").unlink()
+    (snap / "config.json").symlink_to(outside)
+    with pytest.raises(NotSized, match=f"model.path /data/model: {snap / 'config.json'} links out of the job.sync "
+                                       f"source {repo}"):
+        size_job(load_inventory(inv))
 
 
 def test_the_runner_reads_the_sizing_keys_as_the_trainer_does():
