@@ -6,4 +6,7 @@ neither wing: the only code the two share (shared/design.md).
 - `contract.metrics`: metrics.jsonl records, a run's progress and summary.
 - `contract.plots`: the pipeline Gantt chart and the loss / tokens-per-second plot (matplotlib).
 - `contract.partition`: the uniform pipeline split (the runner prints it, the trainer runs it).
+- `contract.presets`: the named models (the trainer builds them, the runner sizes them).
+- `contract.memory`, `contract.model_size`: a stage's memory before launch (`trainer --dry-run`,
+  `runner up --dry-run`).
 """

@@ -81,6 +81,42 @@ def stage_memory(load: StageLoad, *, in_flight: int, dtype: str = "fp32", shardi
     return MemoryEstimate(int(weights), int(grads), int(optim), int(acts), int(transient), in_flight)
 
 
+LOSS_CHUNK_ELEMENTS = 2 ** 28  # train.loss_chunks auto: logits elements (tokens x vocab) per chunk at most
+
+
+def auto_loss_chunks(tokens: int, vocab: int) -> int:
+    """train.loss_chunks auto: the fewest chunks of a microbatch's `tokens` whose logits hold at most
+    LOSS_CHUNK_ELEMENTS each, rounded up to a divisor of `tokens` (equal chunks: one compiled graph)."""
+    if tokens <= 0:
+        return 1
+    need = -(-tokens * max(vocab, 1) // LOSS_CHUNK_ELEMENTS)
+    if need <= 1:
+        return 1
+    return next(n for n in range(need, tokens + 1) if tokens % n == 0)
+
+
+def loss_scratch_bytes(tokens: int, vocab: int, dtype: str, chunks: int) -> int:
+    """The LM loss's scratch on the last stage, per chunk: the fp32 logits and their gradient, and
+    the logits in the compute dtype where that is not fp32 (the log-softmax the loss keeps for
+    backward is in the stage's activations)."""
+    per = 8 + (DTYPE_BYTES[dtype] if dtype != "fp32" else 0)
+    return tokens * vocab * per // max(chunks, 1)
+
+
+def sizing_dtype(train_dtype: str, *, gpu: bool) -> str:
+    """The compute dtype a launch gets: train.dtype auto is bf16 on a (bf16-capable) CUDA GPU and fp32
+    on a CPU, as trainer/dist_env.py resolves it at start."""
+    if train_dtype == "auto":
+        return "bf16" if gpu else "fp32"
+    return train_dtype
+
+
+def component_dtypes(dtype: str) -> dict[str, str]:
+    """What each part of the estimate is held in, for the printed plan."""
+    return {"weights": "fp32", "gradients": "fp32", "optimizer": f"{ADAM_STATES} x fp32 (AdamW)",
+            "activations": dtype, "transient": f"{dtype} + fp32"}
+
+
 def transformer_activation_bytes(tokens: int, hidden: int, ffn: int, layers: int, dtype: str = "bf16", *,
                                  gated: bool = False, heads: int = 0, seq: int = 0,
                                  attention_scores: bool = False) -> int:

@@ -6,7 +6,9 @@ import torchrun meanwhile; their torchrun still starts only after the runner has
 master's port listening (it writes each one a go-file then). That keeps the master-first
 contract and takes the workers' start-up off the launch's critical path.
 
-`--dry-run` stops after planning: it prints the plan with secrets masked and opens no socket.
+`--dry-run` stops after planning: it prints the plan with secrets masked and each node's memory
+estimate (runner/sizing.py), and opens no socket. A node that cannot hold its pipeline stage is
+refused before anything is contacted, with or without --dry-run.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from runner.redact import hide_job, printable
 from runner.rendezvous import choose_port, wait_listening
 from runner.resume_sync import CHECKPOINTS, sync_checkpoints
 from runner.session import Cluster, Probe, add_inventory_args, load, probe
+from runner.sizing import check_sizing
 from runner.ssh import Remote
 from runner.watch import FAIL_STOP_GRACE_S, Watcher
 
@@ -62,6 +65,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the plan per node; contact nothing")
     p.add_argument("--arch", action="append", default=[], metavar="NODE=ARCH",
                    help="for --dry-run: arch of a node whose inventory entry has none (or ARCH for all)")
+    p.add_argument("--ignore-sizing", action="store_true",
+                   help="launch even where the memory estimate says a node cannot hold its stage")
     p.add_argument("--detach", "-d", action="store_true", help="return once every container is started")
     p.add_argument("--resume", nargs="?", const="latest", metavar="RUN",
                    help="continue a run from its latest checkpoint (default: the latest run)")
@@ -113,8 +118,10 @@ def main(args) -> int:
         print(plan.render())
         if inv.job.perseus is not None:
             print(perseus.render(plan, inv.job.perseus))
+        check_sizing(inv, show=True, ignore=args.ignore_sizing)
         return 0
     with notifying(spec, Outcome(inv.path, "ssh", [n.name for n in inv.ordered()])) as outcome:
+        check_sizing(inv, show=False, ignore=args.ignore_sizing)  # a stage that cannot fit: refused, nothing contacted
         outcome.exit_code = Launcher(inv, args, secret_vals, outcome if spec else None).run()
     return outcome.exit_code
 

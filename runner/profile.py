@@ -130,7 +130,8 @@ def profile_cluster(cl: Cluster, probes: dict[str, Probe], refresh: bool = False
         for i, n in enumerate(order):
             doc = docs.get(n.name) or {}
             if n.name in need_compute:
-                nodes[n.name] = {k: v for k, v in doc.items() if k != "link"}
+                # host: runner/sizing.py finds this node's measured memory by name and address
+                nodes[n.name] = {**{k: v for k, v in doc.items() if k != "link"}, "host": n.host}
                 profile_cache.save("node", n.name, keys[n.name], nodes[n.name])
             if i in need_link:
                 links[i] = doc["link"]

@@ -12,7 +12,8 @@ from tests import REPO
 
 
 def test_contract_imports_without_torch_or_the_trainer():
-    code = ("import sys, contract.timeline, contract.metrics, contract.plots; "
+    code = ("import sys, contract.timeline, contract.metrics, contract.plots, contract.memory, contract.model_size, "
+            "contract.presets, contract.partition; "
             "print(sorted(m for m in ('torch', 'trainer', 'runner') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert r.returncode == 0, r.stderr

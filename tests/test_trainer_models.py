@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from contract.presets import EXPECTED_PARAMS_M, PRESETS
 from trainer.config import ConfigError, ModelConfig
 from trainer.models import build_model, model_spec, transformer_blocks
 from trainer.models.build import Task
-from trainer.models.presets import EXPECTED_PARAMS_M, PRESETS
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_PARAMS_M))

@@ -28,7 +28,7 @@ class ConfigError(Exception):
 
 @dataclass
 class ModelConfig:
-    preset: str = "tiny-llama"          # a name in trainer/models/presets.py
+    preset: str = "tiny-llama"          # a name in contract/presets.py
     path: str | None = None             # local HF model dir: config (+ weights) loaded, never downloaded
     load_weights: bool = True           # with `path`: load its weights (False = its config, random init)
     num_hidden_layers: int | None = None  # override the preset's layer count
@@ -315,8 +315,8 @@ def validate(cfg: Config) -> None:
     Every key is checked, also those the chosen layout does not use (a pipeline schedule with
     pp=1 is still a typo to report). Checks that need the model's config (sequence length vs
     positions, head divisibility) are in trainer/config_checks.py:check_model, run before start."""
+    from contract.presets import PRESETS, unknown_preset_message
     from trainer.config_checks import check_ranges
-    from trainer.models.presets import PRESETS, unknown_preset_message
 
     p, t = cfg.parallel, cfg.train
     if p.sharding not in SHARDING:

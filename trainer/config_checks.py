@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from contract.memory import auto_loss_chunks
 from trainer.config import Config, ConfigError, get_key
 
 OPTIMIZERS = ("adamw",)
@@ -19,7 +20,6 @@ COMPILE = {"auto": "auto", "true": "true", "false": "false", "try": "try", "on":
            "yes": "true", "no": "false", "1": "true", "0": "false"}
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 PARAM_DTYPES = {"auto": "auto", "fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
-LOSS_CHUNK_ELEMENTS = 2 ** 28  # train.loss_chunks auto: logits elements (tokens x vocab) per chunk at most
 AC_MODES = ("none", "selective", "full")
 
 # key -> smallest accepted value (integers)
@@ -127,17 +127,13 @@ def max_positions(hf: Any) -> int | None:
 
 
 def resolve_loss_chunks(value: int | str, task: str, vocab_size: int, tokens: int) -> int:
-    """train.loss_chunks: auto -> the fewest chunks of a microbatch's `tokens` whose logits hold at most
-    LOSS_CHUNK_ELEMENTS each, rounded up to a divisor of `tokens` (equal chunks: one compiled graph).
-    1 for ViT-MAE (no LM head) and wherever one chunk fits."""
+    """train.loss_chunks: auto -> contract.memory.auto_loss_chunks (chunks of at most
+    LOSS_CHUNK_ELEMENTS logits); 1 for ViT-MAE (no LM head)."""
     if value != "auto":
         return int(value)
-    if task == "mae" or tokens <= 0:
+    if task == "mae":
         return 1
-    need = math.ceil(tokens * max(vocab_size, 1) / LOSS_CHUNK_ELEMENTS)
-    if need <= 1:
-        return 1
-    return next(n for n in range(need, tokens + 1) if tokens % n == 0)
+    return auto_loss_chunks(tokens, vocab_size)
 
 
 def resolve_log_interval(value: int | str, device_type: str) -> int:

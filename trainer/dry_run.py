@@ -20,7 +20,16 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from contract.memory import DTYPE_BYTES, StageLoad, gib, in_flight, stage_memory
+from contract.memory import (
+    DTYPE_BYTES,
+    StageLoad,
+    component_dtypes,
+    gib,
+    in_flight,
+    loss_scratch_bytes,
+    sizing_dtype,
+    stage_memory,
+)
 from trainer.config import Config
 
 FLAGS = ("--dry-run", "--json")
@@ -40,9 +49,13 @@ def main(argv: list[str]) -> int:
 
 
 def _dtype(cfg: Config) -> tuple[str, str]:
-    """(dtype, why) for sizing: `auto` is read as a CUDA GPU with bf16 (what a launch gets there)."""
+    """(dtype, why) for sizing: `auto` is read as a CUDA GPU with bf16 (what a launch gets there)
+    unless parallel.device is cpu (a Pi: fp32)."""
     if cfg.train.dtype == "auto":
-        return "bf16", "train.dtype auto sized as bf16 (a CUDA GPU with bf16); --train.dtype fp32 sizes fp32"
+        if cfg.parallel.device == "cpu":
+            return sizing_dtype("auto", gpu=False), ""
+        return sizing_dtype("auto", gpu=True), ("train.dtype auto sized as bf16 (a CUDA GPU with bf16); "
+                                                "--parallel.device cpu or --train.dtype fp32 sizes fp32")
     return cfg.train.dtype, ""
 
 
@@ -189,8 +202,7 @@ def _measure_stages(modules: list[Any], task: str, hf: Any, x: Any, y: Any, micr
         transient = 0
         vocab = int(getattr(hf, "vocab_size", 0) or 0)
         if last and task in ("causal_lm", "masked_lm", "seq2seq") and vocab:
-            # One chunk's logits in the compute dtype, their fp32 copy and its gradient.
-            transient = micro * seq * vocab * (DTYPE_BYTES[dtype] + 8) // max(chunks, 1)
+            transient = loss_scratch_bytes(micro * seq, vocab, dtype, chunks)
         held = sum(q.numel() for q in module.parameters())
         loads.append(StageLoad(held, int(acts * scale), int(boundary * scale), int(transient), max(units, default=0)))
         h = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in outs)
@@ -208,8 +220,10 @@ def _saved_bytes(module: Any, args: tuple, kwargs: dict, micro: int, flash_seq: 
     def pack(t: Any) -> Any:
         # Views (q/k/v each save a reshaped view of one normalised input) count their base once.
         base = t._base if t._base is not None else t
+        # By what made it, not by shape alone: k^T is [micro, heads, head_dim, seq], the same shape
+        # where head_dim = seq (Qwen3-0.6B at the Pi config's 128 tokens).
         scores = flash_seq is not None and base.dim() == 4 and base.shape[0] == micro and \
-            base.shape[-1] == base.shape[-2] == flash_seq
+            base.shape[-1] == base.shape[-2] == flash_seq and "Softmax" in type(base.grad_fn).__name__
         if id(base) not in param_ids and not scores:
             saved[id(base)] = base  # keeps it alive: ids stay unique while counting
         return t
@@ -249,10 +263,7 @@ def format_plan(plan: dict[str, Any]) -> str:
     for s in plan["stages"]:
         mem = s["memory"]
         lines.append(s["line"])
-        lines.append(f"  memory per rank {gib(mem['total'])}: weights {gib(mem['weights'])}, gradients "
-                     f"{gib(mem['gradients'])}, optimizer {gib(mem['optimizer'])}, activations "
-                     f"{gib(mem['activations'])} ({mem['in_flight']} microbatch(es) in flight x "
-                     f"{gib(s['activation_bytes_per_microbatch'])}), transient {gib(mem['transient'])}")
+        lines.append(f"  memory per rank {format_memory(mem, s['activation_bytes_per_microbatch'], plan['dtype'])}")
     for r in plan["ranks"] or []:
         lines.append(f"pp rank {r['pp_rank']} (stages {', '.join(map(str, r['stages']))}): "
                      f"{gib(r['memory']['total'])}")
@@ -260,3 +271,11 @@ def format_plan(plan: dict[str, Any]) -> str:
     lines.append(f"allocated: {plan['allocated']}")
     return "\n".join(lines)
 
+
+def format_memory(mem: dict, per_microbatch: int, dtype: str) -> str:
+    """`4.58 GiB: weights 1013.6 MiB fp32, ...`: each part with the dtype it is held in."""
+    d = component_dtypes(dtype)
+    return (f"{gib(mem['total'])}: weights {gib(mem['weights'])} {d['weights']}, gradients {gib(mem['gradients'])} "
+            f"{d['gradients']}, optimizer {gib(mem['optimizer'])} {d['optimizer']}, activations "
+            f"{gib(mem['activations'])} {d['activations']} ({mem['in_flight']} microbatch(es) in flight x "
+            f"{gib(per_microbatch)}), transient {gib(mem['transient'])}")

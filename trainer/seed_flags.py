@@ -10,22 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from contract.presets import HF_NAMES
+
 
 def _same(v: Any) -> Any:
     return v
-
-
-# Hub names users pass to picotron's --model_name; we map them to presets (nothing downloads).
-HF_NAMES = {
-    "HuggingFaceTB/SmolLM-135M": "smollm-135m",
-    "HuggingFaceTB/SmolLM-360M": "smollm-360m",
-    "HuggingFaceTB/SmolLM-1.7B": "smollm-1.7b",
-    "Qwen/Qwen3-0.6B": "qwen3-0.6b",
-    "Qwen/Qwen3-0.6B-Base": "qwen3-0.6b",
-    "bert-base-uncased": "bert-base",
-    "bert-large-uncased": "bert-large",
-    "bert-huge-uncased": "bert-huge",
-}
 
 
 def model_name_key(value: Any) -> tuple[str, Any]:

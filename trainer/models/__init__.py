@@ -1,7 +1,7 @@
 """Model presets and builders (transformers families).
 
-Names are imported lazily so that `trainer.models.presets` (used by config validation) does not
-pull in torch: a bad config fails in a fraction of a second.
+Names are imported lazily so that importing the package does not pull in torch: a bad config fails
+in a fraction of a second. The presets live in contract/presets.py (the runner sizes jobs from them).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import importlib
 from typing import Any
 
 _LAZY = {"ModelSpec": "build", "Task": "build", "build_model": "build", "model_spec": "build",
-         "transformer_blocks": "build", "PRESETS": "presets"}
+         "transformer_blocks": "build"}
 
 __all__ = list(_LAZY)
 

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from contract.presets import PRESETS
 from trainer.config import ConfigError, ModelConfig
-from trainer.models.presets import PRESETS
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Named model presets: a model family plus config fields. Nothing is downloaded.
+"""Named model presets: a model family plus config fields. Nothing is downloaded. Torch-free: the
+trainer builds them (trainer/models/build.py), the runner sizes a job's stages from them.
 
 Families map to model classes in build.py. Sizes of the Merak presets follow Merak's
 `load_gpt3_config`/`load_bert_config` (GPT-2 architecture with GPT-3 widths; BERT MLM), the public
@@ -144,6 +145,18 @@ EXPECTED_PARAMS_M = {
     "wide-resnet101_2": 126.89, "wide-resnet101_4": 419.63, "wide-resnet101_8": 1517.37,
     # Not in Merak's table: the bigscience/bloom-* model cards' counts.
     "bloom-560m": 559.21, "bloom-1b1": 1065.31, "bloom-1b7": 1722.41, "bloom-3b": 3002.56, "bloom-7b1": 7069.02,
+}
+
+# Hub names users pass to picotron's --model_name; we map them to presets (nothing downloads).
+HF_NAMES = {
+    "HuggingFaceTB/SmolLM-135M": "smollm-135m",
+    "HuggingFaceTB/SmolLM-360M": "smollm-360m",
+    "HuggingFaceTB/SmolLM-1.7B": "smollm-1.7b",
+    "Qwen/Qwen3-0.6B": "qwen3-0.6b",
+    "Qwen/Qwen3-0.6B-Base": "qwen3-0.6b",
+    "bert-base-uncased": "bert-base",
+    "bert-large-uncased": "bert-large",
+    "bert-huge-uncased": "bert-huge",
 }
 
 # Merak's model names are accepted too.
