@@ -6,4 +6,5 @@ neither wing: the only code the two share (shared/design.md).
 - `contract.metrics`: metrics.jsonl records, a run's progress and summary.
 - `contract.plots`: the pipeline Gantt chart and the loss / tokens-per-second plot (matplotlib).
 - `contract.partition`: the uniform pipeline split (the runner prints it, the trainer runs it).
+- `contract.suggest`, `contract.version`: what both CLIs answer alike (did-you-mean, --version).
 """

@@ -309,8 +309,10 @@ class _Checker:
             self.fail(v.line, where, f"must be a mapping, got {_kind(v.value)}")
         for key, (kline, _) in v.value.items():
             if key not in allowed:
-                self.fail(kline, f"{where}.{key}" if where else key,
-                          f"unknown field (allowed: {', '.join(sorted(allowed))})")
+                from contract.suggest import did_you_mean
+
+                hint = did_you_mean(str(key), allowed) or f" (allowed: {', '.join(sorted(allowed))})"
+                self.fail(kline, f"{where}.{key}" if where else key, f"unknown field{hint}")
         return v.value
 
     def str_(self, v: _Val, where: str) -> str:

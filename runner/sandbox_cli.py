@@ -50,10 +50,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     down.set_defaults(func=_down)
     ln = ss.add_parser("link", help="cut or restore one node's link (--netns sandboxes): a real partition")
     ln.add_argument("node", help="node name, e.g. node-1")
-    ln.add_argument("state", choices=("down", "up"))
+    ln.add_argument("state", choices=("down", "up"), help="down: cut the link; up: restore it")
     ln.set_defaults(func=_link)
     st = ss.add_parser("status", help="show the nodes")
-    st.add_argument("--json", action="store_true")
+    st.add_argument("--json", action="store_true", help="print the nodes as JSON")
     st.set_defaults(func=_status)
 
 

@@ -394,3 +394,11 @@ def down_while_held(inventory: Path, run_id: str, out: dict[str, Path], point: s
         (release_fn or release)(d, point)
     stdout, stderr = down.communicate(timeout=300)
     return subprocess.CompletedProcess(down.args, down.returncode, stdout, stderr)
+
+
+def subcommands(parser) -> dict:
+    """{name: parser} of the subcommands registered on an argparse parser."""
+    import argparse
+
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(subs[0].choices) if subs else {}
