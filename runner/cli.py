@@ -138,6 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:
         parser.error(unrecognized(subparser_of(parser, args), extra, argv))
+    from runner.session import resolve_inventory
+
+    try:
+        resolve_inventory(args)
+    except UserError as exc:
+        sys.stderr.write(f"runner: error: {exc}\n")
+        return exc.exit_code
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(Formatter("%(message)s"))  # secrets masked, a node's control characters visible
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, handlers=[handler])

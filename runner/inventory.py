@@ -542,6 +542,9 @@ def read_yaml(path: str, what: str) -> tuple[_Val | None, _Checker]:
     unreadable file or bad YAML is one line naming it (`what`: inventory, job file)."""
     try:
         text = Path(path).read_text()
+    except FileNotFoundError:
+        hint = "; name an inventory with -i FILE, or `runner sandbox up` writes a local one" if what == "inventory" else ""
+        raise UserError(f"{path}: cannot read {what}: no such file{hint}") from None
     except OSError as exc:
         raise UserError(f"{path}: cannot read {what}: {exc.strerror}") from None
     return _compose(path, text), _Checker(path)

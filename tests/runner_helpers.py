@@ -402,3 +402,28 @@ def subcommands(parser) -> dict:
 
     subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     return dict(subs[0].choices) if subs else {}
+
+
+_OPENED: list[list[str]] = []  # the lists of the opened_files() blocks now active
+
+
+def _audit_open(event: str, args: tuple) -> None:
+    if event == "open" and _OPENED and isinstance(args[0], (str, bytes, os.PathLike)):
+        for seen in _OPENED:
+            seen.append(os.fsdecode(args[0]))
+
+
+@contextlib.contextmanager
+def opened_files():
+    """Every path this process opens (or tries to: the audit event precedes the open) inside the
+    block, from Python's `open` audit event. The hook is installed once; it records only inside
+    such a block."""
+    if not getattr(_audit_open, "installed", False):
+        sys.addaudithook(_audit_open)
+        _audit_open.installed = True
+    seen: list[str] = []
+    _OPENED.append(seen)
+    try:
+        yield seen
+    finally:
+        _OPENED.remove(seen)
