@@ -60,7 +60,7 @@ def default_inventory(environ: Mapping[str, str] | None = None, cwd: Path | None
     except (OSError, UnicodeDecodeError):
         last = ""
     if last and "\n" not in last and (cwd / last).is_file():
-        return last, "last up"
+        return last, "default" if last == DEFAULT_INVENTORY else "last up"
     if not (cwd / DEFAULT_INVENTORY).is_file():
         raise UserError(f"no inventory: {DEFAULT_INVENTORY} does not exist here; name one with -i FILE (or "
                         f"{INVENTORY_ENV}=FILE), or start the local sandbox cluster with `runner sandbox up`, "
