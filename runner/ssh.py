@@ -218,14 +218,21 @@ class Remote:
         sock = None
         try:
             sock = self._open_socket()
+            # Keys as OpenSSH offers them: identity_file (or ~/.ssh/id_* without one) and ssh-agent's
+            # keys together; a passphrase-protected identity_file is used through the agent.
             client.connect(n.host, port=n.port, username=n.user, key_filename=n.identity_file,
-                           look_for_keys=n.identity_file is None, allow_agent=n.identity_file is None,
+                           look_for_keys=n.identity_file is None, allow_agent=True,
                            timeout=CONNECT_TIMEOUT, banner_timeout=CONNECT_TIMEOUT, auth_timeout=CONNECT_TIMEOUT,
                            channel_timeout=CONNECT_TIMEOUT, transport_factory=_preferring(types), sock=sock)
             return client
         except (UserError, _PinMismatch):
             client.close()
             raise
+        except paramiko.PasswordRequiredException:
+            client.close()
+            raise UserError(f"{self.who}: identity_file {n.identity_file} is protected by a passphrase and no "
+                            f"key of ssh-agent was accepted for {n.user}@{self._where()}: `ssh-add "
+                            f"{n.identity_file}` (the runner asks for no passphrase)") from None
         except paramiko.AuthenticationException as exc:
             client.close()
             raise UserError(f"{self.who}: SSH authentication failed for {n.user}@{self._where()} ({exc}); "
@@ -385,8 +392,8 @@ class Remote:
         argv = ["ssh", "-p", str(n.port), "-l", n.user, *strict]
         if bastion_key is not None:
             argv += ["-o", f"ProxyCommand={proxy_command(n.proxy_jump, strict, n.host, n.port)}"]
-        if n.identity_file:
-            argv += ["-i", n.identity_file, "-o", "IdentitiesOnly=yes"]
+        if n.identity_file:  # with ssh-agent's keys, as paramiko's connection above (no IdentitiesOnly)
+            argv += ["-i", n.identity_file]
         if compress:
             argv.append("-C")
         if aes:

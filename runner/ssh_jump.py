@@ -92,6 +92,6 @@ def proxy_command(jump: Jump, options: list[str], host: str, port: int) -> str:
     target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     inner = ["ssh", *options, "-p", str(jump.port), "-l", jump.user]
     if jump.identity_file:
-        inner += ["-i", jump.identity_file.replace("%", "%%"), "-o", "IdentitiesOnly=yes"]
+        inner += ["-i", jump.identity_file.replace("%", "%%")]
     inner += ["-W", target, jump.host]
     return " ".join(shlex.quote(a) for a in inner).replace("%", "%%")

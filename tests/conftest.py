@@ -11,6 +11,7 @@ import shutil
 
 import pytest
 
+from runner.host_engine import host_engine
 from tests import IMAGE, REPO
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -51,7 +52,9 @@ def have_sshd() -> None:
             "openssh-server is not installed")
 
 
-HOST_DOCKER = "unix:///var/run/docker.sock"
+# This machine's engine as the runner finds it (DOCKER_HOST, the docker context, the default
+# socket: runner/host_engine.py); the suite's images are built there.
+HOST_DOCKER = host_engine().url
 
 
 def _docker_ok() -> bool:

@@ -260,7 +260,7 @@ def build_image(tag: str, files: dict[str, bytes | tuple[bytes, int]]) -> str:
     import tarfile
 
     import docker
-    from runner.images import HOST_DOCKER
+    from tests.conftest import HOST_DOCKER
 
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tf:
@@ -294,7 +294,7 @@ def torchrun_image(tag: str, torchrun: bytes, gate: bool = True) -> str:
 def remove_host_image(tag: str) -> None:
     """Remove a test image from the host engine (tests leave no images of theirs behind)."""
     import docker
-    from runner.images import HOST_DOCKER
+    from tests.conftest import HOST_DOCKER
 
     try:
         docker.DockerClient(base_url=HOST_DOCKER, version="auto").images.remove(tag, force=True)
