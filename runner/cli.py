@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shlex
 import sys
 
 from runner.errors import Terminated, UserError, interrupt_code, interrupt_on_signals
@@ -129,7 +130,7 @@ def _trainer_args_last(argv: list[str], trainer_flags: set[str]) -> str:
         if word.startswith("-") and not after_dashes:  # an option: whose is it
             into = theirs if word.partition("=")[0] in trainer_flags else own
         into.append(word)
-    return " ".join([*own, "--", *theirs])
+    return shlex.join([*own, "--", *theirs])
 
 
 def main(argv: list[str] | None = None) -> int:
