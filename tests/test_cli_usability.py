@@ -121,7 +121,7 @@ def test_print_config_is_every_key_with_its_default_and_a_description(capsys, mo
     assert data == Config().to_dict()
     flags_md = (REPO / "docs" / "flags.md").read_text()
     block = re.search(r"<!-- print-config -->\n```yaml\n(.*?)```\n<!-- /print-config -->", flags_md, re.S)
-    assert block and block[1] == out, "docs/flags.md: regenerate the block with `trainer --print-config`"
+    assert block and block[1] == out, "docs/flags.md is behind: python -m trainer.config_doc docs/flags.md"
     # With a config and overrides: the values such a run starts from.
     assert trainer_main(["--print-config", "--config", "configs/tiny.yaml", "--train.steps", "7"]) == 0
     assert "  steps: 7 " in capsys.readouterr().out

@@ -1,7 +1,8 @@
 """`trainer --print-config`: every config key with its value and a one-line description, as a YAML
 file one can start a config from. The descriptions are the comments beside the fields in
 trainer/config.py (one place to write them); docs/flags.md carries this output for the defaults
-(tests/test_docs.py keeps the two equal). Torch-free."""
+(tests/test_cli_usability.py keeps the two equal; `python -m trainer.config_doc docs/flags.md`
+rewrites it there after a key is added). Torch-free."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import ast
 import dataclasses
 import functools
 import io
+import re
+import sys
 import tokenize
 from pathlib import Path
 from typing import Any
@@ -111,3 +114,19 @@ def print_config_main(argv: list[str]) -> int:
     path, overrides = parse_train_args([a for a in argv if a != "--print-config"])
     print(render(resolve(path, overrides, check=False)), end="")
     return 0
+
+
+BLOCK = re.compile(r"(<!-- print-config -->\n```yaml\n)(.*?)(```\n<!-- /print-config -->)", re.S)
+
+
+def write_doc(path: str) -> None:
+    """Rewrite the defaults' block of a markdown file (docs/flags.md) from render()."""
+    doc = Path(path)
+    text, n = BLOCK.subn(lambda m: m[1] + render() + m[3], doc.read_text())
+    if n != 1:
+        raise SystemExit(f"{path}: no <!-- print-config --> block to rewrite")
+    doc.write_text(text)
+
+
+if __name__ == "__main__":
+    write_doc(sys.argv[1] if len(sys.argv) > 1 else "docs/flags.md")
