@@ -1,7 +1,7 @@
 """ssh-agent is used as OpenSSH uses it, on both SSH paths (paramiko for commands and SFTP, the
 OpenSSH client for bulk transfers): its keys are offered together with identity_file, so a
 passphrase-protected key loaded into a real `ssh-agent` reaches the session sandbox's real sshd
-nodes. The key is the sandbox's own, re-encrypted with a passphrase in a copy (the nodes already
+nodes, and the OpenSSH client logs in with the key paramiko's login used. The key is the sandbox's own, re-encrypted with a passphrase in a copy (the nodes already
 trust it: nothing of the shared cluster is changed)."""
 
 from __future__ import annotations
@@ -85,6 +85,17 @@ def test_agent_keys_are_tried_besides_identity_file(sandbox, tmp_path, agent):
     other = tmp_path / "id_other"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True, timeout=30)
     both_paths_log_in(node_with_key(sandbox, tmp_path, other))
+
+
+def test_many_agent_keys_do_not_crowd_out_identity_file(sandbox, tmp_path, agent):
+    """An agent holding more keys than a node's MaxAuthTries (6), none of them the node's: both
+    paths log in with identity_file, the OpenSSH client too (it is given the key paramiko's
+    login used, not every key of the agent first)."""
+    for i in range(7):
+        k = tmp_path / f"id_other{i}"
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(k)], check=True, timeout=30)
+        subprocess.run(["ssh-add", "-q", str(k)], check=True, capture_output=True, timeout=30)
+    both_paths_log_in(load_inventory(sandbox, with_job=False).nodes[0])
 
 
 def test_a_passphrase_key_without_an_agent_is_one_line(sandbox, tmp_path, monkeypatch):

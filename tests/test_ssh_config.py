@@ -197,7 +197,7 @@ def test_the_streams_proxycommand_quotes_every_piece():
     assert "%" not in cmd.replace("%%", "")  # the outer ssh expands no token of ours
     argv = shlex.split(cmd.replace("%%", "%"))
     assert argv == ["ssh", *opts, "-p", "2022", "-l", "jumper", "-i", key.replace("%", "%%"),
-                    "-W", "10.0.1.10:2200", "198.51.100.7"]
+                    "-o", "IdentitiesOnly=yes", "-W", "10.0.1.10:2200", "198.51.100.7"]
     assert proxy_command(Jump("2001:db8::7"), [], "2001:db8::10", 22).split()[-2:] == ["'[2001:db8::10]:22'",
                                                                                          "2001:db8::7"]
 
