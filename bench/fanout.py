@@ -159,8 +159,7 @@ def check_status(roots: dict[str, Path], inv: Path, n: int) -> dict:
 # ---------------------------------------------------------------------------- 3. threads and fds
 
 def stub_image() -> None:
-    import docker
-    from runner.images import HOST_DOCKER
+    from runner.host_engine import host_engine
 
     files = {"Dockerfile": (b"FROM runner-trainer:latest\nLABEL io.runner.gate=\"0\"\n"
                             b"COPY torchrun /opt/venv/bin/torchrun\n", 0o644), "torchrun": (STUB, 0o755)}
@@ -171,7 +170,7 @@ def stub_image() -> None:
             info.size, info.mode = len(data), mode
             tf.addfile(info, io.BytesIO(data))
     buf.seek(0)
-    docker.DockerClient(base_url=HOST_DOCKER, version="auto").images.build(
+    host_engine().client().images.build(
         fileobj=buf, custom_context=True, tag=STUB_TAG, network_mode="host", rm=True)
 
 

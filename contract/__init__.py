@@ -9,4 +9,5 @@ neither wing: the only code the two share (shared/design.md).
 - `contract.presets`: the named models (the trainer builds them, the runner sizes them).
 - `contract.memory`, `contract.model_size`: a stage's memory before launch (`trainer --dry-run`,
   `runner up --dry-run`).
+- `contract.suggest`, `contract.version`: what both CLIs answer alike (did-you-mean, --version).
 """

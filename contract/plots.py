@@ -19,7 +19,41 @@ LEGEND = {"forward": "forward", "backward": "backward", "backward_input": "backw
           "optimizer": "optimizer step", "batch_input": "batch input"}
 
 
+def keep_font_cache(environ=None) -> None:
+    """Matplotlib keeps its font cache under ~/.config and ~/.cache; where those cannot be written
+    (HOME is / or read-only, as for a container run as another uid) it makes a new temporary dir
+    in every process, rebuilds the cache there (seconds) and prints two warnings each time. One
+    dir of this user's under the temp dir (0700, owned by them) keeps a cache for every run."""
+    import os
+    import sys
+    import tempfile
+
+    env = os.environ if environ is None else environ
+    if env.get("MPLCONFIGDIR") or "matplotlib" in sys.modules:
+        return
+    home = Path(env.get("HOME") or "/")
+    for base in (env.get("XDG_CONFIG_HOME") or home / ".config", env.get("XDG_CACHE_HOME") or home / ".cache"):
+        d = Path(base) / "matplotlib"
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            break
+        if not os.access(d, os.W_OK):
+            break
+    else:
+        return
+    kept = Path(env.get("TMPDIR") or tempfile.gettempdir()) / f"matplotlib-{os.getuid()}"
+    try:
+        kept.mkdir(mode=0o700, exist_ok=True)
+        st = kept.lstat()
+    except OSError:
+        return
+    if st.st_uid == os.getuid() and st.st_mode & 0o077 == 0 and kept.is_dir() and not kept.is_symlink():
+        env["MPLCONFIGDIR"] = str(kept)  # else (someone else's dir): matplotlib's own fallback
+
+
 def _pyplot():
+    keep_font_cache()
     import matplotlib
 
     matplotlib.use("Agg")

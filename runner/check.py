@@ -145,7 +145,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("check", help="preflight every node in parallel and print a table")
     add_inventory_args(p)
     p.add_argument("--job", help="YAML file with a job section, overriding the inventory's")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print each node's checks as JSON")
     p.set_defaults(func=main)
 
 

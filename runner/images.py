@@ -22,11 +22,11 @@ from pathlib import Path
 
 from runner.digest import sha256_file
 from runner.errors import UserError
+from runner.host_engine import host_engine
 from runner.inventory import BuildSpec
 from runner.ssh import Remote
 
 log = logging.getLogger("runner.images")
-HOST_DOCKER = os.environ.get("RUNNER_HOST_DOCKER", "unix:///var/run/docker.sock")
 CACHE = Path(os.environ.get("RUNNER_IMAGE_CACHE", os.path.expanduser("~/.cache/runner/images")))
 
 
@@ -76,15 +76,8 @@ class Exported:
 
 
 def host_client():
-    import docker
-
-    try:
-        c = docker.DockerClient(base_url=HOST_DOCKER, version="auto", timeout=600)
-        c.ping()
-        return c
-    except Exception as exc:  # noqa: BLE001
-        raise UserError(f"this host's docker engine ({HOST_DOCKER}) is not reachable: {exc}; "
-                        "start it (scripts/setup.sh)") from None
+    """This machine's engine (DOCKER_HOST, the docker context, the default socket: runner/host_engine.py)."""
+    return host_engine().client()
 
 
 def build_image(tag: str, spec: BuildSpec) -> str:
@@ -174,7 +167,7 @@ def _export_into(img, tag: str, image_id: str, d: Path, cache: Path) -> None:
     log.info("exporting %s (%s) from the host engine", tag, image_id[:19])
     if shutil.which("docker") and shutil.which("tar"):
         # The CLI piped into tar runs at disk speed (4x the SDK's chunked stream + tarfile).
-        save = subprocess.Popen(["docker", "-H", HOST_DOCKER, "save", tag], stdout=subprocess.PIPE)
+        save = subprocess.Popen([*host_engine().cli(), "save", tag], stdout=subprocess.PIPE)
         untar = subprocess.run(["tar", "-x", "-C", str(tmp)], stdin=save.stdout, capture_output=True)
         save.stdout.close()
         if save.wait() != 0 or untar.returncode != 0:

@@ -311,8 +311,10 @@ class _Checker:
             self.fail(v.line, where, f"must be a mapping, got {_kind(v.value)}")
         for key, (kline, _) in v.value.items():
             if key not in allowed:
-                self.fail(kline, f"{where}.{key}" if where else key,
-                          f"unknown field (allowed: {', '.join(sorted(allowed))})")
+                from contract.suggest import did_you_mean
+
+                hint = did_you_mean(str(key), allowed) or f" (allowed: {', '.join(sorted(allowed))})"
+                self.fail(kline, f"{where}.{key}" if where else key, f"unknown field{hint}")
         return v.value
 
     def str_(self, v: _Val, where: str) -> str:
@@ -542,6 +544,9 @@ def read_yaml(path: str, what: str) -> tuple[_Val | None, _Checker]:
     unreadable file or bad YAML is one line naming it (`what`: inventory, job file)."""
     try:
         text = Path(path).read_text()
+    except FileNotFoundError:
+        hint = "; name an inventory with -i FILE, or `runner sandbox up` writes a local one" if what == "inventory" else ""
+        raise UserError(f"{path}: cannot read {what}: no such file{hint}") from None
     except OSError as exc:
         raise UserError(f"{path}: cannot read {what}: {exc.strerror}") from None
     return _compose(path, text), _Checker(path)

@@ -194,7 +194,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", default=None,
                    help="file to write (default kubernetes-<run>.yaml; '-' prints it with secret values masked)")
     p.add_argument("--run-id", default=None, help="run id (default: a new one); names the JobSet runner-<run>")
-    p.add_argument("--namespace", default=None)
+    p.add_argument("--namespace", default=None, help="Kubernetes namespace of every object (default: the kubectl context's)")
     p.add_argument("--out-claim", default=None, metavar="PVC",
                    help="PersistentVolumeClaim for /out (runs/<run> on it); default an emptyDir (lost with the pods)")
     p.add_argument("--arch", default=None, choices=("amd64", "arm64"), help="arch of nodes the inventory leaves unprobed")

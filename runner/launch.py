@@ -42,7 +42,7 @@ from runner.profile_auto import pin_auto_partition
 from runner.redact import hide_job, printable
 from runner.rendezvous import choose_port, wait_listening
 from runner.resume_sync import CHECKPOINTS, sync_checkpoints
-from runner.session import Cluster, Probe, add_inventory_args, load, probe
+from runner.session import Cluster, Probe, add_inventory_args, load, probe, remember_inventory
 from runner.sizing import check_sizing
 from runner.ssh import Remote
 from runner.watch import FAIL_STOP_GRACE_S, Watcher
@@ -97,7 +97,10 @@ def _dry_facts(inv: Inventory, arch_args: list[str]) -> dict[str, Facts]:
 
 
 def main(args) -> int:
-    inv = load(args)  # files it names are checked for --dry-run too
+    # A dry-run reads no key and contacts nothing: it plans on a laptop without the cluster's keys.
+    inv = load(args, check_files=not args.dry_run)
+    if not args.dry_run:
+        remember_inventory(args.inventory)  # the default of the next command here (runner/session.py)
     if args.trainer_args:
         inv.job.args = list(inv.job.args) + list(args.trainer_args)
     secret_vals = inv.job.secrets()

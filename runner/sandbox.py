@@ -9,7 +9,7 @@ written to a known_hosts file, so clients verify them instead of auto-accepting.
 real sshd's session limits (MaxSessions 10), so the runner is held to them here too.
 
 `--light` nodes (for measuring many nodes) are an sshd only: no engine of their own, their
-sessions talk to this machine's engine (RUNNER_HOST_DOCKER), whose containers the runner tells
+sessions talk to this machine's engine (runner/host_engine.py), whose containers the runner tells
 apart by their node label. Up to MAX_LIGHT_NODES of them.
 
 `--user NAME` nodes log in as a non-root account, as a Raspberry Pi's `pi` does: the account is
@@ -42,6 +42,7 @@ import psutil
 import yaml
 
 from runner.errors import UserError
+from runner.host_engine import host_engine
 from runner.sandbox_net import SandboxNet, parse_shape
 
 log = logging.getLogger("runner.sandbox")
@@ -50,7 +51,6 @@ DEFAULT_BASE_ADDR = "127.0.0.11"
 DEFAULT_PORT = 2222
 MAX_NODES = 16
 MAX_LIGHT_NODES = 128
-HOST_ENGINE = os.environ.get("RUNNER_HOST_DOCKER", "unix:///var/run/docker.sock")
 # Light nodes measure the runner, not this machine's login: bash sources ~/.bashrc for every
 # command run over SSH unless SHLVL says it is nested, and root's here runs `pyenv init` (~100
 # processes, 0.1-0.25 s per exec). Full nodes keep it: a real node's heavy bashrc costs as much.
@@ -114,7 +114,7 @@ class Node:
 
     @property
     def docker_host(self) -> str:
-        return HOST_ENGINE if self.light else f"unix://{self.docker_sock}"
+        return host_engine().url if self.light else f"unix://{self.docker_sock}"
 
 
 class Sandbox:

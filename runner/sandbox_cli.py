@@ -13,6 +13,7 @@ from rich.table import Table
 from runner.errors import UserError
 from runner.sandbox import DEFAULT_BASE_ADDR, DEFAULT_PORT, ROOT, Sandbox
 from runner.sandbox_slurm import DEFAULT_SLURM_BASE_ADDR, SlurmSandbox
+from runner.session import remember_inventory
 
 SLURM_INVENTORY = "hosts/slurm-local.yaml"
 
@@ -50,10 +51,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     down.set_defaults(func=_down)
     ln = ss.add_parser("link", help="cut or restore one node's link (--netns sandboxes): a real partition")
     ln.add_argument("node", help="node name, e.g. node-1")
-    ln.add_argument("state", choices=("down", "up"))
+    ln.add_argument("state", choices=("down", "up"), help="down: cut the link; up: restore it")
     ln.set_defaults(func=_link)
     st = ss.add_parser("status", help="show the nodes")
-    st.add_argument("--json", action="store_true")
+    st.add_argument("--json", action="store_true", help="print the nodes as JSON")
     st.set_defaults(func=_status)
 
 
@@ -66,9 +67,10 @@ def _up(args) -> int:
     net = {"link": args.link, "uplink": args.uplink} if (args.netns or args.link or args.uplink) else None
     sb = Sandbox(args.dir, args.base_addr, args.port, light=args.light, user=args.user, net=net)
     nodes = sb.up(args.nodes, Path(args.inventory), cpus)
+    remember_inventory(args.inventory)
     for nd in nodes:
         print(f"{nd.name}  ssh {sb.user}@{nd.addr} -p {nd.port}  docker {nd.docker_host}  workdir {nd.workdir}")
-    print(f"inventory: {args.inventory}")
+    print(f"inventory: {args.inventory} (the default inventory of runner commands run here)")
     return 0
 
 
@@ -102,11 +104,12 @@ def _up_slurm(args) -> int:
     base = DEFAULT_SLURM_BASE_ADDR if args.base_addr == DEFAULT_BASE_ADDR else args.base_addr
     inventory = SLURM_INVENTORY if args.inventory == "hosts/local.yaml" else args.inventory
     meta = SlurmSandbox(args.dir, base, args.port).up(args.nodes, Path(inventory))
+    remember_inventory(inventory)
     print(f"slurm login  ssh root@{meta['login']} -p {meta['port']}  (SLURM_CONF={meta['conf']})")
     for i, addr in enumerate(meta["node_addrs"]):
         print(f"slurm node-{i}  NodeAddr {addr}  slurmd port {meta['slurmd_ports'][i]}")
     print(f"shared workdir: {meta['shared']}")
-    print(f"inventory: {inventory}")
+    print(f"inventory: {inventory} (the default inventory of runner commands run here)")
     return 0
 
 

@@ -60,8 +60,11 @@ def _slurm(name: str, args) -> int:
     inv = load_slurm_inventory(args.inventory, job_path=getattr(args, "job", None), check_files=not dry,
                                with_job=name == "up")
     if name == "up":
+        from runner.session import remember_inventory
         from runner.slurm import cmd_up
 
+        if not dry:
+            remember_inventory(args.inventory)
         return cmd_up(args, inv)
     if name == "down":
         from runner.slurm import cmd_down

@@ -23,17 +23,18 @@ def ensure_bundle(sh: Shell, inv: SlurmInventory, wd: str) -> tuple[str, list[st
     """(bundle dir on the cluster, the image's env, its WorkingDir) for the job's image, exported
     if the cluster does not have it yet."""
     import docker
-    from runner.images import HOST_DOCKER
+    from runner.host_engine import host_engine
 
     tag = inv.slurm.image or inv.job.image_for(inv.slurm.arch)
+    engine = host_engine()
     try:
-        client = docker.DockerClient(base_url=HOST_DOCKER, version="auto", timeout=600)
+        client = engine.client()
         img = client.images.get(tag)
     except docker.errors.ImageNotFound:
         raise UserError(f"{inv.where('container')}: oci: image {tag} is not on this machine's engine; build it "
                         "(scripts/build-image.sh) or pull it") from None
     except docker.errors.DockerException as exc:
-        raise UserError(f"oci: this machine's docker engine ({HOST_DOCKER}) is not reachable: {exc}") from None
+        raise UserError(f"oci: {engine.unreachable()}: {exc}") from None
     env = list(img.attrs.get("Config", {}).get("Env") or [])
     workdir = img.attrs.get("Config", {}).get("WorkingDir") or "/"
     root = resolve(inv.slurm.bundle_dir or f"{wd}/bundles", sh.home())

@@ -124,6 +124,7 @@ class Remote:
         self._lease = None
         self.client: paramiko.SSHClient | None = None
         self.host_key: paramiko.PKey | None = None  # the key verified on connect
+        self.auth_key: paramiko.PKey | None = None  # the user key the node accepted
         self.host_key_fp: str | None = None
         self._docker = None
         self._sftp: paramiko.SFTPClient | None = None
@@ -172,7 +173,24 @@ class Remote:
         transport.set_keepalive(5)  # notice a node that vanished
         self.host_key = transport.get_remote_server_key()
         self.host_key_fp = fingerprint(self.host_key)
+        # The key the node accepted (identity_file's, or one of ssh-agent's): the OpenSSH client
+        # of the bulk streams is given the same one (identity_args).
+        self.auth_key = getattr(transport.auth_handler, "private_key", None)
         return self
+
+    def identity_args(self, tmp_dir: str) -> list[str]:
+        """OpenSSH's identity options for the key this connection authenticated with, so both SSH
+        stacks use one key: an agent's key as its public half (OpenSSH signs with the agent),
+        else identity_file; IdentitiesOnly, so no other agent key is offered first (a node's
+        MaxAuthTries counts them). [] where paramiko found the key itself (~/.ssh/id_*)."""
+        if isinstance(self.auth_key, paramiko.AgentKey):
+            pub = os.path.join(tmp_dir, f"identity-{id(self)}.pub")
+            with open(pub, "w") as fh:
+                fh.write(f"{self.auth_key.get_name()} {self.auth_key.get_base64()}\n")
+            return ["-i", pub, "-o", "IdentitiesOnly=yes"]
+        if self.node.identity_file:
+            return ["-i", self.node.identity_file, "-o", "IdentitiesOnly=yes"]
+        return []
 
     def _open_bastion(self) -> None:
         """Hold the shared, verified connection to this node's bastion (connected by the first
@@ -218,14 +236,21 @@ class Remote:
         sock = None
         try:
             sock = self._open_socket()
+            # Keys as OpenSSH offers them: identity_file (or ~/.ssh/id_* without one) and ssh-agent's
+            # keys together; a passphrase-protected identity_file is used through the agent.
             client.connect(n.host, port=n.port, username=n.user, key_filename=n.identity_file,
-                           look_for_keys=n.identity_file is None, allow_agent=n.identity_file is None,
+                           look_for_keys=n.identity_file is None, allow_agent=True,
                            timeout=CONNECT_TIMEOUT, banner_timeout=CONNECT_TIMEOUT, auth_timeout=CONNECT_TIMEOUT,
                            channel_timeout=CONNECT_TIMEOUT, transport_factory=_preferring(types), sock=sock)
             return client
         except (UserError, _PinMismatch):
             client.close()
             raise
+        except paramiko.PasswordRequiredException:
+            client.close()
+            raise UserError(f"{self.who}: identity_file {n.identity_file} is protected by a passphrase and no "
+                            f"key of ssh-agent was accepted for {n.user}@{self._where()}: `ssh-add "
+                            f"{n.identity_file}` (the runner asks for no passphrase)") from None
         except paramiko.AuthenticationException as exc:
             client.close()
             raise UserError(f"{self.who}: SSH authentication failed for {n.user}@{self._where()} ({exc}); "
@@ -363,7 +388,7 @@ class Remote:
         `-F /dev/null`: no ssh config (the user's, or the system's) may change where this goes or
         how (a HostName, a ProxyCommand, a stale ControlMaster socket): what was resolved and
         verified is spelled out here. Behind a bastion, both hops are pinned to the keys paramiko
-        verified (runner/ssh_jump.py)."""
+        verified (runner/ssh_jump.py), and each hop logs in with the key paramiko's did."""
         n = self.node
         assert self.client is not None, "not connected"
         key = self.client.get_transport().get_remote_server_key()
@@ -384,9 +409,9 @@ class Remote:
                   "-o", f"ServerAliveInterval={ALIVE_S}", "-o", f"ServerAliveCountMax={ALIVE_COUNT}"]
         argv = ["ssh", "-p", str(n.port), "-l", n.user, *strict]
         if bastion_key is not None:
-            argv += ["-o", f"ProxyCommand={proxy_command(n.proxy_jump, strict, n.host, n.port)}"]
-        if n.identity_file:
-            argv += ["-i", n.identity_file, "-o", "IdentitiesOnly=yes"]
+            hop = proxy_command(n.proxy_jump, strict, n.host, n.port, self.bastion.identity_args(self._kh_dir))
+            argv += ["-o", f"ProxyCommand={hop}"]
+        argv += self.identity_args(self._kh_dir)
         if compress:
             argv.append("-C")
         if aes:

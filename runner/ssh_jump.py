@@ -84,14 +84,17 @@ class Bastions:
 BASTIONS = Bastions()
 
 
-def proxy_command(jump: Jump, options: list[str], host: str, port: int) -> str:
+def proxy_command(jump: Jump, options: list[str], host: str, port: int, identity: list[str] | None = None) -> str:
     """OpenSSH `ProxyCommand` value reaching host:port through the bastion, with `options` (the
-    strict ones of the outer ssh: -F, known_hosts, BatchMode, timeouts). The outer ssh expands
-    `%` tokens in the whole command and the inner one again in the identity path, so a literal %
-    there is doubled twice."""
+    strict ones of the outer ssh: -F, known_hosts, BatchMode, timeouts) and `identity` (the
+    bastion's identity options, Remote.identity_args; default its identity_file alone). The outer
+    ssh expands `%` tokens in the whole command and the inner one again in the identity path, so a
+    literal % there is doubled twice."""
     target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if identity is None:
+        identity = ["-i", jump.identity_file, "-o", "IdentitiesOnly=yes"] if jump.identity_file else []
     inner = ["ssh", *options, "-p", str(jump.port), "-l", jump.user]
-    if jump.identity_file:
-        inner += ["-i", jump.identity_file.replace("%", "%%"), "-o", "IdentitiesOnly=yes"]
+    for i, a in enumerate(identity):  # a path after -i is %-expanded by the inner ssh too
+        inner.append(a.replace("%", "%%") if i and identity[i - 1] == "-i" else a)
     inner += ["-W", target, jump.host]
     return " ".join(shlex.quote(a) for a in inner).replace("%", "%%")

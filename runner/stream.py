@@ -87,6 +87,7 @@ class StderrTail:
 
 def transfer_progress(quiet: bool = False, eta: bool = True):
     """The bytes bar of every bulk transfer (push, sync, collect): one per node, gone when done."""
+    from rich.console import Console
     from rich.progress import (
         BarColumn,
         DownloadColumn,
@@ -97,7 +98,11 @@ def transfer_progress(quiet: bool = False, eta: bool = True):
     )
 
     cols = [TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn()]
-    return Progress(*cols, *([TimeRemainingColumn()] if eta else []), disable=quiet, transient=True)
+    console = Console()
+    # Off where nothing would be drawn (output to a file or a pipe): rich's bar still ends with a
+    # blank line there.
+    return Progress(*cols, *([TimeRemainingColumn()] if eta else []), console=console,
+                    disable=quiet or not console.is_terminal, transient=True)
 
 
 def pump(src, dst, dog: Watchdog, on_chunk: Callable[[int], None] | None = None) -> tuple[int, bool]:

@@ -51,6 +51,9 @@ if [[ ! -f $stamp ]]; then
   rm -f "$VENV"/.installed-*
   touch "$stamp"
 fi
+# matplotlib's font cache (~/.cache/matplotlib) built here, once, not in the first `runner collect`
+# of a demo ("Matplotlib is building the font cache" in its output).
+"$VENV/bin/python" -c "import contract.plots as p; p._pyplot()" >/dev/null 2>&1 || true
 
 # --- the Perseus server's own virtualenv (zeus 0.16, pydantic<2): .venv-perseus ------------
 "$ROOT/scripts/perseus-env.sh"

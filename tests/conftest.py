@@ -11,12 +11,16 @@ import shutil
 
 import pytest
 
+from runner.host_engine import host_engine
 from tests import IMAGE, REPO
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 # First two octets of every loopback address the tests give sandbox nodes. Two pytest sessions on
 # one machine (two checkouts, or a developer beside CI) each set their own, e.g. RUNNER_TEST_NET=127.1.
 TEST_NET = os.environ.get("RUNNER_TEST_NET", "127.0")
+# The suite's `runner up`s run from the checkout: none may become its default inventory
+# (runner/session.py; the tests of that default set it themselves).
+os.environ["RUNNER_LAST_UP"] = ""
 
 
 def net_addr(third: int, fourth: int) -> str:
@@ -48,7 +52,9 @@ def have_sshd() -> None:
             "openssh-server is not installed")
 
 
-HOST_DOCKER = "unix:///var/run/docker.sock"
+# This machine's engine as the runner finds it (DOCKER_HOST, the docker context, the default
+# socket: runner/host_engine.py); the suite's images are built there.
+HOST_DOCKER = host_engine().url
 
 
 def _docker_ok() -> bool:

@@ -260,7 +260,7 @@ def build_image(tag: str, files: dict[str, bytes | tuple[bytes, int]]) -> str:
     import tarfile
 
     import docker
-    from runner.images import HOST_DOCKER
+    from tests.conftest import HOST_DOCKER
 
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tf:
@@ -294,7 +294,7 @@ def torchrun_image(tag: str, torchrun: bytes, gate: bool = True) -> str:
 def remove_host_image(tag: str) -> None:
     """Remove a test image from the host engine (tests leave no images of theirs behind)."""
     import docker
-    from runner.images import HOST_DOCKER
+    from tests.conftest import HOST_DOCKER
 
     try:
         docker.DockerClient(base_url=HOST_DOCKER, version="auto").images.remove(tag, force=True)
@@ -394,3 +394,36 @@ def down_while_held(inventory: Path, run_id: str, out: dict[str, Path], point: s
         (release_fn or release)(d, point)
     stdout, stderr = down.communicate(timeout=300)
     return subprocess.CompletedProcess(down.args, down.returncode, stdout, stderr)
+
+
+def subcommands(parser) -> dict:
+    """{name: parser} of the subcommands registered on an argparse parser."""
+    import argparse
+
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(subs[0].choices) if subs else {}
+
+
+_OPENED: list[list[str]] = []  # the lists of the opened_files() blocks now active
+
+
+def _audit_open(event: str, args: tuple) -> None:
+    if event == "open" and _OPENED and isinstance(args[0], (str, bytes, os.PathLike)):
+        for seen in _OPENED:
+            seen.append(os.fsdecode(args[0]))
+
+
+@contextlib.contextmanager
+def opened_files():
+    """Every path this process opens (or tries to: the audit event precedes the open) inside the
+    block, from Python's `open` audit event. The hook is installed once; it records only inside
+    such a block."""
+    if not getattr(_audit_open, "installed", False):
+        sys.addaudithook(_audit_open)
+        _audit_open.installed = True
+    seen: list[str] = []
+    _OPENED.append(seen)
+    try:
+        yield seen
+    finally:
+        _OPENED.remove(seen)

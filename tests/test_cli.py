@@ -6,8 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from runner.cli import build_parser
 from tests.conftest import REPO
-from tests.runner_helpers import listed_commands
+from tests.runner_helpers import listed_commands, subcommands
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -23,8 +24,9 @@ RUNNER_COMMANDS = ("sandbox", "check", "push", "sync", "up", "status", "ls", "lo
 def test_runner_help_lists_every_command():
     r = run("runner", "--help")
     assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("usage: runner [-h] [-v] COMMAND ...")
+    assert r.stdout.startswith("usage: runner [-h] [-v] [--version] [--print-completion SHELL] COMMAND ...")
     assert listed_commands(r.stdout) == list(RUNNER_COMMANDS), r.stdout
+    assert list(subcommands(build_parser())) == list(RUNNER_COMMANDS)  # none registered but unlisted
     readme = (REPO / "README.md").read_text()
     assert [c for c in RUNNER_COMMANDS if f"runner {c}" not in readme] == []
     for cmd in RUNNER_COMMANDS:  # each subcommand has its own help, naming itself

@@ -60,3 +60,20 @@ def test_seed_records_convert_back_to_the_same_chrome_trace(tmp_path):
     slices = lambda t: sorted((e["pid"], e["name"], e["ts"], e["dur"]) for e in t["traceEvents"] if e["ph"] == "X")  # noqa: E731
     assert slices(back) == slices(direct)
     assert len(slices(back)) == 4
+
+
+def test_plots_keep_one_font_cache_where_home_cannot_be_written(tmp_path):
+    """HOME unwritable (here a file): matplotlib alone would rebuild its font cache in a new temporary
+    dir in every process, with two warnings each time; the plots keep one for every run."""
+    import os
+
+    home, tmp = tmp_path / "home", tmp_path / "tmp"
+    home.write_text("a file, not a directory\n")
+    tmp.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MPL", "XDG_"))}
+    env.update(HOME=str(home), TMPDIR=str(tmp), PYTHONPATH=str(REPO))
+    runs = [subprocess.run([sys.executable, "-c", "from contract.plots import _pyplot; _pyplot()"], env=env,
+                           capture_output=True, text=True, timeout=120) for _ in range(2)]
+    assert [r.returncode for r in runs] == [0, 0], runs[0].stderr
+    assert runs[1].stderr == ""  # the second run found the first one's cache: nothing rebuilt, nothing said
+    assert list((tmp / f"matplotlib-{os.getuid()}").glob("fontlist-*.json"))

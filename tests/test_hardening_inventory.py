@@ -111,10 +111,14 @@ def test_dry_run_and_up_refuse_hostile_values_in_one_line(tmp_path, name, extra,
         assert "SOCKET OPENED" not in proc.stdout + proc.stderr and proc.stdout == ""
 
 
-def test_dry_run_refuses_a_missing_key_file(tmp_path):
+def test_a_missing_key_file_is_refused_by_up_not_by_its_dry_run(tmp_path):
+    """A dry-run needs no key (it connects nowhere: a laptop without the cluster's keys plans);
+    `up` refuses the missing file in one line before any socket."""
     p = _inv(tmp_path)
     p.write_text(p.read_text().replace(str(tmp_path / "id_test"), str(tmp_path / "no-such-key")))
-    proc = _cli(no_socket_env(tmp_path), "up", "-i", str(p), "--dry-run")
+    plan = _cli(no_socket_env(tmp_path), "up", "-i", str(p), "--dry-run")
+    assert plan.returncode == 0 and "[b/1] 10.9.0.2  arch=amd64" in plan.stdout, plan.stderr
+    proc = _cli(no_socket_env(tmp_path), "up", "-i", str(p))
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert f"{p}:1: defaults.identity_file: file not found: {tmp_path / 'no-such-key'}" in lines[0], lines

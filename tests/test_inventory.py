@@ -103,7 +103,7 @@ MALFORMED = [
      ":3: nodes[1].role: two masters (a, b)"),
     ("slots_zero", "nodes:\n  - {name: a, host: 127.0.0.1, slots: 0}\n", ":2: nodes[0].slots: must be an integer in 1..1024, got 0"),
     ("yaml_syntax", "nodes:\n  - {name: a, host: 127.0.0.1\n  - {name: b}\n", "YAML syntax error"),
-    ("unknown_field", "nodes:\n  - name: a\n    host: 127.0.0.1\n    hots: x\n", ":4: nodes[0].hots: unknown field"),
+    ("unknown_field", "nodes:\n  - name: a\n    host: 127.0.0.1\n    hots: x\n", ":4: nodes[0].hots: unknown field (did you mean host?)"),
     ("unknown_top_field", N + "jobs: {}\n", ":3: jobs: unknown field"),
     ("nodes_not_list", "nodes: {name: a, host: 127.0.0.1}\n", ":1: nodes: must be a non-empty list"),
     ("empty_nodes", "nodes: []\n", ":1: nodes: must be a non-empty list"),

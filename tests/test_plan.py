@@ -11,7 +11,7 @@ from runner.errors import UserError
 from runner.inventory import load_inventory
 from runner.plan import LABEL_NODE, LABEL_RANK, LABEL_RUN, MASK, Facts, make_plan
 from runner.resume_sync import Copy, Description, Listing, candidates, incomplete, plan_copies
-from tests.runner_helpers import run_cli, shipped
+from tests.runner_helpers import opened_files, run_cli, shipped
 
 SECRET = "hf_SUPERSECRET_123"
 
@@ -155,14 +155,15 @@ def test_dry_run_of_10000_nodes_plans_every_node_with_its_rank_and_env(tmp_path,
 
 @pytest.mark.parametrize("name", ["pis.yaml", "ec2.yaml"])
 def test_dry_run_shipped_inventories_no_connection(tmp_path, no_network, name, monkeypatch):
-    # The key files they name must exist (a dry-run refuses a missing one): a home that has them.
+    # A laptop without the cluster's keys: a dry-run opens no key or known_hosts file (not even
+    # to find it missing) and no socket.
     monkeypatch.setenv("HOME", str(tmp_path))
-    (tmp_path / ".ssh").mkdir()
-    for key in ("id_ed25519", "ec2-training.pem"):
-        (tmp_path / ".ssh" / key).write_text("not a real key\n")
     p = shipped(name, tmp_path)
-    rc, out = run_cli("up", "--inventory", str(p), "--dry-run")
+    with opened_files() as opened:
+        rc, out = run_cli("up", "--inventory", str(p), "--dry-run")
     assert rc == 0
+    assert [f for f in opened if f.startswith(f"{tmp_path}/.ssh/") and f != f"{tmp_path}/.ssh/config"] == []
+    assert str(p) in opened  # (the hook sees what is opened)
     if name == "pis.yaml":
         for i, host in enumerate(("192.168.1.10", "192.168.1.11", "192.168.1.12")):
             assert f"[pi-{i}/{i}] {host}  arch=arm64  image=runner-trainer:arm64" in out

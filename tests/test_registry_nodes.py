@@ -14,10 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from runner.images import HOST_DOCKER
 from runner.plan import container_name
 from tests import REPO
-from tests.conftest import IN_CI, net_addr, require
+from tests.conftest import HOST_DOCKER, IN_CI, net_addr, require
 from tests.runner_helpers import (
     build_scratch_image,
     containers_created,

@@ -58,7 +58,7 @@ def _remove_host_images():
     with the sandbox)."""
     yield
     import docker
-    from runner.images import HOST_DOCKER
+    from tests.conftest import HOST_DOCKER
 
     client = docker.DockerClient(base_url=HOST_DOCKER, version="auto")
     for image_id in reversed(CREATED):
@@ -519,7 +519,7 @@ def test_check_image_present_stale_absent_and_master_port(sandbox, pushed, tmp_p
 
 def host_image(tag: str):
     import docker
-    from runner.images import HOST_DOCKER
+    from tests.conftest import HOST_DOCKER
 
     try:
         return docker.DockerClient(base_url=HOST_DOCKER, version="auto").images.get(tag)
@@ -651,7 +651,7 @@ def test_push_of_a_second_tag_of_a_cached_image_gives_the_nodes_that_tag(sandbox
     exported must leave B on the nodes, not A again (CI failed so: the cache held the trainer image
     under an earlier session's tag)."""
     import docker
-    from runner.images import HOST_DOCKER
+    from tests.conftest import HOST_DOCKER
 
     a, b = f"runner-test-tag-a:{os.getpid()}", f"runner-test-tag-b:{os.getpid()}"
     want = scratch(a, [os.urandom(64 << 10)])

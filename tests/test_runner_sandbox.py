@@ -17,9 +17,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from runner.images import HOST_DOCKER
 from runner.inventory import load_inventory
 from tests import IMAGE
+from tests.conftest import HOST_DOCKER
 from tests.runner_helpers import (
     build_image,
     finish_run,

@@ -267,7 +267,7 @@ def test_oci_container_gives_the_same_losses(slurm, straight, trainer_image, tmp
     assert losses(slurm.shared / "runs" / run_id / "metrics.jsonl") == straight.losses
     # The bundle is the host's image (by id), exported once; the output went to /runner/runs/<run>.
     import docker
-    from runner.images import HOST_DOCKER
+    from tests.conftest import HOST_DOCKER
     image_id = docker.DockerClient(base_url=HOST_DOCKER, version="auto").images.get(trainer_image).id
     bundle = slurm.shared / "bundles" / image_id.split(":")[1][:16]
     assert json.loads((bundle / "image.json").read_text())["id"] == image_id

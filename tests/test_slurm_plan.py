@@ -207,7 +207,8 @@ BAD = [
     ({"sbatch": ["--wrap=rm -rf /"]}, 7, "slurm.sbatch[0]: '--wrap=rm -rf /': use --option"),
     ({"container": "pyxis", "venv": "/v"}, 6, "slurm.venv: only for container: none (container is pyxis"),
     ({"login": {"port": 22}}, 7, "slurm.login.host: missing"),
-    ({"partitoin": "x"}, 6, "slurm.partitoin: unknown field (allowed:"),
+    ({"partitoin": "x"}, 6, "slurm.partitoin: unknown field (did you mean partition?)"),
+    ({"frobnicate": 1}, 6, "slurm.frobnicate: unknown field (allowed: "),
 ]
 
 

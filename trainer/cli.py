@@ -21,6 +21,8 @@ from trainer.config import ConfigError
 
 USAGE = """usage: trainer [train] [--config X.yaml | X.yaml] [--section.key VALUE ...] [seed flags]
        trainer --dry-run [--json] [--config X.yaml] [...]   the layout and per-stage memory, nothing run
+       trainer --print-config [--config X.yaml] [...]       every key: its value and what it does
+       trainer --version | --print-completion bash|zsh|tcsh
        trainer COMMAND ...
 
 Train (the default command) with a YAML config plus overrides. Precedence: CLI flag > env var >
@@ -36,6 +38,7 @@ examples:
 
 COMMANDS: dict[str, str] = {
     "train": "trainer.cli:train_main",
+    "print-config": "trainer.config_doc:print_config_main",  # also `trainer --print-config`
     "export": "trainer.checkpoint:export_main",
     "plot": "trainer.plots:main",
     "probe": "trainer.probe:main",  # per-node measurements for parallel.partition auto (runner profile)
@@ -86,8 +89,26 @@ def parse_train_args(argv: list[str]) -> tuple[str | None, list[tuple[str, Any]]
             else:
                 overrides.append((alias.canonical, alias.convert(value)))
         else:
-            raise ConfigError(f"unknown option '{name}' (see docs/flags.md or use --section.key VALUE)")
+            raise ConfigError(f"unknown option '{name}'{_option_hint(name)}")
     return config_path, overrides
+
+
+# What `train` takes besides seed flags and --section.key (each handled where it is named).
+OWN_OPTIONS = ("--config", "--dry-run", "--json", "--print-config", "--print-completion", "--version", "--help")
+
+
+def _option_hint(name: str) -> str:
+    """' (did you mean --train_steps?)', or where to look."""
+    from contract.suggest import close_matches
+    from trainer.config import config_keys
+    from trainer.seed_flags import FLAGS
+
+    if name in OWN_OPTIONS:  # one of ours where it does not belong (--json without --dry-run)
+        return " (see `trainer --help`)"
+    found = close_matches(name, [*OWN_OPTIONS, *FLAGS, *(f"--{k}" for k in config_keys())])
+    if found:
+        return f" (did you mean {found[0]}?)"
+    return " (`trainer --print-config` lists every key, set as --section.key VALUE; seed flags: docs/flags.md)"
 
 
 def train_main(argv: list[str]) -> int:
@@ -121,10 +142,27 @@ def main(argv: list[str] | None = None) -> int:
     command = "train"
     if argv and not argv[0].startswith("-") and argv[0] in COMMANDS:
         command = argv.pop(0)
+    elif argv and not argv[0].startswith("-") and not argv[0].endswith((".yaml", ".yml")):
+        from contract.suggest import did_you_mean
+
+        if hint := did_you_mean(argv[0], COMMANDS):
+            print(f"error: unknown command '{argv[0]}'{hint}", file=sys.stderr)
+            return 2
     if command == "train" and any(a in ("-h", "--help") for a in argv):
         print(USAGE)
         print("\ncommands: " + ", ".join(sorted(COMMANDS)))
         return 0
+    if command == "train" and "--version" in argv:
+        from contract.version import version
+
+        print(f"trainer {version()}")
+        return 0
+    if command == "train" and "--print-completion" in argv:
+        from trainer.completion import print_completion
+
+        return print_completion(argv)
+    if command == "train" and "--print-config" in argv:
+        command = "print-config"
     try:
         fn = _load(COMMANDS[command])
     except (ImportError, AttributeError):

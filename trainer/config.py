@@ -32,9 +32,9 @@ class ModelConfig:
     path: str | None = None             # local HF model dir: config (+ weights) loaded, never downloaded
     load_weights: bool = True           # with `path`: load its weights (False = its config, random init)
     num_hidden_layers: int | None = None  # override the preset's layer count
-    hidden_size: int | None = None
-    num_attention_heads: int | None = None
-    intermediate_size: int | None = None
+    hidden_size: int | None = None      # override the preset's hidden size
+    num_attention_heads: int | None = None# override the preset's attention heads
+    intermediate_size: int | None = None# override the preset's MLP width
     vocab_size: int | None = None       # default: the preset's, or the tokenizer's for text data
     attn_implementation: str = "sdpa"   # sdpa | eager (both deterministic on CPU in fp32)
     hf_overrides: dict = field(default_factory=dict)  # any other transformers config field
@@ -45,7 +45,7 @@ class DataConfig:
     source: str = "synthetic"           # synthetic | a .txt/.jsonl/.json/.parquet/.arrow file, a folder of them,
                                         # a `datasets` save_to_disk folder or a Hub dataset snapshot
     split: str = "train"                # the split to read (save_to_disk DatasetDict, Hub snapshot)
-    seq_len: int = 128
+    seq_len: int = 128                  # tokens per sample (packed blocks of seq_len+1)
     tokenizer: str | None = None        # tokenizer dir/file | train (a BPE on the corpus); None = model.path's
                                         # own tokenizer, or a trained BPE without model.path (trainer/tokenizer.py)
     tokenizer_vocab_size: int = 4096    # for the trained BPE tokenizer
@@ -59,7 +59,7 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     steps: int | None = None            # optimizer steps; None = one pass over text data
-    seed: int = 0
+    seed: int = 0                       # seeds the weights and the data (synthetic tokens, order, masks)
     batch_size: int = 16                # samples per DP rank per forward/backward (Pi guide: "per rank")
     microbatch_num: int | None = None   # each batch is split into this many microbatches; default 4 with
                                         # pipeline stages (the Pi guide's), else 1 (no needless splitting)
@@ -76,27 +76,27 @@ class TrainConfig:
                                         # as keep each chunk's logits <= 2^28 elements (tokens x vocab)
     grad_clip: float = 1.0              # max grad norm; 0 = no clipping (the norm is logged anyway)
     eval_interval: int = 0              # evaluate every N steps (0 = never)
-    eval_batches: int = 2
+    eval_batches: int = 2               # batches per evaluation
     exit_interval: int = 0              # end the run after a step divisible by N, with a checkpoint
                                         # (Megatron's --exit-interval: time-boxed jobs; --resume latest)
 
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"
-    lr: float = 3e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.0
+    name: str = "adamw"                 # adamw (the only optimizer)
+    lr: float = 3e-4                    # peak learning rate
+    beta1: float = 0.9                  # AdamW beta1
+    beta2: float = 0.95                 # AdamW beta2
+    eps: float = 1e-8                   # AdamW eps
+    weight_decay: float = 0.0           # AdamW decoupled weight decay
 
 
 @dataclass
 class ScheduleConfig:
     warmup_steps: int = 0               # linear warmup; warmup_ratio (of train.steps) used when > 0
-    warmup_ratio: float = 0.0
+    warmup_ratio: float = 0.0           # warmup as a fraction of the horizon (beats warmup_steps when > 0)
     decay: str = "cosine"               # cosine | constant
-    min_lr: float = 0.0
+    min_lr: float = 0.0                 # the LR at the end of the cosine decay
     total_steps: int | None = None      # cosine horizon; default train.steps; flat min_lr after it
 
 
@@ -105,14 +105,14 @@ class ParallelConfig:
     sharding: str = "ddp"               # ddp | zero0 | zero2 | zero3 | zero2_hybrid | zero3_hybrid
     dp: int | None = None               # default world / (tp * pp)
     dp_shard: int | None = None         # hybrid: shard group size (default: ranks per node)
-    tp: int = 1
-    pp: int = 1
+    tp: int = 1                         # tensor-parallel degree (DTensor)
+    pp: int = 1                         # pipeline stages over ranks
     pp_schedule: str = "1f1b"           # gpipe (afab) | 1f1b | interleaved1f1b | zbv | ...
-    partition: str = "uniform_transformer"
-    virtual_stages: int = 1
+    partition: str = "uniform_transformer"# pipeline split: uniform_transformer | uniform | parameters | custom:a,b,... | weighted:w0,... | auto
+    virtual_stages: int = 1             # stages per pipeline rank (interleaved schedules: 2 or more)
     device: str = "auto"                # auto (cuda if available) | cpu | cuda
     backend: str = "auto"               # auto (gloo on cpu, nccl on cuda) | gloo | nccl
-    timeout_s: int = 1800
+    timeout_s: int = 1800               # collective timeout of the process group, seconds
     sequence_parallel: bool = True      # with tp > 1 (decoder families, pp 1): norms and residual stream
                                         # sharded over the sequence between TP regions (torchtitan's plan)
 
@@ -120,10 +120,10 @@ class ParallelConfig:
 @dataclass
 class CheckpointConfig:
     interval: int = 0                   # every N steps (0 = only at the end when enabled)
-    keep_last: int = 2
+    keep_last: int = 2                  # regular checkpoints kept (older ones deleted; 0 = keep all)
     format: str = "dcp"                 # dcp | full (also the FSDP stub's *_state_dict.pt files)
     prefix: str = ""                    # FSDP stub naming <prefix>.<timestamp>[.preempt]
-    preempt_interval: int = 0
+    preempt_interval: int = 0           # a .preempt checkpoint every N steps (0 = only on a signal)
     dir: str | None = None              # default OUTPUT_DIR/checkpoints (relative: under OUTPUT_DIR)
     resume: str | None = None           # latest | PATH
     enabled: bool = False               # save at the end (also implied by interval/preempt_interval > 0)
@@ -166,7 +166,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-    output_dir: str = "outputs"
+    output_dir: str = "outputs"         # where the run writes everything (env OUTPUT_DIR; the runner sets /out)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -183,16 +183,52 @@ DTYPES = {"auto": "auto", "fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bf
 # ---------------------------------------------------------------- key access and coercion
 
 
+def config_keys(obj: Any = None, prefix: str = "") -> list[str]:
+    """Every canonical dotted key (`train.steps`, ..., `output_dir`), in declaration order."""
+    out: list[str] = []
+    for f in dataclasses.fields(obj if obj is not None else Config):
+        sub = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+        if sub is not None and dataclasses.is_dataclass(sub):
+            out += config_keys(sub, f"{prefix}{f.name}.")
+        else:
+            out.append(prefix + f.name)
+    return out
+
+
+def unknown_key(key: str) -> ConfigError:
+    """One line naming the key and the closest real one: a field of the same section
+    (`train.step`), a seed spelling's key (`model.layers` -> model.num_hidden_layers, as
+    --num-layers), a mistyped section (`trian.steps`), a field without its section (`lr`)."""
+    from contract.suggest import close_matches
+    from trainer.seed_flags import FLAGS
+
+    keys = config_keys()
+    section, _, name = key.rpartition(".")
+    siblings = {k.rpartition(".")[2]: k for k in keys if section and k.startswith(section + ".")}
+    seeds = {flag.lstrip("-"): a.canonical for flag, a in FLAGS.items()}
+    bare: dict[str, str] = {}
+    for k in keys:
+        bare.setdefault(k.rpartition(".")[2], k)
+    # The whole key is compared only when its section is no section: `parallel.zero` shares
+    # `parallel.` with parallel.tp, which makes them look alike.
+    whole = {} if siblings else {k: k for k in keys}
+    for pool, word, cutoff in ((siblings, name, 0.6), (seeds, name, 0.75), (whole, key, 0.75), (bare, name, 0.75)):
+        found = close_matches(word, pool, cutoff=cutoff)
+        if found:
+            return ConfigError(f"unknown config key '{key}' (did you mean {pool[found[0]]}?)")
+    return ConfigError(f"unknown config key '{key}' (`trainer --print-config` lists every key)")
+
+
 def _section_and_field(cfg: Config, key: str) -> tuple[Any, str]:
     parts = key.split(".")
     obj: Any = cfg
     for p in parts[:-1]:
         if not dataclasses.is_dataclass(obj) or p not in {f.name for f in dataclasses.fields(obj)}:
-            raise ConfigError(f"unknown config key '{key}'")
+            raise unknown_key(key)
         obj = getattr(obj, p)
     name = parts[-1]
     if not dataclasses.is_dataclass(obj) or name not in {f.name for f in dataclasses.fields(obj)}:
-        raise ConfigError(f"unknown config key '{key}'")
+        raise unknown_key(key)
     if dataclasses.is_dataclass(getattr(obj, name)):
         raise ConfigError(f"config key '{key}' is a section; set one of its fields")
     return obj, name
@@ -396,8 +432,9 @@ def check_perseus(cfg: Config) -> None:
 
 
 def resolve(config_path: str | None, overrides: list[tuple[str, Any]],
-            environ: typing.Mapping[str, str] | None = None) -> Config:
-    """default < YAML < env < CLI; `overrides` are canonical (key, raw value) pairs from the CLI."""
+            environ: typing.Mapping[str, str] | None = None, check: bool = True) -> Config:
+    """default < YAML < env < CLI; `overrides` are canonical (key, raw value) pairs from the CLI.
+    check=False leaves out validate() (`--print-config` shows a partial config as it stands)."""
     from trainer.seed_flags import ENV_KEYS
 
     environ = os.environ if environ is None else environ
@@ -412,5 +449,6 @@ def resolve(config_path: str | None, overrides: list[tuple[str, Any]],
                 raise ConfigError(f"env {var}: {e}") from None
     for key, value in overrides:
         set_key(cfg, key, value)
-    validate(cfg)
+    if check:
+        validate(cfg)
     return cfg

@@ -26,6 +26,9 @@ class ParallelDims:
     tp: int = 1
     sharding: str = "ddp"
     mesh: Any = field(default=None, repr=False)
+    # The flattened dims, kept as _flatten returns them: slicing a flattened dim out of the root
+    # mesh (mesh["dp"]) is deprecated in torch (a UserWarning from every rank).
+    flat: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def dp(self) -> int:
@@ -69,14 +72,17 @@ class ParallelDims:
 
         self.mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
                                      mesh_dim_names=DIM_NAMES)
-        self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        self.mesh["dp_replicate", "dp_shard", "tp"]._flatten("stage")
+        self.flat = {"dp": self.mesh["dp_replicate", "dp_shard"]._flatten("dp"),
+                     "stage": self.mesh["dp_replicate", "dp_shard", "tp"]._flatten("stage")}
         return self.mesh
+
+    def _sub(self, name: str) -> Any:
+        return self.flat[name] if name in self.flat else self.mesh[name]
 
     # --- sub-meshes and coordinates (single-process runs have no mesh: everything is rank 0 of 1)
     @property
     def dp_mesh(self) -> Any:
-        return None if self.mesh is None else self.mesh["dp"]
+        return None if self.mesh is None else self._sub("dp")
 
     @property
     def fsdp_mesh(self) -> Any:
@@ -85,17 +91,17 @@ class ParallelDims:
             return None
         if self.hybrid:
             return self.mesh["dp_replicate", "dp_shard"]
-        return self.mesh["dp"]
+        return self._sub("dp")
 
     def coord(self, name: str) -> int:
         if self.mesh is None:
             return 0
-        return self.mesh[name].get_local_rank()
+        return self._sub(name).get_local_rank()
 
     @property
     def stage_group(self) -> Any:
         """The process group of this rank's pipeline stage (all its dp and tp ranks)."""
-        return None if self.mesh is None else self.mesh["stage"].get_group()
+        return None if self.mesh is None else self._sub("stage").get_group()
 
     @property
     def builds_weights(self) -> bool:

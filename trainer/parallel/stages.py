@@ -121,8 +121,8 @@ class DecoderStage(nn.Module):
         rope = self.model.rotary_emb(h, pos)
         for idx, layer in self.model.layers.items():
             kind = types[int(idx)] if types else "full_attention"
-            h = layer(h, attention_mask=masks[kind], position_embeddings=rope, position_ids=pos,
-                      past_key_values=None, use_cache=False)
+            # No cache keyword: None is every version's default, and the keyword is deprecated (5.x).
+            h = layer(h, attention_mask=masks[kind], position_embeddings=rope, position_ids=pos, use_cache=False)
             h = h[0] if isinstance(h, tuple) else h
         if self.is_last:
             return _head_out(self.lm_head, self.model.norm(h), targets, self.loss_chunks)
@@ -197,7 +197,7 @@ class BertStage(nn.Module):
         h = self.bert.embeddings(input_ids=x) if self.is_first else x
         mask = create_bidirectional_mask(config=self.config, inputs_embeds=h, attention_mask=None)
         for layer in self.bert.encoder.layer.values():
-            h = layer(h, mask, None, encoder_attention_mask=None, past_key_values=None)
+            h = layer(h, mask, None, encoder_attention_mask=None)
             h = h[0] if isinstance(h, tuple) else h
         if self.is_last:
             return _head_out(self.cls, h, targets, self.loss_chunks)
