@@ -89,6 +89,9 @@ def _node_problems(nc: NodeCheck, node: Node, p: Probe, master_host: str) -> Non
         nc.problems.append(f"only {p.disk_free_gb} GB free in workdir")
     if node.gpus and not p.gpus:
         nc.problems.append("inventory asks for GPUs, nvidia-smi sees none")
+    elif node.gpus and p.gpu_runtime is False:
+        nc.problems.append("inventory asks for GPUs, docker cannot give them to a container: install the NVIDIA "
+                           "Container Toolkit (nvidia-ctk runtime configure --runtime=docker, then restart docker)")
 
 
 def _master_port(nc: NodeCheck, port: int | None, listening: set[int]) -> None:

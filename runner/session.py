@@ -175,6 +175,7 @@ class Probe:
     mem_gb: float | None = None
     disk_free_gb: float | None = None
     gpus: int = 0
+    gpu_runtime: bool | None = None  # NVIDIA Container Toolkit seen (docker's runtimes or its CLI); None: no GPU
     docker: str | None = None
     docker_error: str | None = None
     clock_offset_s: float | None = None
@@ -210,7 +211,11 @@ echo "nproc=$(nproc 2>/dev/null || getconf _NPROCESSORS_ONLN)"
 echo "mem_kb=$(awk '/MemTotal/{{print $2}}' /proc/meminfo)"
 d={wd_sh}; while [ ! -e "$d" ]; do d=$(dirname "$d"); done
 echo "disk_kb=$(df -Pk "$d" | awk 'NR==2{{print $4}}')"
-echo "gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')"
+G=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU'); echo "gpus=$G"
+if [ "${{G:-0}}" -gt 0 ]; then
+  {{ docker info --format '{{{{json .Runtimes}}}}' 2>/dev/null | grep -q nvidia || command -v nvidia-container-cli >/dev/null 2>&1; }} \
+    && echo "gpu_runtime=yes" || echo "gpu_runtime=no"
+fi
 V=$(docker version --format '{{{{.Server.Version}}}}' 2>&1 | tr '\\n' ' ')
 echo "docker_rc=$?"
 echo "docker=$V"
@@ -238,6 +243,8 @@ echo "docker=$V"
     disk = _int(kv.get("disk_kb"))
     p.disk_free_gb = round(disk / 1048576, 1) if disk is not None else None
     p.gpus = _int(kv.get("gpus")) or 0
+    if kv.get("gpu_runtime") in ("yes", "no"):
+        p.gpu_runtime = kv["gpu_runtime"] == "yes"
     v = kv.get("docker", "")
     if v and v[0].isdigit() and " " not in v.strip():
         p.docker = v.strip()

@@ -69,11 +69,13 @@ if ! docker build --help 2>/dev/null | grep -q -- '--platform' \
   PLATFORM=()
 fi
 say "building $TAG from $BASE (emulated: slow the first time)"
-# Only PyPI is reachable here (TORCH_INDEX_URL empty): its aarch64 torch brings CUDA libraries along,
-# harmless for an emulated `trainer --help`. On a network that reaches PyTorch's CPU index, set
-# TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu for the small image a Pi should get.
+# torch from PyTorch's CPU index by default: the small image a Pi should get. PyPI's aarch64 wheel
+# brings CUDA libraries along (built for Grace/Jetson); where only PyPI is reachable (this project's
+# CI machine), TORCH_INDEX_URL= (set and empty) takes it, harmless for an emulated `trainer --help`.
+TORCH_INDEX_URL=${TORCH_INDEX_URL-https://download.pytorch.org/whl/cpu}
+say "torch from ${TORCH_INDEX_URL:-PyPI (CUDA libraries included)}"
 DOCKER_BUILDKIT=0 docker build --network host "${PLATFORM[@]}" --build-arg BASE_IMAGE="$BASE" \
-  --build-arg TORCH_INDEX_URL="${TORCH_INDEX_URL:-}" \
+  --build-arg TORCH_INDEX_URL="$TORCH_INDEX_URL" \
   -f Dockerfile.arm64 -t "$TAG" . >.build/image-build-arm64.log 2>&1 || { tail -n 30 .build/image-build-arm64.log >&2; exit 1; }
 # OMP_NUM_THREADS=1: under qemu-user (Debian bookworm's 7.2) torch's OpenMP pool start-up deadlocks
 # (main thread in sigsuspend, the other on a futex, no CPU used); with one thread it imports in ~15 s.

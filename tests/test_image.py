@@ -3,6 +3,7 @@ and holds the trainer package with its entry point."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 import pytest
@@ -58,8 +59,9 @@ def test_base_image_is_local_bookworm(host_docker, trainer_image):
 @pytest.mark.slow
 @pytest.mark.timeout(7200)  # qemu emulation of an arm64 image build and a torch import
 def test_arm64_image_builds_and_runs_under_emulation(host_docker):
+    # Only PyPI is reachable here: TORCH_INDEX_URL= (empty) instead of the script's CPU-index default.
     r = subprocess.run([str(REPO / "scripts/build-image-arm64.sh")], capture_output=True, text=True, cwd=REPO,
-                       timeout=3600)
+                       timeout=3600, env={**os.environ, "TORCH_INDEX_URL": ""})
     assert r.returncode == 0, r.stderr[-3000:]
     # OMP_NUM_THREADS=1: under qemu-user torch's OpenMP pool start-up deadlocks (scripts/build-image-arm64.sh).
     r = docker(host_docker, "image", "inspect", "--format", "{{.Os}}/{{.Architecture}}", "runner-trainer:arm64")
