@@ -21,6 +21,11 @@ def trainer_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     # Two cores: one thread per process keeps multi-process runs from thrashing and makes
     # fp32 reductions reproducible.
     env.setdefault("OMP_NUM_THREADS", "1")
+    # What the trainer sets in its own process at import (trainer/text_sources.py): set here too, so
+    # the env is the same before and after a test imports that module in the test process (the
+    # warm trainer serves only runs whose import-time env equals its own: tests/trainer_zygote.py).
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("HF_DATASETS_OFFLINE", "1")
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     if extra:
         env.update(extra)
