@@ -84,3 +84,18 @@ def test_a_torchrun_with_forked_workers_equals_torchrun_m_trainer(tmp_path):
 def _untimed(log: str) -> str:
     """A rank log without the timestamps its lines start with."""
     return "\n".join(ln.split(" ", 2)[-1] if ln[:1].isdigit() else ln for ln in log.splitlines())
+
+
+def test_importing_the_trainer_here_does_not_change_the_runs_import_time_env(monkeypatch):
+    """trainer/text_sources.py sets the Hub's offline variables in whatever process imports it; an
+    in-process test that does so must not change what the next run is compared on (else every
+    later run silently starts a fresh interpreter)."""
+    import importlib
+
+    import trainer.text_sources
+
+    for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(key, raising=False)
+    before = import_time_env(trainer_env())
+    importlib.reload(trainer.text_sources)
+    assert import_time_env(trainer_env()) == before
