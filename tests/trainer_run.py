@@ -5,10 +5,12 @@ Shared by every trainer test so that equivalence tests compare like with like.
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from tests import REPO
@@ -26,6 +28,9 @@ def trainer_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     # warm trainer serves only runs whose import-time env equals its own: tests/trainer_zygote.py).
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("HF_DATASETS_OFFLINE", "1")
+    # torch's inductor writes its default cache dir into os.environ the first time it looks (an
+    # in-process compile or dry run); name the same dir from the start.
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     if extra:
         env.update(extra)

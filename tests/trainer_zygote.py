@@ -157,7 +157,13 @@ class Zygote:
             raise RuntimeError(f"trainer zygote did not start (exit {self.proc.wait()})")
 
     def accepts(self, env: dict[str, str]) -> bool:
-        return self.proc.poll() is None and import_time_env(env) == self.env
+        ok = self.proc.poll() is None and import_time_env(env) == self.env
+        if not ok and os.environ.get("TESTS_ZYGOTE_LOG"):  # why a run went to a fresh interpreter
+            mine, theirs = import_time_env(env), self.env
+            diff = {k: (theirs.get(k), mine.get(k)) for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k)}
+            with open(os.environ["TESTS_ZYGOTE_LOG"], "a") as f:
+                f.write(f"fresh: zygote alive={self.proc.poll() is None} differing={diff}\n")
+        return ok
 
     def run(self, entry: str, argv: list[str], env: dict[str, str], cwd: Path,
             timeout: float) -> tuple[int, str, str]:
