@@ -54,9 +54,8 @@ def trainer_cmd(out_dir: Path, *args: str, nproc: int = 1, node: tuple[int, int,
 
 def _run(cmd: list[str], entry: str, argv: list[str], env: dict[str, str] | None, timeout: float,
          fresh: bool) -> subprocess.CompletedProcess:
-    """`cmd` as a process, or (a single-process run, fresh=False) the same entry point forked from
-    the session's warm trainer (tests/trainer_zygote.py: the same run without importing torch and
-    transformers again)."""
+    """`cmd` as a process, or (fresh=False) `entry` with `argv` forked from the session's warm
+    trainer (tests/trainer_zygote.py: the same run without importing torch and transformers again)."""
     full_env = trainer_env(env)
     zygote = None if fresh else zygote_for(full_env, trainer_env(), REPO)
     if zygote is None:
