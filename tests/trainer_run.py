@@ -31,6 +31,11 @@ def trainer_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     # torch's inductor writes its default cache dir into os.environ the first time it looks (an
     # in-process compile or dry run); name the same dir from the start.
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
+    # Inductor compiles in the run's own process: its pool of compile workers, started from a run
+    # forked by the warm trainer, never answered (the run waited for its first kernel until the
+    # test's timeout; tests/test_trainer_speed.py with an empty cache), and on two cores a pool
+    # buys nothing.
+    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     if extra:
         env.update(extra)
