@@ -248,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--budget", type=float, default=120.0, help="seconds for all rows together")
     ap.add_argument("--out", default=str(REPO / "bench" / "results"), help="directory for gpu_families.json")
+    ap.add_argument("--presets", default="", help="comma-separated presets: only these rows (default: all)")
     ap.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -256,6 +257,14 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     rows_todo = ROWS
+    if args.presets:
+        wanted = args.presets.split(",")
+        unknown = sorted(set(wanted) - {r[0] for r in ROWS})
+        if unknown:
+            print(f"gpu_families: --presets {','.join(unknown)}: not a row here; rows: {', '.join(r[0] for r in ROWS)}",
+                  file=sys.stderr)
+            return 2
+        rows_todo = [r for r in ROWS if r[0] in wanted]
     if args.smoke:  # the harness on CPU, tiny: proves the script runs, measures nothing of interest
         rows_todo, args.steps, args.warmup, args.budget = SMOKE_ROWS, 1, 1, 600.0
     elif not torch.cuda.is_available():

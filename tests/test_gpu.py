@@ -91,8 +91,10 @@ def test_compiled_equals_eager_on_cuda():
 
 
 def test_flash_attention_runs_in_the_trainer_step(tmp_path):
-    """The trainer's default CUDA step (compiled blocks, bf16): a profiled step launches the flash
-    SDPA kernels, not the math path a full attention mask would force."""
+    """The trainer's default CUDA step (compiled blocks, bf16): a profiled step launches a fused
+    flash-attention kernel (PyTorch's own flash, or cuDNN's, which torch 2.11 picks first on an
+    H100: `cudnn_generated_fort_native_sdpa_sm90_flash_fprop_...`), not the math path a full
+    attention mask would force."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -105,7 +107,9 @@ def test_flash_attention_runs_in_the_trainer_step(tmp_path):
         trainer.train_step()
         torch.cuda.synchronize()
     names = [e.name for e in prof.events()]
-    assert "flash" in sdpa_kernels(names), sorted({n for n in names if "attention" in n.lower()})[:20]
+    attn = sorted({n for n in names if any(m in n.lower() for m in ("attention", "attn", "flash", "fmha", "sdpa"))})
+    kinds = sdpa_kernels(names)
+    assert kinds in (["flash"], ["cudnn"]), (kinds, attn[:20])
 
 
 def test_chunked_loss_equals_one_chunk_on_cuda():
@@ -183,7 +187,9 @@ def _trainer(tmp_path, overrides: list):
 def test_no_host_sync_between_log_steps(tmp_path):
     """Steps that are not log steps never wait for the GPU: torch's sync debug mode sees no
     synchronising call in `train_step` (data, forward/backward, clip, AdamW, schedule, prefetch)."""
+    import traceback
     import warnings
+    from pathlib import Path
 
     import torch
 
@@ -192,8 +198,16 @@ def test_no_host_sync_between_log_steps(tmp_path):
         trainer.train_step()
         trainer.step += 1
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
+    syncs: list[str] = []  # each synchronising call with the Python stack that made it
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchronizing CUDA operation" in str(message):  # not the mode's own "prototype" notice
+            frames = [f for f in traceback.extract_stack()[:-1] if "/warnings.py" not in f.filename][-8:]
+            syncs.append(" <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames)))
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
             for _ in range(3):
@@ -201,8 +215,7 @@ def test_no_host_sync_between_log_steps(tmp_path):
                 trainer.step += 1
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
-    assert not syncs, syncs[:3]
+    assert not syncs, list(dict.fromkeys(syncs))[:4]
     assert torch.isfinite(loss) and torch.isfinite(norm)
 
 

@@ -122,8 +122,12 @@ def test_contract_prefixes_and_rank_order(slurm, straight):
     logs = runner("logs", straight.run_id, "-i", str(slurm.inv))
     assert logs.returncode == 0 and "[node-2/2] [rank2] step 10 loss" in logs.stdout
     assert "[slurm] runner: job " in logs.stdout
-    one = runner("logs", straight.run_id, "-i", str(slurm.inv), "--node", "node-1").stdout.splitlines()
-    assert one and all(ln.startswith("[node-1/1] ") for ln in one)
+    # --node: that node's lines and no other's. node-2 (the last stage) logs every step; node-1 (a
+    # middle stage) may print nothing at all (what it printed was torchrun's exit-barrier noise,
+    # pytorch/pytorch#69520, in some runs: never assert on it).
+    one = runner("logs", straight.run_id, "-i", str(slurm.inv), "--node", "node-2").stdout.splitlines()
+    assert one == [ln for ln in logs.stdout.splitlines() if ln.startswith("[node-2/2] ")]
+    assert "[node-2/2] [rank2] step 10 loss" in "\n".join(one)
     ls = runner("ls", "-i", str(slurm.inv), "--json")
     assert {"run_id": straight.run_id, "job_id": job, "state": "COMPLETED", "exit_code": 0,
             "submissions": 1} in json.loads(ls.stdout)

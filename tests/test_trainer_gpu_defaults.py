@@ -40,7 +40,7 @@ def test_bf16_parameters_on_one_process_match_autocast(tmp_path, autocast_losses
     """train.param_dtype bf16 in one process: FSDP2 over a one-rank mesh, bf16 compute, and the
     master weights and AdamW state the checkpoint holds are fp32."""
     proc = run_trainer(tmp_path, *BF16, "--train.param_dtype", "bf16", "--checkpoint.enabled", "true")
-    assert "FSDP2 mixed precision on one rank" in proc.stdout
+    assert "FSDP2 mixed precision on one rank, one unit (bf16 compute" in proc.stdout
     assert yaml.safe_load((tmp_path / "config.yaml").read_text())["train"]["param_dtype"] == "bf16"
     _close_not_equal([r["loss"] for r in read_metrics(tmp_path)], autocast_losses)
     saved = checkpoint_tensors(tmp_path / "checkpoints" / "step-4")
@@ -194,3 +194,74 @@ def test_bf16_on_an_image_model_keeps_batchnorm_in_fp32(tmp_path):
     assert resolve_param_dtype("auto", "bf16", "cuda", "image") == "fp32"
     with pytest.raises(ConfigError, match="not for an image model"):
         resolve_param_dtype("bf16", "bf16", "cuda", "image")
+
+
+# ------------------------------------------------------------------ host work per step
+
+
+def _tiny_lm(preset: str):
+    from trainer.config import ModelConfig
+    from trainer.models import build_model, model_spec
+
+    mc = ModelConfig(preset=preset)
+    return build_model(model_spec(mc), mc, 0)
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])
+def test_the_trainers_forward_skips_the_packed_sequence_check(preset, monkeypatch):
+    """transformers' packed-sequence check waits for the device every forward (a data-dependent
+    `if` on the position ids; on an H100 the sync debug mode named it): the trainer's loss forward,
+    whose positions are the model's own, never runs it; a plain forward still does, and the loss
+    is the same bits either way."""
+    from transformers import masking_utils
+
+    from trainer.models.lm_loss import install_loss_forward
+
+    calls = []
+
+    def counting(position_ids):
+        calls.append(tuple(position_ids.shape))
+        return None
+
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", counting)
+    model = install_loss_forward(_tiny_lm(preset), 1)
+    x = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    loss = model(input_ids=x, targets=x)
+    assert calls == []
+    logits = model(input_ids=x).logits  # a user's own forward: the check runs as transformers wrote it
+    assert calls == [(2, 16)]
+    by_hand = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), x.flatten(), reduction="sum")
+    assert torch.equal(loss, by_hand)
+
+
+def test_one_process_fsdp2_is_one_unit_with_the_same_numbers():
+    """train.param_dtype bf16 on one process: FSDP2 over the whole model as one unit (per-block
+    units only add host work where nothing is sharded); one bf16 step's loss and fp32 gradients
+    equal the per-block wrapping's bit for bit."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    from trainer.models.lm_loss import install_loss_forward
+    from trainer.parallel.activation_checkpoint import blocks_of
+    from trainer.parallel.data_parallel import apply_fsdp, one_rank_mesh
+
+    x = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+    results = []
+    try:
+        mesh = one_rank_mesh(torch.device("cpu"))
+        for per_block in (True, False):
+            model = install_loss_forward(_tiny_lm("tiny-llama"), 2)
+            blocks = blocks_of(model) if per_block else []
+            apply_fsdp(model, blocks, mesh, reshard_after_forward=False, param_dtype=torch.bfloat16, backend="gloo")
+            assert [isinstance(b, FSDPModule) for b in blocks_of(model)] == [per_block] * len(blocks_of(model))
+            loss = model(input_ids=x, targets=x)
+            loss.backward()
+            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+            assert {g.dtype for g in grads.values()} == {torch.float32}
+            results.append((loss.detach(), grads))
+    finally:
+        dist.destroy_process_group()
+    (l1, g1), (l2, g2) = results
+    assert torch.equal(l1, l2)
+    assert g1.keys() == g2.keys() and all(torch.equal(g1[n], g2[n]) for n in g1)
+

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import sys
 
@@ -13,8 +14,9 @@ from tests.trainer_run import read_metrics, run_trainer
 from trainer.config import Config
 from trainer.metrics import console_line, flops_per_token
 from trainer.optim import lr_at
-from trainer.tracking import SCALARS
+from trainer.tracking import SCALARS, scalars
 
+RUN_ID = "20261126-120000-abcd"
 FIELDS = {"step", "loss", "lr", "grad_norm", "global_batch_samples", "global_batch_tokens", "tokens_per_s",
           "tokens_per_s_per_device", "samples_per_s", "mfu", "memory_bytes", "memory_gib", "memory_reserved_gib",
           "step_time_s"}
@@ -22,9 +24,15 @@ FIELDS = {"step", "loss", "lr", "grad_norm", "global_batch_samples", "global_bat
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
+    """One run for every check here, with both trackers on (W&B offline, as on a node without
+    internet; its config and cache dirs kept out of the home directory)."""
     out = tmp_path_factory.mktemp("metrics")
+    home = tmp_path_factory.mktemp("wandb-home")
+    env = {"RUN_ID": RUN_ID, "WANDB_CONFIG_DIR": str(home / "config"), "WANDB_CACHE_DIR": str(home / "cache"),
+           "WANDB_DATA_DIR": str(home / "data"), "WANDB_SILENT": "true"}
     proc = run_trainer(out, "--config", "configs/tiny.yaml", "--train.steps", "4", "--batch_size", "4",
-                       "--microbatch_num", "2", "--log-interval", "1", "--logging.tensorboard", "true")
+                       "--microbatch_num", "2", "--log-interval", "1", "--logging.tensorboard", "true",
+                       "--logging.wandb", "tiny-project", env=env)
     return proc, read_metrics(out), out
 
 
@@ -67,9 +75,28 @@ def test_tensorboard_events_hold_the_metrics_jsonl_records(run):
             assert got == [(r["step"], float(np.float32(r[key])), pytest.approx(r["time"], abs=1e-6)) for r in m], tag
 
 
+def test_wandb_offline_run_holds_the_metrics_jsonl_records(run):
+    """logging.wandb: an offline W&B run under OUTPUT_DIR/wandb/ (what `runner collect` brings back
+    for `wandb sync`), named and identified by the runner's RUN_ID, the trainer's config in it, and
+    every metrics.jsonl record at its step, read back from the run file."""
+    from tests.wandb_log import history, run_record
+
+    _, m, out = run
+    files = sorted((out / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert [f.name for f in files] == [f"run-{RUN_ID}.wandb"]
+    rec = run_record(files[0])
+    assert (rec.run_id, rec.display_name, rec.project) == (RUN_ID, RUN_ID, "tiny-project")
+    config = {i.key: json.loads(i.value_json) for i in rec.config.update}
+    assert config["train"]["steps"] == 4 and config["logging"]["wandb"] == "tiny-project"
+    rows = history(files[0])
+    assert [r["_step"] for r in rows] == [1, 2, 3, 4]
+    for row, r in zip(rows, m, strict=True):
+        assert {k: v for k, v in row.items() if not k.startswith("_")} == scalars(r)
+
+
 def test_trackers_without_their_package_are_one_line(tmp_path, monkeypatch, capsys):
-    """Nothing starts: one line naming the key, exit 2, no file in the output dir. wandb is not in
-    the test environment; tensorboard is, and is hidden here as Python hides a blocked module."""
+    """Nothing starts: one line naming the key, exit 2, no file in the output dir. Both packages
+    are in the test environment and hidden here as Python hides a blocked module."""
     from trainer.cli import main
 
     args = ["--config", "configs/tiny.yaml", "--train.steps", "1", "--output-dir", str(tmp_path / "out")]
@@ -78,6 +105,7 @@ def test_trackers_without_their_package_are_one_line(tmp_path, monkeypatch, caps
     assert capsys.readouterr().err == (
         "error: logging.tensorboard: the tensorboard package is not installed in this environment; pip install "
         "'runner-trainer[tracking]' (or tensorboard) in the image/venv, or set it false\n")
+    monkeypatch.setitem(sys.modules, "wandb", None)
     assert importlib.util.find_spec("wandb") is None
     assert main([*args, "--logging.wandb", "my-project"]) == 2
     assert capsys.readouterr().err == ("error: logging.wandb: the wandb package is not installed in this environment; "

@@ -38,6 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from trainer.models.own_positions import own_positions
+
 IGNORE_INDEX = -100
 
 
@@ -103,10 +105,11 @@ class LossForward:
         if targets is None:
             return super().forward(input_ids=input_ids, **kwargs)
         base = getattr(self, self.base_model_prefix)  # model | transformer | bert: everything but the head
-        if hasattr(self, "cls"):  # BERT: transform + decoder
-            hidden, head = base(input_ids=input_ids).last_hidden_state, self.cls
-        else:
-            hidden, head = base(input_ids=input_ids, use_cache=False).last_hidden_state, self.lm_head
+        with own_positions():  # no position ids passed: no packed-sequence check (a host sync)
+            if hasattr(self, "cls"):  # BERT: transform + decoder
+                hidden, head = base(input_ids=input_ids).last_hidden_state, self.cls
+            else:
+                hidden, head = base(input_ids=input_ids, use_cache=False).last_hidden_state, self.lm_head
         return lm_loss_sum(head, hidden, targets, self.loss_chunks)
 
 
