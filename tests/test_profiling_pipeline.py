@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -198,13 +199,17 @@ def test_pp3_skewed_clock_still_causal(tmp_path):
             assert len(point) == 3 and r["start_ns"] <= point[0] <= r["end_ns"] and point[1] >= 0
 
 
-def test_pp2_plots(pp2):
+def test_pp2_plots(pp2, tmp_path):
     from trainer.plots import plot_dir
 
-    made = {p.name for p in plot_dir(pp2)}
+    # Plots are written beside their inputs: into a copy, so the shared run's files stay as the
+    # trainer left them for the other tests (whatever order they run in).
+    out = Path(shutil.copytree(pp2, tmp_path / "run"))
+    made = {p.name for p in plot_dir(out)}
     assert made == {"timeline_batch1_gantt.png", "timeline_batch3_gantt.png", "metrics.png"}
+    assert not list(pp2.glob("*.png"))
     for name in made:
-        data = (pp2 / name).read_bytes()
+        data = (out / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
 

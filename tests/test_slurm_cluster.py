@@ -322,10 +322,16 @@ def test_requeue_resumes_from_the_preempt_checkpoint(slurm, straight, tmp_path, 
     stopped = len(losses(rd / "metrics.jsonl"))
     name = (rd / "checkpoints" / "latest").read_text().strip()
     assert name == f"step-{stopped}.preempt" and 1 <= stopped < STEPS, (name, stopped)
-    # Slurm holds a requeued job back (BeginTime, ~2 min): let it start now.
-    sctl(slurm, "scontrol", "update", f"JobId={job}", "StartTime=now")
-    wait_for(lambda: "JobState=COMPLETED" in sctl(slurm, "scontrol", "show", "job", "-o", job), 600, interval=1)
+    # Slurm holds a requeued job back (BeginTime, ~2 min): let it start once its nodes are idle and
+    # two seconds on. Not at once: each node revokes the job's old credential, and a credential made
+    # in the same second counts as revoked (1 s resolution): a restart 0.4 s after the requeue was
+    # killed "non-startable ... Job credential revoked" and the job ended FAILED (a reversed run).
+    wait_for(lambda: set(sctl(slurm, "sinfo", "-h", "-N", "-o", "%t").split()) == {"idle"}, 120)
+    sctl(slurm, "scontrol", "update", f"JobId={job}", "StartTime=now+2")
+    ended = r"JobState=(COMPLETED|FAILED|CANCELLED|TIMEOUT|NODE_FAIL|OUT_OF_MEMORY|BOOT_FAIL|DEADLINE)"
+    state = wait_for(lambda: re.search(ended, sctl(slurm, "scontrol", "show", "job", "-o", job)), 600, interval=1)
     batch = (rd / "slurm" / f"{job}.out").read_text()
+    assert state[1] == "COMPLETED", (state[0], batch[-2000:])
     assert f"runner: job {job} (restart 1) on node-[0-2]" in batch
     if how == "time_limit_usr1":  # the first start's script ran to its requeue branch
         assert f"runner: job {job}: torchrun exited 143 on the nodes" in batch
