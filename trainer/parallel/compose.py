@@ -196,7 +196,7 @@ def parallelize(model: nn.Module, spec: ModelSpec, dims: ParallelDims, cfg: Conf
     elif mixed:  # one process: FSDP2 over a mesh of this rank alone, for its mixed precision
         # One unit, the root: with nothing to shard or overlap, per-block units only add host work
         # (each block's hooks, casts and copies: 364 copies and ~60 ms of host time per step for
-        # smollm-360m on an H100, where the device needed 113 ms; bench/gpu_step_profile.py).
+        # smollm-360m on an H100, where the device needed 142 ms; bench/gpu_step_profile.py).
         _apply_fsdp(par, model, [], one_rank_mesh(device), cfg, backend, reshard=False)
         log.info("train.param_dtype bf16: FSDP2 mixed precision on one rank, one unit (bf16 compute, fp32 master weights)")
     if ref is not None:
