@@ -40,6 +40,28 @@ def _stack() -> str:
     return " <- ".join(f"{'/'.join(Path(f.filename).parts[-2:])}:{f.lineno} {f.name}" for f in reversed(frames[-10:]))
 
 
+def host_syncs(run) -> list[str]:
+    """Each synchronising CUDA call `run()` makes, as torch's sync debug mode reports it, with the
+    Python stack that made it ("MESSAGE AT file:line fn <- ..."); tests/test_gpu.py uses it too."""
+    import torch
+
+    found: list[str] = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchronizing CUDA operation" in str(message):  # not the mode's own "prototype" notice
+            found.append(f"{str(message)[:120]} AT {_stack()}")
+
+    with warnings.catch_warnings():  # restores warnings.showwarning on the way out
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return found
+
+
 def profile_loop(loop: str, preset: str, batch: int, steps: int) -> str:
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -77,25 +99,11 @@ def profile_loop(loop: str, preset: str, batch: int, steps: int) -> str:
         lines.append(f"host ms per step without syncs: {host * 1e3:.1f} "
                      f"(all {steps} steps done: {(time.perf_counter() - t0) / steps * 1e3:.1f} ms each)")
 
-        reports: list[str] = []
-        original = warnings.showwarning
+        def two_steps():
+            for _ in range(2):
+                step()
 
-        def record(message, category, filename, lineno, file=None, line=None):
-            if "synchronizing CUDA operation" in str(message):  # not the mode's own "prototype" notice
-                reports.append(f"{str(message)[:120]} AT {_stack()}")
-            else:
-                original(message, category, filename, lineno, file, line)
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = record
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                for _ in range(2):
-                    step()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-                warnings.showwarning = original
+        reports = host_syncs(two_steps)
         torch.cuda.synchronize()
         lines.append(f"sync debug mode, 2 steps: {len(reports)} synchronising call(s)")
         lines += [f"  {r}" for r in dict.fromkeys(reports)]

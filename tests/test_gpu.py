@@ -187,35 +187,25 @@ def _trainer(tmp_path, overrides: list):
 def test_no_host_sync_between_log_steps(tmp_path):
     """Steps that are not log steps never wait for the GPU: torch's sync debug mode sees no
     synchronising call in `train_step` (data, forward/backward, clip, AdamW, schedule, prefetch)."""
-    import traceback
-    import warnings
-    from pathlib import Path
-
     import torch
+
+    from bench.gpu_step_profile import host_syncs
 
     trainer = _trainer(tmp_path, [])
     for _ in range(2):  # warm-up: compilation, allocator growth
         trainer.train_step()
         trainer.step += 1
     torch.cuda.synchronize()
-    syncs: list[str] = []  # each synchronising call with the Python stack that made it
+    results = []
 
-    def record(message, category, filename, lineno, file=None, line=None):
-        if "synchronizing CUDA operation" in str(message):  # not the mode's own "prototype" notice
-            frames = [f for f in traceback.extract_stack()[:-1] if "/warnings.py" not in f.filename][-8:]
-            syncs.append(" <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames)))
+    def three_steps():
+        for _ in range(3):
+            results.append(trainer.train_step())
+            trainer.step += 1
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = record
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            for _ in range(3):
-                loss, norm = trainer.train_step()
-                trainer.step += 1
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    syncs = host_syncs(three_steps)  # each with the Python stack that made it
     assert not syncs, list(dict.fromkeys(syncs))[:4]
+    loss, norm = results[-1]
     assert torch.isfinite(loss) and torch.isfinite(norm)
 
 
