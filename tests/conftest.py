@@ -105,8 +105,12 @@ def _sandbox_cluster(state, *up_args: str):
                         capture_output=True, text=True, cwd=REPO, timeout=900)
     assert up.returncode == 0, up.stderr
     inv.write_text(inv.read_text().replace("image: runner-trainer:latest", f"image: {IMAGE}"))
+    written = inv.read_text()
     try:
         yield inv
+        # Shared by every test of the session: one that rewrites it (a `sandbox up --inventory` onto
+        # it put `runner-trainer:latest` back) breaks the tests after it, in some orders only.
+        assert inv.read_text() == written, f"a test rewrote the session's inventory {inv}"
     finally:
         # --purge: each node keeps a copy of the image (GBs); a suite must not leave them behind.
         subprocess.run(_sandbox_cmd("--dir", str(state / "s"), "down", "--purge"), capture_output=True, cwd=REPO,

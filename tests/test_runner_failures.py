@@ -51,7 +51,9 @@ def _all_running(sandbox: Path, run_id: str) -> None:
 
 
 def _restore(sandbox: Path, node: str) -> None:
-    """SIGCONT whatever is stopped; restart sshd if it was killed (`runner sandbox up` is idempotent)."""
+    """SIGCONT whatever is stopped; restart sshd if it was killed (`runner sandbox up` is idempotent).
+    The inventory `sandbox up` writes goes beside the state, never over the session's: that one
+    names this session's image, and a rewrite put `runner-trainer:latest` back for every later test."""
     try:
         signal_sshd(sandbox, node, signal.SIGCONT)
     except Exception:  # noqa: BLE001 - killed: no process to continue
@@ -62,7 +64,7 @@ def _restore(sandbox: Path, node: str) -> None:
     state = nd.root.parent
     hosts = [n["host"] for n in __import__("yaml").safe_load(Path(sandbox).read_text())["nodes"]]
     up = subprocess.run(runner_cmd("sandbox", "--dir", str(state), "up", "--nodes", str(len(hosts)),
-                                   "--base-addr", hosts[0], "--inventory", str(sandbox)),
+                                   "--base-addr", hosts[0], "--inventory", str(state / "restored.yaml")),
                         capture_output=True, text=True, cwd=REPO, timeout=120)
     assert up.returncode == 0, up.stderr
 
