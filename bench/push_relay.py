@@ -59,7 +59,7 @@ def wipe(inv: Path) -> None:
 
 
 def uplink_bytes() -> int:
-    from runner.sandbox_net import SandboxNet
+    from runner.sandbox.net import SandboxNet
 
     return int(Path(f"/sys/class/net/{SandboxNet.for_state_dir(STATE / 's').bridge}/statistics/tx_bytes").read_text())
 

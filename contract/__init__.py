@@ -1,6 +1,6 @@
 """The contract between the runner (host) and the trainer (container): the formats of the files a
 run leaves in OUTPUT_DIR that both read, and the plots drawn from them. Torch-free, and imports
-neither wing: the only code the two share (shared/design.md).
+neither wing: the only code the two share (docs/contract.md).
 
 - `contract.timeline`: the Chrome-trace timeline, the Pi guide's seed format, their file names.
 - `contract.metrics`: metrics.jsonl records, a run's progress and summary.

@@ -14,12 +14,12 @@ from runner.redact import Formatter, printable
 # Modules that contribute subcommands. Each exposes `register(subparsers)` which adds its
 # parser(s) and sets `func` to a callable taking the parsed args and returning an exit code.
 COMMAND_MODULES = [
-    "runner.sandbox_cli",
+    "runner.sandbox.command",
     "runner.check", "runner.push", "runner.sync", "runner.launch", "runner.status", "runner.down", "runner.collect",
     # After the commands it extends: adds --scheduler to up/status/logs/ls/down/collect (Slurm runs).
-    "runner.slurm_cli",
+    "runner.backends.slurm.command",
     "runner.kube_export",
-    "runner.profile",  # per-node measurements; parallel.partition auto in `up`
+    "runner.profile_cli",  # per-node measurements; parallel.partition auto in `up`
     "runner.node_exec",  # `runner exec`: a shell or command in a node's job container
     "runner.notify",  # `up --notify`: told on this machine when the run ends
 ]

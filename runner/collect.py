@@ -32,10 +32,10 @@ from runner import safe_path, stream
 from runner.digest import HASH_BATCH, remote_sha256, sha256_file
 from runner.errors import EXIT_PARTIAL, UserError
 from runner.merge import merge_timelines, render_plots, summarize
+from runner.node_runs import gather, resolve_run
 from runner.paths import node_paths
 from runner.session import Cluster, add_inventory_args, load
 from runner.ssh import Remote
-from runner.status import gather, resolve_run
 
 log = logging.getLogger("runner.collect")
 MANIFEST = ".collect-manifest.json"

@@ -26,7 +26,8 @@ import yaml
 
 from runner.errors import UserError
 from runner.inventory import Job, looks_secret
-from runner.job_data import refuse_for
+from runner.inventory.job_data import refuse_for
+from runner.jobspec import entry_argv, signal_env
 from runner.plan import MASK, OUT
 from runner.redact import hide_job
 
@@ -94,10 +95,8 @@ def manifest(job: Job, groups: list[Group], run_id: str, *, namespace: str | Non
     master = f"{name}-{groups[0].name}-0-0.{name}"   # rank 0's pod, through the JobSet's headless service
     port = job.master_port if isinstance(job.master_port, int) else DEFAULT_PORT
     nnodes = sum(g.count for g in groups)
-    args = ["--no-python", *job.command] if job.command else ["-m", "trainer"] + (
-        ["--config", f"{CONFIG_DIR}/config.yaml"] if config_name else [])
-    base_env = {"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
-                "PET_SHUTDOWN_TIMEOUT": str(max(1, int(job.grace_period) - 2)), **job.env}
+    args = entry_argv(job, f"{CONFIG_DIR}/config.yaml" if config_name else None)
+    base_env = {**signal_env(job.grace_period), **job.env}
     for k in secrets or {}:
         base_env.pop(k, None)  # the Secret wins, and its value must not sit in the pod spec
     base_env.update({"RUN_ID": run_id, "NNODES": str(nnodes), "MASTER_ADDR": master, "MASTER_PORT": str(port),
@@ -159,7 +158,7 @@ def dump(docs: list[dict]) -> str:
 def _nodes_of(path: str, job_path: str | None, arch: str | None,
               gpus_per_node: int | None = None) -> tuple[Job, list[tuple[str, int, int]]]:
     """(job, nodes in rank order as (arch, gpus, nproc)) from an SSH or a Slurm inventory."""
-    from runner.slurm_inventory import load_slurm_inventory, top_level_keys
+    from runner.inventory.slurm import load_slurm_inventory, top_level_keys
 
     keys = top_level_keys(path)
     if "slurm" in keys and "nodes" not in keys:

@@ -26,7 +26,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from runner import perseus, runs
-from runner.down import run_containers, stop_node, stop_run
 from runner.errors import (
     EXIT_INTERRUPTED,
     EXIT_JOB_FAILED,
@@ -36,8 +35,9 @@ from runner.errors import (
     interrupt_code,
 )
 from runner.inventory import ARCH_ALIASES, Inventory
+from runner.node_runs import create_container, run_containers, stop_node, stop_run
 from runner.paths import node_paths
-from runner.plan import LABEL_GATE, OUT, Facts, NodePlan, Plan, docker_limits, make_plan, render_secrets_file
+from runner.plan import LABEL_GATE, OUT, Facts, NodePlan, Plan, make_plan, render_secrets_file
 from runner.profile_auto import pin_auto_partition
 from runner.redact import hide_job, printable
 from runner.rendezvous import choose_port, wait_listening
@@ -395,7 +395,7 @@ class Launcher:
 def last_metrics(cl: Cluster, nodes: list[NodePlan]) -> str | None:
     """The run's newest metrics.jsonl record among the nodes' run dirs (the logging rank's node
     holds it; which one that is depends on the layout), as the node wrote it; None if none has one."""
-    from runner.status import node_progress
+    from runner.node_runs import node_progress
 
     found = []
     for _, got, err in cl.map(nodes, lambda np: node_progress(cl[np.node], np.run_dir)[0]):
@@ -412,7 +412,7 @@ def last_metrics(cl: Cluster, nodes: list[NodePlan]) -> str | None:
 def resume_run(master: Remote, wanted: str) -> str:
     """The run dir on the master that `--resume` means: the latest run for "latest", else the one
     whose id is `wanted` or starts with it (runner/runs.py: the rule every command uses)."""
-    from runner.status import node_run_dirs
+    from runner.node_runs import node_run_dirs
 
     names = list(node_run_dirs(master))
     where = f"{node_paths(master.node, master.home).runs} on {master.node.name} (the master)"
@@ -447,28 +447,6 @@ def start_all(cl: Cluster, made: list[tuple[NodePlan, object]]) -> None:
     for (np_, _), _, err in cl.map(made, lambda m: m[1].start()):
         if err:
             raise UserError(f"node {np_.node}: starting container {np_.container} failed: {err}")
-
-
-def create_container(remote: Remote, np: NodePlan):
-    import docker
-
-    d = remote.docker()
-    # Bind strings, not docker-py's {src: ...} dict: one node path may be mounted at two places.
-    # Paths are plain (runner/job_data.py): no ':' or ',' to split on.
-    volumes = [f"{src}:{dst}:{'rw' if dst in np.writable else 'ro'}" for dst, src in np.mounts.items()]
-    kwargs = docker_limits(np.cpus, np.memory)  # the node's cpus/memory from the inventory
-    if np.user:
-        kwargs["user"] = np.user  # the SSH user's uid:gid: what the run writes on the node is the user's
-    if np.gpus:
-        count = -1 if np.gpus == "all" else int(np.gpus)
-        kwargs["device_requests"] = [docker.types.DeviceRequest(count=count, capabilities=[["gpu"]])]
-    try:
-        return d.containers.create(np.image, np.command, name=np.container, labels=np.labels, environment=np.env,
-                                   network_mode="host", ipc_mode="host", volumes=volumes, **kwargs)
-    except docker.errors.ImageNotFound:
-        raise UserError(f"node {np.node}: image {np.image} not present; run `runner push`") from None
-    except docker.errors.APIError as exc:
-        raise UserError(f"node {np.node}: docker refused to start {np.container}: {exc.explanation}") from None
 
 
 def write_status(cl: Cluster, plan: Plan, watcher: Watcher | None, code: int, skip: set[str] = frozenset()) -> None:

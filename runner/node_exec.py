@@ -81,7 +81,7 @@ def wants_tty(args) -> bool:
 
 
 def cmd_exec(args) -> int:
-    from runner.slurm_cli import scheduler
+    from runner.backends.slurm.command import scheduler
 
     if scheduler(args) == "slurm":
         return _slurm_exec(args)
@@ -100,7 +100,7 @@ def cmd_exec(args) -> int:
 def running_container(r: Remote, wanted: str | None) -> str:
     """The id of the node's running rank container of run `wanted` (a prefix; default: the latest
     run that has one running on this node)."""
-    from runner.down import run_containers
+    from runner.node_runs import run_containers
 
     found = {}
     for c in run_containers(r, None, all_=False):
@@ -159,10 +159,10 @@ def srun_argv(job_id: str, node: str, command: list[str], tty: bool) -> list[str
 
 
 def _slurm_exec(args) -> int:
-    from runner.slurm_inventory import load_slurm_inventory
-    from runner.slurm_jobs import job_state, node_names, resolve_run, workdir
-    from runner.slurm_shell import LoginShell, open_shell
-    from runner.slurm_status import last_job
+    from runner.backends.slurm.jobs import job_state, node_names, resolve_run, workdir
+    from runner.backends.slurm.shell import LoginShell, open_shell
+    from runner.backends.slurm.status import last_job
+    from runner.inventory.slurm import load_slurm_inventory
 
     if args.host:
         raise UserError("--host is for SSH nodes; on Slurm, `runner exec` already runs on the node, in the job's "

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -28,7 +27,6 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
 
 from runner.errors import (
     EXIT_INTERRUPTED,
@@ -38,61 +36,14 @@ from runner.errors import (
     UserError,
     interrupt_code,
 )
+from runner.inventory.notify_spec import NotifySpec, parse, url_error  # noqa: F401 - the command's own API
 from runner.redact import printable
 
 NOTIFY_TIMEOUT_S = 30.0
 SUMMARY_MAX = 1000        # characters of the summary line in the environment / JSON
 METRICS_MAX = 4096        # bytes of the last metrics record passed on
-URL_LIKE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:/")
 STATES = {EXIT_OK: "succeeded", EXIT_JOB_FAILED: "failed", EXIT_INTERRUPTED: "interrupted",
           EXIT_TERMINATED: "terminated"}
-
-
-@dataclass(frozen=True)
-class NotifySpec:
-    argv: tuple[str, ...] = ()   # a command (["sh", "-c", CMD] for a string)
-    url: str | None = None       # or a webhook
-
-    @property
-    def shown(self) -> str:
-        if self.url:
-            u = urlsplit(self.url)
-            return f"POST {u.scheme}://{u.hostname}"
-        return f"`{self.argv[-1] if self.argv[:2] == ('sh', '-c') else ' '.join(self.argv)}`"[:120]
-
-
-def parse(value) -> NotifySpec:
-    """A --notify value or job.notify: a string (a command line, or an http(s):// URL) or a list of
-    strings (an argv). ValueError saying what is wrong, for the caller to name where it came from."""
-    if isinstance(value, list):
-        if not value or not all(isinstance(a, str) and a for a in value):
-            raise ValueError("a list must be a command's non-empty words (an argv, run without a shell)")
-        return NotifySpec(argv=tuple(value))
-    if not isinstance(value, str) or not value.strip():
-        raise ValueError("give a command line or an http(s):// URL")
-    if URL_LIKE.match(value):
-        why = url_error(value)
-        if why:
-            raise ValueError(why)
-        return NotifySpec(url=value)
-    return NotifySpec(argv=("sh", "-c", value))
-
-
-def url_error(url: str) -> str | None:
-    """Why url is not a webhook the runner can POST to (None when it is)."""
-    u = urlsplit(url)
-    shown = f"{u.scheme}://{u.hostname or ''}" if u.scheme else url[:40]
-    if u.scheme.lower() not in ("http", "https") or not url.lower().startswith(("http://", "https://")):
-        return f"{shown}...: only http:// and https:// URLs are posted to (anything else is taken as a command)"
-    if any(c.isspace() or not c.isprintable() for c in url):
-        return f"{shown}...: the URL holds a space or a control character (percent-encode it)"
-    try:
-        port = u.port
-    except ValueError:
-        return f"{shown}...: the URL's port is not a number in 0..65535"
-    if not u.hostname or port == 0:
-        return f"{url[:40]}...: not a URL with a host (like https://hooks.example.com/...)"
-    return None
 
 
 @dataclass

@@ -28,74 +28,19 @@ from __future__ import annotations
 import logging
 import os
 import re
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from runner.errors import JobFailed, UserError
-from runner.perseus_server import read_plan
+from runner.inventory.perseus_spec import PerseusSpec
+from runner.node_runs import create_container
 from runner.plan import LABEL_PREFIX, OUT, NodePlan, Plan
 from runner.rendezvous import pick_master_port, wait_listening
 
 log = logging.getLogger("runner.up")
 
-FIELDS = {"plan", "scheduler", "port"}
-SCHEDULERS = ("PointSolution", "PlanSequence")
 LABEL_ROLE = f"{LABEL_PREFIX}.role"       # on the server's container: "perseus" (not a rank)
 PERSEUS_DIR = "perseus"                   # under the run dir: plans/ and dump/
 SERVER_PATH = "/opt/perseus"              # the server's environment in the trainer image
-
-
-@dataclass(frozen=True)
-class PerseusSpec:
-    plans: tuple[tuple[str, bytes], ...]   # (local path, the validated bytes)
-    scheduler: str
-    port: int | str = "auto"
-    where: str = ""                        # "inventory:line" of job.perseus.plan
-    ranks: tuple[int, ...] = ()            # ranks each plan holds
-
-
-def parse_perseus(c, v, expand) -> PerseusSpec:
-    """c: the inventory's checker, v: the `job.perseus` value (line-numbered)."""
-    m = c.mapping(v, "job.perseus", FIELDS)
-    if "plan" not in m:
-        c.fail(v.line, "job.perseus.plan", "missing: a plan file (or a list of them) with one list of "
-               "(instruction, frequency) pairs per rank")
-    pline, pv = m["plan"]
-    items = pv.value if isinstance(pv.value, list) else [pv]
-    if not items:
-        c.fail(pv.line, "job.perseus.plan", "an empty list; give at least one plan file")
-    plans, ranks = [], []
-    for i, item in enumerate(items):
-        w = f"job.perseus.plan[{i}]" if isinstance(pv.value, list) else "job.perseus.plan"
-        path = expand(c.str_(item, w))
-        if not os.path.isfile(path):
-            c.fail(item.line, w, f"plan file not found: {path}")
-        try:
-            ranks.append(len(read_plan(path)))
-        except (ValueError, OSError) as e:
-            c.fail(item.line, w, str(e))
-        with open(path, "rb") as f:
-            plans.append((os.path.abspath(path), f.read()))
-    scheduler = "PlanSequence" if isinstance(pv.value, list) else "PointSolution"
-    if "scheduler" in m:
-        sline, sv = m["scheduler"]
-        scheduler = c.str_(sv, "job.perseus.scheduler")
-        if scheduler not in SCHEDULERS:
-            c.fail(sline, "job.perseus.scheduler", f"{scheduler!r}: one of {', '.join(SCHEDULERS)}")
-        if scheduler == "PointSolution" and len(plans) != 1:
-            c.fail(sline, "job.perseus.scheduler", f"PointSolution serves one plan file, got {len(plans)}; "
-                   "use PlanSequence for a list")
-    port: int | str = "auto"
-    if "port" in m and m["port"][1].value != "auto":
-        port = c.int_(m["port"][1], "job.perseus.port", 1024, 65535)
-    return PerseusSpec(tuple(plans), scheduler, port, f"{c.path}:{pline}", tuple(ranks))
-
-
-def check_world(spec: PerseusSpec, world: int) -> None:
-    """Every plan file holds one list per rank of the job."""
-    for (path, _), n in zip(spec.plans, spec.ranks, strict=True):
-        if n != world:
-            raise UserError(f"{spec.where}: job.perseus.plan: {path} holds {n} ranks' plans but the job has "
-                            f"{world} ranks (the nodes' slots or job.nproc_per_node, summed)")
 
 
 # ---------------------------------------------------------------- plan (pure)
@@ -165,8 +110,6 @@ def choose_port(master, spec: PerseusSpec, run_id: str, master_port: int) -> int
 
 def start(cl, plan: Plan, spec: PerseusSpec, port: int, timeout: float) -> None:
     """Stage the plan files on the master, start the server, wait until it listens."""
-    from runner.launch import create_container
-
     m = plan.nodes[0]
     r = cl[m.node]
     r.makedirs(f"{m.run_dir}/{PERSEUS_DIR}/plans")

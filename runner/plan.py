@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from runner.errors import UserError
 from runner.inventory import Inventory, Node, looks_secret
+from runner.jobspec import signal_env, torchrun_argv
 from runner.paths import node_paths
 from runner.redact import MASK
 
@@ -158,17 +159,8 @@ def container_name(run_id: str, node: str) -> str:
 
 def torchrun_command(inv: Inventory, nnodes: int, rank: int, nproc: int, master_addr: str,
                      master_port: int | str, has_config: bool) -> list[str]:
-    job = inv.job
-    cmd = ["torchrun", "--nnodes", str(nnodes), "--node-rank", str(rank), "--nproc-per-node", str(nproc),
-           "--master-addr", master_addr, "--master-port", str(master_port),
-           "--rdzv-backend", "static", "--max-restarts", "0"]
-    if job.command:
-        # A custom program per rank (not python -m trainer): torchrun execs it directly.
-        return cmd + ["--no-python", *job.command, *job.args]
-    cmd += ["-m", "trainer"]
-    if has_config:
-        cmd += ["--config", f"{OUT}/config.yaml"]
-    return cmd + list(job.args)
+    return torchrun_argv(inv.job, nnodes, rank, nproc, master_addr, master_port,
+                         f"{OUT}/config.yaml" if has_config else None, list(inv.job.args))
 
 
 def make_plan(inv: Inventory, run_id: str, facts: dict[str, Facts] | None = None,
@@ -206,15 +198,9 @@ def make_plan(inv: Inventory, run_id: str, facts: dict[str, Facts] | None = None
         paths = node_paths(node, f.home)
         workdir, run_dir = paths.workdir, paths.run(run_id)
         ifname = f.ifname or UNPROBED
-        # torchrun forwards these signals to the ranks (SIGUSR1 is Slurm's --signal; torch 2.13's
-        # default leaves it out and dies on it), then waits up to the shutdown timeout before
-        # SIGKILLing them: keep that inside the grace `down` gives, or a slow preempt checkpoint is
-        # cut off at torchrun's default 30 s. Env, not flags, so an older torchrun just ignores them.
-        # Defaults: user env may override.
-        env = {"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
-               "PET_SHUTDOWN_TIMEOUT": str(max(1, int(job.grace_period) - 2)),
-               **user_env(f), **job.env, **node.env}
-        # The contract with the trainer (shared/design.md); set last so user env cannot break it.
+        # torchrun's signal handling (runner/jobspec.py); defaults: user env may override.
+        env = {**signal_env(job.grace_period), **user_env(f), **job.env, **node.env}
+        # The contract with the trainer (docs/contract.md); set last so user env cannot break it.
         env.update({
             "RUN_ID": run_id, "NODE_NAME": node.name, "NODE_RANK": str(rank), "NNODES": str(nnodes),
             "MASTER_ADDR": master.rank_addr, "MASTER_PORT": str(port), "OUTPUT_DIR": OUT,

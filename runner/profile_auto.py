@@ -29,6 +29,7 @@ from runner.partition_auto import (
     format_split,
     make_split,
 )
+from runner.profile import profile_cluster
 
 log = logging.getLogger("runner.profile")
 PARTITION_FILE = "partition.json"
@@ -121,8 +122,6 @@ def pin_auto_partition(cl, probes: dict, run_dir_of, resume: bool, refresh: bool
     """For a job with parallel.partition auto: the split as `--parallel.partition custom:...`
     appended to job.args (None for any other partition). `run_dir_of(node)` is the node's run dir.
     On resume the split recorded in the run dir wins."""
-    from runner.profile import profile_cluster
-
     inv: Inventory = cl.inv
     if job_partition(inv.job) != "auto":
         return None

@@ -30,25 +30,13 @@ from runner.images import (
     node_image_id,
 )
 from runner.inventory import BuildSpec, Inventory
+from runner.push_result import PushResult
+from runner.registry import pull_to_nodes
 from runner.session import Cluster, add_inventory_args, load, probe
 from runner.ssh import Remote
 from runner.stream import ssh_stream, transfer_progress
 
 log = logging.getLogger("runner.push")
-
-
-@dataclass
-class PushResult:
-    node: str
-    tag: str
-    image_id: str
-    action: str            # skipped | layers | full | relay | pulled (job.registry)
-    layers_sent: int = 0
-    layers_total: int = 0
-    bytes_sent: int = 0    # archive bytes streamed to it (before ssh compression)
-    image_bytes: int = 0
-    seconds: float = 0.0
-    source: str = ""       # who sent them: "host", or (relay) the node before it in the chain
 
 
 @dataclass
@@ -159,8 +147,6 @@ def push_to_nodes(cl: Cluster, arches: dict[str, str | None], quiet: bool = Fals
     relay: None follows job.push; False gives every node its own stream."""
     tags = node_tags(cl.inv, arches)
     if cl.inv.job.registry:  # the nodes pull instead (runner/registry.py)
-        from runner.registry import pull_to_nodes
-
         return pull_to_nodes(cl, tags, host_image_ids(sorted(set(tags.values()))))
     specs = build_specs(cl.inv, tags, arches)
     if build and not any(specs.values()):

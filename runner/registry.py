@@ -22,7 +22,8 @@ import shlex
 import time
 
 from runner.errors import UserError
-from runner.job_data import registry_ref
+from runner.inventory.job_data import registry_ref
+from runner.push_result import PushResult
 from runner.redact import hide
 from runner.ssh import Remote
 
@@ -85,8 +86,6 @@ def pull_one(remote: Remote, registry: str, tag: str, auth: tuple[str, str] | No
 def pull_to_nodes(cl, tags: dict[str, str], host_ids: dict[str, str | None]) -> list:
     """Every node pulls its tag; where this machine has the tag too, the node must end with the
     same image id (a registry holding another build of the tag is an error, not a surprise)."""
-    from runner.push import PushResult
-
     job = cl.inv.job
     auth = job.registry_auth()
     hide(auth or ())

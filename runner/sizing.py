@@ -4,7 +4,7 @@ anything starts, a plan in which a node cannot hold its pipeline stage.
 
 Torch-free. The job's shape comes from its config file, its trainer args and its env, read for the
 keys that size a stage (the trainer's defaults and seed-flag spellings for those keys, held equal to
-trainer/config.py and trainer/seed_flags.py by tests/test_sizing.py); the model from its preset
+trainer/config/ and trainer/seed_flags.py by tests/test_sizing.py); the model from its preset
 (contract/presets.py) or, with model.path, from the config.json that job.sync sends there. The
 arithmetic is contract/model_size.py + contract/memory.py, the same `trainer --dry-run` prints.
 
@@ -39,7 +39,7 @@ from runner.inventory import Inventory, Job, Node, memory_bytes
 RUNTIME_BYTES = 400 << 20
 CONFIG_JSON_MAX = 1 << 20  # a model's config.json is a few KiB
 
-# trainer/config.py's defaults for the keys that size a stage
+# trainer/config/'s defaults for the keys that size a stage
 DEFAULTS: dict[str, Any] = {
     "model.preset": "tiny-llama", "model.path": None, "model.load_weights": True, "model.num_hidden_layers": None,
     "model.hidden_size": None, "model.num_attention_heads": None, "model.intermediate_size": None,

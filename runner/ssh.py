@@ -8,7 +8,7 @@ StrictHostKeyChecking=no anywhere.
 The Docker client talks to the node's engine through the same verified SSH connection
 (runner/docker_ssh.py: one `docker system dial-stdio` channel per API connection).
 
-A node with a `proxy_jump` (a bastion, from the inventory or the user's ssh config: runner/ssh_config.py)
+A node with a `proxy_jump` (a bastion, from the inventory or the user's ssh config: runner/inventory/ssh_config.py)
 is reached over a `direct-tcpip` channel of one connection to the bastion, shared by every node
 behind it (runner/ssh_jump.py); the bastion's host key is verified exactly as a node's is, then
 the node's over that channel.

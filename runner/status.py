@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import posixpath
-import stat
 import sys
 import threading
 import time
@@ -17,98 +15,13 @@ from rich.table import Table
 from rich.text import Text
 
 from contract import metrics
-from runner import runs
-from runner.down import run_containers
 from runner.errors import UserError
 from runner.node_output import LineSplitter, cells, log_chunks, visible
+from runner.node_runs import gather, node_progress, resolve_run, run_doc
 from runner.paths import node_paths
 from runner.perseus import LABEL_ROLE
 from runner.plan import LABEL_RANK, LABEL_RUN
 from runner.session import Cluster, add_inventory_args, load
-from runner.ssh import Remote
-
-METRICS_TAIL = 16384  # bytes read from the end of metrics.jsonl: the last records, for progress and ETA
-
-
-STATUS_FILE = "runner-status.json"
-
-
-def node_runs(remote: Remote, docs: bool = False) -> tuple[list, dict[str, dict | None]]:
-    """(containers of any run, run dirs) on one node."""
-    return run_containers(remote, None), node_run_dirs(remote, docs)
-
-
-def node_run_dirs(remote: Remote, docs: bool = False) -> dict[str, dict | None]:
-    """{run id: None} for the run dirs on one node, over SFTP (no shell: an exec costs the node a
-    login); docs=True reads each one's runner-status.json ({} when it has none)."""
-    try:
-        entries = remote.sftp.listdir_attr(node_paths(remote.node, remote.home).runs)
-    except OSError:
-        return {}
-    ids = sorted(e.filename for e in entries if stat.S_ISDIR(e.st_mode or 0) and runs.is_run_name(e.filename))
-    return {rid: run_doc(remote, rid) if docs else None for rid in ids}
-
-
-def run_doc(remote: Remote, run_id: str) -> dict:
-    """The run's runner-status.json on the node ({} when it has none, or it does not parse)."""
-    text = remote.read_text(posixpath.join(node_paths(remote.node, remote.home).run(run_id), STATUS_FILE))
-    try:
-        doc = json.loads(text) if text else {}
-    except json.JSONDecodeError:
-        return {}
-    return doc if isinstance(doc, dict) else {}
-
-
-def gather(cl: Cluster, containers: bool = True, docs: bool = False) -> dict[str, tuple[list, dict[str, dict | None]]]:
-    """{node: (containers, run dirs)} for every node that answered; the others are named on
-    stderr, one line each, and left out (a dead node must not hide the live ones).
-    containers=False lists run dirs only (collect: a run with files has a dir; the Docker API
-    connection per node cost it a second)."""
-    cl.warn_unreachable("left out")
-    res = cl.map([cl[n.name] for n in cl.reachable()],
-                 (lambda r: node_runs(r, docs)) if containers else (lambda r: ([], node_run_dirs(r, docs))))
-    out = {}
-    for r, val, err in res:
-        out[r.node.name] = val if err is None else ([], {})
-        if err is not None:
-            first = visible((str(err).strip().splitlines() or [type(err).__name__])[0])[:300]
-            print(f"runner: warning: node {r.node.name}: {first} (left out)", file=sys.stderr)
-    return out
-
-
-def resolve_run(data: dict[str, tuple[list, dict]], run: str | None) -> str:
-    """The run `run` names, or the latest (runner/runs.py), among every container and run dir found."""
-    ids = {c.labels.get(LABEL_RUN) for cs, _ in data.values() for c in cs} | {r for _, ds in data.values() for r in ds}
-    return runs.resolve({i for i in ids if i}, run, "the nodes' run dirs and containers")
-
-
-def node_progress(remote: Remote, run_dir: str) -> tuple[str | None, metrics.Progress | None]:
-    """(last metrics.jsonl line, progress) of a run dir, over SFTP: no shell, nothing to quote."""
-    try:
-        with remote.sftp.open(posixpath.join(run_dir, metrics.FILE), "rb") as fh:
-            size = fh.stat().st_size or 0
-            fh.seek(max(0, size - METRICS_TAIL))
-            text = fh.read(METRICS_TAIL).decode(errors="replace")  # however much the node says is there
-    except OSError:
-        return None, None
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    if size > METRICS_TAIL:
-        lines = lines[1:]  # the first may be cut
-    total = metrics.total_steps(plain_yaml(remote.read_text(posixpath.join(run_dir, "config.yaml"))))
-    return (lines[-1] if lines else None), metrics.progress(metrics.parse("\n".join(lines)), total)
-
-
-def plain_yaml(text: str | None) -> str | None:
-    """text, unless it holds YAML aliases: a node's file is parsed only without them (a 1 KB alias
-    bomb expands to gigabytes in yaml.safe_load). The trainer's own config.yaml has none."""
-    import yaml
-
-    if text is None or ("*" not in text and "&" not in text):  # no alias can be written without them
-        return text
-    try:
-        return None if any(isinstance(t, yaml.AliasToken) for t in yaml.scan(text, yaml.SafeLoader)) else text
-    except yaml.YAMLError:
-        return None
 
 
 def _label_int(value) -> int | None:

@@ -36,7 +36,7 @@ from pathlib import Path
 from runner import safe_path
 from runner.digest import sha256_file
 from runner.errors import UserError
-from runner.job_data import SyncSpec
+from runner.inventory.job_data import SyncSpec
 from runner.paths import NodePaths
 from runner.ssh import Remote
 from runner.stream import ssh_stream, transfer_progress

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from runner.down import stop_run
 from runner.fanout import DEFAULT_PARALLEL
 from runner.node_output import LineSplitter, log_chunks, visible
+from runner.node_runs import stop_run
 from runner.plan import Plan
 from runner.ssh import Remote
 

@@ -6,7 +6,7 @@ bastion, as the private nodes of a VPC do, so a test sees the runner really go t
                                --veth /29-- netns rt-nodes-<tag>: one sshd :2222 per node address
 
 This machine gets a route marking the nodes' subnet unreachable: a direct connect fails at once and
-no packet goes out to the default gateway. Every sshd is a sandbox "light" node (runner/sandbox.py
+no packet goes out to the default gateway. Every sshd is a sandbox "light" node (runner/sandbox/cluster.py
 writes its config; sessions use this machine's Docker engine), started inside its namespace.
 Names carry the tag (the pytest pid), and the subnets are picked free, so two sessions do not
 collide. `down()` removes every process, namespace, veth and route, and is safe to call twice or
@@ -26,7 +26,7 @@ from pathlib import Path
 import psutil
 
 from runner.hostkeys import known_hosts_name
-from runner.sandbox import SSHD, Node, Sandbox, _read_pid, _run, _sshd_config
+from runner.sandbox.cluster import SSHD, Node, Sandbox, _read_pid, _run, _sshd_config
 
 HOST_NET = ipaddress.IPv4Network("10.251.0.0/16")   # this machine <-> bastion, /30 each
 NODES_NET = ipaddress.IPv4Network("10.252.0.0/16")  # bastion <-> nodes, /29 each (up to 5 nodes)

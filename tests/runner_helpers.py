@@ -117,7 +117,7 @@ def finish_run(inventory: Path, run_id: str) -> None:
 def sandbox_node(inventory: Path, node: str):
     """runner.sandbox.Node of an inventory written by `runner sandbox up` (its state dir holds the
     identity file the inventory names)."""
-    from runner.sandbox import Sandbox
+    from runner.sandbox.cluster import Sandbox
 
     inv = load_inventory(inventory, with_job=False)
     state = Path(inv.nodes[0].identity_file).parent

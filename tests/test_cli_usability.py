@@ -132,9 +132,10 @@ def test_completion_scripts_complete_in_bash(tmp_path):
     import shtab
 
     from runner.completion import script
+    from trainer.cli import COMMANDS
     from trainer.completion import completion_parser
 
-    scripts = {"runner": script(build_parser(), "bash"), "trainer": shtab.complete(completion_parser(), shell="bash")}
+    scripts = {"runner": script(build_parser(), "bash"), "trainer": shtab.complete(completion_parser(COMMANDS), shell="bash")}
     cases = [("runner", ["sta"], "status"), ("runner", ["up", "--dr"], "--dry-run"),
              ("runner", ["sandbox", "u"], "up"), ("trainer", ["--train.st"], "--train.steps"),
              ("trainer", ["--print-c"], "--print-completion --print-config")]

@@ -1,4 +1,4 @@
-"""The one module both wings import (issue 15, design.md "the contract"): the Chrome-trace and seed
+"""The one module both wings import (docs/contract.md): the Chrome-trace and seed
 timeline formats, metrics.jsonl and the plots live in `contract/`, torch-free; the runner builds no
 trace events of its own and imports nothing from the trainer."""
 

@@ -8,8 +8,8 @@ import re
 import pytest
 
 from tests import REPO
-from trainer.cli import parse_train_args
 from trainer.config import get_key, resolve
+from trainer.config.argv import parse_train_args
 from trainer.seed_flags import FLAGS, YAML_ALIASES
 
 README = (REPO / "README.md").read_text()

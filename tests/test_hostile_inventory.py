@@ -110,7 +110,7 @@ ALIAS_BOMB = "".join(f"{k}: &{k} [{', '.join([f'*{p}' if p else 'x'] * 9)}]\n"
 @pytest.mark.timeout(60)  # before: still expanding 9^9 values (26 s and 650 MB when killed)
 @pytest.mark.parametrize("where", ["inventory", "job file", "slurm inventory"])
 def test_a_yaml_alias_bomb_is_refused_before_it_is_built(tmp_path, where):
-    from runner.slurm_inventory import load_slurm_inventory
+    from runner.inventory.slurm import load_slurm_inventory
 
     assert len(ALIAS_BOMB) < 1024
     bomb = tmp_path / "bomb.yaml"
@@ -195,7 +195,7 @@ def test_a_trailing_newline_in_host_or_image_is_refused(tmp_path):
 def test_slurm_values_with_a_newline_cannot_split_an_sbatch_line(tmp_path, field, value):
     """`#SBATCH --partition=gpu` + newline: sbatch stops reading directives at the first line that is
     not one, so every later #SBATCH line would be dropped without a word."""
-    from runner.slurm_inventory import load_slurm_inventory
+    from runner.inventory.slurm import load_slurm_inventory
 
     p = tmp_path / "slurm.yaml"
     p.write_text(f'slurm:\n  nodes: 2\n  container: pyxis\n  {field}: "{value}"\njob:\n  image: t:1\n')
@@ -205,7 +205,7 @@ def test_slurm_values_with_a_newline_cannot_split_an_sbatch_line(tmp_path, field
 
 
 def test_a_newline_in_an_sbatch_option_is_refused(tmp_path):
-    from runner.slurm_inventory import load_slurm_inventory
+    from runner.inventory.slurm import load_slurm_inventory
 
     p = tmp_path / "slurm.yaml"
     p.write_text('slurm:\n  nodes: 2\n  sbatch: ["--constraint=a100\\n"]\njob:\n  image: t:1\n')

@@ -326,7 +326,7 @@ def test_a_streams_stderr_is_kept_as_its_tail_only(sandbox, pushed, tmp_path):
 # ---- local processes (Slurm's LocalShell): the same caps ------------------------------------------
 
 def test_local_shell_caps_a_commands_output_and_kills_it():
-    from runner.slurm_shell import LocalShell
+    from runner.backends.slurm.shell import LocalShell
 
     def run():
         with pytest.raises(UserError) as err:
@@ -340,8 +340,8 @@ def test_local_shell_caps_a_commands_output_and_kills_it():
 def test_slurm_follower_reads_a_node_file_in_pieces_and_shows_it_visible(tmp_path):
     """`runner logs` of a Slurm run reads node<K>.out on the shared filesystem: it read everything
     new at once and split it whole. A 16 MiB line from a node, through the real LocalShell."""
-    from runner.slurm_shell import LocalShell
-    from runner.slurm_status import Follower
+    from runner.backends.slurm.shell import LocalShell
+    from runner.backends.slurm.status import Follower
 
     long = 16 << 20
     d = tmp_path / "run" / "slurm" / "7"

@@ -219,7 +219,7 @@ def _fake_etc_ssh(tmp: Path) -> Path:
 
 @pytest.mark.parametrize("link", ["dir", "file"])
 def test_sync_refuses_a_link_out_of_the_source_before_reading_behind_it(tmp_path, link):
-    from runner.job_data import SyncSpec
+    from runner.inventory.job_data import SyncSpec
     from runner.sync import _HashCache, scan
 
     keys = _fake_etc_ssh(tmp_path)
@@ -283,7 +283,7 @@ def _hf_cache(tmp: Path) -> tuple[Path, dict[str, bytes]]:
 def test_sync_of_a_hugging_face_snapshot_or_whole_repo_follows_its_own_links(tmp_path):
     import hashlib
 
-    from runner.job_data import SyncSpec
+    from runner.inventory.job_data import SyncSpec
     from runner.sync import _HashCache, scan
 
     repo, files = _hf_cache(tmp_path)
@@ -302,8 +302,8 @@ def test_sync_of_a_hugging_face_snapshot_or_whole_repo_follows_its_own_links(tmp
 def test_slurm_local_collect_keeps_files_under_the_destination(tmp_path):
     """Without a login node the shared filesystem is read here: a link already in artifacts/ must
     not carry a run's file out of it."""
+    from runner.backends.slurm.collect import mirror_local
     from runner.collect import NodeCollect
-    from runner.slurm_collect import mirror_local
 
     src = tmp_path / "shared" / "runs" / RUN
     (src / "sub").mkdir(parents=True)

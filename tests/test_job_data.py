@@ -1,4 +1,4 @@
-"""job.sync, job.mounts and job.registry as the inventory states them (runner/job_data.py), the
+"""job.sync, job.mounts and job.registry as the inventory states them (runner/inventory/job_data.py), the
 plan's mounts (read-only unless :rw), and the local side of a sync (runner/sync.py scan): no
 network, nothing contacted."""
 
@@ -99,7 +99,7 @@ def test_cli_refuses_a_missing_sync_src_in_one_line_and_contacts_nothing(tmp_pat
 
 def test_scan_hashes_files_once_and_dedups(tmp_path, data, monkeypatch):
     import runner.sync as sync_mod
-    from runner.job_data import SyncSpec
+    from runner.inventory.job_data import SyncSpec
 
     hashed: list[str] = []
     real = sync_mod.sha256_file
@@ -116,7 +116,7 @@ def test_scan_hashes_files_once_and_dedups(tmp_path, data, monkeypatch):
 
 
 def test_scan_cache_follows_changes_and_tree_digest_moves(tmp_path, data):
-    from runner.job_data import SyncSpec
+    from runner.inventory.job_data import SyncSpec
 
     cache_path = tmp_path / "hashes.json"
     spec = SyncSpec(str(data), "/data/model")
@@ -131,7 +131,7 @@ def test_scan_cache_follows_changes_and_tree_digest_moves(tmp_path, data):
 
 
 def test_scan_refuses_names_a_node_shell_would_misread(tmp_path):
-    from runner.job_data import SyncSpec
+    from runner.inventory.job_data import SyncSpec
 
     d = tmp_path / "d"
     d.mkdir()

@@ -8,12 +8,17 @@ contract/ (top level and inside functions alike) is read from the source with `a
   (the relay agent, sent as source over SSH to a node with any python3) or the standard library
   and torch (the worker's gate, in the image).
 
-The checker is tested on a package tree made here with one violation of each kind, so this test
-can fail."""
+- no import circles anywhere in runner/, trainer/ or contract/: a module never needs, however
+  indirectly, a module that needs it (imports inside functions count: a circle hidden in a
+  function is still a circle, and it is what made the layout hard to cut into packages).
+
+The checkers are tested on package trees made here with one violation of each kind, so these
+tests can fail."""
 
 from __future__ import annotations
 
 import ast
+import graphlib
 import sys
 from pathlib import Path
 
@@ -60,6 +65,71 @@ def violations(root: Path) -> list[str]:
                 out.append(f"{rel}:{line} imports {name} (runs on a node: standard library"
                            f"{' and ' + ', '.join(sorted(allowed)) if allowed else ''} only)")
     return out
+
+
+def module_name(root: Path, path: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: Path, packages=("runner", "trainer", "contract")) -> dict[str, set[str]]:
+    """{module: modules of the packages it imports}, every import in the file (in functions too);
+    `from a.b import c` counts as importing a.b.c when that is a module, else a.b; a package's own
+    parents (imported by Python on the way) are not edges."""
+    files = {module_name(root, p): p for pkg in packages for p in (root / pkg).rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in files}
+    for mod, path in files.items():
+        here = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(here[:len(here) - node.level + 1] + [node.module or ""]).strip(".") \
+                    if node.level else node.module
+                names = [f"{base}.{a.name}" for a in node.names]
+            else:
+                continue
+            for name in names:
+                while name and name not in files:
+                    name = name.rpartition(".")[0]
+                if name and name != mod and not mod.startswith(name + "."):
+                    graph[mod].add(name)
+    return graph
+
+
+def import_cycle(root: Path) -> list[str] | None:
+    """One circle of imports (its modules in order, the first repeated at the end), or None."""
+    try:
+        tuple(graphlib.TopologicalSorter(import_graph(root)).static_order())
+    except graphlib.CycleError as exc:
+        return list(reversed(exc.args[1]))
+    return None
+
+
+def test_no_import_circles():
+    cycle = import_cycle(REPO)
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_checker_finds_a_circle_through_a_function_and_a_relative_import(tmp_path):
+    files = {
+        "runner/__init__.py": "",
+        "runner/a.py": "from runner.b import x\n",
+        "runner/b.py": "def f():\n    from .c import y\n",
+        "runner/c.py": "import runner.a\n",
+        "runner/d.py": "from runner import a\n",  # outside the circle: not reported
+        "trainer/__init__.py": "",
+        "contract/__init__.py": "",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    cycle = import_cycle(tmp_path)
+    assert cycle is not None and cycle[0] == cycle[-1] and set(cycle) == {"runner.a", "runner.b", "runner.c"}, cycle
+    (tmp_path / "runner/c.py").write_text("import runner.d as later\n")  # c -> d -> a -> b -> c
+    assert set(import_cycle(tmp_path)) == {"runner.a", "runner.b", "runner.c", "runner.d"}
+    (tmp_path / "runner/d.py").write_text("")
+    assert import_cycle(tmp_path) is None
 
 
 def test_the_halves_meet_only_through_contract_and_node_code_needs_nothing_else():

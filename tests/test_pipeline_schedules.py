@@ -73,8 +73,8 @@ def test_pp2_bert_masked_lm(tmp_path):
 ])
 def test_constraint_violation_is_one_line(args, fragment):
     # Checked from the config alone, before any process group exists.
-    from trainer.cli import parse_train_args
     from trainer.config import ConfigError, resolve
+    from trainer.config.argv import parse_train_args
     from trainer.parallel.compose import check_supported
 
     path, overrides = parse_train_args([*MODELS["llama"], *common(8, 1, 4), *args])

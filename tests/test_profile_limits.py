@@ -16,7 +16,7 @@ import yaml
 from runner.errors import UserError
 from runner.inventory import load_inventory, memory_bytes
 from runner.plan import docker_limits, make_plan
-from runner.sandbox_cli import parse_cpus
+from runner.sandbox.command import parse_cpus
 from tests import IMAGE
 from tests.runner_helpers import REPO, no_socket_env, node_workdir, runner
 
@@ -93,7 +93,7 @@ def test_sandbox_up_cpus_refused_before_anything_starts(tmp_path):
 
 
 def test_sandbox_writes_cpus_into_its_inventory(tmp_path):
-    from runner.sandbox import Sandbox, write_inventory
+    from runner.sandbox.cluster import Sandbox, write_inventory
 
     sb = Sandbox(tmp_path / "s", "127.0.0.11", 2222)
     inv = tmp_path / "local.yaml"

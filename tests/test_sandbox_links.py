@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from runner.sandbox_net import SandboxNet
+from runner.sandbox.net import SandboxNet
 from tests import IMAGE, REPO
 from tests.runner_helpers import (
     assert_others_stopped_then_lost_reclaimed,
@@ -54,7 +54,7 @@ def leftovers(prefix: str) -> list[str]:
 
 def uplink_bytes(net: SandboxNet) -> int:
     """Bytes this machine has sent into the sandbox network: the bridge device's own transmit
-    counter (bridged node <-> node traffic never passes it; see runner/sandbox_net.py)."""
+    counter (bridged node <-> node traffic never passes it; see runner/sandbox/net.py)."""
     return int(Path(f"/sys/class/net/{net.bridge}/statistics/tx_bytes").read_text())
 
 

@@ -23,7 +23,7 @@ import time
 import pytest
 
 from runner.errors import UserError
-from runner.sandbox_net import IFNAMSIZ, MAX_NODES, SandboxNet, parse_shape, prefix_for, subnet_for
+from runner.sandbox.net import IFNAMSIZ, MAX_NODES, SandboxNet, parse_shape, prefix_for, subnet_for
 from tests.conftest import require
 
 PORT = 5001

@@ -153,7 +153,7 @@ def test_profiled_memory_and_a_synced_hub_snapshot(tmp_path, monkeypatch, capsys
 
 def test_the_runner_reads_the_sizing_keys_as_the_trainer_does():
     """Defaults, seed-flag spellings, env fallbacks and YAML aliases of the sizing keys are the
-    trainer's (trainer/config.py, trainer/seed_flags.py); a job's settings resolve alike."""
+    trainer's (trainer/config/, trainer/seed_flags.py); a job's settings resolve alike."""
     from trainer.config import Config, get_key, resolve
     from trainer.seed_flags import ENV_KEYS, YAML_ALIASES
     from trainer.seed_flags import FLAGS as TRAINER_FLAGS
@@ -169,7 +169,7 @@ def test_the_runner_reads_the_sizing_keys_as_the_trainer_does():
             "--use_cpu", "--parallel.partition", "custom:0,2,6", "--model_name", "HuggingFaceTB/SmolLM-135M"]
     job = Job(config=str(REPO / "configs/pi-qwen3-3stage.yaml"), args=args, env={"MICROBATCH_NUM": "3"})
     ours = job_settings(job)
-    from trainer.cli import parse_train_args
+    from trainer.config.argv import parse_train_args
 
     path, overrides = parse_train_args(["--config", job.config, *args])
     theirs = resolve(path, overrides, environ=job.env)

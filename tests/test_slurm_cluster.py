@@ -280,9 +280,9 @@ def test_oci_container_gives_the_same_losses(slurm, straight, trainer_image, tmp
     assert f"output_dir: /runner/runs/{run_id}" in (slurm.shared / "runs" / run_id / "config.yaml").read_text()
     assert f"--container={bundle}" in (slurm.shared / "runs" / run_id / "slurm" / "submit-1.sbatch").read_text()
     # The same image again: found by id, nothing exported (no "oci: exporting" line).
-    from runner.slurm_inventory import load_slurm_inventory
-    from runner.slurm_oci import ensure_bundle
-    from runner.slurm_shell import LocalShell
+    from runner.backends.slurm.oci import ensure_bundle
+    from runner.backends.slurm.shell import LocalShell
+    from runner.inventory.slurm import load_slurm_inventory
     again = ensure_bundle(LocalShell(), load_slurm_inventory(str(inv), check_files=False), str(slurm.shared))
     assert again[0] == str(bundle) and again[2] == "/workspace"
     assert "oci: exporting" not in capsys.readouterr().out

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from runner.backends.slurm.plan import SlurmFacts, make_slurm_plan, oci_config, torchrun_argv
 from runner.errors import UserError
-from runner.slurm_inventory import load_slurm_inventory
-from runner.slurm_plan import SlurmFacts, make_slurm_plan, oci_config, torchrun_argv
+from runner.inventory.slurm import load_slurm_inventory
 from tests.runner_helpers import REPO, no_socket_env, runner
 
 CONFIG = str(REPO / "configs" / "pi-qwen3-3stage-tiny.yaml")
@@ -58,7 +58,7 @@ def test_sbatch_directives_env_and_task_field_by_field(tmp_path):
         f"--output={rd}/slurm/%j.out", "--open-mode=append", f"--chdir={rd}",
         "--signal=USR1@80",              # grace 20 s + 60 before the time limit
         "--no-requeue", "--constraint=a100", "--exclusive"]
-    # The contract env (shared/design.md), exported by the batch script; per-node values come later.
+    # The contract env (docs/contract.md), exported by the batch script; per-node values come later.
     batch_part = plan.script.split("cat > ")[0]
     exports = dict(re.findall(r"^export ([A-Z_]+)=(.*)$", batch_part, re.M))
     assert exports == {"NNODES": "3", "OMP_NUM_THREADS": "1", "OUTPUT_DIR": rd, "PET_SHUTDOWN_TIMEOUT": "18",

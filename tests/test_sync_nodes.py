@@ -15,7 +15,7 @@ import pytest
 
 from runner.errors import UserError
 from runner.inventory import load_inventory
-from runner.job_data import SyncSpec
+from runner.inventory.job_data import SyncSpec
 from runner.paths import NodePaths
 from runner.ssh import Remote
 from runner.sync import Entry, _HashCache, _send, scan, sync_node

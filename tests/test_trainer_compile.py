@@ -181,7 +181,7 @@ def test_peak_memory_falls_as_loss_chunks_grow():
 
 def test_loss_chunks_auto_sizes_chunks_by_logits_elements():
     from contract.memory import LOSS_CHUNK_ELEMENTS
-    from trainer.config_checks import resolve_loss_chunks
+    from trainer.config.checks import resolve_loss_chunks
 
     assert LOSS_CHUNK_ELEMENTS == 2 ** 28
     # qwen3-0.6b, batch 8 x 2048: 16384 x 151936 logits = 9.3 x 2^28 -> 16 equal chunks of 1024 tokens

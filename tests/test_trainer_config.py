@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from tests.trainer_run import REPO, run_trainer, trainer_env
-from trainer.cli import parse_train_args
 from trainer.config import Config, ConfigError, get_key, resolve
+from trainer.config.argv import parse_train_args
 from trainer.seed_flags import FLAGS, YAML_ALIASES
 
 

@@ -94,7 +94,7 @@ def test_ddp_reduces_in_its_buckets_with_a_python_hook_only_where_needed():
 
 def test_log_interval_auto_is_every_step_on_cpu_and_every_tenth_on_cuda():
     from trainer.config import ConfigError, resolve
-    from trainer.config_checks import resolve_log_interval
+    from trainer.config.checks import resolve_log_interval
 
     assert resolve_log_interval("auto", "cpu") == 1 and resolve_log_interval("auto", "cuda") == 10
     assert resolve_log_interval(3, "cuda") == 3

@@ -231,7 +231,7 @@ def test_token_count_all_reduce_only_where_counts_differ(monkeypatch):
     import torch.distributed as dist
 
     from trainer.models.build import Task
-    from trainer.parallel.compose import Parallelized
+    from trainer.parallel.parallelized import Parallelized
 
     calls = []
 

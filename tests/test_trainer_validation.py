@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from tests.trainer_run import read_metrics, run_trainer
-from trainer.cli import parse_train_args
 from trainer.config import ConfigError, resolve
+from trainer.config.argv import parse_train_args
 
 TINY = ("--config", "configs/tiny.yaml")
 

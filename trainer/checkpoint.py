@@ -492,9 +492,3 @@ def _truncate_metrics(path: Path, step: int) -> None:
 
 def make_callback(trainer: Any) -> Checkpointer:
     return Checkpointer(trainer)
-
-
-def export_main(argv: list[str]) -> int:
-    from trainer.checkpoint_export import export
-
-    return export(argv)

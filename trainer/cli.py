@@ -6,7 +6,7 @@ arguments after its name) and returns an exit code. Register a new one by adding
 COMMANDS or calling register() before main().
 
 Overrides for `train`:
-  --section.key VALUE | --section.key=VALUE   any canonical key (see trainer/config.py)
+  --section.key VALUE | --section.key=VALUE   any canonical key (see trainer/config/)
   --config PATH | a positional PATH.yaml       the YAML file (FSDP stub: `trainer cfg.yaml`)
   seed flags (`--train_steps 5`, `--max-steps`, `--mbs`, ...)  see docs/flags.md
 """
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import Any
 
 from trainer.config import ConfigError
+from trainer.config.argv import parse_train_args
 
 USAGE = """usage: trainer [train] [--config X.yaml | X.yaml] [--section.key VALUE ...] [seed flags]
        trainer --dry-run [--json] [--config X.yaml] [...]   the layout and per-stage memory, nothing run
@@ -39,7 +39,7 @@ examples:
 COMMANDS: dict[str, str] = {
     "train": "trainer.cli:train_main",
     "print-config": "trainer.config_doc:print_config_main",  # also `trainer --print-config`
-    "export": "trainer.checkpoint:export_main",
+    "export": "trainer.checkpoint_export:export",
     "plot": "trainer.plots:main",
     "probe": "trainer.probe:main",  # per-node measurements for parallel.partition auto (runner profile)
     "perseus-plans": "trainer.profiling.perseus_plans:main",  # plan files from instructions-{rank}.csv
@@ -48,67 +48,6 @@ COMMANDS: dict[str, str] = {
 
 def register(name: str, target: str) -> None:
     COMMANDS[name] = target
-
-
-def parse_train_args(argv: list[str]) -> tuple[str | None, list[tuple[str, Any]]]:
-    """argv -> (config path, canonical (key, raw value) overrides in command-line order)."""
-    from trainer.seed_flags import FLAGS, model_name_key
-
-    config_path: str | None = None
-    overrides: list[tuple[str, Any]] = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if not arg.startswith("--"):
-            if config_path is None and arg.endswith((".yaml", ".yml")):
-                config_path = arg
-                i += 1
-                continue
-            raise ConfigError(f"unexpected argument '{arg}' (options look like --section.key VALUE)")
-        name, eq, inline = arg.partition("=")
-        alias = FLAGS.get(name) or FLAGS.get(name.replace("_", "-")) if "." not in name else None
-        switch = alias is not None and alias.is_switch
-        if eq:
-            value: Any = inline
-            i += 1
-        elif switch and (i + 1 >= len(argv) or argv[i + 1].startswith("--")):
-            value = True
-            i += 1
-        else:
-            if i + 1 >= len(argv):
-                raise ConfigError(f"option '{name}' needs a value")
-            value = argv[i + 1]
-            i += 2
-        if name == "--config":
-            config_path = str(value)
-        elif "." in name:
-            overrides.append((name[2:], value))
-        elif alias is not None:
-            if name == "--model_name":
-                overrides.append(model_name_key(value))
-            else:
-                overrides.append((alias.canonical, alias.convert(value)))
-        else:
-            raise ConfigError(f"unknown option '{name}'{_option_hint(name)}")
-    return config_path, overrides
-
-
-# What `train` takes besides seed flags and --section.key (each handled where it is named).
-OWN_OPTIONS = ("--config", "--dry-run", "--json", "--print-config", "--print-completion", "--version", "--help")
-
-
-def _option_hint(name: str) -> str:
-    """' (did you mean --train_steps?)', or where to look."""
-    from contract.suggest import close_matches
-    from trainer.config import config_keys
-    from trainer.seed_flags import FLAGS
-
-    if name in OWN_OPTIONS:  # one of ours where it does not belong (--json without --dry-run)
-        return " (see `trainer --help`)"
-    found = close_matches(name, [*OWN_OPTIONS, *FLAGS, *(f"--{k}" for k in config_keys())])
-    if found:
-        return f" (did you mean {found[0]}?)"
-    return " (`trainer --print-config` lists every key, set as --section.key VALUE; seed flags: docs/flags.md)"
 
 
 def train_main(argv: list[str]) -> int:
@@ -126,7 +65,8 @@ def train_main(argv: list[str]) -> int:
     cfg = resolve(config_path, overrides)
     env = from_environ()
     ParallelDims.from_config(cfg.parallel, env.world_size, env.local_world_size)
-    from trainer.train import check_supported, run
+    from trainer.parallel.compose import check_supported
+    from trainer.train import run
 
     check_supported(cfg)
     return run(cfg, env)
@@ -160,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     if command == "train" and "--print-completion" in argv:
         from trainer.completion import print_completion
 
-        return print_completion(argv)
+        return print_completion(argv, COMMANDS)
     if command == "train" and "--print-config" in argv:
         command = "print-config"
     try:

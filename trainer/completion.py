@@ -10,13 +10,14 @@ import sys
 SHELLS = ("bash", "zsh", "tcsh")
 
 
-def completion_parser() -> argparse.ArgumentParser:
-    from trainer.cli import COMMANDS, OWN_OPTIONS
+def completion_parser(commands) -> argparse.ArgumentParser:
+    """commands: the names `trainer COMMAND` takes (trainer/cli.py COMMANDS)."""
     from trainer.config import config_keys
+    from trainer.config.argv import OWN_OPTIONS
     from trainer.seed_flags import FLAGS
 
     p = argparse.ArgumentParser(prog="trainer", add_help=False, allow_abbrev=False)
-    p.add_argument("command", nargs="?", choices=sorted(COMMANDS), help="command (default train)")
+    p.add_argument("command", nargs="?", choices=sorted(commands), help="command (default train)")
     p.add_argument("config", nargs="?", help="YAML config").complete = {"bash": "_shtab_compgen_files",
                                                                           "zsh": "_files", "tcsh": "f"}
     takes = {"--config": {"metavar": "X.yaml"}, "--print-completion": {"choices": SHELLS}}
@@ -31,7 +32,7 @@ def completion_parser() -> argparse.ArgumentParser:
     return p
 
 
-def print_completion(argv: list[str]) -> int:
+def print_completion(argv: list[str], commands) -> int:
     i = argv.index("--print-completion")
     shell = argv[i + 1] if i + 1 < len(argv) else ""
     if shell not in SHELLS:
@@ -42,5 +43,5 @@ def print_completion(argv: list[str]) -> int:
     except ImportError:
         print("error: shell completion needs the shtab package: pip install shtab", file=sys.stderr)
         return 2
-    print(shtab.complete(completion_parser(), shell=shell), end="")
+    print(shtab.complete(completion_parser(commands), shell=shell), end="")
     return 0

@@ -1,6 +1,6 @@
 """`trainer --print-config`: every config key with its value and a one-line description, as a YAML
 file one can start a config from. The descriptions are the comments beside the fields in
-trainer/config.py (one place to write them); docs/flags.md carries this output for the defaults
+trainer/config/ (one place to write them); docs/flags.md carries this output for the defaults
 (tests/test_cli_usability.py keeps the two equal; `python -m trainer.config_doc docs/flags.md`
 rewrites it there after a key is added). Torch-free."""
 
@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from trainer import config as config_module
+from trainer.config import schema as config_module
 from trainer.config import Config
 
 HEADER = ("# Every trainer config key, its default and what it does (`trainer --print-config`).\n"
@@ -29,7 +29,7 @@ COMMENT_COLUMN = 40
 @functools.lru_cache(maxsize=1)
 def descriptions() -> dict[str, str]:
     """{'train.steps': 'optimizer steps; None = one pass over text data', ...}: a field's trailing
-    comment in trainer/config.py plus the comment-only lines under it that continue it."""
+    comment in trainer/config/schema.py plus the comment-only lines under it that continue it."""
     src = Path(config_module.__file__).read_text()
     comments: dict[int, tuple[int, str]] = {}  # line -> (column, text)
     for tok in tokenize.generate_tokens(io.StringIO(src).readline):
@@ -108,8 +108,8 @@ def render(cfg: Config | None = None) -> str:
 def print_config_main(argv: list[str]) -> int:
     """`trainer --print-config [--config X.yaml] [overrides]`: the values a run with these
     arguments would start from (YAML, env and flags applied; nothing checked, nothing run)."""
-    from trainer.cli import parse_train_args
     from trainer.config import resolve
+    from trainer.config.argv import parse_train_args
 
     path, overrides = parse_train_args([a for a in argv if a != "--print-config"])
     print(render(resolve(path, overrides, check=False)), end="")

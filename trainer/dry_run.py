@@ -36,8 +36,8 @@ FLAGS = ("--dry-run", "--json")
 
 
 def main(argv: list[str]) -> int:
-    from trainer.cli import parse_train_args
     from trainer.config import resolve
+    from trainer.config.argv import parse_train_args
 
     as_json = "--json" in argv
     config_path, overrides = parse_train_args([a for a in argv if a not in FLAGS])
@@ -60,7 +60,7 @@ def _dtype(cfg: Config) -> tuple[str, str]:
 
 
 def make_plan(cfg: Config) -> dict[str, Any]:
-    from trainer.config_checks import microbatch_tokens, resolve_loss_chunks
+    from trainer.config.checks import microbatch_tokens, resolve_loss_chunks
     from trainer.models.build import FAMILIES, build_hf_config
     from trainer.models.layout import meta_model, model_layout
     from trainer.models.lm_loss import install_loss_forward

@@ -18,7 +18,7 @@ import json
 import os
 from pathlib import Path
 
-from trainer.config import ConfigError
+from trainer.config.schema import ConfigError
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")

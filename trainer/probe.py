@@ -147,9 +147,9 @@ class _SavedBytes:
 def measure_compute(train_argv: list[str], min_seconds: float) -> dict:
     import torch
 
-    from trainer.cli import parse_train_args
     from trainer.config import resolve
-    from trainer.config_checks import resolve_loss_chunks
+    from trainer.config.argv import parse_train_args
+    from trainer.config.checks import resolve_loss_chunks
     from trainer.data import load_texts, load_tokenizer
     from trainer.dist_env import pick_device, training_dtype
     from trainer.models.build import build_model, model_spec

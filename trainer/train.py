@@ -32,16 +32,17 @@ from typing import Any
 import torch
 
 from trainer import dist_env, model_files
-from trainer.config import Config, ConfigError, resolve
-from trainer.config_checks import microbatch_tokens, resolve_log_interval, resolve_loss_chunks
+from trainer.config import Config, ConfigError
+from trainer.config.checks import microbatch_tokens, resolve_log_interval, resolve_loss_chunks
 from trainer.data import DataStream, build_data, load_texts, load_tokenizer, reads_text
 from trainer.metrics import MetricsWriter, StepStats, flops_per_token, format_line, memory_bytes, peak_flops
 from trainer.models.build import build_model, model_spec, task_of
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.parallel.compile import blocks_running_eager, compile_report, resolve_compile
-from trainer.parallel.compose import Parallelized, builds_on_meta, check_supported, parallelize
+from trainer.parallel.compose import builds_on_meta, parallelize
 from trainer.parallel.mesh import ParallelDims
 from trainer.parallel.ordered_reduce import ordered_mean
+from trainer.parallel.parallelized import Parallelized
 from trainer.parallel.running_stats import sync_running_stats
 from trainer.tracking import Trackers
 
@@ -321,13 +322,3 @@ def run(cfg: Config, env: dist_env.DistEnv) -> int:
         if owns_group:
             dist_env.destroy_process_group()
     return trainer.exit_code if trainer is not None else 0
-
-
-def main(argv: list[str]) -> int:
-    from trainer.cli import parse_train_args
-
-    config_path, overrides = parse_train_args(argv)
-    cfg = resolve(config_path, overrides)
-    check_supported(cfg)
-    env = dist_env.from_environ()
-    return run(cfg, env)

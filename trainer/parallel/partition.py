@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from contract.partition import uniform_bounds
-from trainer.config import ConfigError
+from trainer.config.schema import ConfigError
 
 METHODS = ("uniform_transformer", "uniform", "parameters", "custom:a,b,...", "weighted:w0,w1,...", "auto")
 AUTO_FALLBACK = "parameters"  # `auto` with no profile of the nodes

@@ -25,8 +25,8 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer.models.lm_loss import loss_context
-from trainer.parallel.compose import Parallelized
 from trainer.parallel.grad_norm import clip_grad_norm
+from trainer.parallel.parallelized import Parallelized
 from trainer.parallel.partition import (
     StageRange,
     describe_custom,

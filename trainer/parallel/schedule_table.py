@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.config import ConfigError
+from trainer.config.schema import ConfigError
 
 
 class PipelineError(ConfigError, ValueError):

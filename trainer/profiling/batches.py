@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from trainer.config import ConfigError
+from trainer.config.schema import ConfigError
 
 OFF = ("", "none", "off", "null", "-1", "false")
 

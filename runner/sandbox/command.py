@@ -11,8 +11,8 @@ from rich.console import Console
 from rich.table import Table
 
 from runner.errors import UserError
-from runner.sandbox import DEFAULT_BASE_ADDR, DEFAULT_PORT, ROOT, Sandbox
-from runner.sandbox_slurm import DEFAULT_SLURM_BASE_ADDR, SlurmSandbox
+from runner.sandbox.cluster import DEFAULT_BASE_ADDR, DEFAULT_PORT, ROOT, Sandbox
+from runner.sandbox.slurm import DEFAULT_SLURM_BASE_ADDR, SlurmSandbox
 from runner.session import remember_inventory
 
 SLURM_INVENTORY = "hosts/slurm-local.yaml"

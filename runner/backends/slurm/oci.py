@@ -13,10 +13,10 @@ import os
 import shlex
 import subprocess
 
+from runner.backends.slurm.plan import resolve
+from runner.backends.slurm.shell import LocalShell, LoginShell, Shell
 from runner.errors import UserError
-from runner.slurm_inventory import SlurmInventory
-from runner.slurm_plan import resolve
-from runner.slurm_shell import LocalShell, LoginShell, Shell
+from runner.inventory.slurm import SlurmInventory
 
 
 def ensure_bundle(sh: Shell, inv: SlurmInventory, wd: str) -> tuple[str, list[str], str]:

@@ -28,20 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runner.errors import UserError
-from runner.inventory import (
-    ARCH_ALIASES,
-    ARCHES,
-    Job,
-    Node,
-    _Checker,
-    _job,
-    _job_file,
-    _kind,
-    _node_fields,
-    _show,
-    _Val,
-    read_yaml,
-)
+from runner.inventory.load import job_file, node_fields, parse_job
+from runner.inventory.model import ARCH_ALIASES, ARCHES, Job, Node
+from runner.inventory.schema import Checker, Val, kind, read_yaml, show
 
 CONTAINERS = ("pyxis", "oci", "none")
 SLURM_FIELDS = {"partition", "nodes", "gpus_per_node", "cpus_per_task", "mem", "account", "qos", "time",
@@ -110,9 +99,9 @@ def load_slurm_inventory(path: str, *, job_path: str | None = None, check_files:
     job = Job()
     if with_job:
         if job_path:
-            job = _job_file(job_path, base)
+            job = job_file(job_path, base)
         elif "job" in root.value and root.value["job"][1].value is not None:
-            job = _job(c, root.value["job"][1], base)
+            job = parse_job(c, root.value["job"][1], base)
         if isinstance(job.image, dict) and spec.container != "none" and spec.image is None \
                 and spec.arch not in job.image:
             c.fail(spec.lines.get("arch", sline), "job.image", f"no image for arch {spec.arch} (slurm.arch); "
@@ -120,7 +109,7 @@ def load_slurm_inventory(path: str, *, job_path: str | None = None, check_files:
     return SlurmInventory(path=path, slurm=spec, job=job)
 
 
-def parse_slurm(c: _Checker, v: _Val, base: Path, check_files: bool, sline: int) -> SlurmSpec:
+def parse_slurm(c: Checker, v: Val, base: Path, check_files: bool, sline: int) -> SlurmSpec:
     m = c.mapping(v, "slurm", SLURM_FIELDS)
     lines = {"": sline, **{k: kl for k, (kl, _) in m.items()}}
     if "nodes" not in m:
@@ -156,17 +145,17 @@ def parse_slurm(c: _Checker, v: _Val, base: Path, check_files: bool, sline: int)
                 c.fail(x.line, w, f"{s!r}: use an absolute path or ~/... (it must be the same path on every node)")
             setattr(spec, key, s.rstrip("/") or "/")
         elif key == "login":
-            fields = _node_fields(c, x, w, LOGIN_FIELDS, base, check_files)
+            fields = node_fields(c, x, w, LOGIN_FIELDS, base, check_files)
             if "host" not in fields:
                 c.fail(x.line, f"{w}.host", "missing: the login node's host name or address")
             spec.login = Node(name="login", **fields, line=x.line)
         elif key == "sbatch":
             if not isinstance(x.value, list):
-                c.fail(x.line, w, f"must be a list of sbatch options like --constraint=a100, got {_kind(x.value)}")
+                c.fail(x.line, w, f"must be a list of sbatch options like --constraint=a100, got {kind(x.value)}")
             for j, a in enumerate(x.value):
                 s = str(a.value) if isinstance(a.value, (str, int)) and not isinstance(a.value, bool) else None
                 if s is None or not SBATCH_ARG_RE.fullmatch(s):
-                    c.fail(a.line, f"{w}[{j}]", f"{_show(a.value)}: use --option or --option=value "
+                    c.fail(a.line, f"{w}[{j}]", f"{show(a.value)}: use --option or --option=value "
                            "(letters, digits, ',.:/@%+=_-')")
                 spec.sbatch.append(s)
     for key in ("venv", "chdir"):
@@ -178,8 +167,8 @@ def parse_slurm(c: _Checker, v: _Val, base: Path, check_files: bool, sline: int)
     return spec
 
 
-def _match(c: _Checker, x: _Val, where: str, rx: re.Pattern, what: str, value: str | None = None) -> str:
+def _match(c: Checker, x: Val, where: str, rx: re.Pattern, what: str, value: str | None = None) -> str:
     s = value if value is not None else c.str_(x, where)
     if isinstance(x.value, bool) or not rx.fullmatch(s):
-        c.fail(x.line, where, f"{_show(x.value)}: must be {what}")
+        c.fail(x.line, where, f"{show(x.value)}: must be {what}")
     return s

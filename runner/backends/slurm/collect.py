@@ -15,6 +15,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from runner import safe_path
+from runner.backends.slurm.jobs import resolve_run, workdir
+from runner.backends.slurm.shell import LocalShell, LoginShell, open_shell
 from runner.collect import (
     MANIFEST,
     NodeCollect,
@@ -24,9 +26,7 @@ from runner.collect import (
 )
 from runner.digest import sha256_file
 from runner.errors import EXIT_PARTIAL, UserError
-from runner.slurm_inventory import SlurmInventory
-from runner.slurm_jobs import resolve_run, workdir
-from runner.slurm_shell import LocalShell, LoginShell, open_shell
+from runner.inventory.slurm import SlurmInventory
 from runner.ssh import Remote
 
 DEST_NAME = "slurm"   # artifacts/<run>/slurm/: one shared run dir, not one per node

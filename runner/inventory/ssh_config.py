@@ -44,7 +44,8 @@ from typing import Any
 import paramiko
 
 from runner.hostkeys import match_pattern_list
-from runner.inventory import USER_RE, Jump, _Checker, _expand, canonical_host, host_error, same_host
+from runner.inventory.model import USER_RE, Jump
+from runner.inventory.schema import Checker, canonical_host, expand, host_error, same_host
 
 log = logging.getLogger("runner.ssh_config")
 
@@ -147,12 +148,12 @@ def parse_jump(text: str) -> tuple[str | None, str, int | None]:
     return user, canonical_host(host), int(port) if port is not None else None
 
 
-def field_value(c: _Checker, key: str, line: int, where: str, text: str, base: Path, check_files: bool) -> str:
+def field_value(c: Checker, key: str, line: int, where: str, text: str, base: Path, check_files: bool) -> str:
     """An inventory `ssh_config:` or `proxy_jump:` value, checked where it is written."""
     if text.strip().lower() == NONE:
         return NONE
     if key == "ssh_config":
-        p = _expand(text, base)
+        p = expand(text, base)
         if check_files and not os.path.isfile(p):
             c.fail(line, where, f"file not found: {p} (or `ssh_config: none` to read no ssh config)")
         return p
@@ -166,7 +167,7 @@ def field_value(c: _Checker, key: str, line: int, where: str, text: str, base: P
 class Resolver:
     """Applies one inventory's ssh configs to its nodes; each file is parsed once per load."""
 
-    def __init__(self, c: _Checker, check_files: bool):
+    def __init__(self, c: Checker, check_files: bool):
         self.c = c
         self.check_files = check_files
         self._parsed: dict[str, tuple[paramiko.SSHConfig, list[MatchBlock]]] = {}

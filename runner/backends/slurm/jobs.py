@@ -12,11 +12,11 @@ import json
 import re
 from dataclasses import dataclass
 
+from runner.backends.slurm.plan import resolve
+from runner.backends.slurm.shell import Shell
 from runner.errors import UserError
+from runner.inventory.slurm import SlurmInventory
 from runner.runs import resolve as pick_run
-from runner.slurm_inventory import SlurmInventory
-from runner.slurm_plan import resolve
-from runner.slurm_shell import Shell
 
 TOOLS = ("sbatch", "squeue", "scancel", "scontrol", "sinfo")
 # Job states in which tasks may still run (COMPLETING: tasks are done, nodes are cleaning up).

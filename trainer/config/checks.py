@@ -13,7 +13,7 @@ import math
 from typing import Any
 
 from contract.memory import auto_loss_chunks
-from trainer.config import Config, ConfigError, get_key
+from trainer.config.schema import Config, ConfigError, get_key
 
 OPTIMIZERS = ("adamw",)
 COMPILE = {"auto": "auto", "true": "true", "false": "false", "try": "try", "on": "true", "off": "false",

@@ -56,7 +56,7 @@ from pathlib import Path
 
 from runner.errors import UserError
 
-log = logging.getLogger("runner.sandbox_net")
+log = logging.getLogger("runner.sandbox.net")
 
 IFNAMSIZ = 15  # longest interface name Linux accepts (16 bytes with the NUL)
 NODE_IF = "eth0"  # the node's end of its veth, inside its namespace

@@ -12,9 +12,9 @@ import json
 import sys
 import time
 
+from runner.backends.slurm.jobs import JobState, job_state, node_names, read_record, resolve_run, workdir
+from runner.backends.slurm.shell import Shell
 from runner.node_output import LineSplitter, visible
-from runner.slurm_jobs import JobState, job_state, node_names, read_record, resolve_run, workdir
-from runner.slurm_shell import Shell
 
 POLL_S = 0.5
 READ_PIECE = 1 << 20   # bytes of a node's output file read at once
@@ -138,7 +138,7 @@ def cmd_logs(args, inv, sh: Shell) -> int:
 
 
 def cmd_ls(args, inv, sh: Shell) -> int:
-    from runner.slurm_jobs import list_runs
+    from runner.backends.slurm.jobs import list_runs
 
     wd = workdir(sh, inv)
     rows = []

@@ -43,7 +43,7 @@ import yaml
 
 from runner.errors import UserError
 from runner.host_engine import host_engine
-from runner.sandbox_net import SandboxNet, parse_shape
+from runner.sandbox.net import SandboxNet, parse_shape
 
 log = logging.getLogger("runner.sandbox")
 
@@ -124,7 +124,7 @@ class Sandbox:
                  port: int = DEFAULT_PORT, light: bool = False, user: str = ROOT, user_dir: Path | None = None,
                  net: dict | None = None):
         self.state = Path(state_dir).resolve()
-        # Nodes in their own network namespaces (runner/sandbox_net.py): {"link": RATE[,DELAY] or
+        # Nodes in their own network namespaces (runner/sandbox/net.py): {"link": RATE[,DELAY] or
         # None, "uplink": ...}; None: every node on this machine's loopback.
         self.net_spec = net
         self.base_addr = base_addr

@@ -1,18 +1,9 @@
-"""Job configuration: dataclasses with stated defaults, YAML, env fallbacks and CLI overrides.
-
-Precedence, lowest to highest: dataclass default < YAML file < environment variable < CLI flag.
-(The Pi guide's `--batch_size` beats `BATCH_SIZE`, which beats the YAML; the runner's
-`OUTPUT_DIR=/out` beats a YAML `output_dir`, while an explicit `--output-dir` beats both.)
-
-Seed-compatible flags (`--train_steps`, `--max-steps`, `--mbs`, ...) and the FSDP stub's YAML keys
-(`dist.sharding_stage`, ...) are aliases of canonical dotted keys; the table is `seed_flags.py`
-and docs/flags.md.
-"""
+"""The config's shape: one dataclass per section with stated defaults, ConfigError, and how a key
+is read and set (dotted keys, YAML files, type coercion). Imports nothing of the trainer."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -340,115 +331,3 @@ def apply_yaml(cfg: Config, path: str | Path) -> None:
             set_key(cfg, key, value)
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from None
-
-
-# ---------------------------------------------------------------- validation
-
-
-def validate(cfg: Config) -> None:
-    """Checks that need no torch and no process group; each error names its key and what it accepts.
-
-    Every key is checked, also those the chosen layout does not use (a pipeline schedule with
-    pp=1 is still a typo to report). Checks that need the model's config (sequence length vs
-    positions, head divisibility) are in trainer/config_checks.py:check_model, run before start."""
-    from contract.presets import PRESETS, unknown_preset_message
-    from trainer.config_checks import check_ranges
-
-    p, t = cfg.parallel, cfg.train
-    if p.sharding not in SHARDING:
-        raise ConfigError(f"parallel.sharding: unknown strategy '{p.sharding}' (choose one of {', '.join(SHARDING)})")
-    p.pp_schedule = {"afab": "gpipe", "1F1B": "1f1b"}.get(p.pp_schedule, p.pp_schedule)
-    if t.dtype not in DTYPES:
-        raise ConfigError(f"train.dtype: unknown dtype '{t.dtype}' (auto, fp32 or bf16)")
-    t.dtype = DTYPES[t.dtype]
-    if cfg.model.path is None and cfg.model.preset not in PRESETS:
-        raise ConfigError(unknown_preset_message(cfg.model.preset))
-    if cfg.model.path is not None and not Path(cfg.model.path).is_dir():
-        raise ConfigError(f"model.path: '{cfg.model.path}' is not a local model directory")
-    if t.microbatch_num is None:
-        # The Pi guide's 4 microbatches feed a pipeline; without one they only slow a batch down.
-        t.microbatch_num = 4 if p.pp > 1 else 1
-    check_ranges(cfg)
-    if t.batch_size % t.microbatch_num != 0:
-        raise ConfigError(f"train.batch_size {t.batch_size} is not divisible by train.microbatch_num "
-                          f"{t.microbatch_num} (--batch_size % --microbatch_num must be 0)")
-    if cfg.data.source == "synthetic" and t.steps is None:
-        raise ConfigError("train.steps: required with synthetic data (set --train.steps N or --train_steps N)")
-    if cfg.schedule.decay not in ("cosine", "constant"):
-        raise ConfigError(f"schedule.decay: '{cfg.schedule.decay}' (cosine or constant)")
-    if cfg.logging.line not in LOG_LINES:
-        raise ConfigError(f"logging.line: '{cfg.logging.line}' ({' or '.join(LOG_LINES)})")
-    if cfg.logging.wandb_mode not in ("offline", "online"):
-        raise ConfigError(f"logging.wandb_mode: '{cfg.logging.wandb_mode}' (offline or online)")
-    if cfg.logging.wandb is not None and not cfg.logging.wandb.strip():
-        raise ConfigError("logging.wandb: a W&B project name, or leave it unset")
-    if cfg.model.attn_implementation not in ("sdpa", "eager"):
-        raise ConfigError(f"model.attn_implementation: '{cfg.model.attn_implementation}' (sdpa or eager)")
-    if cfg.checkpoint.format not in ("dcp", "full"):
-        raise ConfigError(f"checkpoint.format: '{cfg.checkpoint.format}' (dcp or full)")
-    if "{step}" not in cfg.checkpoint.name or "/" in cfg.checkpoint.name:
-        raise ConfigError(f"checkpoint.name: '{cfg.checkpoint.name}' must contain {{step}} and no '/'")
-    from trainer.profiling.batches import parse_batches
-
-    parse_batches(cfg.profile.batch)  # "1" | "1,3" | "2-4" | "none": one-line error otherwise
-    if cfg.profile.format not in ("chrome", "seed"):
-        raise ConfigError(f"profile.format: '{cfg.profile.format}' (chrome or seed)")
-    check_perseus(cfg)
-    if cfg.data.source != "synthetic" and not Path(cfg.data.source).exists():
-        raise ConfigError(f"data.source: '{cfg.data.source}' does not exist (a file or directory, or 'synthetic')")
-    if cfg.model.path is not None:
-        from trainer.hub_layout import model_dir
-
-        # A Hub cache repo folder means its snapshot; config.yaml records the folder that was read.
-        cfg.model.path = str(model_dir(cfg.model.path, cfg.model.load_weights))
-
-
-def check_perseus(cfg: Config) -> None:
-    """profile.perseus_url and profile.gpu_clocks, before anything starts (docs/profiling.md)."""
-    from urllib.parse import urlsplit
-
-    prof = cfg.profile
-    if prof.gpu_clocks not in ("off", "auto", "on"):
-        raise ConfigError(f"profile.gpu_clocks: '{prof.gpu_clocks}' (off, auto or on)")
-    if prof.perseus_url is None:
-        return
-    u = urlsplit(prof.perseus_url)
-    try:
-        ok = u.scheme in ("http", "https") and bool(u.hostname) and (u.port is None or u.port > 0)
-    except ValueError:
-        ok = False
-    if not ok:
-        raise ConfigError(f"profile.perseus_url: {prof.perseus_url!r} is not an http:// URL (e.g. http://10.0.0.1:7787)")
-    if prof.num_prof_steps < 1:
-        raise ConfigError("profile.perseus_url needs --num_prof_steps N (N >= 1): the steps measured under each plan")
-    from trainer.parallel.schedule_table import schedule_spec
-
-    if cfg.parallel.pp > 1 and schedule_spec(cfg.parallel.pp_schedule).name in ("interleaved_zb", "zbv", "dualpipev"):
-        raise ConfigError(f"profile.perseus_url: {cfg.parallel.pp_schedule} splits the backward into input and weight "
-                          f"parts; Perseus plans name forward and backward only: use 1f1b, gpipe or interleaved1f1b")
-
-
-# ---------------------------------------------------------------- resolution
-
-
-def resolve(config_path: str | None, overrides: list[tuple[str, Any]],
-            environ: typing.Mapping[str, str] | None = None, check: bool = True) -> Config:
-    """default < YAML < env < CLI; `overrides` are canonical (key, raw value) pairs from the CLI.
-    check=False leaves out validate() (`--print-config` shows a partial config as it stands)."""
-    from trainer.seed_flags import ENV_KEYS
-
-    environ = os.environ if environ is None else environ
-    cfg = Config()
-    if config_path:
-        apply_yaml(cfg, config_path)
-    for var, key in ENV_KEYS.items():
-        if environ.get(var, "") != "":
-            try:
-                set_key(cfg, key, environ[var])
-            except ConfigError as e:
-                raise ConfigError(f"env {var}: {e}") from None
-    for key, value in overrides:
-        set_key(cfg, key, value)
-    if check:
-        validate(cfg)
-    return cfg

@@ -29,7 +29,7 @@ import psutil
 import yaml
 
 from runner.errors import UserError
-from runner.sandbox import _port_free, _read_pid
+from runner.sandbox.cluster import _port_free, _read_pid
 
 DEFAULT_SLURM_BASE_ADDR = "127.0.0.31"   # login node; node i at base + 1 + i
 FIRST_DAEMON_PORT = 16817
@@ -327,7 +327,7 @@ Subsystem sftp internal-sftp
 def write_slurm_inventory(path: Path, sb: SlurmSandbox, meta: dict, venv: str | None) -> None:
     """The inventory for the sandbox cluster: submitted from its login node over real SSH; no
     container (the project's virtualenv on the shared filesystem, as sites without pyxis do)."""
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     venv = venv or str(repo / ".venv")
     doc = {
         "slurm": {"partition": "debug", "nodes": meta["nodes"], "container": "none", "venv": venv,

@@ -2,7 +2,7 @@
 the bundle's config.json) out. Pure: no sockets, no files, no clocks; `--dry-run` prints it and
 tests read it field by field.
 
-The script keeps the SSH runner's contract (shared/design.md): one torchrun per node with the
+The script keeps the SSH runner's contract (docs/contract.md): one torchrun per node with the
 static rendezvous, node rank = the node's index in the allocation (rank 0 = its first node, whose
 NodeAddr is MASTER_ADDR), the same env (RUN_ID, NODE_NAME, NODE_RANK, NNODES, MASTER_ADDR/PORT,
 OUTPUT_DIR, GLOO/NCCL_SOCKET_IFNAME probed on each node), secrets from a 0600 file, and everything
@@ -23,9 +23,10 @@ import re
 import shlex
 from dataclasses import dataclass
 
+from runner import jobspec
+from runner.inventory.slurm import SlurmInventory
 from runner.plan import OUT, SECRETS_IN_CONTAINER
 from runner.session import AUTO_PORT_BASE, AUTO_PORT_SPAN, port_offset
-from runner.slurm_inventory import SlurmInventory
 
 OCI_WORK = "/runner"          # oci: <workdir>/runs and <workdir>/secrets are mounted under it
 DOWN_MARK = "down"            # <run dir>/slurm/down: written by `runner down` (no requeue after it)
@@ -109,8 +110,7 @@ def make_slurm_plan(inv: SlurmInventory, run_id: str, facts: SlurmFacts | None =
     secret_keys = sorted(secret_keys or [])
     secrets_file = f"{workdir}/secrets/{run_id}.env" if secret_keys else None
     nproc = job.nproc_per_node or s.gpus_per_node or 1
-    env = {"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
-           "PET_SHUTDOWN_TIMEOUT": str(max(1, int(job.grace_period) - 2)), **job.env}
+    env = {**jobspec.signal_env(job.grace_period), **job.env}
     env.update({"RUN_ID": run_id, "NNODES": str(s.nodes), "OUTPUT_DIR": out, "PYTHONUNBUFFERED": "1"})
     if secrets_file:
         env["RUNNER_SECRETS"] = {"none": secrets_file, "pyxis": SECRETS_IN_CONTAINER,
@@ -133,15 +133,9 @@ def make_slurm_plan(inv: SlurmInventory, run_id: str, facts: SlurmFacts | None =
 
 
 def torchrun_argv(inv: SlurmInventory, nproc: int, config: str | None, args: list[str]) -> list[str]:
-    """plan.torchrun_command's command, with the node rank and master address as shell variables
-    (they are known only inside the allocation)."""
-    job = inv.job
-    cmd = ["torchrun", "--nnodes", str(inv.slurm.nodes), "--node-rank", "$rank", "--nproc-per-node", str(nproc),
-           "--master-addr", "$MASTER_ADDR", "--master-port", "$MASTER_PORT",
-           "--rdzv-backend", "static", "--max-restarts", "0"]
-    if job.command:
-        return cmd + ["--no-python", *job.command, *args]
-    return cmd + ["-m", "trainer"] + (["--config", config] if config else []) + args
+    """The launch contract's torchrun line (runner/jobspec.py), with the node rank and master
+    address as shell variables (they are known only inside the allocation)."""
+    return jobspec.torchrun_argv(inv.job, inv.slurm.nodes, "$rank", nproc, "$MASTER_ADDR", "$MASTER_PORT", config, args)
 
 
 def _shell_join(argv: list[str]) -> str:

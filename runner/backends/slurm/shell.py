@@ -16,8 +16,8 @@ import threading
 from pathlib import Path
 
 from runner.errors import UserError
+from runner.inventory.slurm import SlurmInventory
 from runner.node_output import read_capped
-from runner.slurm_inventory import SlurmInventory
 from runner.ssh import MAX_OUTPUT, Remote, Result
 
 

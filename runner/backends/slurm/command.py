@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def scheduler(args) -> str:
-    from runner.slurm_inventory import top_level_keys
+    from runner.inventory.slurm import top_level_keys
 
     keys = top_level_keys(args.inventory)
     if args.scheduler == "slurm":
@@ -54,28 +54,28 @@ def _routed(name: str, ssh_func):
 
 
 def _slurm(name: str, args) -> int:
-    from runner.slurm_inventory import load_slurm_inventory
+    from runner.inventory.slurm import load_slurm_inventory
 
     dry = name == "up" and args.dry_run
     inv = load_slurm_inventory(args.inventory, job_path=getattr(args, "job", None), check_files=not dry,
                                with_job=name == "up")
     if name == "up":
+        from runner.backends.slurm.submit import cmd_up
         from runner.session import remember_inventory
-        from runner.slurm import cmd_up
 
         if not dry:
             remember_inventory(args.inventory)
         return cmd_up(args, inv)
     if name == "down":
-        from runner.slurm import cmd_down
+        from runner.backends.slurm.submit import cmd_down
 
         return cmd_down(args, inv)
     if name == "collect":
-        from runner.slurm_collect import cmd_collect
+        from runner.backends.slurm.collect import cmd_collect
 
         return cmd_collect(args, inv)
-    from runner import slurm_status
-    from runner.slurm_shell import open_shell
+    from runner.backends.slurm import status as slurm_status
+    from runner.backends.slurm.shell import open_shell
 
     sh = open_shell(inv, args.accept_new_host_keys)
     try:

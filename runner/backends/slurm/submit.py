@@ -17,12 +17,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from runner.errors import Terminated, UserError
-from runner.job_data import refuse_for
-from runner.node_output import visible
-from runner.redact import hide_job
-from runner.slurm_inventory import SlurmInventory
-from runner.slurm_jobs import (
+from runner.backends.slurm.jobs import (
     JobState,
     job_state,
     node_names,
@@ -33,9 +28,14 @@ from runner.slurm_jobs import (
     workdir,
     write_record,
 )
-from runner.slurm_plan import DOWN_MARK, SlurmFacts, SlurmPlan, make_slurm_plan, oci_config_json
-from runner.slurm_shell import Shell, open_shell
-from runner.slurm_status import Follower, last_job, last_metrics_line
+from runner.backends.slurm.plan import DOWN_MARK, SlurmFacts, SlurmPlan, make_slurm_plan, oci_config_json
+from runner.backends.slurm.shell import Shell, open_shell
+from runner.backends.slurm.status import Follower, last_job, last_metrics_line
+from runner.errors import Terminated, UserError
+from runner.inventory.job_data import refuse_for
+from runner.inventory.slurm import SlurmInventory
+from runner.node_output import visible
+from runner.redact import hide_job
 
 
 def cmd_up(args, inv: SlurmInventory) -> int:
@@ -106,7 +106,7 @@ def _facts(sh: Shell, inv: SlurmInventory, wd: str) -> SlurmFacts:
     uid, gid = (int(ids[0]), int(ids[1])) if len(ids) == 2 and all(i.isdigit() for i in ids) else (0, 0)
     facts = SlurmFacts(home=sh.home(), uid=uid, gid=gid)
     if inv.slurm.container == "oci":
-        from runner.slurm_oci import ensure_bundle
+        from runner.backends.slurm.oci import ensure_bundle
 
         bundle, env, image_wd = ensure_bundle(sh, inv, wd)
         facts = SlurmFacts(home=facts.home, uid=uid, gid=gid, bundle=bundle, image_env=tuple(env),
@@ -211,7 +211,7 @@ def stop_job(sh: Shell, run_dir: str, job_id: str, grace: float) -> tuple[JobSta
 
 def _latest_active(sh: Shell, wd: str) -> str:
     """Without a run id: the newest run with a job in the queue (named runner-<run>), else the newest run."""
-    from runner.slurm_jobs import list_runs
+    from runner.backends.slurm.jobs import list_runs
 
     res = sh.run(["squeue", "-h", "--me", "-o", "%j"])
     queued = {n.removeprefix("runner-") for n in res.out.split() if n.startswith("runner-")} if res.rc == 0 else set()

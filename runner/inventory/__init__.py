@@ -1,0 +1,31 @@
+"""The inventory: which nodes exist, how to reach them, and the job to run on them, read from YAML
+with every problem one line naming file, line and field.
+
+- model: the dataclasses (Node, Job, Inventory, Jump, BuildSpec) and the rules fields follow
+- schema: the validation kit every YAML of the runner goes through (Val, Checker, host spellings)
+- load: load_inventory (and `--job` files)
+- job_data, notify_spec, perseus_spec: the job's data, notification and Perseus sections
+- ssh_config: ~/.ssh/config read for what a node leaves out (Host blocks, ProxyJump)
+- slurm: the `slurm:` inventory
+
+May import: runner.errors, runner.hostkeys, runner.perseus_server (the plan reader), contract;
+never the transport, delivery or backend layers.
+"""
+
+from runner.inventory.load import load_inventory
+from runner.inventory.model import (
+    ARCH_ALIASES,
+    ARCHES,
+    REGISTRY_AUTH_KEYS,
+    BuildSpec,
+    Inventory,
+    Job,
+    Jump,
+    Node,
+    looks_secret,
+    memory_bytes,
+    read_env_file,
+)
+
+__all__ = ["ARCH_ALIASES", "ARCHES", "REGISTRY_AUTH_KEYS", "BuildSpec", "Inventory", "Job", "Jump", "Node",
+           "load_inventory", "looks_secret", "memory_bytes", "read_env_file"]

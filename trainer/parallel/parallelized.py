@@ -1,0 +1,100 @@
+"""`Parallelized`: a model as the training loop sees it once a layout is applied (its parts, the
+task, the mesh), one step's forward/backward over microbatches, evaluation and gradient clipping.
+A pipeline (trainer/parallel/pipeline.py) subclasses it; trainer/parallel/compose.py builds it."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainer.models.build import Task
+from trainer.models.lm_loss import loss_context
+from trainer.parallel.data_parallel import set_grad_sync
+from trainer.parallel.mesh import ParallelDims
+
+
+@dataclass
+class Parallelized:
+    model_parts: list[nn.Module]
+    task: Task
+    dims: ParallelDims
+    device: torch.device
+    dtype: str = "fp32"
+    owns_loss: bool = True
+    fsdp: bool = False
+    fsdp_casts: bool = False              # FSDP2's mixed precision casts to bf16 (else autocast does)
+    sync_every_microbatch: bool = False   # zero3: reduce-scatter per microbatch keeps grads sharded
+    extras: dict = field(default_factory=dict)
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for m in self.model_parts for p in m.parameters()]
+
+    def train(self, mode: bool = True) -> None:
+        for m in self.model_parts:
+            m.train(mode)
+
+    def _autocast(self) -> Any:
+        # FSDP2 casts through its MixedPrecisionPolicy; DDP, single process and FSDP2 over a model
+        # with BatchNorm (fp32 weights beside fp32 running statistics) use autocast.
+        if self.dtype == "bf16" and not (self.fsdp and self.fsdp_casts):
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def loss_denominator(self, inputs: torch.Tensor, labels: torch.Tensor) -> float:
+        """What this rank divides its summed loss by: (targets in the global batch) / dp.
+
+        DDP/FSDP average gradients (and Trainer._dp_mean averages the reported loss) over the dp
+        ranks, so dividing by global/dp yields sum over all ranks / global: the global-batch mean.
+        With equal counts (causal LM on packed blocks, images) global/dp is exactly the local
+        count: no all-reduce is needed, and the numbers are those of any other layout. Call with
+        CPU tensors (no device sync); with unequal counts every rank of the DP group must call it
+        (one scalar all-reduce per batch).
+        """
+        local = self.task.weight(inputs, labels)
+        if self.task.constant_weight or self.dims.mesh is None or self.dims.dp == 1:
+            return float(max(local, 1))
+        count = torch.tensor([local], dtype=torch.int64, device=self.device)
+        dist.all_reduce(count, group=self.dims.dp_mesh.get_group())  # SUM (gloo's AVG is unreliable)
+        return max(int(count), 1) / self.dims.dp
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, n_micro: int) -> torch.Tensor | None:
+        model = self.model_parts[0]
+        total = self.loss_denominator(inputs, labels)
+        inputs, labels = inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+        chunks = list(zip(inputs.tensor_split(n_micro), labels.tensor_split(n_micro), strict=True))
+        loss_sum = torch.zeros((), device=self.device)
+        for i, (x, y) in enumerate(chunks):
+            last = i == len(chunks) - 1
+            if self.dims.mesh is not None:
+                set_grad_sync(model, last or self.sync_every_microbatch)
+            with loss_context(self.dims.tp):  # vocab-parallel loss: forward and backward inside
+                with self._autocast():
+                    loss = self.task.loss_sum(model, x, y) / total
+                loss.backward()
+            loss_sum += loss.detach()
+        return loss_sum
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+        total = self.loss_denominator(inputs, labels)
+        inputs, labels = inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+        with loss_context(self.dims.tp), self._autocast():
+            return self.task.loss_sum(self.model_parts[0], inputs, labels) / total
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Total grad norm over all ranks' shards (clipped when max_norm > 0), as a device tensor."""
+        params = [p for p in self.parameters() if p.grad is not None]
+        if self.dims.tp > 1:  # TP and FSDP-only params live on different meshes: assemble the norm
+            from trainer.parallel.grad_norm import clip_grad_norm
+
+            return clip_grad_norm(params, max_norm)
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf, foreach=True)
+        if hasattr(norm, "full_tensor"):  # DTensor under FSDP2: the norm of the whole gradient
+            norm = norm.full_tensor()
+        return norm
