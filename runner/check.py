@@ -15,16 +15,10 @@ from runner.errors import EXIT_NOT_READY, UserError
 from runner.fanout import DEFAULT_PARALLEL, parallel
 from runner.images import host_image_ids, node_image_id
 from runner.inventory import Inventory, Node
+from runner.inventory_arg import add_inventory_args, load
 from runner.node_output import cells
-from runner.session import (
-    AUTO_PORT_BASE,
-    AUTO_PORT_OFFSETS,
-    AUTO_PORT_SPAN,
-    Probe,
-    add_inventory_args,
-    load,
-    probe,
-)
+from runner.node_probe import Probe, probe
+from runner.rendezvous import AUTO_PORT_BASE, AUTO_PORT_OFFSETS, AUTO_PORT_SPAN
 from runner.ssh import Remote
 
 CLOCK_TOLERANCE_S = 2.0

@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:
         parser.error(unrecognized(subparser_of(parser, args), extra, argv))
-    from runner.session import resolve_inventory
+    from runner.inventory_arg import resolve_inventory
 
     try:
         resolve_inventory(args)

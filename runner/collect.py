@@ -29,12 +29,13 @@ import paramiko
 
 from contract.timeline import seed_to_chrome  # noqa: F401 - the format runner.merge writes merged timelines in
 from runner import safe_path, stream
+from runner.cluster import Cluster
 from runner.digest import HASH_BATCH, remote_sha256, sha256_file
 from runner.errors import EXIT_PARTIAL, UserError
+from runner.inventory_arg import add_inventory_args, load
 from runner.merge import merge_timelines, render_plots, summarize
 from runner.node_runs import gather, resolve_run
 from runner.paths import node_paths
-from runner.session import Cluster, add_inventory_args, load
 from runner.ssh import Remote
 
 log = logging.getLogger("runner.collect")

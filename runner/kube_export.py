@@ -184,7 +184,7 @@ def _nodes_of(path: str, job_path: str | None, arch: str | None,
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from runner.session import add_inventory_args
+    from runner.inventory_arg import add_inventory_args
 
     p = sub.add_parser("export", help="write the job for another scheduler (Kubernetes: a JobSet manifest)")
     add_inventory_args(p)

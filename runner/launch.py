@@ -26,6 +26,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from runner import perseus, runs
+from runner.cluster import Cluster
 from runner.errors import (
     EXIT_INTERRUPTED,
     EXIT_JOB_FAILED,
@@ -35,6 +36,8 @@ from runner.errors import (
     interrupt_code,
 )
 from runner.inventory import ARCH_ALIASES, Inventory
+from runner.inventory_arg import add_inventory_args, load, remember_inventory
+from runner.node_probe import Probe, probe
 from runner.node_runs import create_container, run_containers, stop_node, stop_run
 from runner.paths import node_paths
 from runner.plan import LABEL_GATE, OUT, Facts, NodePlan, Plan, make_plan, render_secrets_file
@@ -42,7 +45,6 @@ from runner.profile_auto import pin_auto_partition
 from runner.redact import hide_job, printable
 from runner.rendezvous import choose_port, wait_listening
 from runner.resume_sync import CHECKPOINTS, sync_checkpoints
-from runner.session import Cluster, Probe, add_inventory_args, load, probe, remember_inventory
 from runner.sizing import check_sizing
 from runner.ssh import Remote
 from runner.watch import FAIL_STOP_GRACE_S, Watcher
@@ -100,7 +102,7 @@ def main(args) -> int:
     # A dry-run reads no key and contacts nothing: it plans on a laptop without the cluster's keys.
     inv = load(args, check_files=not args.dry_run)
     if not args.dry_run:
-        remember_inventory(args.inventory)  # the default of the next command here (runner/session.py)
+        remember_inventory(args.inventory)  # the default of the next command here (runner/inventory_arg.py)
     if args.trainer_args:
         inv.job.args = list(inv.job.args) + list(args.trainer_args)
     secret_vals = inv.job.secrets()

@@ -23,9 +23,9 @@ import sys
 
 from runner import runs
 from runner.errors import UserError
+from runner.inventory_arg import load
 from runner.perseus import LABEL_ROLE
 from runner.plan import LABEL_RUN
-from runner.session import load
 from runner.ssh import Remote
 
 # A shell in the container: bash where the image has it, else sh.
@@ -34,7 +34,7 @@ CONTAINER_ID_RE = re.compile(r"[0-9a-f]{12,64}")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from runner.session import add_inventory_args
+    from runner.inventory_arg import add_inventory_args
 
     p = sub.add_parser("exec", help="a command (default: a shell) in a node's running job container, or on the node",
                        description="Run CMD in NODE's running container of the run (default: the latest run with "

@@ -19,12 +19,13 @@ import time
 from dataclasses import dataclass, field
 
 from runner import profile_cache
+from runner.cluster import Cluster
 from runner.errors import UserError
 from runner.inventory import Inventory, Node
 from runner.node_output import log_tail
+from runner.node_probe import Probe
 from runner.paths import node_paths
 from runner.plan import LABEL_NODE, LABEL_PREFIX, OUT, docker_limits, user_env
-from runner.session import Cluster, Probe
 
 log = logging.getLogger("runner.profile")
 LABEL_PROFILE = f"{LABEL_PREFIX}.profile"

@@ -10,10 +10,12 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
+from runner.cluster import Cluster
 from runner.inventory import Inventory
+from runner.inventory_arg import add_inventory_args, load
+from runner.node_probe import probe
 from runner.profile import ClusterProfile, profile_cluster, refuse_custom_command
 from runner.profile_auto import plan_from_profile, render_plan
-from runner.session import Cluster, add_inventory_args, load, probe
 
 
 def register(sub: argparse._SubParsersAction) -> None:

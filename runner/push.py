@@ -17,6 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from runner.cluster import Cluster
 from runner.errors import UserError
 from runner.images import (
     Exported,
@@ -30,9 +31,10 @@ from runner.images import (
     node_image_id,
 )
 from runner.inventory import BuildSpec, Inventory
+from runner.inventory_arg import add_inventory_args, load
+from runner.node_probe import probe
 from runner.push_result import PushResult
 from runner.registry import pull_to_nodes
-from runner.session import Cluster, add_inventory_args, load, probe
 from runner.ssh import Remote
 from runner.stream import ssh_stream, transfer_progress
 

@@ -15,13 +15,14 @@ from rich.table import Table
 from rich.text import Text
 
 from contract import metrics
+from runner.cluster import Cluster
 from runner.errors import UserError
+from runner.inventory_arg import add_inventory_args, load
 from runner.node_output import LineSplitter, cells, log_chunks, visible
 from runner.node_runs import gather, node_progress, resolve_run, run_doc
 from runner.paths import node_paths
 from runner.perseus import LABEL_ROLE
 from runner.plan import LABEL_RANK, LABEL_RUN
-from runner.session import Cluster, add_inventory_args, load
 
 
 def _label_int(value) -> int | None:

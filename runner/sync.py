@@ -338,7 +338,7 @@ def sync_to_nodes(cl, homes: dict[str, str], trees: list[Tree], quiet: bool = Fa
 # ---------------------------------------------------------------------------- CLI
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from runner.session import add_inventory_args
+    from runner.inventory_arg import add_inventory_args
 
     p = sub.add_parser("sync", help="copy job.sync's files to every node (only what a node lacks)")
     add_inventory_args(p)
@@ -347,7 +347,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args) -> int:
-    from runner.session import Cluster, load
+    from runner.cluster import Cluster
+    from runner.inventory_arg import load
 
     inv = load(args)
     if not inv.job.sync:

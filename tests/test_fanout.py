@@ -20,7 +20,7 @@ from tests.runner_helpers import listed_commands, runner, runner_cmd
 
 
 def test_per_node_work_is_bounded_by_default():
-    from runner.session import parallel
+    from runner.fanout import parallel
 
     lock, active, peak = threading.Lock(), [0], [0]
 

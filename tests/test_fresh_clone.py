@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from runner.errors import UserError
-from runner.session import DEFAULT_INVENTORY, LAST_UP, default_inventory, remember_inventory
+from runner.inventory_arg import DEFAULT_INVENTORY, LAST_UP, default_inventory, remember_inventory
 from tests import REPO
 from tests.conftest import net_addr
 from tests.runner_helpers import run_cli

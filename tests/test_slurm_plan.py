@@ -84,7 +84,7 @@ def test_sbatch_directives_env_and_task_field_by_field(tmp_path):
     probe = heredoc(plan.script, "RUNNER_PROBE")
     assert "ip -o route get" in probe and "GLOO_SOCKET_IFNAME=%s" in probe and "NCCL_SOCKET_IFNAME=%s" in probe
     # master_port auto: the SSH runner's window for this run id, searched on the master's node.
-    from runner.session import AUTO_PORT_BASE, port_offset
+    from runner.rendezvous import AUTO_PORT_BASE, port_offset
     lo = AUTO_PORT_BASE + port_offset("20260101-000000-abcd")
     assert f"for p in $(seq {lo} {lo + 499}); do" in plan.script
 

@@ -11,9 +11,9 @@ from rich.console import Console
 from rich.table import Table
 
 from runner.errors import UserError
+from runner.inventory_arg import remember_inventory
 from runner.sandbox.cluster import DEFAULT_BASE_ADDR, DEFAULT_PORT, ROOT, Sandbox
 from runner.sandbox.slurm import DEFAULT_SLURM_BASE_ADDR, SlurmSandbox
-from runner.session import remember_inventory
 
 SLURM_INVENTORY = "hosts/slurm-local.yaml"
 

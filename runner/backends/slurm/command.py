@@ -61,7 +61,7 @@ def _slurm(name: str, args) -> int:
                                with_job=name == "up")
     if name == "up":
         from runner.backends.slurm.submit import cmd_up
-        from runner.session import remember_inventory
+        from runner.inventory_arg import remember_inventory
 
         if not dry:
             remember_inventory(args.inventory)

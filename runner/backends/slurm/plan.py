@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from runner import jobspec
 from runner.inventory.slurm import SlurmInventory
 from runner.plan import OUT, SECRETS_IN_CONTAINER
-from runner.session import AUTO_PORT_BASE, AUTO_PORT_SPAN, port_offset
+from runner.rendezvous import AUTO_PORT_BASE, AUTO_PORT_SPAN, port_offset
 
 OCI_WORK = "/runner"          # oci: <workdir>/runs and <workdir>/secrets are mounted under it
 DOWN_MARK = "down"            # <run dir>/slurm/down: written by `runner down` (no requeue after it)
