@@ -16,8 +16,9 @@ from runner.redact import Formatter, printable
 COMMAND_MODULES = [
     "runner.sandbox.command",
     "runner.check", "runner.push", "runner.sync", "runner.launch", "runner.status", "runner.down", "runner.collect",
-    # After the commands it extends: adds --scheduler to up/status/logs/ls/down/collect (Slurm runs).
-    "runner.backends.slurm.command",
+    # After the verbs: --scheduler on each, and up/status/logs/ls/down/collect go to the backend
+    # the inventory names (runner/backends/).
+    "runner.backends",
     "runner.kube_export",
     "runner.profile_cli",  # per-node measurements; parallel.partition auto in `up`
     "runner.node_exec",  # `runner exec`: a shell or command in a node's job container

@@ -22,6 +22,7 @@ import subprocess
 import sys
 
 from runner import runs
+from runner.backends import SCHEDULERS, choose
 from runner.errors import UserError
 from runner.inventory_arg import load
 from runner.perseus import LABEL_ROLE
@@ -49,7 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     tty.add_argument("-t", "--tty", dest="tty", action="store_true", default=None,
                      help="allocate a terminal for CMD (default: only for the interactive shell, when stdin is one)")
     tty.add_argument("-T", "--no-tty", dest="tty", action="store_false", help="never allocate a terminal")
-    p.add_argument("--scheduler", choices=("auto", "ssh", "slurm"), default="auto",
+    p.add_argument("--scheduler", choices=SCHEDULERS, default="auto",
                    help="ssh nodes or a Slurm cluster (default auto, as for `runner up`)")
     split_at_dashes(p)
     p.set_defaults(func=cmd_exec)
@@ -81,9 +82,7 @@ def wants_tty(args) -> bool:
 
 
 def cmd_exec(args) -> int:
-    from runner.backends.slurm.command import scheduler
-
-    if scheduler(args) == "slurm":
+    if choose(args) == "slurm":
         return _slurm_exec(args)
     inv = load(args, with_job=False)
     node = inv.node(args.node)  # one line naming the inventory and its nodes

@@ -1,0 +1,52 @@
+"""The one interface every backend implements: where a run of the job goes (SSH nodes of an
+inventory, a Slurm cluster, ...) behind the same verbs.
+
+The verbs below are defined once (runner/launch.py, status.py, down.py, collect.py build their
+parsers); `runner/cli.py` resolves the backend once per command (`open_backend`) and calls its
+method for the verb. A backend adds its own flags through `options` (refused, naming it, when a
+run goes to another backend) and says which inventories are its own through `claims`. Adding a
+backend is one module here and one line in runner/backends/__init__.py."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+VERBS = ("up", "status", "logs", "ls", "down", "collect")
+
+
+@dataclass(frozen=True)
+class Option:
+    """A flag of one backend: its add_argument spelling, and what to say when it is given to a run
+    that goes elsewhere (`SSH runs use --max-restarts`)."""
+
+    verb: str
+    flags: tuple[str, ...]
+    kwargs: dict
+    elsewhere: str = ""
+
+    @property
+    def dest(self) -> str:
+        return self.flags[0].lstrip("-").replace("-", "_")
+
+
+class Backend(Protocol):
+    name: ClassVar[str]          # what --scheduler calls it
+    label: ClassVar[str]         # how messages name its runs ("Slurm")
+    options: ClassVar[tuple[Option, ...]]
+
+    @staticmethod
+    def claims(keys: set[str]) -> bool:
+        """Whether `--scheduler auto` sends an inventory with these top-level sections here."""
+
+    @staticmethod
+    def accepts(keys: set[str], inventory: str) -> None:
+        """Raise UserError when `--scheduler NAME` names this backend for an inventory it cannot run."""
+
+    def up(self, args: argparse.Namespace) -> int: ...
+    def status(self, args: argparse.Namespace) -> int: ...
+    def logs(self, args: argparse.Namespace) -> int: ...
+    def ls(self, args: argparse.Namespace) -> int: ...
+    def down(self, args: argparse.Namespace) -> int: ...
+    def collect(self, args: argparse.Namespace) -> int: ...

@@ -1,0 +1,53 @@
+"""The SSH backend: the inventory's own nodes, reached over SSH, one container per node
+(runner/launch.py starts it, runner/node_runs.py finds and stops it). The default for any
+inventory with a `nodes:` list."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from runner.backends.base import Option
+
+
+class SshBackend:
+    name: ClassVar[str] = "ssh"
+    label: ClassVar[str] = "SSH"
+    options: ClassVar[tuple[Option, ...]] = ()
+
+    @staticmethod
+    def claims(keys: set[str]) -> bool:
+        return True  # the fallback: an inventory no other backend claims lists nodes
+
+    @staticmethod
+    def accepts(keys: set[str], inventory: str) -> None:
+        return None  # a missing `nodes:` is the inventory's own one-line error
+
+    def up(self, args) -> int:
+        from runner.launch import main
+
+        return main(args)
+
+    def status(self, args) -> int:
+        from runner.status import cmd_status
+
+        return cmd_status(args)
+
+    def logs(self, args) -> int:
+        from runner.status import cmd_logs
+
+        return cmd_logs(args)
+
+    def ls(self, args) -> int:
+        from runner.status import cmd_ls
+
+        return cmd_ls(args)
+
+    def down(self, args) -> int:
+        from runner.down import main
+
+        return main(args)
+
+    def collect(self, args) -> int:
+        from runner.collect import main
+
+        return main(args)
