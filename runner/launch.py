@@ -278,16 +278,7 @@ class Launcher:
             self.perseus_port = perseus.choose_port(cl[self.inv.master.name], self.inv.job.perseus, run_id, port)
         plan = self.make_plan(probes, run_id, resume, port)
         if resume:
-            self.clear_earlier_attempt(cl, run_id)
-            hand_back_runs(cl, plan, probes)  # before the sync writes into it as the SSH user
-            # Only once nothing of the run is left running (a stale container could still write).
-            synced = sync_checkpoints(cl.remotes, {np.node: np.run_dir for np in plan.nodes},
-                                      progress=lambda msg: log.info("resume: copied %s", msg))
-            print(f"run {run_id}: {synced.summary()}", flush=True)
-            if synced.checkpoint and not synced.all_latest:
-                # Some node's `latest` names another checkpoint: name the chosen one outright.
-                plan = self.make_plan(probes, run_id, resume, port,
-                                      ["--resume", f"{OUT}/{CHECKPOINTS}/{synced.checkpoint}"])
+            plan = self.prepare_resume(cl, probes, plan, port)
         log_dir = Path(self.args.logs_dir) / run_id
         master = plan.nodes[0]
         watcher: Watcher | None = None
@@ -351,6 +342,21 @@ class Launcher:
             self.lost = failed.node
             self.lost_reclaimed = self.reclaim_lost(cl, failed.node, run_id)
         return EXIT_JOB_FAILED  # the job's own code is in the line above and in `runner status`
+
+    def prepare_resume(self, cl: Cluster, probes: dict[str, Probe], plan: Plan, port: int) -> Plan:
+        """What a resumed run needs before it starts: the earlier attempt's containers gone, its
+        run dirs the SSH user's, and every node holding the newest checkpoint all can load."""
+        run_id = plan.run_id
+        self.clear_earlier_attempt(cl, run_id)
+        hand_back_runs(cl, plan, probes)  # before the sync writes into it as the SSH user
+        # Only once nothing of the run is left running (a stale container could still write).
+        synced = sync_checkpoints(cl.remotes, {np.node: np.run_dir for np in plan.nodes},
+                                  progress=lambda msg: log.info("resume: copied %s", msg))
+        print(f"run {run_id}: {synced.summary()}", flush=True)
+        if synced.checkpoint and not synced.all_latest:
+            # Some node's `latest` names another checkpoint: name the chosen one outright.
+            plan = self.make_plan(probes, run_id, True, port, ["--resume", f"{OUT}/{CHECKPOINTS}/{synced.checkpoint}"])
+        return plan
 
     def _tell(self, cl: Cluster, plan: Plan, summary: str, skip: set[str] = frozenset()) -> None:
         """The notification's summary and the run's last metrics record (read only when one is sent)."""

@@ -37,6 +37,8 @@ the first mismatch the agent kills its `docker load` mid-part (the engine loads 
 cuts the next node's stream short (its agent refuses it).
 """
 
+# long: sent to a node as one `python3 -c` source, which has no package to import a second file from.
+
 import fcntl
 import hashlib
 import hmac

@@ -26,7 +26,8 @@ from pathlib import Path
 import psutil
 
 from runner.hostkeys import known_hosts_name
-from runner.sandbox.cluster import SSHD, Node, Sandbox, _read_pid, _run, _sshd_config
+from runner.sandbox.cluster import SSHD, Node, Sandbox, _sshd_config
+from runner.sandbox.processes import read_pid, run
 
 HOST_NET = ipaddress.IPv4Network("10.251.0.0/16")   # this machine <-> bastion, /30 each
 NODES_NET = ipaddress.IPv4Network("10.252.0.0/16")  # bastion <-> nodes, /29 each (up to 5 nodes)
@@ -160,12 +161,12 @@ class BastionNet:
         nd.root.mkdir(parents=True, exist_ok=True)
         for kind, key in (("ed25519", nd.host_key), ("ecdsa", nd.host_key_ecdsa)):
             if not key.exists():
-                _run(["ssh-keygen", "-q", "-t", kind, "-N", "", "-C", f"rt-bastion-{nd.name}", "-f", str(key)])
+                run(["ssh-keygen", "-q", "-t", kind, "-N", "", "-C", f"rt-bastion-{nd.name}", "-f", str(key)])
         nd.sshd_config.write_text(_sshd_config(nd, self.sandbox.authorized_keys))
         # sshd listens before it forks away: once this returns, the node accepts connections.
-        _run(["ip", "netns", "exec", ns, SSHD, "-f", str(nd.sshd_config), "-E", str(nd.root / "sshd.log")])
+        run(["ip", "netns", "exec", ns, SSHD, "-f", str(nd.sshd_config), "-E", str(nd.root / "sshd.log")])
         deadline = time.monotonic() + 10
-        while _read_pid(nd.sshd_pid) is None:
+        while read_pid(nd.sshd_pid) is None:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"sshd of {nd.name} in {ns} wrote no pid file (see {nd.root}/sshd.log)")
             time.sleep(0.05)

@@ -12,6 +12,9 @@ contract/ (top level and inside functions alike) is read from the source with `a
   indirectly, a module that needs it (imports inside functions count: a circle hidden in a
   function is still a circle, and it is what made the layout hard to cut into packages).
 
+- no module over 500 lines and no function over 80, unless it says why on a `# long: <reason>`
+  line (in the module, or inside the function).
+
 The checkers are tested on package trees made here with one violation of each kind, so these
 tests can fail."""
 
@@ -130,6 +133,43 @@ def test_the_cycle_checker_finds_a_circle_through_a_function_and_a_relative_impo
     assert set(import_cycle(tmp_path)) == {"runner.a", "runner.b", "runner.c", "runner.d"}
     (tmp_path / "runner/d.py").write_text("")
     assert import_cycle(tmp_path) is None
+
+
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 500, 80
+LONG_REASON = "# long: "
+
+
+def too_long(root: Path, packages=("runner", "trainer", "contract")) -> list[str]:
+    """'file: N lines' and 'file:line name: N lines' for each module or function over its limit
+    without a `# long:` reason."""
+    out = []
+    for pkg in packages:
+        for path in sorted((root / pkg).rglob("*.py")):
+            lines = path.read_text().splitlines()
+            rel = path.relative_to(root)
+            if len(lines) > MAX_MODULE_LINES and not any(ln.startswith(LONG_REASON) for ln in lines):
+                out.append(f"{rel}: {len(lines)} lines")
+            for node in ast.walk(ast.parse("\n".join(lines))):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    body = lines[node.lineno - 1:node.end_lineno]
+                    if len(body) > MAX_FUNCTION_LINES and not any(LONG_REASON in ln for ln in body):
+                        out.append(f"{rel}:{node.lineno} {node.name}: {len(body)} lines")
+    return out
+
+
+def test_modules_and_functions_stay_short_or_say_why():
+    assert too_long(REPO) == []
+
+
+def test_the_length_checker_counts_modules_and_functions(tmp_path):
+    long_fn = "def f():\n" + "    x = 1\n" * 80
+    files = {"runner/a.py": long_fn, "runner/b.py": long_fn.replace("    x = 1\n", "    # long: a table\n", 1),
+             "trainer/c.py": "x = 1\n" * 501, "trainer/d.py": "# long: one source sent whole\n" + "x = 1\n" * 501,
+             "contract/e.py": "x = 1\n" * 500}
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert too_long(tmp_path) == ["runner/a.py:1 f: 81 lines", "trainer/c.py: 501 lines"]
 
 
 def test_the_halves_meet_only_through_contract_and_node_code_needs_nothing_else():

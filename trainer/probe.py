@@ -149,45 +149,20 @@ def measure_compute(train_argv: list[str], min_seconds: float) -> dict:
 
     from trainer.config import resolve
     from trainer.config.argv import parse_train_args
-    from trainer.config.checks import resolve_loss_chunks
     from trainer.data import load_texts, load_tokenizer
     from trainer.dist_env import pick_device, training_dtype
-    from trainer.models.build import build_model, model_spec
-    from trainer.optim import build_optimizer
-    from trainer.parallel.activation_checkpoint import apply_activation_checkpointing
-    from trainer.parallel.compile import compile_blocks, resolve_compile
-    from trainer.parallel.partition import StageRange
-    from trainer.parallel.stages import split_model
 
     config_path, overrides = parse_train_args(train_argv)
     cfg = resolve(config_path, overrides)
     t, p = cfg.train, cfg.parallel
     device = pick_device(p.device)
     dtype = training_dtype(t.dtype, device.type)[0]
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        mem, mem_src = int(free), "CUDA free memory"
-    else:
-        mem, mem_src = memory_available()
+    mem, mem_src = _device_memory(device)
     vocab = None
     if cfg.model.vocab_size is None and cfg.data.source != "synthetic":
         vocab = load_tokenizer(cfg.data, load_texts(cfg.data), cfg.model).vocab_size  # as the trainer sizes it
     runtime = rss_bytes() if device.type == "cpu" else 0  # libraries and data, before any model
-    full = model_spec(cfg.model, vocab)
-    cfg.model.num_hidden_layers = 1  # one layer of each kind is all the planner needs
-    spec = model_spec(cfg.model, vocab)
-    model = build_model(spec, cfg.model, t.seed)
-    parts, _ = split_model(model, [StageRange(0, 0, 0), StageRange(1, 0, 1), StageRange(2, 1, 1)])
-    del model
-    mods = dict(zip(KINDS, (parts[0], parts[1], parts[2]), strict=True))
-    mods["head"].loss_chunks = resolve_loss_chunks(t.loss_chunks, spec.task, int(spec.hf_config.vocab_size),
-                                                   t.batch_size // t.microbatch_num * cfg.data.seq_len)
-    compile_mode = resolve_compile(t.compile, device.type)
-    for m in mods.values():
-        m.to(device)
-        apply_activation_checkpointing(m, t.activation_checkpointing)
-        if compile_mode != "false":
-            compile_blocks(m, mode=compile_mode, backend=t.compile_backend)
+    full, spec, mods, compile_mode = _one_layer_each(cfg, vocab, device)
     mb, seq = t.batch_size // t.microbatch_num, cfg.data.seq_len
     hidden = int(spec.hidden_size)
     gen = torch.Generator().manual_seed(0)
@@ -229,30 +204,8 @@ def measure_compute(train_argv: list[str], min_seconds: float) -> dict:
     # kept: a neighbour's burst of work (on a shared machine) only ever slows a window down, and
     # a quota applies to every window alike. A kind slower than a window gets two windows.
     window = min_seconds / WINDOWS
-    one = {k: _window(lambda k=k: fwd_bwd(k), 0.0, sync)[0] for k in KINDS}
-    count = {k: WINDOWS if one[k] < window else 2 for k in KINDS}
-    best = dict.fromkeys(KINDS, float("inf"))
-    res["reps"] = dict.fromkeys(KINDS, 1)
-    for w in range(WINDOWS):
-        for kind in KINDS:
-            if w < count[kind]:
-                mean, n = _window(lambda k=kind: fwd_bwd(k), window, sync)
-                best[kind] = min(best[kind], mean, one[kind] if count[kind] == 2 else float("inf"))
-                res["reps"][kind] += n
-    res["time_s"] = best
-    for kind in KINDS:
-        params = [q for q in mods[kind].parameters() if q.requires_grad]
-        opt = build_optimizer(params, cfg)
-        opt.step()  # allocates the state: then its size is known
-        res["param_bytes"][kind] = sum(q.numel() * q.element_size() for q in params)
-        state = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
-                    if torch.is_tensor(v) and v.dim() > 0)
-        grads = sum(q.grad.numel() * q.grad.element_size() for q in params if q.grad is not None)
-        res["train_bytes"][kind] = res["param_bytes"][kind] + grads + state
-        res["optim_s"][kind] = min(_window(opt.step, window / 2, sync)[0] for _ in range(2))
-        del opt
-        for q in params:
-            q.grad = None  # the next kind's optimizer state fits where these were
+    res["time_s"], res["reps"] = _time_kinds(fwd_bwd, window, sync)
+    _optimizer_costs(mods, cfg, window, sync, res)
     torch_threads = torch.get_num_threads()
     return {
         **res,
@@ -268,6 +221,83 @@ def measure_compute(train_argv: list[str], min_seconds: float) -> dict:
         "memory_available": mem, "memory_source": mem_src,
         "device": str(device), "threads": torch_threads, "cpus_visible": os.cpu_count(), "cgroup_cpus": cgroup_cpus(),
     }
+
+
+def _device_memory(device) -> tuple[int, str]:
+    """(bytes a stage may use, where that figure comes from)."""
+    import torch
+
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free), "CUDA free memory"
+    return memory_available()
+
+
+def _one_layer_each(cfg, vocab: int | None, device) -> tuple:
+    """(the full model's spec, the one-layer spec, {kind: module} on device, compile mode): one
+    layer of each kind is all the planner needs; compiled and checkpointed as the run would."""
+    from trainer.config.checks import resolve_loss_chunks
+    from trainer.models.build import build_model, model_spec
+    from trainer.parallel.activation_checkpoint import apply_activation_checkpointing
+    from trainer.parallel.compile import compile_blocks, resolve_compile
+    from trainer.parallel.partition import StageRange
+    from trainer.parallel.stages import split_model
+
+    t = cfg.train
+    full = model_spec(cfg.model, vocab)
+    cfg.model.num_hidden_layers = 1
+    spec = model_spec(cfg.model, vocab)
+    model = build_model(spec, cfg.model, t.seed)
+    parts, _ = split_model(model, [StageRange(0, 0, 0), StageRange(1, 0, 1), StageRange(2, 1, 1)])
+    del model
+    mods = dict(zip(KINDS, (parts[0], parts[1], parts[2]), strict=True))
+    mods["head"].loss_chunks = resolve_loss_chunks(t.loss_chunks, spec.task, int(spec.hf_config.vocab_size),
+                                                   t.batch_size // t.microbatch_num * cfg.data.seq_len)
+    compile_mode = resolve_compile(t.compile, device.type)
+    for m in mods.values():
+        m.to(device)
+        apply_activation_checkpointing(m, t.activation_checkpointing)
+        if compile_mode != "false":
+            compile_blocks(m, mode=compile_mode, backend=t.compile_backend)
+    return full, spec, mods, compile_mode
+
+
+def _time_kinds(fwd_bwd, window: float, sync) -> tuple[dict[str, float], dict[str, int]]:
+    """(fastest mean seconds, repetitions) per layer kind: timed in windows of `window` seconds,
+    the kinds taking turns; a kind slower than a window gets two windows."""
+    one = {k: _window(lambda k=k: fwd_bwd(k), 0.0, sync)[0] for k in KINDS}
+    count = {k: WINDOWS if one[k] < window else 2 for k in KINDS}
+    best = dict.fromkeys(KINDS, float("inf"))
+    reps = dict.fromkeys(KINDS, 1)
+    for w in range(WINDOWS):
+        for kind in KINDS:
+            if w < count[kind]:
+                mean, n = _window(lambda k=kind: fwd_bwd(k), window, sync)
+                best[kind] = min(best[kind], mean, one[kind] if count[kind] == 2 else float("inf"))
+                reps[kind] += n
+    return best, reps
+
+
+def _optimizer_costs(mods: dict, cfg, window: float, sync, res: dict) -> None:
+    """Each kind's parameter, gradient and optimizer-state bytes and its optimizer step's time,
+    into res; one kind's optimizer at a time (the next one's state fits where these were)."""
+    import torch
+
+    from trainer.optim import build_optimizer
+
+    for kind in KINDS:
+        params = [q for q in mods[kind].parameters() if q.requires_grad]
+        opt = build_optimizer(params, cfg)
+        opt.step()  # allocates the state: then its size is known
+        res["param_bytes"][kind] = sum(q.numel() * q.element_size() for q in params)
+        state = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
+                    if torch.is_tensor(v) and v.dim() > 0)
+        grads = sum(q.grad.numel() * q.grad.element_size() for q in params if q.grad is not None)
+        res["train_bytes"][kind] = res["param_bytes"][kind] + grads + state
+        res["optim_s"][kind] = min(_window(opt.step, window / 2, sync)[0] for _ in range(2))
+        del opt
+        for q in params:
+            q.grad = None
 
 
 def cgroup_cpus() -> float | None:

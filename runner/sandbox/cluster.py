@@ -31,19 +31,28 @@ import os
 import pwd
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import yaml
 
 from runner.errors import UserError
-from runner.host_engine import host_engine
+from runner.sandbox.accounts import engine_group, ensure_account
 from runner.sandbox.net import SandboxNet, parse_shape
+from runner.sandbox.node import Node
+from runner.sandbox.processes import (
+    is_proc,
+    port_free,
+    processes_mentioning,
+    read_pid,
+    remove_stale_pid,
+    run,
+    terminate,
+    unmount_below,
+)
 
 log = logging.getLogger("runner.sandbox")
 
@@ -60,61 +69,6 @@ ROOT = "root"
 # useradd's own rule for a portable name (and what the inventory's `user` accepts).
 USER_RE = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
 DOCKERD = shutil.which("dockerd") or "/usr/sbin/dockerd"
-
-
-@dataclass(frozen=True)
-class Node:
-    index: int
-    addr: str
-    port: int
-    root: Path  # <state>/node-i: keys, configs, data root, workdir
-    run: Path  # short path under /run for sockets (unix socket paths are limited to 108 bytes)
-    light: bool = False  # sshd only; sessions use this machine's engine
-    work: Path | None = None  # --user: the workdir in the account's home (default: root/work)
-
-    @property
-    def name(self) -> str:
-        return f"node-{self.index}"
-
-    @property
-    def host_key(self) -> Path:
-        return self.root / "ssh_host_ed25519_key"
-
-    @property
-    def host_key_ecdsa(self) -> Path:
-        return self.root / "ssh_host_ecdsa_key"
-
-    @property
-    def sshd_config(self) -> Path:
-        return self.root / "sshd_config"
-
-    @property
-    def sshd_pid(self) -> Path:
-        return self.root / "sshd.pid"
-
-    @property
-    def docker_sock(self) -> Path:
-        return self.run / "docker.sock"
-
-    @property
-    def docker_pid(self) -> Path:
-        return self.run / "docker.pid"
-
-    @property
-    def data_root(self) -> Path:
-        return self.root / "docker"
-
-    @property
-    def exec_root(self) -> Path:
-        return self.run / "exec"
-
-    @property
-    def workdir(self) -> Path:
-        return self.work or self.root / "work"
-
-    @property
-    def docker_host(self) -> str:
-        return host_engine().url if self.light else f"unix://{self.docker_sock}"
 
 
 class Sandbox:
@@ -182,35 +136,7 @@ class Sandbox:
     # ---- up -------------------------------------------------------------------------------
     def up(self, n: int, inventory: Path | None, cpus: list[float] | None = None) -> list[Node]:
         """cpus: per node (Docker --cpus of the job's container, written into the inventory)."""
-        most = MAX_LIGHT_NODES if self.light else MAX_NODES
-        if n < 1 or n > most:
-            raise UserError(f"--nodes must be between 1 and {most}{' for --light nodes' if self.light else ''} (got {n})")
-        try:
-            base = ipaddress.IPv4Address(self.base_addr)
-        except ValueError:
-            raise UserError(f"--base-addr {self.base_addr!r} is not an IPv4 address") from None
-        if self.net_spec is not None:
-            if self.light:
-                raise UserError("--link/--uplink/--netns are for full nodes: --light nodes share this machine's engine")
-            for what in ("link", "uplink"):  # one line for a bad RATE[,DELAY], before anything starts
-                if self.net_spec.get(what):
-                    parse_shape(self.net_spec[what], f"--{what}")
-        elif base not in ipaddress.IPv4Network("127.0.0.0/8") or int(base) + n - 1 > int(
-                ipaddress.IPv4Address("127.255.255.254")):
-            raise UserError(f"--base-addr {self.base_addr} must leave {n} addresses inside 127.0.0.0/8 "
-                            "(sandbox traffic stays on loopback)")
-        if not 1 <= self.port <= 65535:
-            raise UserError(f"--port {self.port} is not a TCP port")
-        for tool in (SSHD, DOCKERD, "ssh-keygen"):
-            if not shutil.which(tool) and not os.path.exists(tool):
-                raise UserError(f"{tool} not found: run scripts/setup.sh (installs openssh-server, docker.io)")
-        if self.user != ROOT:
-            if self.light:
-                raise UserError("--user is for full nodes: --light nodes share this machine's engine")
-            if not USER_RE.fullmatch(self.user):
-                raise UserError(f"--user {self.user!r}: not a user name (lower-case letters, digits, '_', '-'; "
-                                "at most 32; not starting with a digit or '-')")
-
+        self._check_args(n)
         meta = self._read_meta()
         if meta and (meta.get("base_addr"), meta.get("port"), bool(meta.get("light")), meta.get("user", ROOT),
                      meta.get("net") is not None) != (self.base_addr, self.port, self.light, self.user,
@@ -230,7 +156,7 @@ class Sandbox:
             net.create(n, self.net_spec.get("link"), self.net_spec.get("uplink"))
         # Check every address before starting anything, so a taken one leaves nothing running.
         for nd in nodes if net is None else []:  # (a node's own namespace has nothing else in it)
-            if not self._sshd_alive(nd) and not _port_free(nd.addr, nd.port):
+            if not self._sshd_alive(nd) and not port_free(nd.addr, nd.port):
                 raise UserError(f"{nd.addr}:{nd.port} ({nd.name}) is already in use by another process; "
                                 "pick another --base-addr or --port")
         self.state.mkdir(parents=True, exist_ok=True)
@@ -267,9 +193,40 @@ class Sandbox:
             write_inventory(Path(inventory), nodes, self, cpus)
         return nodes
 
+    def _check_args(self, n: int) -> None:
+        """Every option checked, one line each, before anything is made."""
+        most = MAX_LIGHT_NODES if self.light else MAX_NODES
+        if n < 1 or n > most:
+            raise UserError(f"--nodes must be between 1 and {most}{' for --light nodes' if self.light else ''} (got {n})")
+        try:
+            base = ipaddress.IPv4Address(self.base_addr)
+        except ValueError:
+            raise UserError(f"--base-addr {self.base_addr!r} is not an IPv4 address") from None
+        if self.net_spec is not None:
+            if self.light:
+                raise UserError("--link/--uplink/--netns are for full nodes: --light nodes share this machine's engine")
+            for what in ("link", "uplink"):  # one line for a bad RATE[,DELAY], before anything starts
+                if self.net_spec.get(what):
+                    parse_shape(self.net_spec[what], f"--{what}")
+        elif base not in ipaddress.IPv4Network("127.0.0.0/8") or int(base) + n - 1 > int(
+                ipaddress.IPv4Address("127.255.255.254")):
+            raise UserError(f"--base-addr {self.base_addr} must leave {n} addresses inside 127.0.0.0/8 "
+                            "(sandbox traffic stays on loopback)")
+        if not 1 <= self.port <= 65535:
+            raise UserError(f"--port {self.port} is not a TCP port")
+        for tool in (SSHD, DOCKERD, "ssh-keygen"):
+            if not shutil.which(tool) and not os.path.exists(tool):
+                raise UserError(f"{tool} not found: run scripts/setup.sh (installs openssh-server, docker.io)")
+        if self.user != ROOT:
+            if self.light:
+                raise UserError("--user is for full nodes: --light nodes share this machine's engine")
+            if not USER_RE.fullmatch(self.user):
+                raise UserError(f"--user {self.user!r}: not a user name (lower-case letters, digits, '_', '-'; "
+                                "at most 32; not starting with a digit or '-')")
+
     def _ensure_user_key(self) -> None:
         if not self.user_key.exists():
-            _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "runner-sandbox-user",
+            run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "runner-sandbox-user",
                   "-f", str(self.user_key)])
         self.authorized_keys.write_text(Path(f"{self.user_key}.pub").read_text())
         os.chmod(self.authorized_keys, 0o600)
@@ -291,10 +248,10 @@ class Sandbox:
             d.mkdir(parents=True, exist_ok=True)  # (--user: made and chowned by _ensure_user_files)
         for kind, key in (("ed25519", nd.host_key), ("ecdsa", nd.host_key_ecdsa)):
             if not key.exists():
-                _run(["ssh-keygen", "-q", "-t", kind, "-N", "", "-C", f"runner-sandbox-{nd.name}", "-f", str(key)])
+                run(["ssh-keygen", "-q", "-t", kind, "-N", "", "-C", f"runner-sandbox-{nd.name}", "-f", str(key)])
         started = False
         if not nd.light and not self._docker_alive(nd):
-            _remove_stale_pid(nd.docker_pid)
+            remove_stale_pid(nd.docker_pid)
             logf = open(nd.root / "dockerd.log", "ab")
             subprocess.Popen(
                 [*self._in_node(nd), DOCKERD, "--host", nd.docker_host, "--data-root", str(nd.data_root),
@@ -313,18 +270,18 @@ class Sandbox:
             if check.returncode != 0:
                 raise UserError(f"{SSHD} -f failed: host key {nd.host_key} is unreadable "
                                 f"({(check.stderr.strip().splitlines() or ['?'])[-1]}); remove it for a new one")
-            _remove_stale_pid(nd.sshd_pid)
+            remove_stale_pid(nd.sshd_pid)
             nd.sshd_config.write_text(_sshd_config(nd, self.user_authorized_keys or self.authorized_keys,
                                                    root_login=self.user == ROOT))
             Path("/run/sshd").mkdir(exist_ok=True)  # privilege separation dir sshd insists on
-            _run([*self._in_node(nd), SSHD, "-f", str(nd.sshd_config), "-E", str(nd.root / "sshd.log")])
+            run([*self._in_node(nd), SSHD, "-f", str(nd.sshd_config), "-E", str(nd.root / "sshd.log")])
             started = True
         return started
 
     def _listening(self, nd: Node) -> bool:
         """Its sshd accepts connections: bound here on loopback; in a namespace, reached over the bridge."""
         if self.net_spec is None:
-            return not _port_free(nd.addr, nd.port)
+            return not port_free(nd.addr, nd.port)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.settimeout(1.0)
             return s.connect_ex((nd.addr, nd.port)) == 0
@@ -397,18 +354,18 @@ class Sandbox:
             if ids:
                 subprocess.run(["docker", "-H", nd.docker_host, "rm", "-f", *ids], capture_output=True)
         for pidfile in (nd.sshd_pid, nd.docker_pid):
-            pid = _read_pid(pidfile)
+            pid = read_pid(pidfile)
             if pid and psutil.pid_exists(pid):
                 did = True
-                _terminate(pid)
-            _remove_stale_pid(pidfile)
+                terminate(pid)
+            remove_stale_pid(pidfile)
         # Anything still holding the node's files (containerd, shims, session children).
-        for proc in _processes_mentioning(str(nd.root), str(nd.run)):
+        for proc in processes_mentioning(str(nd.root), str(nd.run)):
             did = True
-            _terminate(proc.pid)
+            terminate(proc.pid)
         # Its socket and exec-root dir under /run: nothing uses them now (they piled up, one per
         # sandbox ever started). An engine that ran containers leaves its netns bind-mounted there.
-        _unmount_below(nd.run)
+        unmount_below(nd.run)
         shutil.rmtree(nd.run, ignore_errors=True)
         return did
 
@@ -440,71 +397,16 @@ class Sandbox:
 
     @staticmethod
     def _sshd_alive(nd: Node) -> bool:
-        pid = _read_pid(nd.sshd_pid)
-        return bool(pid and psutil.pid_exists(pid) and _is_proc(pid, "sshd"))
+        pid = read_pid(nd.sshd_pid)
+        return bool(pid and psutil.pid_exists(pid) and is_proc(pid, "sshd"))
 
     @staticmethod
     def _docker_alive(nd: Node) -> bool:
-        pid = _read_pid(nd.docker_pid)
-        if not (pid and psutil.pid_exists(pid) and _is_proc(pid, "dockerd")):
+        pid = read_pid(nd.docker_pid)
+        if not (pid and psutil.pid_exists(pid) and is_proc(pid, "dockerd")):
             return False
         return subprocess.run(["docker", "-H", nd.docker_host, "version", "--format", "{{.Server.Version}}"],
                               capture_output=True).returncode == 0
-
-
-def _unmount_below(root: Path) -> None:
-    """Lazily unmount every mount point under root (deepest first)."""
-    prefix = str(root).rstrip("/") + "/"
-    points = [p.mountpoint for p in psutil.disk_partitions(all=True) if p.mountpoint.startswith(prefix)]
-    for mp in sorted(points, key=len, reverse=True):
-        subprocess.run(["umount", "-l", mp], capture_output=True)
-
-
-def ensure_account(name: str) -> pwd.struct_passwd:
-    """The non-root account `--user NAME` logs in as, made if missing: a home, bash, no password
-    ('*': sshd without PAM refuses a locked '!' account, which useradd makes by default), no sudo.
-    An existing account is used as it is, if sshd can log it in."""
-    try:
-        account = pwd.getpwnam(name)
-    except KeyError:
-        made = subprocess.run(["useradd", "--create-home", "--shell", "/bin/bash", "--user-group",
-                               "--password", "*", name], capture_output=True, text=True)
-        try:
-            account = pwd.getpwnam(name)  # (another sandbox may have made it meanwhile)
-        except KeyError:
-            why = (made.stderr or made.stdout).strip().splitlines()[-1:] or ["?"]
-            raise UserError(f"--user {name}: useradd failed: {why[0]}") from None
-    if account.pw_uid == 0:
-        raise UserError(f"--user {name}: uid 0 is root; give a non-root account")
-    if os.path.basename(account.pw_shell) in ("nologin", "false"):
-        raise UserError(f"--user {name}: its shell is {account.pw_shell}, so sshd cannot run commands for it; "
-                        f"`usermod -s /bin/bash {name}` or pick another name")
-    if _shadow_field(name).startswith("!"):
-        raise UserError(f"--user {name}: the account is locked ('!' in /etc/shadow) and sshd without PAM refuses "
-                        f"it; `usermod -p '*' {name}` unlocks it with no password, or pick another name")
-    return account
-
-
-def engine_group(user: str) -> str:
-    """The group a --user node's engine serves its socket to: the account's primary group."""
-    import grp
-
-    gid = pwd.getpwnam(user).pw_gid
-    try:
-        return grp.getgrgid(gid).gr_name
-    except KeyError:
-        return str(gid)
-
-
-def _shadow_field(name: str) -> str:
-    try:
-        for line in Path("/etc/shadow").read_text().splitlines():
-            user, _, rest = line.partition(":")
-            if user == name:
-                return rest.split(":", 1)[0]
-    except OSError:
-        pass
-    return ""
 
 
 def write_inventory(path: Path, nodes: list[Node], sb: Sandbox, cpus: list[float] | None = None) -> None:
@@ -550,61 +452,3 @@ Subsystem sftp internal-sftp
 """
 
 
-def _port_free(addr: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((addr, port))
-        except OSError:
-            return False
-    return True
-
-
-def _run(cmd: list[str]) -> None:
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise UserError(f"{' '.join(cmd[:2])} failed: {(proc.stderr or proc.stdout).strip().splitlines()[-1:]}")
-
-
-def _read_pid(path: Path) -> int | None:
-    try:
-        return int(path.read_text().strip())
-    except (OSError, ValueError):
-        return None
-
-
-def _remove_stale_pid(path: Path) -> None:
-    pid = _read_pid(path)
-    if pid is None or not psutil.pid_exists(pid):
-        path.unlink(missing_ok=True)
-
-
-def _is_proc(pid: int, name: str) -> bool:
-    try:
-        return name in psutil.Process(pid).name()
-    except psutil.Error:
-        return False
-
-
-def _processes_mentioning(*needles: str) -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        cmd = " ".join(proc.info.get("cmdline") or [])
-        if proc.pid != os.getpid() and any(n in cmd for n in needles):
-            found.append(proc)
-    return found
-
-
-def _terminate(pid: int, grace: float = 10.0) -> None:
-    try:
-        proc = psutil.Process(pid)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(grace)
-    except psutil.TimeoutExpired:
-        try:
-            proc.kill()
-            proc.wait(5)
-        except psutil.Error:
-            pass
-    except psutil.Error:
-        pass

@@ -29,7 +29,7 @@ import psutil
 import yaml
 
 from runner.errors import UserError
-from runner.sandbox.cluster import _port_free, _read_pid
+from runner.sandbox.processes import port_free, read_pid
 
 DEFAULT_SLURM_BASE_ADDR = "127.0.0.31"   # login node; node i at base + 1 + i
 FIRST_DAEMON_PORT = 16817
@@ -115,7 +115,7 @@ class SlurmSandbox:
                     write_slurm_inventory(inventory, self, meta, venv)
                 return meta
             self.down()  # another size or address: start afresh (jobs of the old one are cancelled)
-        if not _port_free(addrs[0], self.port):
+        if not port_free(addrs[0], self.port):
             raise UserError(f"{addrs[0]}:{self.port} (the Slurm login node) is already in use; "
                             "pick another --base-addr or --port")
         ports = _free_port_run(n + 1)
@@ -181,7 +181,7 @@ class SlurmSandbox:
             res = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True, env=self.env())
             states = dict(line.split() for line in res.stdout.splitlines() if len(line.split()) == 2)
             last = res.stderr.strip() or " ".join(f"{k}={v}" for k, v in sorted(states.items()))
-            if len(states) == n and all(s == "idle" for s in states.values()) and not _port_free(self.base_addr, self.port):
+            if len(states) == n and all(s == "idle" for s in states.values()) and not port_free(self.base_addr, self.port):
                 return
             time.sleep(0.3)
         raise UserError(f"Slurm sandbox did not come up within {timeout:.0f} s ({last}); "
@@ -195,7 +195,7 @@ class SlurmSandbox:
         if not procs:
             shutil.rmtree(self.lay.run, ignore_errors=True)
             return False
-        ctld = _read_pid(self.lay.run / "slurmctld.pid")
+        ctld = read_pid(self.lay.run / "slurmctld.pid")
         if ctld and psutil.pid_exists(ctld) and shutil.which("scancel"):  # a dead one makes scancel wait
             subprocess.run(["scancel", "--full", "--user", str(os.getuid())], env=env, capture_output=True, timeout=30)
             deadline = time.monotonic() + 20
@@ -244,7 +244,7 @@ def _free_port_run(count: int, start: int = FIRST_DAEMON_PORT) -> list[int]:
     p = start
     while p + count < 30000:
         run = list(range(p, p + count))
-        bad = next((q for q in run if not _port_free("0.0.0.0", q)), None)
+        bad = next((q for q in run if not port_free("0.0.0.0", q)), None)
         if bad is None:
             return run
         p = bad + 1

@@ -1,0 +1,151 @@
+"""A node's files over the verified SSH connection's SFTP session (no shell: an exec costs the node
+a login), each read bounded: what `Remote` (runner/ssh.py) offers for files."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import paramiko
+
+from runner import safe_path
+from runner.errors import UserError
+
+# What one command's stdout (and, apart, its stderr) or one file read whole may hold. The largest
+# honest ones: a batch of sha256sum lines (runner/digest.py), a listing of a run dir's files.
+MAX_OUTPUT = 8 << 20
+PROC_NET_LIMIT = 64 << 20  # /proc/net/tcp{,6}: 150 bytes a socket, a busy server has 100k of them
+# A listing bigger than this is not a run dir (a node answering with a tree that never ends).
+WALK_MAX_FILES = 1_000_000
+
+
+class NodeFiles:
+    """Mixed into Remote: needs its `client`, `node`, `_lock`, `_sftp` and `_home`."""
+
+    @property
+    def sftp(self) -> paramiko.SFTPClient:
+        with self._lock:
+            if self._sftp is None:
+                self._sftp = self.client.open_sftp()
+            return self._sftp
+
+    def makedirs(self, path: str, mode: int = 0o755) -> None:
+        """mkdir -p over SFTP (no shell: an exec costs a login shell on the node)."""
+        missing = []
+        p = path.rstrip("/")
+        while p and self.stat(p) is None:
+            missing.append(p)
+            p = os.path.dirname(p)
+        for d in reversed(missing):
+            try:
+                self.sftp.mkdir(d, mode)
+                self.sftp.chmod(d, mode)  # mkdir's mode is filtered by the server's umask
+            except OSError:
+                if self.stat(d) is None:
+                    raise UserError(f"node {self.node.name}: cannot create {d}") from None
+
+    def read_text(self, path: str, limit: int = MAX_OUTPUT) -> str | None:
+        """A file on the node (None when it cannot be read); one over limit bytes is the node's
+        error, named in one UserError, not a reason to hold whatever it holds."""
+        try:
+            with self.sftp.open(path, "r") as fh:
+                data = fh.read(limit + 1)  # to EOF or one byte past the limit, in paramiko's round trips
+        except OSError:
+            return None
+        if len(data) > limit:
+            raise UserError(f"node {self.node.name}: {path} is over {limit >> 20} MiB; refusing to read it")
+        return data.decode(errors="replace")
+
+    def listening_ports(self) -> set[int]:
+        """TCP ports in LISTEN state on the node, from /proc/net/tcp{,6} over SFTP (no shell)."""
+        return set(self.listeners())
+
+    def listeners(self) -> dict[int, set[str]]:
+        """{port: socket inodes} of the node's listening TCP sockets (/proc/net/tcp{,6}, over SFTP)."""
+        out: dict[int, set[str]] = {}
+        for f in ("/proc/net/tcp", "/proc/net/tcp6"):
+            for line in (self.read_text(f, PROC_NET_LIMIT) or "").splitlines()[1:]:
+                parts = line.split()
+                if len(parts) > 9 and parts[3] == "0A":
+                    out.setdefault(int(parts[1].rsplit(":", 1)[1], 16), set()).add(parts[9])
+        return out
+
+    def put_bytes(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        """Write a file on the node, created with mode (secrets are never 0644, not even while the
+        file is still empty: a reader that opened it then would read what comes later)."""
+        tmp = f"{path}.tmp-{os.getpid()}"
+        try:
+            self.sftp.remove(tmp)  # one a dead runner left: open below must create the file
+        except OSError:
+            pass
+        with self.create(tmp, mode) as fh:
+            fh.write(data)
+        self.sftp.posix_rename(tmp, path)
+
+    def create(self, path: str, mode: int) -> paramiko.SFTPFile:
+        """A new file on the node, opened for writing with its permissions given in the SFTP open
+        (sftp-server creates it with them, less its umask): paramiko's open() sends none, so the file
+        would exist 0644 until a chmod. Refused (OSError) when path exists."""
+        sftp = self.sftp
+        attrs = paramiko.SFTPAttributes()
+        attrs.st_mode = mode
+        flags = paramiko.sftp.SFTP_FLAG_WRITE | paramiko.sftp.SFTP_FLAG_CREATE | paramiko.sftp.SFTP_FLAG_EXCL
+        t, msg = sftp._request(paramiko.sftp.CMD_OPEN, sftp._adjust_cwd(path), flags, attrs)
+        if t != paramiko.sftp.CMD_HANDLE:
+            raise paramiko.SFTPError("Expected handle")
+        fh = paramiko.SFTPFile(sftp, msg.get_binary(), "wb")
+        try:
+            fh.chmod(mode)  # exactly mode, past the node's umask (the open made it no wider)
+        except BaseException:
+            fh.close()
+            raise
+        return fh
+
+    def stat(self, path: str) -> paramiko.SFTPAttributes | None:
+        try:
+            return self.sftp.stat(path)
+        except FileNotFoundError:
+            return None
+
+    def walk(self, root: str) -> list[tuple[str, paramiko.SFTPAttributes]]:
+        """All regular files under root as (relative path, attrs), via SFTP listdir_attr.
+
+        The listing is the node's word, so every name in it is checked before it becomes a path
+        (runner/safe_path.py: no '/', `..`, NUL or control character in a name, at most
+        PATH_MAX bytes a path) and the whole walk is bounded (WALK_MAX_FILES entries): a node
+        that answers otherwise is named in one UserError and nothing of its listing is used."""
+        out: list[tuple[str, paramiko.SFTPAttributes]] = []
+        stack = [""]
+        seen = 0
+        while stack:
+            rel = stack.pop()
+            try:
+                entries = self.sftp.listdir_attr(f"{root}/{rel}" if rel else root)
+            except FileNotFoundError:
+                continue
+            except UnicodeDecodeError:
+                raise UserError(f"node {self.node.name}: {root}/{rel}: the node listed a name that is not UTF-8; "
+                                "nothing taken from it (rename the file on the node)") from None
+            seen += len(entries)
+            if seen > WALK_MAX_FILES:
+                raise UserError(f"node {self.node.name}: {root}: more than {WALK_MAX_FILES:,} entries listed; "
+                                "nothing taken from it")
+            for e in entries:
+                r = f"{rel}/{e.filename}" if rel else e.filename
+                why = safe_path.name_error(e.filename) or safe_path.rel_error(r)
+                if why:
+                    raise UserError(f"node {self.node.name}: {root}: the node listed {safe_path.shown(r)} "
+                                    f"({why}); nothing taken from it")
+                if stat.S_ISDIR(e.st_mode or 0):
+                    stack.append(r)
+                elif stat.S_ISREG(e.st_mode or 0):
+                    out.append((r, e))
+        return out
+
+    @property
+    def home(self) -> str:
+        """The SSH user's home on the node (where SFTP starts), asked once."""
+        if self._home is None:
+            self._home = self.sftp.normalize(".")
+        return self._home
+
