@@ -8,7 +8,7 @@ Files arrive as plain files of the caller's: owners, setuid/setgid and sticky bi
 are dropped (a container's root could otherwise plant a setuid-root file under artifacts/).
 
 The bytes travel as one OpenSSH tar stream per batch (runner/stream.py, watched for stalls: a node
-that freezes mid-stream costs only its own files). Then runner/merge.py merges timelines, draws the
+that freezes mid-stream costs only its own files). Then runner/collect_report.py merges timelines, draws the
 plots and prints a summary. None of that imports torch: the host has none.
 """
 
@@ -27,13 +27,13 @@ from pathlib import Path
 
 import paramiko
 
-from contract.timeline import seed_to_chrome  # noqa: F401 - the format runner.merge writes merged timelines in
+from contract.timeline import seed_to_chrome  # noqa: F401 - the format runner.collect_report writes merged timelines in
 from runner import safe_path, stream
 from runner.cluster import Cluster
+from runner.collect_report import merge_timelines, render_plots, summarize
 from runner.digest import HASH_BATCH, remote_sha256, sha256_file
 from runner.errors import EXIT_PARTIAL, UserError
 from runner.inventory_arg import add_inventory_args, load
-from runner.merge import merge_timelines, render_plots, summarize
 from runner.node_runs import gather, resolve_run
 from runner.paths import node_paths
 from runner.ssh import Remote

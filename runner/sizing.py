@@ -4,7 +4,7 @@ anything starts, a plan in which a node cannot hold its pipeline stage.
 
 Torch-free. The job's shape comes from its config file, its trainer args and its env, read for the
 keys that size a stage (the trainer's defaults and seed-flag spellings for those keys, held equal to
-trainer/config/ and trainer/seed_flags.py by tests/test_sizing.py); the model from its preset
+trainer/config/ and trainer/config/flags.py by tests/test_sizing.py); the model from its preset
 (contract/presets.py) or, with model.path, from the config.json that job.sync sends there. The
 arithmetic is contract/model_size.py + contract/memory.py, the same `trainer --dry-run` prints.
 
@@ -50,7 +50,7 @@ DEFAULTS: dict[str, Any] = {
     "parallel.partition": "uniform_transformer", "parallel.virtual_stages": 1, "parallel.sharding": "ddp",
     "parallel.device": "auto",
 }
-# trainer/seed_flags.py's spellings of those keys: flags, switches (no value), env, YAML
+# trainer/config/flags.py's spellings of those keys: flags, switches (no value), env, YAML
 FLAGS = {
     "--batch_size": "train.batch_size", "--micro-batch-size": "train.batch_size", "--mbs": "train.batch_size",
     "--microbatch_num": "train.microbatch_num", "--num-microbatches": "train.microbatch_num",

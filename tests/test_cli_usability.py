@@ -19,8 +19,8 @@ from tests import REPO
 from tests.runner_helpers import subcommands
 from trainer.cli import main as trainer_main
 from trainer.config import Config, config_keys
+from trainer.config.flags import ENV_KEYS
 from trainer.config_doc import descriptions, render
-from trainer.seed_flags import ENV_KEYS
 
 VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
 

@@ -10,7 +10,7 @@ import pytest
 from tests import REPO
 from trainer.config import get_key, resolve
 from trainer.config.argv import parse_train_args
-from trainer.seed_flags import FLAGS, YAML_ALIASES
+from trainer.config.flags import FLAGS, YAML_ALIASES
 
 README = (REPO / "README.md").read_text()
 FLAGS_DOC = (REPO / "docs" / "flags.md").read_text()
@@ -36,7 +36,7 @@ def _readme_pairs() -> list[tuple[str, str]]:
 def test_readme_flag_table_matches_the_parser():
     pairs = _readme_pairs()
     listed = {name for name, _ in pairs}
-    assert listed == set(FLAGS) | set(YAML_ALIASES), "README table and trainer/seed_flags.py differ"
+    assert listed == set(FLAGS) | set(YAML_ALIASES), "README table and trainer/config/flags.py differ"
     for name, canonical in pairs:
         alias = FLAGS.get(name) or YAML_ALIASES[name]
         assert alias.canonical == canonical, name

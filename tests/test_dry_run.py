@@ -53,8 +53,8 @@ def test_every_paper_command_plans_on_the_meta_device(tmp_path, capsys, monkeypa
     import torch.distributed as dist
 
     from trainer.cli import main
+    from trainer.config.flags import ENV_KEYS
     from trainer.dry_run import format_plan
-    from trainer.seed_flags import ENV_KEYS
 
     for var in ENV_KEYS:  # the command line and the config alone, as on a fresh node
         monkeypatch.delenv(var, raising=False)

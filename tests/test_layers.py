@@ -8,6 +8,9 @@ contract/ (top level and inside functions alike) is read from the source with `a
   (the relay agent, sent as source over SSH to a node with any python3) or the standard library
   and torch (the worker's gate, in the image).
 
+- runner/ in layers, each importing only its own and the layers below it (RUNNER_LAYERS: the
+  command line, then the backends, the verbs, delivery/transport/profiling, the inventory, the
+  base); a module no layer names is an error, so a new module is placed on purpose;
 - no import circles anywhere in runner/, trainer/ or contract/: a module never needs, however
   indirectly, a module that needs it (imports inside functions count: a circle hidden in a
   function is still a circle, and it is what made the layout hard to cut into packages).
@@ -133,6 +136,71 @@ def test_the_cycle_checker_finds_a_circle_through_a_function_and_a_relative_impo
     assert set(import_cycle(tmp_path)) == {"runner.a", "runner.b", "runner.c", "runner.d"}
     (tmp_path / "runner/d.py").write_text("")
     assert import_cycle(tmp_path) is None
+
+
+# Top to bottom. A module belongs to the first layer naming it or its package.
+RUNNER_LAYERS = {
+    "cli": ["runner.cli", "runner.__main__", "runner.completion",
+            "runner.node_exec"],  # `exec` picks its backend itself (runner/backends.choose)
+    "backends": ["runner.backends"],
+    "verbs": ["runner.launch", "runner.status", "runner.down", "runner.collect", "runner.check", "runner.sync",
+              "runner.push", "runner.kube_export", "runner.profile_cli", "runner.notify", "runner.perseus",
+              "runner.watch", "runner.sandbox"],
+    "delivery, transport, profiling": [
+        "runner.relay", "runner.images", "runner.registry", "runner.resume_sync", "runner.push_result",
+        "runner.digest", "runner.stream", "runner.ssh", "runner.ssh_files", "runner.ssh_jump", "runner.docker_ssh",
+        "runner.cluster", "runner.node_probe", "runner.node_runs", "runner.rendezvous", "runner.run_owner",
+        "runner.plan", "runner.paths", "runner.host_engine", "runner.collect_report",
+        "runner.profile", "runner.profile_auto", "runner.profile_cache", "runner.partition_auto", "runner.sizing"],
+    "inventory, jobspec, runs": ["runner.inventory", "runner.inventory_arg", "runner.jobspec", "runner.runs",
+                                 "runner.redact"],
+    "base": ["runner.errors", "runner.fanout", "runner.node_output", "runner.safe_path", "runner.hostkeys",
+             "runner.perseus_server", "runner.gate", "runner.relay_agent", "runner"],
+}
+
+
+def layer_of(module: str, layers: dict[str, list[str]]) -> int | None:
+    for i, prefixes in enumerate(layers.values()):
+        # "runner" names the package's own __init__; "runner.inventory" its modules too
+        if any(module == p or ("." in p and module.startswith(p + ".")) for p in prefixes):
+            return i
+    return None
+
+
+def layer_violations(root: Path, layers: dict[str, list[str]] = RUNNER_LAYERS) -> list[str]:
+    """'a imports b (layer of a above ... never below)' for each import that goes up a layer, and
+    'a: in no layer' for each module of runner/ no layer names."""
+    names = list(layers)
+    graph = import_graph(root, ("runner",))
+    out = []
+    for mod in sorted(graph):
+        mine = layer_of(mod, layers)
+        if mine is None:
+            out.append(f"{mod}: in no layer (add it to RUNNER_LAYERS in tests/test_layers.py)")
+            continue
+        for dep in sorted(graph[mod]):
+            theirs = layer_of(dep, layers)
+            if theirs is not None and theirs < mine:
+                out.append(f"{mod} ({names[mine]}) imports {dep} ({names[theirs]}): a layer imports only itself "
+                           "and the layers below it")
+    return out
+
+
+def test_runner_imports_go_down_its_layers():
+    assert layer_violations(REPO) == []
+
+
+def test_the_layer_checker_finds_an_upward_import_and_an_unplaced_module(tmp_path):
+    layers = {"top": ["runner.cli"], "mid": ["runner.ssh"], "base": ["runner.errors", "runner"]}
+    files = {"runner/__init__.py": "", "runner/cli.py": "from runner import ssh\n",
+             "runner/ssh.py": "from runner.errors import E\n", "runner/errors.py": "def f():\n    import runner.cli\n",
+             "runner/stray.py": "", "trainer/__init__.py": "", "contract/__init__.py": ""}
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert layer_violations(tmp_path, layers) == [
+        "runner.errors (base) imports runner.cli (top): a layer imports only itself and the layers below it",
+        "runner.stray: in no layer (add it to RUNNER_LAYERS in tests/test_layers.py)"]
 
 
 MAX_MODULE_LINES, MAX_FUNCTION_LINES = 500, 80

@@ -153,10 +153,10 @@ def test_profiled_memory_and_a_synced_hub_snapshot(tmp_path, monkeypatch, capsys
 
 def test_the_runner_reads_the_sizing_keys_as_the_trainer_does():
     """Defaults, seed-flag spellings, env fallbacks and YAML aliases of the sizing keys are the
-    trainer's (trainer/config/, trainer/seed_flags.py); a job's settings resolve alike."""
+    trainer's (trainer/config/, trainer/config/flags.py); a job's settings resolve alike."""
     from trainer.config import Config, get_key, resolve
-    from trainer.seed_flags import ENV_KEYS, YAML_ALIASES
-    from trainer.seed_flags import FLAGS as TRAINER_FLAGS
+    from trainer.config.flags import ENV_KEYS, YAML_ALIASES
+    from trainer.config.flags import FLAGS as TRAINER_FLAGS
 
     cfg = Config()
     assert {k: v for k, v in DEFAULTS.items()} == {k: get_key(cfg, k) for k in DEFAULTS}

@@ -14,7 +14,7 @@ import yaml
 from tests.trainer_run import REPO, run_trainer, trainer_env
 from trainer.config import Config, ConfigError, get_key, resolve
 from trainer.config.argv import parse_train_args
-from trainer.seed_flags import FLAGS, YAML_ALIASES
+from trainer.config.flags import FLAGS, YAML_ALIASES
 
 
 def cfg_from(argv: list[str], env: dict[str, str] | None = None) -> Config:

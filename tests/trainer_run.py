@@ -125,7 +125,7 @@ def start_trainer(out_dir: Path, *args: str, nproc: int = 1, env: dict[str, str]
                             text=True, start_new_session=True)
 
 
-# --- holding a run at a known point (trainer/test_hold.py) ---------------------------------------
+# --- holding a run at a known point (trainer/hold.py) ---------------------------------------
 
 def hold_env(*points: str) -> dict[str, str]:
     """Env that holds every rank at each "POINT:STEP" until release() (e.g. hold_env("step:3"))."""

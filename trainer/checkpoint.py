@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from trainer import model_files, test_hold
+from trainer import hold, model_files
 from trainer.checkpoint_state import ModelOptimState, merged_model, model_signature, rng_state, set_rng_state
 from trainer.checkpoint_storage import MISSING_HINT, StorageLayout, agree_on_latest, probe, share_rank0_files
 from trainer.config import ConfigError
@@ -270,7 +270,7 @@ class Checkpointer:
             self.save(trainer)
         elif self.cfg.preempt_interval > 0 and step % self.cfg.preempt_interval == 0 and step < trainer.total_steps:
             self.save(trainer, preempt=True)
-        test_hold.hold("step", step, self.output_dir, _rank(),  # tests only (trainer/test_hold.py)
+        hold.hold("step", step, self.output_dir, _rank(),  # tests only (trainer/hold.py)
                        lambda: self.preemption is not None and self.preemption.received is not None)
 
     def on_train_end(self, trainer: Any) -> None:
@@ -366,7 +366,7 @@ class Checkpointer:
         rank, layout = _rank(), self.layout()
         share_rank0_files(tmp, layout, rank)  # per-node storage: .metadata etc. on every node
         self._write_manifest(tmp, rank)
-        test_hold.hold("save", step, self.output_dir, rank)  # tests only (trainer/test_hold.py)
+        hold.hold("save", step, self.output_dir, rank)  # tests only (trainer/hold.py)
         _barrier()  # every rank's files are on disk, on every node
         if layout.is_leader(rank):
             old = final.with_name(final.name + ".old")

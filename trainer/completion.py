@@ -14,7 +14,7 @@ def completion_parser(commands) -> argparse.ArgumentParser:
     """commands: the names `trainer COMMAND` takes (trainer/cli.py COMMANDS)."""
     from trainer.config import config_keys
     from trainer.config.argv import OWN_OPTIONS
-    from trainer.seed_flags import FLAGS
+    from trainer.config.flags import FLAGS
 
     p = argparse.ArgumentParser(prog="trainer", add_help=False, allow_abbrev=False)
     p.add_argument("command", nargs="?", choices=sorted(commands), help="command (default train)")

@@ -18,8 +18,8 @@ from typing import Any
 
 import yaml
 
-from trainer.config import schema as config_module
 from trainer.config import Config
+from trainer.config import schema as config_module
 
 HEADER = ("# Every trainer config key, its default and what it does (`trainer --print-config`).\n"
           "# Set a key in a YAML file given with --config, or with --section.key VALUE (docs/flags.md).\n")

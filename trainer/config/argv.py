@@ -1,5 +1,5 @@
 """The `train` command line: argv -> (config path, canonical (key, raw value) overrides), with
-seed flags (trainer/seed_flags.py) mapped to their keys and a close match named for a typo."""
+seed flags (trainer/config/flags.py) mapped to their keys and a close match named for a typo."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from trainer.config.schema import ConfigError
 
 def parse_train_args(argv: list[str]) -> tuple[str | None, list[tuple[str, Any]]]:
     """argv -> (config path, canonical (key, raw value) overrides in command-line order)."""
-    from trainer.seed_flags import FLAGS, model_name_key
+    from trainer.config.flags import FLAGS, model_name_key
 
     config_path: str | None = None
     overrides: list[tuple[str, Any]] = []
@@ -59,7 +59,7 @@ def _option_hint(name: str) -> str:
     """' (did you mean --train_steps?)', or where to look."""
     from contract.suggest import close_matches
     from trainer.config import config_keys
-    from trainer.seed_flags import FLAGS
+    from trainer.config.flags import FLAGS
 
     if name in OWN_OPTIONS:  # one of ours where it does not belong (--json without --dry-run)
         return " (see `trainer --help`)"

@@ -7,7 +7,7 @@ Precedence, lowest to highest: dataclass default < YAML file < environment varia
 
 Seed-compatible flags (`--train_steps`, `--max-steps`, `--mbs`, ...) and the FSDP stub's YAML keys
 (`dist.sharding_stage`, ...) are aliases of canonical dotted keys; the table is
-trainer/seed_flags.py and docs/flags.md.
+trainer/config/flags.py and docs/flags.md.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def resolve(config_path: str | None, overrides: list[tuple[str, Any]],
             environ: typing.Mapping[str, str] | None = None, check: bool = True) -> Config:
     """default < YAML < env < CLI; `overrides` are canonical (key, raw value) pairs from the CLI.
     check=False leaves out validate() (`--print-config` shows a partial config as it stands)."""
-    from trainer.seed_flags import ENV_KEYS
+    from trainer.config.flags import ENV_KEYS
 
     environ = os.environ if environ is None else environ
     cfg = Config()

@@ -191,7 +191,7 @@ def unknown_key(key: str) -> ConfigError:
     (`train.step`), a seed spelling's key (`model.layers` -> model.num_hidden_layers, as
     --num-layers), a mistyped section (`trian.steps`), a field without its section (`lr`)."""
     from contract.suggest import close_matches
-    from trainer.seed_flags import FLAGS
+    from trainer.config.flags import FLAGS
 
     keys = config_keys()
     section, _, name = key.rpartition(".")
@@ -310,7 +310,7 @@ DICT_KEYS = {"model.hf_overrides", "model.hf_config"}
 
 
 def apply_yaml(cfg: Config, path: str | Path) -> None:
-    from trainer.seed_flags import YAML_ALIASES, YAML_IGNORED
+    from trainer.config.flags import YAML_ALIASES, YAML_IGNORED
 
     p = Path(path)
     if not p.is_file():
