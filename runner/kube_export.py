@@ -203,7 +203,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args) -> int:
-    from runner.launch import new_run_id
+    from runner.runs import new_run_id
 
     job, nodes = _nodes_of(args.inventory, args.job, args.arch, args.gpus_per_node)
     refuse_for(job, "export --to kubernetes")

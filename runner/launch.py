@@ -45,18 +45,13 @@ from runner.profile_auto import pin_auto_partition
 from runner.redact import hide_job, printable
 from runner.rendezvous import choose_port, wait_listening
 from runner.resume_sync import CHECKPOINTS, sync_checkpoints
+from runner.runs import new_run_id
 from runner.sizing import check_sizing
 from runner.ssh import Remote
 from runner.watch import FAIL_STOP_GRACE_S, Watcher
 
 log = logging.getLogger("runner.up")
 RESUME_ARGS = ["--resume", "latest"]
-
-
-def new_run_id(now: float | None = None) -> str:
-    """Sortable by start time, unique enough for concurrent launches."""
-    t = datetime.fromtimestamp(now or time.time(), tz=timezone.utc)
-    return t.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

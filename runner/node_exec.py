@@ -25,8 +25,7 @@ from runner import runs
 from runner.backends import SCHEDULERS, choose
 from runner.errors import UserError
 from runner.inventory_arg import load
-from runner.perseus import LABEL_ROLE
-from runner.plan import LABEL_RUN
+from runner.plan import LABEL_ROLE, LABEL_RUN
 from runner.ssh import Remote
 
 # A shell in the container: bash where the image has it, else sh.

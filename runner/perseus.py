@@ -33,12 +33,11 @@ from dataclasses import replace
 from runner.errors import JobFailed, UserError
 from runner.inventory.perseus_spec import PerseusSpec
 from runner.node_runs import create_container
-from runner.plan import LABEL_PREFIX, OUT, NodePlan, Plan
+from runner.plan import LABEL_ROLE, OUT, NodePlan, Plan
 from runner.rendezvous import pick_master_port, wait_listening
 
 log = logging.getLogger("runner.up")
 
-LABEL_ROLE = f"{LABEL_PREFIX}.role"       # on the server's container: "perseus" (not a rank)
 PERSEUS_DIR = "perseus"                   # under the run dir: plans/ and dump/
 SERVER_PATH = "/opt/perseus"              # the server's environment in the trainer image
 

@@ -18,6 +18,7 @@ from runner.redact import MASK
 
 LABEL_PREFIX = "io.runner"
 LABEL_RUN = f"{LABEL_PREFIX}.run-id"
+LABEL_ROLE = f"{LABEL_PREFIX}.role"  # a container of the run that is not a rank: "perseus" (its server)
 LABEL_NODE = f"{LABEL_PREFIX}.node"
 LABEL_RANK = f"{LABEL_PREFIX}.rank"
 LABEL_NNODES = f"{LABEL_PREFIX}.nnodes"

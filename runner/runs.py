@@ -10,12 +10,21 @@ count: a label or directory with anything else in it is not a run, and never rea
 from __future__ import annotations
 
 import re
+import secrets
+import time
 from collections.abc import Iterable
+from datetime import datetime, timezone
 
 from runner.errors import UserError
 
 RUN_ID_RE = re.compile(r"\d{8}-\d{6}-[0-9a-f]{4}")
 RUN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,100}")
+
+
+def new_run_id(now: float | None = None) -> str:
+    """Sortable by start time, unique enough for concurrent launches."""
+    t = datetime.fromtimestamp(now or time.time(), tz=timezone.utc)
+    return t.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
 
 
 def is_run_name(name: str | None) -> bool:

@@ -21,8 +21,7 @@ from runner.inventory_arg import add_inventory_args, load
 from runner.node_output import LineSplitter, cells, log_chunks, visible
 from runner.node_runs import gather, node_progress, resolve_run, run_doc
 from runner.paths import node_paths
-from runner.perseus import LABEL_ROLE
-from runner.plan import LABEL_RANK, LABEL_RUN
+from runner.plan import LABEL_RANK, LABEL_ROLE, LABEL_RUN
 
 
 def _label_int(value) -> int | None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from runner import safe_path
-from runner.collect import collect_node, place_verified
+from runner.collect_files import collect_node, place_verified
 from runner.digest import sha256_file
 from runner.errors import UserError
 from runner.ssh import Remote
@@ -303,7 +303,7 @@ def test_slurm_local_collect_keeps_files_under_the_destination(tmp_path):
     """Without a login node the shared filesystem is read here: a link already in artifacts/ must
     not carry a run's file out of it."""
     from runner.backends.slurm.collect import mirror_local
-    from runner.collect import NodeCollect
+    from runner.collect_files import NodeCollect
 
     src = tmp_path / "shared" / "runs" / RUN
     (src / "sub").mkdir(parents=True)

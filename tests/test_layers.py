@@ -148,6 +148,7 @@ RUNNER_LAYERS = {
               "runner.watch", "runner.sandbox"],
     "delivery, transport, profiling": [
         "runner.relay", "runner.images", "runner.registry", "runner.resume_sync", "runner.push_result",
+        "runner.collect_files",
         "runner.digest", "runner.stream", "runner.ssh", "runner.ssh_files", "runner.ssh_jump", "runner.docker_ssh",
         "runner.cluster", "runner.node_probe", "runner.node_runs", "runner.rendezvous", "runner.run_owner",
         "runner.plan", "runner.paths", "runner.host_engine", "runner.collect_report",

@@ -391,7 +391,7 @@ def test_remote_sha256_checks_the_exit_code(sandbox, pieces_run):
     odd = ["a b.txt", "back\\slash", "new\nline"]
     for name in odd:
         (rd / name).write_bytes(name.encode())
-    from runner.collect import remote_sha256
+    from runner.collect_files import remote_sha256
 
     try:
         with connect(sandbox, "node-0") as remote:
@@ -410,7 +410,7 @@ def test_remote_sha256_checks_the_exit_code(sandbox, pieces_run):
 def test_collect_file_vanished_after_listing_is_skipped_not_failed(sandbox, pieces_run, tmp_path):
     """Listed, then deleted before hashing (a rotated checkpoint): skipped and counted, no error;
     a listed file that cannot be hashed but still exists is an error naming it."""
-    from runner.collect import NodeCollect, _collect_batch
+    from runner.collect_files import NodeCollect, _collect_batch
 
     rd = node_workdir(sandbox, "node-2") / "runs" / pieces_run
     gone = rd / "ckpt-old.bin"

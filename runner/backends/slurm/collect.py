@@ -17,7 +17,7 @@ from pathlib import Path
 from runner import safe_path
 from runner.backends.slurm.jobs import resolve_run, workdir
 from runner.backends.slurm.shell import LocalShell, LoginShell, open_shell
-from runner.collect import (
+from runner.collect_files import (
     MANIFEST,
     NodeCollect,
     collect_error,

@@ -78,7 +78,7 @@ def _up(args, inv: SlurmInventory, secrets: dict[str, str], outcome) -> int:
                                     f"`runner down {run_id} -i {inv.path}` first")
             submission = len(rec.get("submissions", [])) + 1
         else:
-            from runner.launch import new_run_id
+            from runner.runs import new_run_id
 
             run_id = new_run_id()
         facts = _facts(sh, inv, wd)

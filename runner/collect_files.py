@@ -1,0 +1,191 @@
+"""A run dir's files brought from a node: listed over SFTP (every name checked), only what is new or
+changed since the last collect (the manifest), streamed as one tar per batch and each file
+verified by its sha256 before it takes its place; then the report (merged timelines, plots,
+summary) both backends print."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import shutil
+import stat
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import paramiko
+
+from runner import safe_path, stream
+from runner.collect_report import merge_timelines, render_plots, summarize
+from runner.digest import HASH_BATCH, remote_sha256, sha256_file
+from runner.errors import UserError
+from runner.paths import node_paths
+from runner.ssh import Remote
+
+log = logging.getLogger("runner.collect")
+MANIFEST = ".collect-manifest.json"
+MAX_ERRORS_SHOWN = 5
+# The local tar takes nothing from the node but names and bytes: files owned by whoever collects.
+UNTAR = ["tar", "-x", "--no-same-owner", "--no-same-permissions", "--no-overwrite-dir"]
+
+@dataclass
+class NodeCollect:
+    node: str
+    files: int = 0
+    copied: int = 0
+    skipped: int = 0
+    vanished: int = 0
+    bytes_copied: int = 0
+    dest: str = ""
+    errors: list[str] = field(default_factory=list)
+
+
+def _unchanged(local: Path, m: dict | None, st: paramiko.SFTPAttributes) -> bool:
+    if not (m and local.exists() and m.get("size") == st.st_size and m.get("mtime") == st.st_mtime):
+        return False
+    ls = local.stat()
+    return ls.st_size == st.st_size and int(ls.st_mtime) == int(st.st_mtime or 0)
+
+
+def collect_node(remote: Remote, run_id: str, dest_root: Path, progress=None) -> NodeCollect:
+    rd = node_paths(remote.node, remote.home).run(run_id)
+    dest = dest_root / run_id / remote.node.name
+    res = NodeCollect(remote.node.name, dest=str(dest))
+    files = remote.walk(rd)
+    res.files = len(files)
+    if not files:
+        return res
+    dest.mkdir(parents=True, exist_ok=True)
+    man_path = dest / MANIFEST
+    manifest: dict[str, dict] = json.loads(man_path.read_text()) if man_path.exists() else {}
+    # Every name was checked by the walk (runner/ssh.py); placing checks where each one resolves.
+    todo = [(rel, st) for rel, st in files if not _unchanged(dest / rel, manifest.get(rel), st)]
+    res.skipped = len(files) - len(todo)
+    task = progress.add_task(remote.node.name, total=sum(st.st_size or 0 for _, st in todo) or 1) if progress else None
+    try:
+        for i in range(0, len(todo), HASH_BATCH):
+            _collect_batch(remote, rd, dest, todo[i:i + HASH_BATCH], manifest, res, progress, task)
+    finally:  # what was verified so far counts, even when a later batch failed
+        tmp = man_path.with_name(man_path.name + ".tmp")
+        tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        tmp.replace(man_path)
+    return res
+
+
+def _collect_batch(remote: Remote, rd: str, dest: Path, batch: list, manifest: dict, res: NodeCollect,
+                   progress, task) -> None:
+    staging = dest / f".collect-staging-{os.getpid()}"
+    # The node hashes while the same files stream here (both from its page cache): the two
+    # passes overlap instead of adding up.
+    pool = ThreadPoolExecutor(1)
+    try:
+        hashing = pool.submit(remote_sha256, remote, rd, [r for r, _ in batch], sum(st.st_size or 0 for _, st in batch))
+        stream_tar(remote, rd, [r for r, _ in batch], staging, progress, task)
+        sums, failed = hashing.result()
+        _place_batch(remote, rd, dest, staging, batch, sums, failed, manifest, res)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)  # a stalled stream does not wait for its hashes
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _place_batch(remote: Remote, rd: str, dest: Path, staging: Path, batch: list, sums: dict, failed: dict,
+                 manifest: dict, res: NodeCollect) -> None:
+    todo = []
+    for rel, st in batch:
+        if rel not in failed:
+            todo.append((rel, st))
+        elif remote.stat(f"{rd}/{rel}") is None:  # deleted since the listing (e.g. checkpoint rotation)
+            log.warning("node %s: %s vanished during collect; not collected", remote.node.name, rel)
+            res.vanished += 1
+            manifest.pop(rel, None)
+        else:
+            res.errors.append(f"{rel}: cannot hash on the node: {failed[rel]}")
+    for rel, st in todo:
+        try:
+            place_verified(staging, dest, rel, st.st_size or 0, sums[rel], st.st_mtime)
+        except (OSError, ValueError) as exc:
+            manifest.pop(rel, None)
+            res.errors.append(f"{rel}: {exc}")
+            continue
+        manifest[rel] = {"size": st.st_size, "mtime": st.st_mtime, "sha256": sums[rel]}
+        res.copied += 1
+        res.bytes_copied += st.st_size or 0
+
+
+def stream_tar(remote: Remote, rd: str, rels: list[str], staging: Path, progress=None, task=None) -> None:
+    """The node tars the files (names NUL-separated on stdin), OpenSSH carries the stream, a local
+    tar unpacks it into staging. Files the node's tar could not read are simply absent from
+    staging; the caller verifies every file."""
+    staging.mkdir(parents=True, exist_ok=True)
+    on_chunk = (lambda n: progress.update(task, advance=n)) if progress is not None else None
+    res = stream.ssh_stream(remote, f"cd {shlex.quote(rd)} && tar --null -T - -cf -",
+                            [[*UNTAR, "-C", str(staging), "-f", "-"]], upload=False,
+                            stdin_data=b"\0".join(r.encode() for r in rels), on_chunk=on_chunk)
+    if res.stalled:
+        raise UserError(f"node {remote.node.name}: the stream of files from {rd} stalled (nothing for "
+                        f"{stream.STALL_S:.0f}s; node frozen or link down); stopped it, rerun collect")
+    if res.ssh_rc == 255 and not res.moved:
+        raise UserError(f"node {remote.node.name}: the file stream did not connect: {res.ssh_err or 'ssh failed'}")
+    if res.unfinished or any(res.local_rcs):
+        raise UserError(f"node {remote.node.name}: unpacking the files from {rd} failed: "
+                        f"{(res.local_err or res.ssh_err)[-200:]}")
+    if res.ssh_rc:  # e.g. a file gone since the listing: verification names each one
+        log.debug("node %s: tar over ssh exited %s: %s", remote.node.name, res.ssh_rc, res.ssh_err)
+
+
+def place_verified(staging: Path, dest: Path, rel: str, size: int, want: str, mtime: float | None) -> None:
+    """Move staging/rel to dest/rel only if it is a regular file with the node's size and sha256,
+    and both paths stay under their roots through any link on the way (the node's stream may carry
+    links into staging; a link may already sit in dest); raise ValueError/OSError otherwise,
+    leaving an older good copy as it was."""
+    staged = safe_path.under(staging, rel)
+    local = safe_path.under(dest, rel)
+    try:
+        st = os.lstat(staged)
+    except FileNotFoundError:
+        st = None
+    if st is None or not stat.S_ISREG(st.st_mode):
+        raise ValueError("not transferred as a regular file (removed, replaced or unreadable on the node since "
+                         "it was listed; rerun collect when the run has finished)")
+    if st.st_size != size:
+        raise ValueError(f"size {st.st_size} bytes after transfer, {size} on the node (still being written? "
+                         "rerun collect when the run has finished)")
+    if sha256_file(staged) != want:
+        raise ValueError("sha256 after transfer differs from the node's (changed during transfer? "
+                         "rerun collect when the run has finished)")
+    os.chmod(staged, stat.S_IMODE(st.st_mode) & 0o777 & ~_UMASK)  # no setuid/setgid/sticky from the node
+    if mtime is not None:
+        os.utime(staged, (mtime, mtime))
+    local.parent.mkdir(parents=True, exist_ok=True)
+    staged.replace(local)
+
+
+def _umask() -> int:
+    m = os.umask(0)
+    os.umask(m)
+    return m
+
+
+_UMASK = _umask()
+
+
+# ---------------------------------------------------------------------------- CLI
+
+def report(results: list, run_dir: Path, no_plots: bool) -> None:
+    """One line per node collected, then (unless no_plots) merged timelines and plots, then the
+    run's summary. What did arrive is merged, plotted and summarised even when a node failed or was away."""
+    for r in results:
+        print(f"{r.node:12s} {r.files:5d} files: {r.copied} copied ({r.bytes_copied / 1e6:.2f} MB, size and sha256 "
+              f"verified), {r.skipped} unchanged" + (f", {r.vanished} vanished" if r.vanished else "") + f"  -> {r.dest}")
+    if not no_plots and run_dir.is_dir():
+        merge_timelines(run_dir)
+        render_plots(run_dir)
+    for line in summarize(run_dir):
+        print(line)
+
+
+def collect_error(run_id: str, errors: list[str]) -> str:
+    more = f" (+{len(errors) - MAX_ERRORS_SHOWN} more)" if len(errors) > MAX_ERRORS_SHOWN else ""
+    return f"collect {run_id}: " + "; ".join(errors[:MAX_ERRORS_SHOWN]) + more
