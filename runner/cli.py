@@ -108,7 +108,7 @@ def unrecognized(parser: argparse.ArgumentParser, extra: list[str], argv: list[s
     flags = [w.partition("=")[0] for w in extra if w.startswith("-")]
     notes, trainer_like = [], []
     for flag in flags:
-        # An abbreviation of one option (what allow_abbrev used to accept) or a close spelling
+        # An abbreviation of one option (what argparse's allow_abbrev would accept) or a close spelling
         # is surely the runner's; a weak likeness may be a trainer flag as well.
         sure = [o for o in options if o.startswith(flag) and len(flag) > 2] or close_matches(flag, options, cutoff=0.75)
         near = sure or close_matches(flag, options)

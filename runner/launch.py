@@ -178,7 +178,7 @@ class Launcher:
 
     def image_gates(self, cl: Cluster, probes: dict[str, Probe]) -> dict[str, bool]:
         """Which nodes' images carry runner.gate (label io.runner.gate=1): their workers can start
-        with the master. Others (an image of the user's own) start after it, as before. Without a
+        with the master. Others (an image of the user's own) start once it listens. Without a
         push (--no-push) a node that lacks its image is refused here, before anything is made."""
         from runner.images import node_image_labels
 

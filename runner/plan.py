@@ -255,7 +255,7 @@ def container_user(node: Node, f: Facts, strict: bool) -> str | None:
     """What the node's container runs as: the SSH user's uid:gid, so whatever the run writes on
     the node is the user's (it can copy into it on resume, remove it); None for root, which keeps
     the image's own user. A dry-run shows it unprobed (unless the inventory's user is root); a
-    launch whose probe could not tell (no `id` on the node) keeps the image's user, as before."""
+    launch whose probe could not tell (no `id` on the node) keeps the image's user."""
     if f.uid is None or f.gid is None:
         return None if strict or node.user == "root" else UNPROBED
     return None if f.uid == 0 else f"{f.uid}:{f.gid}"

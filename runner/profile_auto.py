@@ -1,5 +1,5 @@
 """`parallel.partition: auto` in `runner up`: profile the nodes (cached), choose the split
-(runner/partition_auto.py) and hand it to the trainer as `--parallel.partition custom:...`, which its
+(runner/pipeline_split.py) and hand it to the trainer as `--parallel.partition custom:...`, which its
 config.yaml then records. The runner also writes the split and the profile it came from to
 `partition.json` in the run dir; `up --resume` reads it back there, so a resumed run keeps its split
 even if the nodes measure differently today.
@@ -20,7 +20,7 @@ import yaml
 from contract.partition import uniform_bounds
 from runner.errors import UserError
 from runner.inventory import Inventory, Job
-from runner.partition_auto import (
+from runner.pipeline_split import (
     Link,
     Problem,
     Split,

@@ -121,7 +121,7 @@ def pump(src, dst, dog: Watchdog, on_chunk: Callable[[int], None] | None = None)
 
 
 @dataclass
-class Result:
+class StreamResult:
     moved: int = 0
     broken: bool = False      # the receiving side closed mid-stream
     stalled: bool = False     # the watchdog killed it
@@ -134,13 +134,13 @@ class Result:
 
 def ssh_stream(remote: Remote, remote_cmd: str, local: list[list[str]], *, upload: bool,
                stdin_data: bytes | None = None, on_chunk: Callable[[int], None] | None = None,
-               stall_s: float | None = None, aes: bool = False, finish_s: float = 600.0) -> Result:
+               stall_s: float | None = None, aes: bool = False, finish_s: float = 600.0) -> StreamResult:
     """upload=True: the chain `local[0] | local[1] ...` feeds `remote_cmd` on the node.
     upload=False: `remote_cmd`'s output feeds local[0]; stdin_data (e.g. file names) goes to
     remote_cmd's stdin meanwhile. finish_s: how long the receiver may take after the last byte
     (a `docker load` still unpacking). Returns what happened; the caller words the error."""
     stall = STALL_S if stall_s is None else stall_s
-    res = Result()
+    res = StreamResult()
     ssh_err, local_err = StderrTail(), StderrTail()
     procs: list[subprocess.Popen] = []
     # Compression only pays off on real links (on loopback it burns the cores both ends share),

@@ -22,8 +22,8 @@ from runner.plan import Plan
 from runner.ssh import Remote
 
 log = logging.getLogger("runner.watch")
-# A failed or lost node must have every other container of the run stopped within STOP_BUDGET_S
-# (issue 7). A lost node is noticed at most HEARTBEAT_S + HEARTBEAT_TIMEOUT_S after its last answer;
+# A failed or lost node must have every other container of the run stopped within STOP_BUDGET_S.
+# A lost node is noticed at most HEARTBEAT_S + HEARTBEAT_TIMEOUT_S after its last answer;
 # what remains of the budget, less STOP_MARGIN_S for SIGKILL + remove over SSH, is the grace
 # between SIGTERM and SIGKILL (at most FAIL_STOP_GRACE_S: after a failure the job is lost anyway).
 STOP_BUDGET_S = 10.0

@@ -26,7 +26,7 @@ from pathlib import Path
 import psutil
 
 from runner.hostkeys import known_hosts_name
-from runner.sandbox.cluster import SSHD, Node, Sandbox, _sshd_config
+from runner.sandbox.cluster import SSHD, Sandbox, SandboxNode, _sshd_config
 from runner.sandbox.processes import read_pid, run
 
 HOST_NET = ipaddress.IPv4Network("10.251.0.0/16")   # this machine <-> bastion, /30 each
@@ -108,12 +108,12 @@ class BastionNet:
         return str(self.host_net[1])
 
     @property
-    def bastion(self) -> Node:
-        return Node(0, str(self.host_net[2]), 22, self.state / "bastion", self.state / "bastion", light=True)
+    def bastion(self) -> SandboxNode:
+        return SandboxNode(0, str(self.host_net[2]), 22, self.state / "bastion", self.state / "bastion", light=True)
 
     @property
-    def nodes(self) -> list[Node]:
-        return [Node(i, str(self.nodes_net[1 + i]), NODE_PORT, self.state / f"node-{i}", self.state / f"node-{i}", light=True)
+    def nodes(self) -> list[SandboxNode]:
+        return [SandboxNode(i, str(self.nodes_net[1 + i]), NODE_PORT, self.state / f"node-{i}", self.state / f"node-{i}", light=True)
                 for i in range(1, self.n + 1)]
 
     # -- up / down --------------------------------------------------------------------------
@@ -157,7 +157,7 @@ class BastionNet:
         self.known_hosts.write_text("".join(
             f"{known_hosts_name(nd.addr, nd.port)} {self.host_key(nd)}\n" for nd in [self.bastion, *self.nodes]))
 
-    def _start(self, nd: Node, ns: str) -> None:
+    def _start(self, nd: SandboxNode, ns: str) -> None:
         nd.root.mkdir(parents=True, exist_ok=True)
         for kind, key in (("ed25519", nd.host_key), ("ecdsa", nd.host_key_ecdsa)):
             if not key.exists():
@@ -172,7 +172,7 @@ class BastionNet:
             time.sleep(0.05)
 
     @staticmethod
-    def host_key(nd: Node) -> str:
+    def host_key(nd: SandboxNode) -> str:
         """'ssh-ed25519 AAAA...' of a node."""
         return " ".join(Path(f"{nd.host_key}.pub").read_text().split()[:2])
 

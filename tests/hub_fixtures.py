@@ -17,7 +17,7 @@ from typing import Any
 
 from tests import REPO
 
-CORPUS = REPO / "trainer" / "data" / "corpus.txt"
+CORPUS = REPO / "trainer" / "corpus" / "corpus.txt"
 REV = "0123456789abcdef0123456789abcdef01234567"
 # A Qwen-style template (what Qwen3's chat_template.jinja writes for plain turns).
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -115,7 +115,7 @@ def finish_run(inventory: Path, run_id: str) -> None:
 # --- the sandbox's processes, for failure tests (a node made unreachable, then brought back) ----
 
 def sandbox_node(inventory: Path, node: str):
-    """runner.sandbox.Node of an inventory written by `runner sandbox up` (its state dir holds the
+    """runner.sandbox.node.SandboxNode of an inventory written by `runner sandbox up` (its state dir holds the
     identity file the inventory names)."""
     from runner.sandbox.cluster import Sandbox
 

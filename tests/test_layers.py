@@ -152,7 +152,7 @@ RUNNER_LAYERS = {
         "runner.digest", "runner.stream", "runner.ssh", "runner.ssh_files", "runner.ssh_jump", "runner.docker_ssh",
         "runner.cluster", "runner.node_probe", "runner.node_runs", "runner.rendezvous", "runner.run_owner",
         "runner.plan", "runner.paths", "runner.host_engine", "runner.collect_report",
-        "runner.profile", "runner.profile_auto", "runner.profile_cache", "runner.partition_auto", "runner.sizing"],
+        "runner.profile", "runner.profile_auto", "runner.profile_cache", "runner.pipeline_split", "runner.sizing"],
     "inventory, jobspec, runs": ["runner.inventory", "runner.inventory_arg", "runner.jobspec", "runner.runs",
                                  "runner.redact"],
     "base": ["runner.errors", "runner.fanout", "runner.node_output", "runner.safe_path", "runner.hostkeys",

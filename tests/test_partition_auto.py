@@ -1,4 +1,4 @@
-"""parallel.partition auto, the planner (runner/partition_auto.py): the dynamic programme against
+"""parallel.partition auto, the planner (runner/pipeline_split.py): the dynamic programme against
 brute force on random profiles (same bottleneck, same split under the tie rule), memory limits,
 the one-line errors, and the mapping of a measured profile onto stages (runner/profile_auto.py)."""
 
@@ -13,7 +13,7 @@ import pytest
 from contract.partition import uniform_bounds
 from runner.errors import UserError
 from runner.inventory import Inventory, Job, Node
-from runner.partition_auto import (
+from runner.pipeline_split import (
     INF,
     Link,
     Problem,

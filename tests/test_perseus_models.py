@@ -200,7 +200,7 @@ def test_t5_text_blocks_are_input_then_target():
     from tests.trainer_run import REPO
     from trainer.data import build_data, load_texts, load_tokenizer, pack
 
-    dcfg = DataConfig(source=str(REPO / "trainer" / "data" / "corpus.txt"), seq_len=16, tokenizer_vocab_size=300)
+    dcfg = DataConfig(source=str(REPO / "trainer" / "corpus" / "corpus.txt"), seq_len=16, tokenizer_vocab_size=300)
     texts = load_texts(dcfg)
     tok = load_tokenizer(dcfg, texts)
     hf = build_hf_config(ModelConfig(preset="tiny-t5"), tok.vocab_size)[1]

@@ -10,7 +10,7 @@ from trainer.config import ConfigError, DataConfig, ModelConfig
 from trainer.data import build_data, load_texts, load_tokenizer, pack
 from trainer.models import model_spec
 
-CORPUS = REPO / "trainer" / "data" / "corpus.txt"
+CORPUS = REPO / "trainer" / "corpus" / "corpus.txt"
 
 
 def _stream(task="causal_lm", preset="tiny-llama", rank=0, dp=1, local=4, seed=5, source="synthetic", **kw):

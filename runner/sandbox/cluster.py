@@ -42,7 +42,7 @@ import yaml
 from runner.errors import UserError
 from runner.sandbox.accounts import engine_group, ensure_account
 from runner.sandbox.net import SandboxNet, parse_shape
-from runner.sandbox.node import Node
+from runner.sandbox.node import SandboxNode
 from runner.sandbox.processes import (
     is_proc,
     port_free,
@@ -112,13 +112,13 @@ class Sandbox:
     def net(self) -> SandboxNet | None:
         return SandboxNet.for_state_dir(self.state) if self.net_spec is not None else None
 
-    def node(self, i: int) -> Node:
+    def node(self, i: int) -> SandboxNode:
         net = self.net
         addr = net.addr(i) if net else str(ipaddress.IPv4Address(self.base_addr) + i)
-        return Node(i, addr, self.port, self.state / f"node-{i}", self.run_root / f"node-{i}", self.light,
+        return SandboxNode(i, addr, self.port, self.state / f"node-{i}", self.run_root / f"node-{i}", self.light,
                     self.user_dir / f"node-{i}" if self.user_dir else None)
 
-    def existing_nodes(self) -> list[Node]:
+    def existing_nodes(self) -> list[SandboxNode]:
         if not self.state.is_dir():
             return []
         idx = sorted(int(p.name.split("-")[1]) for p in self.state.glob("node-*") if p.name[5:].isdigit())
@@ -134,7 +134,7 @@ class Sandbox:
         return (yaml.safe_load(f.read_text()) or {}) if f.exists() else {}
 
     # ---- up -------------------------------------------------------------------------------
-    def up(self, n: int, inventory: Path | None, cpus: list[float] | None = None) -> list[Node]:
+    def up(self, n: int, inventory: Path | None, cpus: list[float] | None = None) -> list[SandboxNode]:
         """cpus: per node (Docker --cpus of the job's container, written into the inventory)."""
         self._check_args(n)
         meta = self._read_meta()
@@ -167,7 +167,7 @@ class Sandbox:
         self._ensure_user_key()
         if account is not None:
             self._ensure_user_files(account, nodes)
-        started: list[Node] = []
+        started: list[SandboxNode] = []
         try:
             for nd in nodes:
                 # Counted as started BEFORE _start_node: if its sshd fails after its dockerd came
@@ -231,7 +231,7 @@ class Sandbox:
         self.authorized_keys.write_text(Path(f"{self.user_key}.pub").read_text())
         os.chmod(self.authorized_keys, 0o600)
 
-    def _ensure_user_files(self, account: pwd.struct_passwd, nodes: list[Node]) -> None:
+    def _ensure_user_files(self, account: pwd.struct_passwd, nodes: list[SandboxNode]) -> None:
         """The account's own: its sandbox dir, the authorized key (0600) and each node's workdir."""
         uid, gid = account.pw_uid, account.pw_gid
         for d in (self.user_dir, *(nd.workdir for nd in nodes)):
@@ -242,7 +242,7 @@ class Sandbox:
         os.chown(keys, uid, gid)
         os.chmod(keys, 0o600)
 
-    def _start_node(self, nd: Node) -> bool:
+    def _start_node(self, nd: SandboxNode) -> bool:
         """Start what is not running; True if anything was started."""
         for d in (nd.root, nd.workdir, nd.run) + (() if nd.light else (nd.data_root, nd.exec_root)):
             d.mkdir(parents=True, exist_ok=True)  # (--user: made and chowned by _ensure_user_files)
@@ -278,7 +278,7 @@ class Sandbox:
             started = True
         return started
 
-    def _listening(self, nd: Node) -> bool:
+    def _listening(self, nd: SandboxNode) -> bool:
         """Its sshd accepts connections: bound here on loopback; in a namespace, reached over the bridge."""
         if self.net_spec is None:
             return not port_free(nd.addr, nd.port)
@@ -286,7 +286,7 @@ class Sandbox:
             s.settimeout(1.0)
             return s.connect_ex((nd.addr, nd.port)) == 0
 
-    def _in_node(self, nd: Node) -> list[str]:
+    def _in_node(self, nd: SandboxNode) -> list[str]:
         """argv prefix running a node's daemon inside its network namespace (none on loopback)."""
         net = self.net
         return net.exec_prefix(nd.index) if net is not None else []
@@ -306,7 +306,7 @@ class Sandbox:
     def net_of_meta(self) -> SandboxNet | None:
         return SandboxNet.for_state_dir(self.state) if self._read_meta().get("net") is not None else None
 
-    def _wait_ready(self, nd: Node, timeout: float = 60.0) -> None:
+    def _wait_ready(self, nd: SandboxNode, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._sshd_alive(nd) and self._listening(nd) and (nd.light or self._docker_alive(nd)):
@@ -315,7 +315,7 @@ class Sandbox:
         raise UserError(f"{nd.name} did not come up within {timeout:.0f} s "
                         f"(see {nd.root}/sshd.log and {nd.root}/dockerd.log)")
 
-    def _write_known_hosts(self, nodes: list[Node]) -> None:
+    def _write_known_hosts(self, nodes: list[SandboxNode]) -> None:
         lines = []
         for nd in nodes:
             kind, key = Path(f"{nd.host_key}.pub").read_text().split()[:2]
@@ -345,7 +345,7 @@ class Sandbox:
             net.destroy()
         return stopped
 
-    def _stop_node(self, nd: Node) -> bool:
+    def _stop_node(self, nd: SandboxNode) -> bool:
         did = False
         if self._docker_alive(nd):
             # Containers first: a stopped engine would leave their shims behind.
@@ -392,16 +392,16 @@ class Sandbox:
         return rows
 
     # ---- liveness -------------------------------------------------------------------------
-    def _node_running(self, nd: Node) -> bool:
+    def _node_running(self, nd: SandboxNode) -> bool:
         return self._sshd_alive(nd) or self._docker_alive(nd)
 
     @staticmethod
-    def _sshd_alive(nd: Node) -> bool:
+    def _sshd_alive(nd: SandboxNode) -> bool:
         pid = read_pid(nd.sshd_pid)
         return bool(pid and psutil.pid_exists(pid) and is_proc(pid, "sshd"))
 
     @staticmethod
-    def _docker_alive(nd: Node) -> bool:
+    def _docker_alive(nd: SandboxNode) -> bool:
         pid = read_pid(nd.docker_pid)
         if not (pid and psutil.pid_exists(pid) and is_proc(pid, "dockerd")):
             return False
@@ -409,7 +409,7 @@ class Sandbox:
                               capture_output=True).returncode == 0
 
 
-def write_inventory(path: Path, nodes: list[Node], sb: Sandbox, cpus: list[float] | None = None) -> None:
+def write_inventory(path: Path, nodes: list[SandboxNode], sb: Sandbox, cpus: list[float] | None = None) -> None:
     """The inventory `runner` consumes for the sandbox: real SSH, verified host keys."""
     doc = {
         # ssh_config none: the sandbox's own nodes; a user's `Host *` ProxyJump must not apply.
@@ -431,7 +431,7 @@ def write_inventory(path: Path, nodes: list[Node], sb: Sandbox, cpus: list[float
     path.write_text(header + yaml.safe_dump(doc, sort_keys=False, default_flow_style=None, width=120))
 
 
-def _sshd_config(nd: Node, authorized_keys: Path, root_login: bool = True) -> str:
+def _sshd_config(nd: SandboxNode, authorized_keys: Path, root_login: bool = True) -> str:
     return f"""# sandbox {nd.name}: written by runner sandbox
 ListenAddress {nd.addr}:{nd.port}
 HostKey {nd.host_key}

@@ -9,7 +9,7 @@ from runner.host_engine import host_engine
 
 
 @dataclass(frozen=True)
-class Node:
+class SandboxNode:
     index: int
     addr: str
     port: int
