@@ -200,7 +200,7 @@ def test_workers_never_join_a_listener_that_is_not_the_masters(sandbox, pushed, 
     """Someone else listens on the master port once the master's container exists: the runner
     does not take that for the master's store (no worker gets the go); the master's own failure
     to bind is the job's failure (exit 4), not a user error."""
-    from runner import launch as launch_mod
+    from runner.backends.ssh import launch as launch_mod
 
     held: list[socket.socket] = []
     real_create = launch_mod.create_container

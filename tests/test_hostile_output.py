@@ -245,7 +245,7 @@ def test_following_a_24_mib_line_holds_kilobytes_not_the_line(sandbox, pushed, t
     one buffer grew to the whole line and was split again on every 16 KiB frame (quadratic; at
     32 MiB the heartbeat starved and the node was declared lost). Bound: 8 MiB, a third of the line
     (paramiko's channel window alone may hold 2 MiB)."""
-    from runner.watch import Watcher
+    from runner.backends.ssh.watch import Watcher
 
     long = 24 << 20
     r = remotes(sandbox)["node-0"]

@@ -143,9 +143,8 @@ RUNNER_LAYERS = {
     "cli": ["runner.cli", "runner.__main__", "runner.completion",
             "runner.node_exec"],  # `exec` picks its backend itself (runner/backends.choose)
     "backends": ["runner.backends"],
-    "verbs": ["runner.launch", "runner.status", "runner.down", "runner.collect", "runner.check", "runner.sync",
-              "runner.push", "runner.kube_export", "runner.profile_cli", "runner.notify", "runner.perseus",
-              "runner.watch", "runner.sandbox"],
+    "verbs": ["runner.check", "runner.sync", "runner.push", "runner.kube_export", "runner.profile_cli",
+              "runner.notify", "runner.sandbox"],
     "delivery, transport, profiling": [
         "runner.relay", "runner.images", "runner.registry", "runner.resume_sync", "runner.push_result",
         "runner.collect_files",

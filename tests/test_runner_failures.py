@@ -157,7 +157,7 @@ def test_stop_budget_holds_for_any_detection_time():
     and the grace it then gives the others (fail_grace) leaves STOP_MARGIN_S for SIGKILL and removal
     inside STOP_BUDGET_S, whenever the failure is noticed. The seconds a real stop takes are
     bench/links.py's figure (README Performance); the sandbox tests check the path by its events."""
-    from runner import watch
+    from runner.backends.ssh import watch
 
     assert watch.STOP_BUDGET_S == 10.0
     detect = watch.HEARTBEAT_S + watch.HEARTBEAT_TIMEOUT_S

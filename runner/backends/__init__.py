@@ -18,7 +18,7 @@ import argparse
 
 from runner.backends.base import VERBS, Backend
 from runner.backends.slurm.backend import SlurmBackend
-from runner.backends.ssh import SshBackend
+from runner.backends.ssh.backend import SshBackend
 from runner.errors import UserError
 
 # In the order `--scheduler auto` asks them; the last claims whatever is left.

@@ -1,7 +1,7 @@
 """The one interface every backend implements: where a run of the job goes (SSH nodes of an
 inventory, a Slurm cluster, ...) behind the same verbs.
 
-The verbs below are defined once (runner/launch.py, status.py, down.py, collect.py build their
+The verbs below are defined once (runner/backends/ssh/launch.py, status.py, down.py, collect.py build their
 parsers); `runner/cli.py` resolves the backend once per command (`open_backend`) and calls its
 method for the verb. A backend adds its own flags through `options` (refused, naming it, when a
 run goes to another backend) and says which inventories are its own through `claims`. Adding a

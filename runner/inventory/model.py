@@ -169,7 +169,7 @@ class Job:
     unsafe_mounts: list[str] = field(default_factory=list)  # job.mounts node paths that hand the job the node, on purpose
     registry: str | None = None       # nodes pull the job's tags from HOST:PORT instead of a push
     push: str = "relay"               # relay: this host sends each layer once, nodes pass it on; direct: one stream each
-    perseus: Any = None               # runner/perseus.py PerseusSpec: a Perseus server beside the job
+    perseus: Any = None               # runner/backends/ssh/perseus.py PerseusSpec: a Perseus server beside the job
     notify: Any = None                # runner/notify.py NotifySpec: told on this machine when `up` ends
 
     def image_for(self, arch: str | None) -> str | None:

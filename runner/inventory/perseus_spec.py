@@ -1,6 +1,6 @@
 """`job.perseus` as the inventory states it: the plan files (read and checked here, so
 `up --dry-run` refuses a bad one), the scheduler and the port. Starting the server is
-runner/perseus.py's."""
+runner/backends/ssh/perseus.py's."""
 
 from __future__ import annotations
 

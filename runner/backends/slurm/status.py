@@ -19,7 +19,7 @@ from runner.node_output import LineSplitter, visible
 POLL_S = 0.5
 READ_PIECE = 1 << 20   # bytes of a node's output file read at once
 MAX_PIECES = 16        # ... and at most this many per file and poll
-METRICS_TAIL = 16384   # bytes read from the end of metrics.jsonl (runner/status.py reads as many)
+METRICS_TAIL = 16384   # bytes read from the end of metrics.jsonl (runner/node_runs.py reads as many)
 
 
 class Follower:

@@ -25,7 +25,9 @@ from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
-from runner import perseus, runs
+from runner import runs
+from runner.backends.ssh import perseus
+from runner.backends.ssh.watch import FAIL_STOP_GRACE_S, Watcher
 from runner.cluster import Cluster
 from runner.errors import (
     EXIT_INTERRUPTED,
@@ -48,7 +50,6 @@ from runner.resume_sync import CHECKPOINTS, sync_checkpoints
 from runner.runs import new_run_id
 from runner.sizing import check_sizing
 from runner.ssh import Remote
-from runner.watch import FAIL_STOP_GRACE_S, Watcher
 
 log = logging.getLogger("runner.up")
 RESUME_ARGS = ["--resume", "latest"]

@@ -1,5 +1,5 @@
 """The SSH backend: the inventory's own nodes, reached over SSH, one container per node
-(runner/launch.py starts it, runner/node_runs.py finds and stops it). The default for any
+(runner/backends/ssh/launch.py starts it, runner/node_runs.py finds and stops it). The default for any
 inventory with a `nodes:` list."""
 
 from __future__ import annotations
@@ -23,31 +23,31 @@ class SshBackend:
         return None  # a missing `nodes:` is the inventory's own one-line error
 
     def up(self, args) -> int:
-        from runner.launch import main
+        from runner.backends.ssh.launch import main
 
         return main(args)
 
     def status(self, args) -> int:
-        from runner.status import cmd_status
+        from runner.backends.ssh.status import cmd_status
 
         return cmd_status(args)
 
     def logs(self, args) -> int:
-        from runner.status import cmd_logs
+        from runner.backends.ssh.status import cmd_logs
 
         return cmd_logs(args)
 
     def ls(self, args) -> int:
-        from runner.status import cmd_ls
+        from runner.backends.ssh.status import cmd_ls
 
         return cmd_ls(args)
 
     def down(self, args) -> int:
-        from runner.down import main
+        from runner.backends.ssh.down import main
 
         return main(args)
 
     def collect(self, args) -> int:
-        from runner.collect import main
+        from runner.backends.ssh.collect import main
 
         return main(args)
