@@ -24,6 +24,7 @@ class Probe:
     master_ip: str | None = None
     cpus: int | None = None
     mem_gb: float | None = None
+    mem_available: int | None = None  # bytes, MemAvailable when probed: what a job may still take
     disk_free_gb: float | None = None
     gpus: int = 0
     gpu_runtime: bool | None = None  # NVIDIA Container Toolkit seen (docker's runtimes or its CLI); None: no GPU
@@ -60,6 +61,7 @@ echo "gid=$(id -g)"
 echo "user=$(id -un 2>/dev/null)"
 echo "nproc=$(nproc 2>/dev/null || getconf _NPROCESSORS_ONLN)"
 echo "mem_kb=$(awk '/MemTotal/{{print $2}}' /proc/meminfo)"
+echo "mem_avail_kb=$(awk '/MemAvailable/{{print $2}}' /proc/meminfo)"
 d={wd_sh}; while [ ! -e "$d" ]; do d=$(dirname "$d"); done
 echo "disk_kb=$(df -Pk "$d" | awk 'NR==2{{print $4}}')"
 G=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU'); echo "gpus=$G"
@@ -91,6 +93,8 @@ echo "docker=$V"
     p.cpus = _int(kv.get("nproc"))
     mem = _int(kv.get("mem_kb"))
     p.mem_gb = round(mem / 1048576, 1) if mem else None
+    avail = _int(kv.get("mem_avail_kb"))
+    p.mem_available = avail * 1024 if avail else None
     disk = _int(kv.get("disk_kb"))
     p.disk_free_gb = round(disk / 1048576, 1) if disk is not None else None
     p.gpus = _int(kv.get("gpus")) or 0

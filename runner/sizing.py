@@ -298,10 +298,14 @@ def _candidates(filename: str) -> list[str]:
     return [stem[:i] for i, ch in enumerate(stem) if ch == "-"]
 
 
-def _memory(node: Node, gpu: bool, prof: dict | None) -> tuple[int | None, str]:
+def _memory(node: Node, gpu: bool, prof: dict | None, probed: int | None = None) -> tuple[int | None, str]:
+    """The least of what is known of the node's memory: `memory:`, the profile's measure, and
+    (`runner up`, once connected) the node's MemAvailable."""
     known: list[tuple[int, str]] = []
     if node.memory and not gpu:
         known.append((memory_bytes(node.memory) or 0, f"inventory memory: {node.memory}"))
+    if probed is not None and not gpu:
+        known.append((probed, "probed: the node's MemAvailable"))
     if prof is not None:
         cuda = str(prof.get("memory_source", "")).startswith("CUDA")
         if cuda == gpu:
@@ -312,9 +316,9 @@ def _memory(node: Node, gpu: bool, prof: dict | None) -> tuple[int | None, str]:
     return min(known)
 
 
-def size_job(inv: Inventory) -> Sizing:
+def size_job(inv: Inventory, probed: dict[str, int] | None = None) -> Sizing:
     """The per-node sizing of the inventory's job; NotSized, saying why, for a job this arithmetic
-    does not cover."""
+    does not cover. probed: {node: MemAvailable bytes} of nodes asked at launch."""
     s = job_settings(inv.job)
     name, shape = model_of(s, inv.job)
     pp, tp, vs = int(s["parallel.pp"]), int(s["parallel.tp"]), int(s["parallel.virtual_stages"])
@@ -353,7 +357,7 @@ def size_job(inv: Inventory) -> Sizing:
         est = [stage_memory(loads[st], in_flight=in_flight(schedule, st, pp, n_micro), dtype=dtype,
                             sharding=sharding, dp=dp, tp=tp) for st in stages]
         prof = profiles.get(node.name)
-        have, src = _memory(node, gpu, prof)
+        have, src = _memory(node, gpu, prof, (probed or {}).get(node.name))
         runtime = 0 if gpu else int(prof["runtime_bytes"]) if prof and prof.get("runtime_bytes") else RUNTIME_BYTES
         sizing.dtypes[node.name] = dtype
         sizing.nodes.append(NodeSize(node.name, stages, est, runtime, build, have, src, gpu))
@@ -377,13 +381,14 @@ def refusal(sizing: Sizing, path: str) -> str | None:
             f"or give the node more memory (--ignore-sizing launches anyway)")
 
 
-def check_sizing(inv: Inventory, *, show: bool, ignore: bool) -> None:
+def check_sizing(inv: Inventory, *, show: bool, ignore: bool, probed: dict[str, int] | None = None) -> None:
     """Print the sizing (`show`) and refuse a plan whose stage cannot fit unless `ignore`. A
-    job.command is not the trainer: nothing to size, nothing printed."""
+    job.command is not the trainer: nothing to size, nothing printed. probed: the nodes'
+    MemAvailable, once `up` has asked them (before anything is pushed or started)."""
     if inv.job.command:
         return
     try:
-        sizing = size_job(inv)
+        sizing = size_job(inv, probed)
     except NotSized as e:
         if show:
             print(f"sizing: not estimated here: {e}", flush=True)

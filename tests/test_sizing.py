@@ -17,6 +17,7 @@ import pytest
 from contract.memory import auto_loss_chunks, in_flight, stage_memory
 from contract.model_size import NotSized, model_shape, stage_loads, with_overrides
 from contract.presets import PRESETS
+from runner.errors import UserError
 from runner.inventory import Job, load_inventory
 from runner.sizing import (
     DEFAULTS,
@@ -84,6 +85,28 @@ def test_up_dry_run_sizes_each_pi_and_refuses_the_stage_that_cannot_fit(tmp_path
     # --ignore-sizing prints the same and goes on
     assert main(["up", "-i", str(pis(tmp_path, ("8g", "8g", "4g"))), "--dry-run", "--ignore-sizing"]) == 0
     assert "DOES NOT FIT" in capsys.readouterr().out
+
+
+def test_memory_probed_at_launch_counts_as_the_least_known(tmp_path, monkeypatch):
+    """What `up` learns on connecting (each node's MemAvailable) joins `memory:` and the profile:
+    the least of them is the node's memory. A node without `memory:` whose MemAvailable is short is
+    refused by name; one whose probe said nothing keeps what was known."""
+    from runner.sizing import check_sizing
+
+    monkeypatch.setenv("RUNNER_PROFILE_CACHE", str(tmp_path / "no-profiles"))
+    inv = load_inventory(pis(tmp_path, ("8g", None, None)))
+    sizing = size_job(inv, probed={"pi-0": 7 * GIB, "pi-1": 3 * GIB})
+    assert [(n.have, n.have_from) for n in sizing.nodes] == [
+        (7 * GIB, "probed: the node's MemAvailable"), (3 * GIB, "probed: the node's MemAvailable"),
+        (None, "set the node's `memory:` or run `runner profile`")]
+    assert [n.fits for n in sizing.nodes] == [True, False, None]
+    with pytest.raises(UserError) as e:
+        check_sizing(inv, show=False, ignore=False, probed={"pi-0": 7 * GIB, "pi-1": 3 * GIB})
+    assert str(e.value).startswith(f"{inv.path}: node pi-1 cannot hold pipeline stage 1 (layers 7-20): it needs "
+                                   "5.43 GiB and has 3.00 GiB (probed: the node's MemAvailable)")
+    check_sizing(inv, show=False, ignore=True, probed={"pi-1": 3 * GIB})  # --ignore-sizing: goes on
+    check_sizing(inv, show=False, ignore=False, probed={"pi-1": 64 * GIB})  # enough: nothing said
+    assert size_job(inv, probed={"pi-0": 64 * GIB}).nodes[0].have == 8 * GIB  # `memory:` is less
 
 
 def test_up_refuses_before_any_socket_and_without_torch(tmp_path):

@@ -146,6 +146,9 @@ class Launcher:
                 self.outcome.run_id = run_id
             probes = self.preflight(cl)
             log.debug("preflight done at %.2fs", time.time() - t0)
+            # Again with what the nodes have now (MemAvailable): still before anything is pushed or made.
+            check_sizing(self.inv, show=False, ignore=self.args.ignore_sizing,
+                         probed={n: p.mem_available for n, p in probes.items() if p.mem_available})
             if not self.args.no_push:
                 from runner.push import push_to_nodes
 
