@@ -28,7 +28,7 @@ import yaml
 
 from contract.memory import MemoryEstimate, auto_loss_chunks, gib, in_flight, sizing_dtype, stage_memory
 from contract.model_size import MODEL_TYPES, ModelShape, NotSized, model_shape, stage_loads, with_overrides
-from contract.partition import uniform_bounds
+from contract.partition import parameter_bounds, uniform_bounds, uniform_items_bounds
 from contract.presets import HF_NAMES, PRESETS
 from runner.errors import UserError
 from runner.inventory import Inventory, Job, Node, memory_bytes
@@ -178,12 +178,22 @@ def model_of(s: dict[str, Any], job: Job) -> tuple[str, ModelShape]:
         raise NotSized(f"{name}: its config lacks a field this arithmetic needs ({e})") from None
 
 
-def stage_bounds(method: str, layers: int, stages: int) -> list[int]:
+def stage_bounds(method: str, layers: int, stages: int, shape: ModelShape | None = None) -> list[int]:
     """Block boundaries of `parallel.partition` where the runner computes them as the trainer does
-    (uniform_transformer; custom in blocks or in Merak's items, embeddings + blocks + head)."""
+    (contract/partition.py): uniform_transformer; Merak's uniform (embeddings, each block and the
+    head one item each) and parameters (the same items weighted by their parameters, from shape);
+    custom in blocks or in Merak's items, embeddings + blocks + head."""
     m = method.strip()
     if m == "uniform_transformer":
         return uniform_bounds(layers, stages)
+    if m in ("uniform", "parameters") and layers + 2 < stages:
+        raise NotSized(f"parallel.partition {m}: {layers} layers cannot fill {stages} stages (the trainer will say so)")
+    if m == "uniform":
+        return uniform_items_bounds(layers, stages)
+    if m == "parameters" and shape is not None:
+        # A tied head is a second copy on the last stage: counted, as the trainer's layout does.
+        return parameter_bounds([shape.block_params] * layers, shape.embed_params,
+                                shape.norm_params + shape.head_params, stages)
     if m.startswith("custom:"):
         try:
             b = [int(x) for x in m[len("custom:"):].split(",") if x.strip()]
@@ -333,7 +343,7 @@ def size_job(inv: Inventory, probed: dict[str, int] | None = None) -> Sizing:
     micro_num = int(s["train.microbatch_num"] or (4 if pp > 1 else 1))
     batch, seq = int(s["train.batch_size"]), int(s["data.seq_len"])
     micro, n_micro = max(batch // micro_num, 1), micro_num * int(s["train.grad_acc_steps"])
-    bounds = stage_bounds(str(s["parallel.partition"]), shape.layers, pp) if pp > 1 else [0, shape.layers]
+    bounds = stage_bounds(str(s["parallel.partition"]), shape.layers, pp, shape) if pp > 1 else [0, shape.layers]
     chunks = s["train.loss_chunks"]
     chunks = auto_loss_chunks(micro * seq, shape.vocab) if chunks == "auto" else int(chunks)
     sharding = str(s["parallel.sharding"])

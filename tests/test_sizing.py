@@ -235,6 +235,29 @@ def test_the_arithmetic_equals_the_meta_count(preset):
         assert st["memory"]["transient"] == load.transient_bytes
 
 
+@pytest.mark.parametrize("preset", list(TINY))
+@pytest.mark.parametrize("method", ["uniform", "parameters"])
+def test_the_runner_splits_uniform_and_parameters_as_the_trainer_does(preset, method):
+    """Merak's `uniform` and `parameters` splits, computed by the runner from the arithmetic's shape
+    (contract/partition.py), equal the trainer's on its meta model: 3 and 4 stages of 6 layers."""
+    from runner.sizing import stage_bounds
+    from trainer.config import resolve
+    from trainer.dry_run import make_plan
+    from trainer.models.build import build_hf_config
+
+    for pp in (3, 4):
+        over = [("model.preset", preset), ("train.steps", 1), ("train.batch_size", 8), ("data.seq_len", 128),
+                ("train.dtype", "fp32"), ("parallel.pp", pp), ("parallel.partition", method),
+                *[kv for kv in TINY[preset] if kv[0] != "model.num_hidden_layers"], ("model.num_hidden_layers", 6)]
+        cfg = resolve(None, over, environ={})
+        trainer_bounds = [st["units"][0] for st in make_plan(cfg)["stages"]] + [6]
+        family, _ = build_hf_config(cfg.model)
+        model = {k: getattr(cfg.model, k) for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
+                                                     "intermediate_size", "vocab_size")}
+        shape = model_shape(family, with_overrides(family, PRESETS[preset].config, model, {}, preset=True))
+        assert stage_bounds(method, 6, pp, shape) == trainer_bounds, (preset, method, pp)
+
+
 MEASURE = Path(__file__).with_name("sizing_peak.py")
 MODELS = {  # big enough that the model, not the interpreter, makes the peak (~250 MB each)
     "llama": ["--model.preset", "tiny-llama", "--model.hidden_size", "256", "--model.intermediate_size", "1024",

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from contract.partition import uniform_bounds
+from contract.partition import balanced_bounds, items_to_layer_bounds, uniform_bounds
 from trainer.config.schema import ConfigError
 
 METHODS = ("uniform_transformer", "uniform", "parameters", "custom:a,b,...", "weighted:w0,w1,...", "auto")
@@ -95,13 +95,13 @@ def partition_layers(method: str, num_layers: int, num_stages: int, *,
         bounds = uniform_bounds(num_layers, num_stages)
     elif method == "uniform":
         # Merak's `uniform`: embeddings, every layer and the head each count as one item.
-        bounds = _items_to_layer_bounds(_balanced_bounds([1] * (num_layers + 2), num_stages), num_layers)
+        bounds = items_to_layer_bounds(_balanced_bounds([1] * (num_layers + 2), num_stages), num_layers)
     elif method == "parameters":
         per_unit = list(layer_params) if isinstance(layer_params, (list, tuple)) else [layer_params] * num_layers
         if len(per_unit) != num_layers or any(w <= 0 for w in per_unit):
             raise PartitionError(f"{key}: 'parameters' needs the per-layer parameter count")
         weights = [embed_params] + per_unit + [head_params]
-        bounds = _items_to_layer_bounds(_balanced_bounds(weights, num_stages), num_layers)
+        bounds = items_to_layer_bounds(_balanced_bounds(weights, num_stages), num_layers)
     elif method.startswith("custom:"):
         bounds = _custom_bounds(method[len("custom:"):], num_layers, num_stages, key,
                                 counting or generic_counting(num_layers))
@@ -139,40 +139,10 @@ def check_partition_syntax(method: str, key: str = "parallel.partition") -> None
 
 
 def _balanced_bounds(weights: list[int], num_parts: int) -> list[int]:
-    """Contiguous split of `weights` into `num_parts` non-empty parts minimising the heaviest part.
-
-    Dynamic programming over (items, parts); ties go to the split whose earlier parts are
-    larger, which keeps `uniform` consistent with `uniform_transformer` on round numbers.
-    """
-    n = len(weights)
-    if num_parts > n:
-        raise PartitionError(f"parallel.partition: {n} items cannot fill {num_parts} stages")
-    prefix = [0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
-    inf = float("inf")
-    # best[k][i]: minimal max-part weight splitting the first i items into k parts.
-    best = [[inf] * (n + 1) for _ in range(num_parts + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_parts + 1)]
-    best[0][0] = 0
-    for k in range(1, num_parts + 1):
-        for i in range(k, n - (num_parts - k) + 1):
-            for j in range(i - 1, k - 2, -1):  # last part = items j..i-1
-                cost = max(best[k - 1][j], prefix[i] - prefix[j])
-                if cost < best[k][i]:
-                    best[k][i], cut[k][i] = cost, j
-    bounds = [n]
-    i = n
-    for k in range(num_parts, 0, -1):
-        i = cut[k][i]
-        bounds.append(i)
-    return bounds[::-1]
-
-
-def _items_to_layer_bounds(item_bounds: list[int], num_layers: int) -> list[int]:
-    # Item 0 is the embeddings and item L+1 the head, so item i >= 1 is layer i-1.
-    inner = [min(max(b - 1, 0), num_layers) for b in item_bounds[1:-1]]
-    return [0, *inner, num_layers]
+    try:
+        return balanced_bounds(weights, num_parts)
+    except ValueError as e:
+        raise PartitionError(str(e)) from None
 
 
 def _parse_ints(text: str, what: str, method: str, key: str, cast=int) -> list:
