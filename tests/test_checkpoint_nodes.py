@@ -119,3 +119,40 @@ def test_per_node_checkpoints_resume_after_sync(tmp_path):
     assert losses(nodes[0]) == expected
     for rank, out in enumerate(nodes):
         _assert_finalized(out, "step-6", rank)
+
+
+def test_replicas_keep_a_lost_nodes_files_on_the_next_node(tmp_path):
+    """checkpoint.replicas 1 on three "nodes" without shared storage: each node's checkpoint holds
+    its own rank's files and, byte for byte, the previous node's (round the ring). node1's
+    directory then deleted outright (a lost node): the union of node0's and node2's is the whole
+    checkpoint, and a two-node run (dp 3 -> 2, the same global batch of 24: 8 -> 12 a rank) resumes
+    from it and takes the same steps 4-6 as the uninterrupted three-node run (1e-5: another
+    reduction order)."""
+    args = (*ARGS, "--train.batch_size", "8", "--checkpoint.replicas", "1")
+    straight = [tmp_path / f"straight-node{k}" for k in range(3)]
+    run_nodes(straight, *args)
+    expected = losses(straight[0])
+    nodes = [tmp_path / f"node{k}" for k in range(3)]
+    run_nodes(nodes, *args, "--train.exit_interval", "3")
+    assert losses(nodes[0]) == expected[:3]
+    ck = [n / "checkpoints" / "step-3" for n in nodes]
+    for k in range(3):
+        _assert_finalized(nodes[k], "step-3", k)
+        prev = (k - 1) % 3
+        theirs = sorted(p.name for p in ck[prev].iterdir() if p.name in (f"rank{prev}.pt", f"manifest.rank{prev}.json")
+                        or p.name.startswith(f"__{prev}_"))
+        assert len(theirs) >= 3
+        for name in theirs:  # the previous node's own files, identical here
+            assert (ck[k] / name).read_bytes() == (ck[prev] / name).read_bytes(), (k, name)
+        nxt = (k + 1) % 3  # and not the next node's: one copy each
+        assert not (ck[k] / f"rank{nxt}.pt").exists()
+        assert not list(ck[k].glob(".replica-*"))
+    assert "kept here (checkpoint.replicas 1)" in (nodes[1] / "logs" / "rank1.log").read_text()
+
+    shutil.rmtree(nodes[1])
+    survivors = [nodes[0], nodes[2]]
+    _sync(survivors, "step-3")  # what `runner up --resume` does on the nodes left
+    run_nodes(survivors, *ARGS, "--train.batch_size", "12", "--checkpoint.replicas", "1", "--resume", "latest")
+    got = losses(survivors[0])
+    assert len(got) == 6 and got[:3] == expected[:3]
+    assert max(abs(a - b) for a, b in zip(got[3:], expected[3:], strict=True)) < 1e-5, (got, expected)

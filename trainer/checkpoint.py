@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from trainer import hold, model_files
+from trainer.checkpoint_replicas import Replicas
 from trainer.checkpoint_state import ModelOptimState, merged_model, model_signature, rng_state, set_rng_state
 from trainer.checkpoint_storage import MISSING_HINT, StorageLayout, agree_on_latest, probe, share_rank0_files
 from trainer.config import ConfigError
@@ -210,6 +211,7 @@ class Checkpointer:
         self.pending: Any = None          # async save waiting to be finalized
         self._layout: StorageLayout | None = None
         self.async_pg = None
+        self.replicas = Replicas(self.cfg.replicas)
         if self.cfg.async_save and _dist():
             self.async_pg = dist.new_group(backend="gloo")  # background writes never share the training pg
 
@@ -366,6 +368,7 @@ class Checkpointer:
         rank, layout = _rank(), self.layout()
         share_rank0_files(tmp, layout, rank)  # per-node storage: .metadata etc. on every node
         self._write_manifest(tmp, rank)
+        self.replicas.copy(tmp, layout, rank, step)  # checkpoint.replicas: other nodes' files kept here too
         hold.hold("save", step, self.output_dir, rank)  # tests only (trainer/hold.py)
         _barrier()  # every rank's files are on disk, on every node
         if layout.is_leader(rank):

@@ -29,7 +29,7 @@ AT_LEAST = {
     "data.seq_len": 1, "data.num_workers": 0, "data.tokenizer_vocab_size": 260,
     "parallel.tp": 1, "parallel.pp": 1, "parallel.virtual_stages": 1, "parallel.timeout_s": 1,
     "schedule.warmup_steps": 0,
-    "checkpoint.interval": 0, "checkpoint.keep_last": 0, "checkpoint.preempt_interval": 0,
+    "checkpoint.interval": 0, "checkpoint.keep_last": 0, "checkpoint.preempt_interval": 0, "checkpoint.replicas": 0,
     "profile.num_prof_steps": 0,
 }
 # optional integers (None = default/derived) -> smallest accepted value when given

@@ -123,6 +123,8 @@ class CheckpointConfig:
     on_signal: bool = True              # SIGTERM/SIGUSR1 -> .preempt checkpoint and exit 143
     verify: bool = True                 # check sizes + crc32 of every file before loading
     override_schedule: bool = False     # resume with another LR horizon: recompute the LR at the restored step
+    replicas: int = 0                   # nodes without shared storage: copies of each node's files on the next N
+                                        # nodes (1: losing any one node loses no checkpoint)
 
 
 @dataclass
