@@ -10,6 +10,7 @@ from typing import TypeVar
 from runner.errors import UserError
 from runner.fanout import DEFAULT_PARALLEL, parallel
 from runner.inventory import Inventory, Node
+from runner.inventory_arg import load
 from runner.ssh import Remote, connect_all, connect_each
 
 T = TypeVar("T")
@@ -73,3 +74,9 @@ def _short(e: Exception) -> str:
     s = str(e).strip().splitlines()
     msg = s[0] if s else type(e).__name__
     return msg.split(": ", 1)[1] if msg.startswith("node ") and ": " in msg else msg
+
+
+def open_nodes(args) -> Cluster:
+    """The nodes of the command's inventory (its job section not read), for the commands that look
+    for runs on them (status, ls, logs, down, collect, exec): going on with the nodes that answer."""
+    return Cluster(load(args, with_job=False), args.accept_new_host_keys, partial=True, workers=args.parallel)

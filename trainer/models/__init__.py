@@ -2,6 +2,9 @@
 
 Names are imported lazily so that importing the package does not pull in torch: a bad config fails
 in a fraction of a second. The presets live in contract/presets.py (the runner sizes jobs from them).
+
+May import: torch, transformers, contract, trainer.config, and trainer.parallel.partition (the
+Counting a layout describes itself in); never the rest of trainer.parallel, the loop or the CLI.
 """
 
 from __future__ import annotations

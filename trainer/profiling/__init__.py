@@ -3,6 +3,8 @@
 clocks.py (per-rank clock, offsets to rank 0), recorder.py (events from stage/p2p hooks),
 trace.py (merge on rank 0, Chrome trace + seed format), bubble.py, energy.py, timing_csv.py,
 batches.py (profile.batch parsing), callback.py (ties them to the training loop).
+
+May import: torch, contract, trainer.config; never the loop (callback.py is handed the trainer).
 """
 
 from __future__ import annotations

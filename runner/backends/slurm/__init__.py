@@ -5,4 +5,7 @@
 - plan: the batch script and its torchrun line; jobs: a run's jobs and state; status: follow a
   job's node output; collect: mirror the run dir; oci: the image as an OCI bundle; shell: the
   login node (SSH) or this machine, one shell protocol
+
+May import: the inventory, runner.ssh (the login node), delivery (collect_files), runner.runs,
+runner.jobspec, runner.notify; never another backend or runner.cli.
 """

@@ -18,10 +18,10 @@ import argparse
 from pathlib import Path
 
 from runner import stream
-from runner.cluster import Cluster
+from runner.cluster import Cluster, open_nodes
 from runner.collect_files import NodeCollect, collect_error, collect_node, report
 from runner.errors import EXIT_PARTIAL, UserError
-from runner.inventory_arg import add_inventory_args, load
+from runner.inventory_arg import add_inventory_args
 from runner.node_runs import gather, resolve_run
 
 
@@ -53,8 +53,7 @@ def collect(cl: Cluster, run_id: str, dest: Path, quiet: bool = False) -> tuple[
 
 
 def main(args) -> int:
-    inv = load(args, with_job=False)
-    with Cluster(inv, args.accept_new_host_keys, partial=True, workers=args.parallel) as cl:
+    with open_nodes(args) as cl:
         run_id = resolve_run(gather(cl, containers=False), args.run)
         results, errors = collect(cl, run_id, Path(args.dest), args.quiet)
     report(results, Path(args.dest) / run_id, args.no_plots)

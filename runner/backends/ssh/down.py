@@ -14,9 +14,9 @@ import logging
 import sys
 
 from runner import runs
-from runner.cluster import Cluster
+from runner.cluster import Cluster, open_nodes
 from runner.errors import EXIT_PARTIAL
-from runner.inventory_arg import add_inventory_args, load
+from runner.inventory_arg import add_inventory_args
 from runner.node_runs import latest_run, prune_runs, stop_run
 from runner.redact import printable
 
@@ -56,8 +56,8 @@ def prune_all(cl: Cluster, keep: int) -> list[str]:
 
 
 def main(args) -> int:
-    inv = load(args, with_job=False)
-    with Cluster(inv, args.accept_new_host_keys, partial=True, workers=args.parallel) as cl:
+    with open_nodes(args) as cl:
+        inv = cl.inv
         if args.run and not runs.is_run_name(args.run):
             runs.resolve([], args.run)  # the one-line error for a name that is no run id
         run_id = args.run or latest_run(cl.remotes, cl.workers)

@@ -15,9 +15,9 @@ from rich.table import Table
 from rich.text import Text
 
 from contract import metrics
-from runner.cluster import Cluster
+from runner.cluster import Cluster, open_nodes
 from runner.errors import UserError
-from runner.inventory_arg import add_inventory_args, load
+from runner.inventory_arg import add_inventory_args
 from runner.node_output import LineSplitter, cells, log_chunks, visible
 from runner.node_runs import gather, node_progress, resolve_run, run_doc
 from runner.paths import node_paths
@@ -105,8 +105,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_status(args) -> int:
-    inv = load(args, with_job=False)
-    with Cluster(inv, args.accept_new_host_keys, partial=True, workers=args.parallel) as cl:
+    with open_nodes(args) as cl:
         data = gather(cl)
         run_id = resolve_run(data, args.run)
         rows = status_rows(cl, data, run_id)
@@ -125,8 +124,8 @@ def cmd_status(args) -> int:
 
 
 def cmd_ls(args) -> int:
-    inv = load(args, with_job=False)
-    with Cluster(inv, args.accept_new_host_keys, partial=True, workers=args.parallel) as cl:
+    with open_nodes(args) as cl:
+        inv = cl.inv
         data = gather(cl, docs=True)
     runs: dict[str, dict] = {}
     for node, (containers, dirs) in data.items():
@@ -154,8 +153,7 @@ def cmd_ls(args) -> int:
 
 
 def cmd_logs(args) -> int:
-    inv = load(args, with_job=False)
-    with Cluster(inv, args.accept_new_host_keys, partial=True, workers=args.parallel) as cl:
+    with open_nodes(args) as cl:
         data = gather(cl)
         run_id = resolve_run(data, args.run)
         targets = []
