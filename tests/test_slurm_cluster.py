@@ -188,7 +188,11 @@ def test_down_writes_preempt_checkpoint_and_resume_is_bitwise(slurm, straight, t
     rank: the stop lands mid-run whatever the machine's load. The batch script's requeue branch then
     sees `runner down`'s mark: the job ends, not requeued. Then `up --resume` finishes the run."""
     env = slurm.env
-    up = runner("up", "-i", str(slurm.local), "--job", str(job_file(tmp_path)), "--detach", "--requeue", env=env)
+    # torchrun's shutdown timeout (grace - 2 s) runs from the USR1 it gets at once, while its ranks
+    # are held: 60 s was cut short on a loaded machine (a reversed run): 180 s leaves the held
+    # ranks time for their step and the preempt checkpoint whatever the load.
+    up = runner("up", "-i", str(slurm.local), "--job", str(job_file(tmp_path, grace_period=180)), "--detach",
+                "--requeue", env=env)
     assert up.returncode == 0, up.stdout + up.stderr
     run_id, job = re.search(r"^run (\S+) submitted: Slurm job (\d+)", up.stdout, re.M).groups()
     rd = slurm.shared / "runs" / run_id
@@ -296,7 +300,11 @@ def test_requeue_resumes_from_the_preempt_checkpoint(slurm, straight, tmp_path, 
     requeues it (no `runner down` mark). Either way the ranks write the preempt checkpoint and the
     job's second start resumes from it: the same losses as the straight run."""
     env = slurm.env
-    up = runner("up", "-i", str(slurm.local), "--job", str(job_file(tmp_path)), "--detach", "--requeue", env=env)
+    # torchrun's shutdown timeout (grace - 2 s) runs from the USR1 it gets at once, while its ranks
+    # are held: 60 s was cut short on a loaded machine (a reversed run): 180 s leaves the held
+    # ranks time for their step and the preempt checkpoint whatever the load.
+    up = runner("up", "-i", str(slurm.local), "--job", str(job_file(tmp_path, grace_period=180)), "--detach",
+                "--requeue", env=env)
     assert up.returncode == 0, up.stdout + up.stderr
     run_id, job = re.search(r"^run (\S+) submitted: Slurm job (\d+)", up.stdout, re.M).groups()
     rd = slurm.shared / "runs" / run_id
@@ -312,7 +320,10 @@ def test_requeue_resumes_from_the_preempt_checkpoint(slurm, straight, tmp_path, 
             wait_for(lambda: all(_usr1_pending(p) for p in ranks), 60)
             for p in ranks:
                 p.send_signal(signal.SIGCONT)
-        wait_for(lambda: "JobState=PENDING" in sctl(slurm, "scontrol", "show", "job", "-o", job), 120)
+        ended = r"JobState=(PENDING|COMPLETED|FAILED|CANCELLED|TIMEOUT|NODE_FAIL|OUT_OF_MEMORY)"
+        state = wait_for(lambda: re.search(ended, sctl(slurm, "scontrol", "show", "job", "-o", job)), 240)
+        out = rd / "slurm" / f"{job}.out"
+        assert state[1] == "PENDING", (state[0], out.read_text()[-2000:] if out.is_file() else "no batch output")
     finally:
         for p in ranks:
             try:
