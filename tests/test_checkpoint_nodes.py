@@ -122,36 +122,37 @@ def test_per_node_checkpoints_resume_after_sync(tmp_path):
 
 
 def test_replicas_keep_a_lost_nodes_files_on_the_next_node(tmp_path):
-    """checkpoint.replicas 1 on three "nodes" without shared storage: each node's checkpoint holds
-    its own rank's files and, byte for byte, the previous node's (round the ring). node1's
-    directory then deleted outright (a lost node): the union of node0's and node2's is the whole
-    checkpoint, and a two-node run (dp 3 -> 2, the same global batch of 24: 8 -> 12 a rank) resumes
-    from it and takes the same steps 4-6 as the uninterrupted three-node run (1e-5: another
-    reduction order)."""
-    args = (*ARGS, "--train.batch_size", "8", "--checkpoint.replicas", "1")
-    straight = [tmp_path / f"straight-node{k}" for k in range(3)]
-    run_nodes(straight, *args)
-    expected = losses(straight[0])
+    """checkpoint.replicas 1 on three "nodes" without shared storage, 6 steps, a checkpoint every 3:
+    each node's step-3 holds its own rank's files and, byte for byte, the previous node's (round the
+    ring), and not the next one's. node1's directory then deleted outright (a lost node): the union
+    of node0's and node2's step-3 is the whole checkpoint, and a two-node run (dp 3 -> 2, the same
+    global batch of 24: 8 -> 12 a rank) resumes from it and takes the three-node run's steps 4-6
+    (1e-5: another reduction order)."""
+    args = (*ARGS, "--checkpoint.interval", "3", "--checkpoint.replicas", "1")
     nodes = [tmp_path / f"node{k}" for k in range(3)]
-    run_nodes(nodes, *args, "--train.exit_interval", "3")
-    assert losses(nodes[0]) == expected[:3]
+    run_nodes(nodes, *args, "--train.batch_size", "8")
+    expected = losses(nodes[0])
+    assert len(expected) == 6
     ck = [n / "checkpoints" / "step-3" for n in nodes]
     for k in range(3):
-        _assert_finalized(nodes[k], "step-3", k)
-        prev = (k - 1) % 3
+        _assert_finalized(nodes[k], "step-6", k)
+        prev, nxt = (k - 1) % 3, (k + 1) % 3
         theirs = sorted(p.name for p in ck[prev].iterdir() if p.name in (f"rank{prev}.pt", f"manifest.rank{prev}.json")
                         or p.name.startswith(f"__{prev}_"))
         assert len(theirs) >= 3
         for name in theirs:  # the previous node's own files, identical here
             assert (ck[k] / name).read_bytes() == (ck[prev] / name).read_bytes(), (k, name)
-        nxt = (k + 1) % 3  # and not the next node's: one copy each
-        assert not (ck[k] / f"rank{nxt}.pt").exists()
+        assert not (ck[k] / f"rank{nxt}.pt").exists()  # one copy each
         assert not list(ck[k].glob(".replica-*"))
     assert "kept here (checkpoint.replicas 1)" in (nodes[1] / "logs" / "rank1.log").read_text()
 
     shutil.rmtree(nodes[1])
     survivors = [nodes[0], nodes[2]]
     _sync(survivors, "step-3")  # what `runner up --resume` does on the nodes left
+    for n in survivors:  # resume from step 3, as if the run had stopped there
+        (n / "checkpoints" / "latest").write_text("step-3\n")
+    log = nodes[0] / "metrics.jsonl"  # rank 0's: the resumed run appends steps 4-6 again
+    log.write_text("".join(ln + "\n" for ln in log.read_text().splitlines()[:3]))
     run_nodes(survivors, *ARGS, "--train.batch_size", "12", "--checkpoint.replicas", "1", "--resume", "latest")
     got = losses(survivors[0])
     assert len(got) == 6 and got[:3] == expected[:3]
