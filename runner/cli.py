@@ -15,7 +15,7 @@ from runner.redact import Formatter, printable
 # parser(s) and sets `func` to a callable taking the parsed args and returning an exit code.
 COMMAND_MODULES = [
     "runner.sandbox.command",
-    "runner.check", "runner.push", "runner.sync", "runner.backends.ssh.launch", "runner.backends.ssh.status", "runner.backends.ssh.down", "runner.backends.ssh.collect",
+    "runner.check", "runner.push_cli", "runner.sync_cli", "runner.backends.ssh.launch", "runner.backends.ssh.status", "runner.backends.ssh.down", "runner.backends.ssh.collect",
     # After the verbs: --scheduler on each, and up/status/logs/ls/down/collect go to the backend
     # the inventory names (runner/backends/).
     "runner.backends",

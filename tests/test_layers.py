@@ -143,10 +143,11 @@ RUNNER_LAYERS = {
     "cli": ["runner.cli", "runner.__main__", "runner.completion",
             "runner.node_exec"],  # `exec` picks its backend itself (runner/backends.choose)
     "backends": ["runner.backends"],
-    "verbs": ["runner.check", "runner.sync", "runner.push", "runner.kube_export", "runner.profile_cli",
+    "verbs": ["runner.check", "runner.sync_cli", "runner.push_cli", "runner.kube_export", "runner.profile_cli",
               "runner.notify", "runner.sandbox"],
     "delivery, transport, profiling": [
-        "runner.relay", "runner.images", "runner.registry", "runner.resume_sync", "runner.push_result",
+        "runner.push", "runner.sync", "runner.relay", "runner.images", "runner.registry", "runner.resume_sync",
+        "runner.push_result",
         "runner.collect_files",
         "runner.digest", "runner.stream", "runner.ssh", "runner.ssh_files", "runner.ssh_jump", "runner.docker_ssh",
         "runner.cluster", "runner.node_probe", "runner.node_runs", "runner.rendezvous", "runner.run_owner",
