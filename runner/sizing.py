@@ -20,7 +20,8 @@ smaller of the two. A GPU node's stage lives in GPU memory: only a profile's CUD
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -308,12 +309,13 @@ def _candidates(filename: str) -> list[str]:
     return [stem[:i] for i, ch in enumerate(stem) if ch == "-"]
 
 
-def _memory(node: Node, gpu: bool, prof: dict | None, probed: int | None = None) -> tuple[int | None, str]:
-    """The least of what is known of the node's memory: `memory:`, the profile's measure, and
-    (`runner up`, once connected) the node's MemAvailable."""
+def _memory(node: Node, gpu: bool, prof: dict | None, probed: int | None = None,
+            label: str = "inventory memory") -> tuple[int | None, str]:
+    """The least of what is known of the node's memory: `memory:` (Slurm: slurm.mem), the profile's
+    measure, and (`runner up`, once connected) the node's MemAvailable."""
     known: list[tuple[int, str]] = []
     if node.memory and not gpu:
-        known.append((memory_bytes(node.memory) or 0, f"inventory memory: {node.memory}"))
+        known.append((memory_bytes(node.memory) or 0, f"{label}: {node.memory}"))
     if probed is not None and not gpu:
         known.append((probed, "probed: the node's MemAvailable"))
     if prof is not None:
@@ -326,9 +328,10 @@ def _memory(node: Node, gpu: bool, prof: dict | None, probed: int | None = None)
     return min(known)
 
 
-def size_job(inv: Inventory, probed: dict[str, int] | None = None) -> Sizing:
+def size_job(inv: Inventory, probed: dict[str, int] | None = None, memory_field: str = "inventory memory") -> Sizing:
     """The per-node sizing of the inventory's job; NotSized, saying why, for a job this arithmetic
-    does not cover. probed: {node: MemAvailable bytes} of nodes asked at launch."""
+    does not cover. probed: {node: MemAvailable bytes} of nodes asked at launch; memory_field: how
+    the nodes' `memory` is named in the lines (slurm.mem for a Slurm job)."""
     s = job_settings(inv.job)
     name, shape = model_of(s, inv.job)
     pp, tp, vs = int(s["parallel.pp"]), int(s["parallel.tp"]), int(s["parallel.virtual_stages"])
@@ -367,7 +370,7 @@ def size_job(inv: Inventory, probed: dict[str, int] | None = None) -> Sizing:
         est = [stage_memory(loads[st], in_flight=in_flight(schedule, st, pp, n_micro), dtype=dtype,
                             sharding=sharding, dp=dp, tp=tp) for st in stages]
         prof = profiles.get(node.name)
-        have, src = _memory(node, gpu, prof, (probed or {}).get(node.name))
+        have, src = _memory(node, gpu, prof, (probed or {}).get(node.name), memory_field)
         runtime = 0 if gpu else int(prof["runtime_bytes"]) if prof and prof.get("runtime_bytes") else RUNTIME_BYTES
         sizing.dtypes[node.name] = dtype
         sizing.nodes.append(NodeSize(node.name, stages, est, runtime, build, have, src, gpu))
@@ -391,14 +394,15 @@ def refusal(sizing: Sizing, path: str) -> str | None:
             f"or give the node more memory (--ignore-sizing launches anyway)")
 
 
-def check_sizing(inv: Inventory, *, show: bool, ignore: bool, probed: dict[str, int] | None = None) -> None:
+def check_sizing(inv: Inventory, *, show: bool, ignore: bool, probed: dict[str, int] | None = None,
+                 memory_field: str = "inventory memory") -> None:
     """Print the sizing (`show`) and refuse a plan whose stage cannot fit unless `ignore`. A
     job.command is not the trainer: nothing to size, nothing printed. probed: the nodes'
     MemAvailable, once `up` has asked them (before anything is pushed or started)."""
     if inv.job.command:
         return
     try:
-        sizing = size_job(inv, probed)
+        sizing = size_job(inv, probed, memory_field)
     except NotSized as e:
         if show:
             print(f"sizing: not estimated here: {e}", flush=True)
@@ -408,3 +412,21 @@ def check_sizing(inv: Inventory, *, show: bool, ignore: bool, probed: dict[str, 
     line = refusal(sizing, str(inv.path))
     if line and not ignore:
         raise UserError(line)
+
+
+SLURM_MEM_UNITS = {"": "m", "K": "k", "M": "m", "G": "g"}  # sbatch --mem: megabytes without a unit
+
+
+def slurm_nodes(slurm, job: Job, path: str) -> Inventory:
+    """A Slurm job's allocation as inventory nodes to size: slurm.nodes alike, each with the job's
+    processes per node and slurm.mem as its memory (T in gigabytes)."""
+    mem = None
+    if slurm.mem:
+        m = re.fullmatch(r"(\d+)([KMGT]?)", slurm.mem)
+        if m:
+            n, unit = int(m[1]), m[2]
+            mem = f"{n * 1024}g" if unit == "T" else f"{n}{SLURM_MEM_UNITS[unit]}"
+    nproc = job.nproc_per_node or slurm.gpus_per_node or 1
+    nodes = [Node(name=f"node-{i}", host="slurm", arch=slurm.arch, slots=nproc, gpus=slurm.gpus_per_node or None,
+                  memory=mem, role="master" if i == 0 else "worker") for i in range(slurm.nodes)]
+    return Inventory(path=path, nodes=nodes, job=replace(job, nproc_per_node=nproc))

@@ -252,3 +252,26 @@ def test_example_inventory_dry_run(tmp_path):
                      "--output=~/runner/runs/<new run id>/slurm/%j.out"]
     assert "--container-image=ghcr.io#example/runner-trainer:latest" in res.stdout
     assert "(~ is the submit host's home, resolved at submission" in res.stdout
+
+
+def test_dry_run_sizes_each_node_against_slurm_mem_and_up_refuses_before_submitting(tmp_path):
+    """A Slurm job is sized as the SSH runner sizes its nodes: slurm.nodes alike, slurm.mem each (no
+    unit: megabytes, as sbatch reads it). The Pi config's full Qwen3-0.6B split 7/14/7 needs 5.68 GiB
+    on its first stage: 4G is refused in one line naming node, stage and slurm.mem, before anything
+    is contacted; 8G fits; --ignore-sizing goes on."""
+    pi = str(REPO / "configs" / "pi-qwen3-3stage.yaml")
+    job = {"config": pi, "args": ["--train_steps", "5", "--batch_size", "16", "--microbatch_num", "4"]}
+    guard = no_socket_env(tmp_path)
+    small = runner("up", "-i", str(write_inv(tmp_path, {"mem": "4G"}, job)), "--dry-run", env=guard)
+    assert small.returncode == 2, small.stdout + small.stderr
+    assert "node-0: stage 0 (embeddings + layers 0-6): needs 5.68 GiB" in small.stdout
+    assert "has 4.00 GiB (slurm.mem: 4g): DOES NOT FIT" in small.stdout
+    err = small.stderr.strip().splitlines()
+    assert len(err) == 1 and "node node-0 cannot hold pipeline stage 0" in err[0] and "(slurm.mem: 4g)" in err[0], err
+    real = runner("up", "-i", str(write_inv(tmp_path, {"mem": "4096"}, job)), env=guard)  # megabytes: 4 GiB
+    assert real.returncode == 2 and "has 4.00 GiB (slurm.mem: 4096m)" in real.stderr, real.stderr
+    assert "socket" not in real.stderr  # refused before any connection
+    fits = runner("up", "-i", str(write_inv(tmp_path, {"mem": "8G"}, job)), "--dry-run", env=guard)
+    assert fits.returncode == 0 and fits.stdout.count(": fits") == 3, fits.stdout[-2000:] + fits.stderr
+    anyway = runner("up", "-i", str(write_inv(tmp_path, {"mem": "4G"}, job)), "--dry-run", "--ignore-sizing", env=guard)
+    assert anyway.returncode == 0 and "DOES NOT FIT" in anyway.stdout

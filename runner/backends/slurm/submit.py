@@ -36,6 +36,7 @@ from runner.inventory.job_data import refuse_for
 from runner.inventory.slurm import SlurmInventory
 from runner.node_output import visible
 from runner.redact import hide_job
+from runner.sizing import check_sizing, slurm_nodes
 
 
 def cmd_up(args, inv: SlurmInventory) -> int:
@@ -56,8 +57,13 @@ def cmd_up(args, inv: SlurmInventory) -> int:
         plan = make_slurm_plan(inv, run_id, SlurmFacts(home=home), resume=bool(args.resume), requeue=args.requeue,
                                secret_keys=list(secrets))
         print(plan.render(inv, _where(inv)))
+        check_sizing(slurm_nodes(inv.slurm, inv.job, inv.path), show=True, ignore=args.ignore_sizing,
+                     memory_field="slurm.mem")
         return 0
     with notifying(spec, Outcome(inv.path, "slurm")) as outcome:
+        # a stage that cannot fit slurm.mem: refused before anything is contacted or submitted
+        check_sizing(slurm_nodes(inv.slurm, inv.job, inv.path), show=False, ignore=args.ignore_sizing,
+                     memory_field="slurm.mem")
         outcome.exit_code = _up(args, inv, secrets, outcome)
     return outcome.exit_code
 
