@@ -89,11 +89,18 @@ def last_metrics_line(sh: Shell, run_dir: str) -> str | None:
     return lines[-1] if lines else None
 
 
-def cmd_status(args, inv, sh: Shell) -> int:
+def find_run(sh: Shell, inv, run: str | None) -> tuple[str, str, str | None, dict]:
+    """(run id, run dir, its last Slurm job id or None, the run's record) of the run `run` names
+    (or the latest) in the workdir on the cluster: what status, logs and down start from."""
     wd = workdir(sh, inv)
-    run_id = resolve_run(sh, wd, args.run)
+    run_id = resolve_run(sh, wd, run)
     run_dir = f"{wd}/runs/{run_id}"
     job_id, rec = last_job(sh, run_dir)
+    return run_id, run_dir, job_id, rec
+
+
+def cmd_status(args, inv, sh: Shell) -> int:
+    run_id, run_dir, job_id, rec = find_run(sh, inv, args.run)
     st = job_state(sh, job_id, run_dir) if job_id else JobState("-", "NOT SUBMITTED", None)
     nodes = node_names(sh, run_dir, job_id) if job_id else []
     last = last_metrics_line(sh, run_dir)
@@ -115,10 +122,7 @@ def cmd_status(args, inv, sh: Shell) -> int:
 
 
 def cmd_logs(args, inv, sh: Shell) -> int:
-    wd = workdir(sh, inv)
-    run_id = resolve_run(sh, wd, args.run)
-    run_dir = f"{wd}/runs/{run_id}"
-    job_id, _ = last_job(sh, run_dir)
+    run_id, run_dir, job_id, _ = find_run(sh, inv, args.run)
     if not job_id:
         print(f"run {run_id}: nothing submitted yet")
         return 0
