@@ -13,6 +13,8 @@ import argparse
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
+from runner.redact import hide_job
+
 VERBS = ("up", "status", "logs", "ls", "down", "collect")
 
 
@@ -50,3 +52,21 @@ class Backend(Protocol):
     def ls(self, args: argparse.Namespace) -> int: ...
     def down(self, args: argparse.Namespace) -> int: ...
     def collect(self, args: argparse.Namespace) -> int: ...
+
+
+def up_job(args: argparse.Namespace, job, inventory: str) -> tuple[dict[str, str], object]:
+    """What every backend's `up` does first with the job: the trainer args after `--` appended, the
+    env_file's secrets read and masked in all output, and `--notify` (or job.notify) parsed (a
+    malformed one is refused for --dry-run too). (secrets, the notify spec or None)."""
+    from runner.notify import from_args
+
+    if args.trainer_args:
+        job.args = list(job.args) + list(args.trainer_args)
+    secrets = job.secrets()
+    hide_job(job, secrets)
+    return secrets, from_args(args, job, inventory)
+
+
+def dry_run_id(args: argparse.Namespace) -> str:
+    """The run id a dry-run shows: the run `--resume` names, else a placeholder."""
+    return args.resume if args.resume not in (None, "latest") else "<new run id>"

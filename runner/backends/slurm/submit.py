@@ -17,6 +17,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from runner.backends.base import dry_run_id, up_job
 from runner.backends.slurm.jobs import (
     JobState,
     job_state,
@@ -35,7 +36,6 @@ from runner.errors import Terminated, UserError
 from runner.inventory.job_data import refuse_for
 from runner.inventory.slurm import SlurmInventory
 from runner.node_output import visible
-from runner.redact import hide_job
 from runner.sizing import check_sizing, slurm_nodes
 
 
@@ -44,15 +44,11 @@ def cmd_up(args, inv: SlurmInventory) -> int:
         raise UserError("--max-restarts is for SSH runs; on Slurm use --requeue (the job requeues itself "
                         "after a preemption and resumes from the latest checkpoint)")
     refuse_for(inv.job, "--scheduler slurm")
-    if args.trainer_args:
-        inv.job.args = list(inv.job.args) + list(args.trainer_args)
-    secrets = inv.job.secrets()
-    hide_job(inv.job, secrets)
-    from runner.notify import Outcome, from_args, notifying
+    secrets, spec = up_job(args, inv.job, inv.path)
+    from runner.notify import Outcome, notifying
 
-    spec = from_args(args, inv.job, inv.path)  # a malformed --notify is refused for --dry-run too
     if args.dry_run:
-        run_id = args.resume if args.resume not in (None, "latest") else "<new run id>"
+        run_id = dry_run_id(args)
         home = None if inv.slurm.login else str(Path.home())
         plan = make_slurm_plan(inv, run_id, SlurmFacts(home=home), resume=bool(args.resume), requeue=args.requeue,
                                secret_keys=list(secrets))

@@ -26,6 +26,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from runner import runs
+from runner.backends.base import dry_run_id, up_job
 from runner.backends.ssh import perseus
 from runner.backends.ssh.watch import FAIL_STOP_GRACE_S, Watcher
 from runner.cluster import Cluster
@@ -44,7 +45,7 @@ from runner.node_runs import create_container, run_containers, stop_node, stop_r
 from runner.paths import node_paths
 from runner.plan import LABEL_GATE, OUT, Facts, NodePlan, Plan, make_plan, render_secrets_file
 from runner.profile_auto import pin_auto_partition
-from runner.redact import hide_job, printable
+from runner.redact import printable
 from runner.rendezvous import choose_port, wait_listening
 from runner.resume_sync import CHECKPOINTS, sync_checkpoints
 from runner.runs import new_run_id
@@ -99,15 +100,11 @@ def main(args) -> int:
     inv = load(args, check_files=not args.dry_run)
     if not args.dry_run:
         remember_inventory(args.inventory)  # the default of the next command here (runner/inventory_arg.py)
-    if args.trainer_args:
-        inv.job.args = list(inv.job.args) + list(args.trainer_args)
-    secret_vals = inv.job.secrets()
-    hide_job(inv.job, secret_vals)
-    from runner.notify import Outcome, from_args, notifying
+    secret_vals, spec = up_job(args, inv.job, inv.path)
+    from runner.notify import Outcome, notifying
 
-    spec = from_args(args, inv.job, inv.path)  # a malformed --notify is refused for --dry-run too
     if args.dry_run:
-        run_id = args.resume if args.resume not in (None, "latest") else "<new run id>"
+        run_id = dry_run_id(args)
         if args.resume:
             inv.job.args += RESUME_ARGS
         from runner.sync import scan
