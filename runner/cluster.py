@@ -49,6 +49,13 @@ class Cluster:
     def __exit__(self, *exc) -> None:
         self.map(list(self.remotes.values()), Remote.close)
 
+    def view(self, inv: Inventory) -> Cluster:
+        """The same connections for a subset of the nodes (an elastic run's current layout): not
+        entered, not closed; this cluster owns the connections."""
+        v = Cluster(inv, self.accept_new, self.partial, self.workers)
+        v.remotes = {n.name: self.remotes[n.name] for n in inv.nodes}
+        return v
+
     def __getitem__(self, name: str) -> Remote:
         return self.remotes[name]
 

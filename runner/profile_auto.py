@@ -109,6 +109,13 @@ def plan_from_profile(prof, inv: Inventory) -> tuple[Split | None, Split | None,
     return split, make_split(problem, uniform_bounds(problem.num_layers, problem.p)), problem
 
 
+def with_pp(prof, pp: int):
+    """The profile planned for `pp` stages: layer times do not depend on pp (it is not in the
+    cache key), so a profile measured for one pipeline plans another (an elastic run's new layout)."""
+    prof.nodes[0] = {**prof.nodes[0], "model": {**prof.model, "pp": pp}}
+    return prof
+
+
 def render_plan(split: Split, uniform: Split | None, problem: Problem) -> str:
     text = format_split(split, problem.microbatches)
     if uniform is not None:
@@ -118,23 +125,31 @@ def render_plan(split: Split, uniform: Split | None, problem: Problem) -> str:
     return text
 
 
-def pin_auto_partition(cl, probes: dict, run_dir_of, resume: bool, refresh: bool = False) -> str | None:
+def pin_auto_partition(cl, probes: dict, run_dir_of, resume: bool, refresh: bool = False,
+                       pp: int | None = None) -> str | None:
     """For a job with parallel.partition auto: the split as `--parallel.partition custom:...`
     appended to job.args (None for any other partition). `run_dir_of(node)` is the node's run dir.
-    On resume the split recorded in the run dir wins."""
+    On resume the split recorded in the run dir wins while it has `pp` stages (an elastic run's
+    new layout: pp given, the split is planned again for it, from the cached profiles)."""
     inv: Inventory = cl.inv
     if job_partition(inv.job) != "auto":
         return None
     master = inv.master
     if resume:
         text = cl[master.name].read_text(f"{run_dir_of(master)}/{PARTITION_FILE}")
-        if text:
-            spec = json.loads(text)["spec"]
+        spec = json.loads(text)["spec"] if text else None
+        if spec and pp is not None and spec.count(",") != pp:
+            log.info("parallel.partition auto: the run's split %s is for another pipeline; planning for pp %d", spec, pp)
+        elif spec:
             print(f"parallel.partition auto: the run's split {spec} (from its {PARTITION_FILE})", flush=True)
             inv.job.args = [*inv.job.args, "--parallel.partition", spec]
             return spec
         log.warning("parallel.partition auto: run dir has no %s; profiling the nodes again", PARTITION_FILE)
     prof = profile_cluster(cl, probes, refresh=refresh)
+    if prof.nodes:
+        from runner.sizing import job_settings
+
+        with_pp(prof, pp if pp is not None else int(job_settings(inv.job)["parallel.pp"]))
     split, uniform, problem = plan_from_profile(prof, inv)
     if split is None:
         return None

@@ -27,7 +27,8 @@ def _digest(obj: object) -> str:
 
 
 # Trainer flags that change no measurement: a job re-run with another partition keeps its profile.
-IGNORED_FLAGS = ("--parallel.partition", "--partition_method", "--resume", "--checkpoint.resume")
+IGNORED_FLAGS = ("--parallel.partition", "--partition_method", "--resume", "--checkpoint.resume",
+                 "--parallel.pp", "--parallel.dp", "--checkpoint.replicas")
 
 
 def shape_args(args: list[str]) -> list[str]:

@@ -8,9 +8,11 @@ another node; every rank checks on load that every manifest and every file they 
 node's copy. So the runner gives each node the union of all nodes' files:
 
 1. list `checkpoints/` on every node (names and sizes; `latest`);
-2. take the newest checkpoint present on every node whose union is complete: `.metadata`, the
+2. take the newest checkpoint whose union over the nodes is complete: `.metadata`, the
    manifest of every rank of the saving run, every file they list with the listed size, no two
-   nodes disagreeing on a file (size, then sha256) -- the one every node's `latest` names first;
+   nodes disagreeing on a file (size, then sha256) -- the one every node's `latest` names first.
+   A node may lack it altogether (a node that rejoins an elastic run, or one that crashed before
+   its rename while another kept a replica of its files: `checkpoint.replicas`);
 3. copy each node the files it lacks, relayed through this host (SFTP get from a node that has
    the file, put to the one that lacks it), checked against sha256 (and the manifest's crc32)
    at every hop, written under a temporary name and renamed; an existing file is never replaced.
@@ -73,9 +75,10 @@ class Copy:
 
 
 def candidates(listings: dict[str, Listing], steps: dict[str, int | None]) -> list[str]:
-    """Checkpoints present on every node, preferred first: the one every node's `latest` names,
-    then the others newest first by (step, name), the trainer's own order."""
-    common = set.intersection(*(set(li.checkpoints) for li in listings.values())) if listings else set()
+    """Checkpoints present on any node, preferred first: the one every node's `latest` names,
+    then the others newest first by (step, name), the trainer's own order. Whether the nodes'
+    copies together make it whole is `incomplete`'s to say."""
+    common = set().union(*(set(li.checkpoints) for li in listings.values())) if listings else set()
     order = sorted(common, key=lambda n: (steps.get(n) if steps.get(n) is not None else -1, n), reverse=True)
     latest = {li.latest for li in listings.values()}
     if len(latest) == 1 and (only := latest.pop()) in common:
@@ -115,7 +118,7 @@ def plan_copies(name: str, listings: dict[str, Listing], hashes: dict[str, dict[
     (spread so no single node serves everything). UserError if two nodes hold different contents."""
     holders: dict[str, list[str]] = {}
     for node in listings:
-        for f in sorted(listings[node].checkpoints[name]):
+        for f in sorted(listings[node].checkpoints.get(name, {})):
             holders.setdefault(f, []).append(node)
     served: dict[str, int] = dict.fromkeys(listings, 0)
     order = {n: i for i, n in enumerate(listings)}  # (a list.index per file was O(nodes^2))
@@ -316,16 +319,15 @@ def sync_checkpoints(remotes: dict[str, Remote], run_dirs: dict[str, str],
     listings = {n: list_node(remotes[n], roots[n]) for n in run_dirs}
     if not any(li.checkpoints for li in listings.values()):
         return SyncResult(None)
-    # Descriptions only of checkpoints on every node (the only candidates), newest first.
-    common = set.intersection(*(set(li.checkpoints) for li in listings.values()))
-    descs = {name: describe(name, listings, remotes, roots) for name in common}
+    names = set().union(*(set(li.checkpoints) for li in listings.values()))
+    descs = {name: describe(name, listings, remotes, roots) for name in names}
     passed: list[str] = []
     for name in candidates(listings, {n: d.step for n, d in descs.items()}):
         why = incomplete(name, listings, descs[name])
         if why is None:
             hashes = {n: sha256_node(remotes[n], f"{roots[n]}/{name}", sorted(listings[n].checkpoints[name]),
                                      sum(listings[n].checkpoints[name].values()))
-                      for n in listings}
+                      for n in listings if name in listings[n].checkpoints}
             try:
                 copies = plan_copies(name, listings, hashes)
             except UserError as exc:
@@ -338,12 +340,7 @@ def sync_checkpoints(remotes: dict[str, Remote], run_dirs: dict[str, str],
                          passed_over=passed)
         _execute(copies, name, remotes, roots, descs[name], res, progress)
         return res
-    newer = {n for li in listings.values() for n in li.checkpoints} - common
-    lacking = "; ".join(f"{n}: only on {', '.join(sorted(k for k, li in listings.items() if n in li.checkpoints))}"
-                        for n in sorted(newer)[:3])
-    raise UserError("--resume: no checkpoint is complete across the nodes: "
-                    + ("; ".join(passed[:3]) if passed else "(none is on every node)")
-                    + (f"; {lacking}" if lacking else ""))
+    raise UserError("--resume: no checkpoint is complete across the nodes: " + "; ".join(passed[:3]))
 
 
 def _crc_of(desc: Description, f: str) -> int | None:
@@ -358,6 +355,8 @@ def _execute(copies: list[Copy], name: str, remotes: dict[str, Remote], roots: d
     by_file: dict[str, list[Copy]] = {}
     for c in copies:
         by_file.setdefault(c.file, []).append(c)
+    for dst in sorted({c.dst for c in copies}):
+        remotes[dst].makedirs(f"{roots[dst]}/{name}")  # for a node that lacks the checkpoint altogether
     with tempfile.TemporaryDirectory(prefix="runner-resume-") as tmp:
         for f, cs in by_file.items():
             local = os.path.join(tmp, "blob")

@@ -49,7 +49,7 @@ DEFAULTS: dict[str, Any] = {
     "train.dtype": "auto", "train.loss_chunks": "auto", "train.activation_checkpointing": "none",
     "parallel.dp": None, "parallel.tp": 1, "parallel.pp": 1, "parallel.pp_schedule": "1f1b",
     "parallel.partition": "uniform_transformer", "parallel.virtual_stages": 1, "parallel.sharding": "ddp",
-    "parallel.device": "auto",
+    "parallel.device": "auto", "checkpoint.replicas": 0,
 }
 # trainer/config/flags.py's spellings of those keys: flags, switches (no value), env, YAML
 FLAGS = {
@@ -68,7 +68,7 @@ ENV = {"BATCH_SIZE": "train.batch_size", "MICROBATCH_NUM": "train.microbatch_num
 YAML = {"dataset.batch_size": "train.batch_size", "dist.dtype": "train.dtype", "dist.sharding_stage": "parallel.sharding",
         "dist.cpu_only": "parallel.device", "model.hf_config": "model.hf_overrides"}
 INTS = {"data.seq_len", "train.batch_size", "train.microbatch_num", "train.grad_acc_steps", "parallel.dp",
-        "parallel.tp", "parallel.pp", "parallel.virtual_stages", "model.num_hidden_layers", "model.hidden_size",
+        "parallel.tp", "parallel.pp", "parallel.virtual_stages", "checkpoint.replicas", "model.num_hidden_layers", "model.hidden_size",
         "model.num_attention_heads", "model.intermediate_size", "model.vocab_size"}
 
 

@@ -118,6 +118,15 @@ def _sandbox_cluster(state, *up_args: str):
 
 
 @pytest.fixture(scope="session")
+def netns_sandbox(tmp_path_factory, host_docker, have_sshd, trainer_image):
+    """Three nodes in their own network namespaces with the trainer image (tests/netns_sandbox.py):
+    the links tests and the elastic runs share it."""
+    from tests.netns_sandbox import netns_cluster
+
+    yield from netns_cluster(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
 def pushed(sandbox, trainer_image, tmp_path_factory):
     """The first push of the trainer image onto the session sandbox's empty nodes. Every test that
     pushes to (or runs `up` on) the session sandbox asks for this first, so the push recorded

@@ -274,9 +274,10 @@ def test_resume_sync_candidates_order():
     # Every node's latest names step-2 (say, step-4 was saved by another run layout): it goes first.
     pinned = {n: Listing("step-2", li.checkpoints) for n, li in both.items()}
     assert candidates(pinned, steps)[0] == "step-2"
-    # A crash between two nodes' renames: step-6 only on node-0, latests differ -> newest common.
+    # A crash between two nodes' renames: step-6 only on node-0, latests differ -> newest first;
+    # whether node-0's copy holds node-1's files too (checkpoint.replicas) is `incomplete`'s to say.
     split = {"node-0": Listing("step-6", {"step-4": {}, "step-6": {}}), "node-1": Listing("step-4", {"step-4": {}})}
-    assert candidates(split, {"step-4": 4, "step-6": 6}) == ["step-4"]
+    assert candidates(split, {"step-4": 4, "step-6": 6}) == ["step-6", "step-4"]
     # Same step: the trainer's own tie-break, (step, name) -> the .preempt one.
     tie = {"n": Listing(None, {"step-6": {}, "step-6.preempt": {}})}
     assert candidates(tie, {"step-6": 6, "step-6.preempt": 6}) == ["step-6.preempt", "step-6"]

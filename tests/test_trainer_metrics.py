@@ -47,6 +47,9 @@ def test_metrics_jsonl_fields_and_sane_values(run):
         assert 0 < r["mfu"] < 1 and r["memory_bytes"] > 10 * 2**20 and r["step_time_s"] > 0
         assert math.isfinite(r["loss"]) and r["grad_norm"] > 0 and r["lr"] > 0
     assert [r["tokens"] for r in m] == [128, 256, 384, 512]
+    # The first record of a start names its layout (an elastic run's metrics show where each began).
+    assert m[0]["layout"] == {"world": 1, "nnodes": 1, "pp": 1, "dp": 1, "tp": 1, "batch_size": 4, "partition": None}
+    assert all("layout" not in r for r in m[1:])
 
 
 def test_console_lines(run):

@@ -156,9 +156,14 @@ TIMING_FIELDS = frozenset({"tokens_per_s", "tokens_per_s_per_device", "samples_p
                            "memory_gib", "memory_reserved_gib", "step_time_s", "time"})
 
 
+# On the first record of each start (a resume too): where that start's layout began. A straight
+# run and one resumed midway log the same numbers, not the same starts.
+START_FIELDS = frozenset({"layout"})
+
+
 def numeric_metrics(out_dir: Path) -> list[dict]:
-    """metrics.jsonl without its timing fields: what two runs of one job must log bit for bit."""
-    return [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in read_metrics(out_dir)]
+    """metrics.jsonl without its timing and start fields: what two runs of one job must log bit for bit."""
+    return [{k: v for k, v in r.items() if k not in TIMING_FIELDS | START_FIELDS} for r in read_metrics(out_dir)]
 
 
 def checkpoint_tensors(step_dir: Path) -> dict:

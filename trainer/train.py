@@ -73,6 +73,7 @@ class Trainer:
         self.cfg, self.env, self.dims, self.device, self.backend = cfg, env, dims, device, backend
         self.output_dir = Path(cfg.output_dir)
         self.step = 0                    # optimizer steps completed
+        self._layout_noted = False       # metrics.jsonl's first record of this start names the layout
         self.tokens_seen = 0
         self.stop_requested = False      # a callback (e.g. preemption) may end the run after a step
         self.exit_code = 0               # ... and set the process exit code (trainer/preempt.py)
@@ -224,6 +225,13 @@ class Trainer:
         log.info("torch.compile: %d graph(s) compiled in the first step, %d graph break(s)%s", r["graphs"],
                  r["graph_breaks"], f"; {len(eager)} block(s) run eager (train.compile try)" if eager else "")
 
+    def layout(self) -> dict[str, Any]:
+        """The parallel layout of this start, as its first metrics record states it."""
+        d = self.dims
+        return {"world": self.env.world_size, "nnodes": int(os.environ.get("GROUP_WORLD_SIZE") or os.environ.get("NNODES") or 1),
+                "pp": d.pp, "dp": d.dp, "tp": d.tp, "batch_size": self.cfg.train.batch_size,
+                "partition": self.cfg.parallel.partition if d.pp > 1 else None}
+
     def fit(self) -> None:
         cfg = self.cfg
         self.par.train(True)
@@ -257,6 +265,9 @@ class Trainer:
                     if record is not None and eval_loss is not None:
                         record["eval_loss"] = eval_loss
             if record is not None and self.is_logger and log_step:
+                if not self._layout_noted:  # the first record of each start: where this layout began
+                    record["layout"] = self.layout()
+                    self._layout_noted = True
                 self.metrics.write(record)
                 log.info(format_line(record, cfg.logging.line))
                 if cfg.logging.seed_line:

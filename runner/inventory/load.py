@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from runner.errors import UserError
+from runner.inventory.elastic_spec import check_nodes as check_elastic_nodes
+from runner.inventory.elastic_spec import parse_elastic
 from runner.inventory.job_data import (
     check_destinations,
     check_unsafe_mounts,
@@ -134,6 +136,8 @@ def load_inventory(path: str | os.PathLike, *, check_files: bool = True,
                        f"no image for arch {n.arch} (node {n.name}); add `{n.arch}: <tag>`")
     if job.perseus is not None:
         check_world(job.perseus, sum(job.nproc_per_node or n.slots for n in nodes))
+    if job.elastic is not None:
+        check_elastic_nodes(c, job.elastic, len(nodes))
     return Inventory(path=path, nodes=nodes, job=job)
 
 
@@ -211,6 +215,10 @@ def node_fields(c: Checker, v: Val, where: str, allowed: set[str], base: Path,
     return out
 
 
+JOB_PARSERS = {"mounts": parse_mounts, "unsafe_mounts": parse_unsafe_mounts, "registry": parse_registry,
+               "elastic": parse_elastic}
+
+
 def parse_job(c: Checker, v: Val, base: Path) -> Job:
     m = c.mapping(v, "job", JOB_FIELDS)
     job = Job()
@@ -270,12 +278,8 @@ def parse_job(c: Checker, v: Val, base: Path) -> Job:
             job.build = _build(c, x, w, base)
         elif key == "sync":
             job.sync = parse_sync(c, x, lambda p: expand(p, base))
-        elif key == "mounts":
-            job.mounts = parse_mounts(c, x)
-        elif key == "unsafe_mounts":
-            job.unsafe_mounts = parse_unsafe_mounts(c, x)
-        elif key == "registry":
-            job.registry = parse_registry(c, x)
+        elif key in JOB_PARSERS:  # mounts, unsafe_mounts, registry, elastic: their own modules' checks
+            setattr(job, key, JOB_PARSERS[key](c, x))
         elif key == "perseus":
             job.perseus = parse_perseus(c, x, lambda p: expand(p, base))
         elif key == "notify":

@@ -89,7 +89,7 @@ DEFAULT_FIELDS = NODE_FIELDS - {"name", "host", "addr", "role", "host_key"}
 PUSH_MODES = ("relay", "direct")
 JOB_FIELDS = {"image", "config", "args", "env", "env_file", "master_port", "nproc_per_node",
               "grace_period", "command", "build", "sync", "mounts", "unsafe_mounts", "registry", "push", "perseus",
-              "notify"}
+              "notify", "elastic"}
 BUILD_FIELDS = {"context", "dockerfile", "args", "platform"}
 TOP_FIELDS = {"defaults", "nodes", "job", "slurm"}
 # In job.env_file: how the nodes log in to job.registry (never passed to the job's containers).
@@ -171,6 +171,7 @@ class Job:
     push: str = "relay"               # relay: this host sends each layer once, nodes pass it on; direct: one stream each
     perseus: Any = None               # runner/backends/ssh/perseus.py PerseusSpec: a Perseus server beside the job
     notify: Any = None                # runner/notify.py NotifySpec: told on this machine when `up` ends
+    elastic: Any = None               # runner/inventory/elastic_spec.py ElasticSpec: shrink on a lost node, regrow
 
     def image_for(self, arch: str | None) -> str | None:
         if isinstance(self.image, str):

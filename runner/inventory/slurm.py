@@ -102,6 +102,9 @@ def load_slurm_inventory(path: str, *, job_path: str | None = None, check_files:
             job = job_file(job_path, base)
         elif "job" in root.value and root.value["job"][1].value is not None:
             job = parse_job(c, root.value["job"][1], base)
+        if job.elastic is not None:
+            c.fail(job.elastic.line, "job.elastic", "a Slurm allocation does not shrink node by node; "
+                   "remove it (Slurm's own answer is `runner up --requeue`: the job goes back to the queue)")
         if isinstance(job.image, dict) and spec.container != "none" and spec.image is None \
                 and spec.arch not in job.image:
             c.fail(spec.lines.get("arch", sline), "job.image", f"no image for arch {spec.arch} (slurm.arch); "

@@ -14,22 +14,24 @@ refused before anything is contacted, with or without --dry-run.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import secrets
-import shlex
 import sys
 import time
 from dataclasses import replace
-from datetime import datetime, timezone
 from pathlib import Path
 
-from runner import runs
 from runner.backends.base import dry_run_id, up_job
 from runner.backends.ssh import perseus
+from runner.backends.ssh.elastic_loop import ElasticRun, last_step, layout_split
+from runner.backends.ssh.resume import hand_back_runs, resume_run
+from runner.backends.ssh.run_end import last_metrics, write_status
 from runner.backends.ssh.watch import FAIL_STOP_GRACE_S, Watcher
 from runner.cluster import Cluster
+from runner.elastic import check as check_elastic
+from runner.elastic import render as render_elastic
+from runner.elastic import spec_of
 from runner.errors import (
     EXIT_INTERRUPTED,
     EXIT_JOB_FAILED,
@@ -54,6 +56,7 @@ from runner.ssh import Remote
 
 log = logging.getLogger("runner.up")
 RESUME_ARGS = ["--resume", "latest"]
+REGROW = -1  # launch_once: an elastic run's layout was stopped to take returning nodes back
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -70,6 +73,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", nargs="?", const="latest", metavar="RUN",
                    help="continue a run from its latest checkpoint (default: the latest run)")
     p.add_argument("--max-restarts", type=int, default=0, help="on failure, relaunch with --resume up to N times")
+    p.add_argument("--elastic", action="store_true",
+                   help="a lost node does not end the run: it goes on over the nodes left, and takes the node "
+                        "back when it answers (job.elastic sets min_nodes and rejoin)")
     p.add_argument("--no-push", action="store_true", help="do not push images (fail if a node lacks one)")
     p.add_argument("--rendezvous-timeout", type=float, default=120.0,
                    help="seconds to wait for the master's port to listen (default 120)")
@@ -103,6 +109,10 @@ def main(args) -> int:
     secret_vals, spec = up_job(args, inv.job, inv.path)
     from runner.notify import Outcome, notifying
 
+    elastic = spec_of(inv, args.elastic)
+    if elastic is not None:
+        check_elastic(inv, elastic)  # a job that could never shrink: refused before anything is contacted
+
     if args.dry_run:
         run_id = dry_run_id(args)
         if args.resume:
@@ -117,10 +127,15 @@ def main(args) -> int:
         if inv.job.perseus is not None:
             print(perseus.render(plan, inv.job.perseus))
         check_sizing(inv, show=True, ignore=args.ignore_sizing)
+        if elastic is not None:
+            print(render_elastic(inv, elastic))
         return 0
     with notifying(spec, Outcome(inv.path, "ssh", [n.name for n in inv.ordered()])) as outcome:
         check_sizing(inv, show=False, ignore=args.ignore_sizing)  # a stage that cannot fit: refused, nothing contacted
-        outcome.exit_code = Launcher(inv, args, secret_vals, outcome if spec else None).run()
+        launcher = Launcher(inv, args, secret_vals, outcome if spec else None)
+        if elastic is not None:
+            launcher.el = ElasticRun(inv, elastic, args.accept_new_host_keys, Path(args.logs_dir) / "elastic-pending")
+        outcome.exit_code = launcher.run()
     return outcome.exit_code
 
 
@@ -133,6 +148,10 @@ class Launcher:
         self.gates: dict[str, bool] = {}      # node -> its image carries runner.gate
         self.trees: list = []                 # job.sync's sources, scanned (runner/sync.py)
         self.perseus_port: int | None = None  # job.perseus: the server's port on the master
+        self.el: ElasticRun | None = None     # job.elastic / --elastic: the layout over the nodes there now
+        self.resumed_from: str | None = None  # the checkpoint the last resume chose
+        self.failed = None                    # the last attempt's watcher outcome (None: all exited 0)
+        self.stopped_at = self.synced_at = 0.0  # when the others were stopped; when the resume's files were
 
     def run(self) -> int:
         t0 = time.time()
@@ -158,6 +177,11 @@ class Launcher:
                 sync_to_nodes(cl, {n: p.home for n, p in probes.items()}, self.trees)
                 log.debug("job.sync done at %.2fs", time.time() - t0)
             self.gates = self.image_gates(cl, probes)
+            if self.el is not None:
+                try:
+                    return self.run_elastic(cl, probes, run_id)
+                finally:
+                    self.el.close()
             # parallel.partition auto: the nodes measured (cached), the split pinned as custom:...
             pin_auto_partition(cl, probes, lambda n: node_paths(n, probes[n.name].home).run(run_id),
                                resume=bool(self.args.resume))
@@ -171,6 +195,41 @@ class Launcher:
                 attempt += 1
                 log.warning("run %s: restart %d/%d from the latest checkpoint", run_id, attempt,
                             self.args.max_restarts)
+
+    def run_elastic(self, cl: Cluster, probes: dict[str, Probe], run_id: str) -> int:
+        """Launch after launch, each over the nodes there are, until the job ends or cannot go on
+        (runner/backends/ssh/elastic_loop.py). Restarts for other failures: --max-restarts, as ever."""
+        el, attempt, resume = self.el, 0, bool(self.args.resume)
+        el.log_dir = Path(self.args.logs_dir) / run_id
+        while True:
+            self.inv = el.inventory()
+            view = cl.view(self.inv)
+            pin_auto_partition(view, probes, lambda n: node_paths(n, probes[n.name].home).run(run_id), resume=resume,
+                               pp=el.layout.pp)
+            code = self.launch_once(view, probes, run_id, resume=resume)
+            if code in (0, EXIT_INTERRUPTED, EXIT_TERMINATED):
+                return code
+            # Which nodes are gone first (pings with a timeout): a read from a cut node would hang.
+            gone = {} if code == REGROW else el.gone(view, self.lost, self.failed)
+            last = last_step(view, [n for n in self.inv.ordered() if n.name not in gone], probes, run_id)
+            if code == REGROW:
+                el.regrow(run_id, last)
+            else:
+                try:
+                    if not el.after_failure(cl, run_id, gone, last, self.failed, self.stopped_at):
+                        if attempt >= self.args.max_restarts:
+                            return code
+                        attempt += 1
+                        log.warning("run %s: restart %d/%d from the latest checkpoint", run_id, attempt,
+                                    self.args.max_restarts)
+                except UserError as exc:
+                    sys.stderr.write(f"runner: error: {exc}\n")
+                    el.stop_retrying()
+                    for node in list(el.lost):  # as without elastic: not orphaned while it can be helped
+                        self.reclaim_lost(cl, node, run_id)  # says itself what it could not do
+                    el.lost.clear()
+                    return code
+            resume = True
 
     def _run_id(self, cl: Cluster) -> str:
         if not self.args.resume:
@@ -309,8 +368,11 @@ class Launcher:
             if self.args.detach:
                 print(f"follow: runner logs {run_id} -f -i {self.inv.path}   stop: runner down {run_id} -i {self.inv.path}")
                 return 0
-            watcher = Watcher(cl.remotes, plan, log_dir, workers=cl.workers)
+            self.layout_started(cl, probes, run_id, resume)
+            watcher = Watcher(cl.remotes, plan, log_dir, workers=cl.workers,
+                              yield_to=self.el.back if self.el is not None else None)
             failed = watcher.run()
+            self.failed, self.stopped_at = failed, time.time()
         except KeyboardInterrupt as exc:
             sys.stderr.write(f"runner: {'terminated' if isinstance(exc, Terminated) else 'interrupted'}: "
                              f"stopping run {run_id} (grace {plan.grace_period:.0f}s)\n")
@@ -319,6 +381,8 @@ class Launcher:
         except BaseException:
             stop_run(cl.remotes, run_id, grace=3, workers=cl.workers)  # never leave half a run behind
             raise
+        if failed is not None and failed.yielded:
+            return REGROW
         if failed is None:
             write_status(cl, plan, watcher, 0)
             stop_run(cl.remotes, run_id, grace=0, workers=cl.workers)  # exited containers: remove them
@@ -336,8 +400,15 @@ class Launcher:
                    skip={failed.node} if failed.lost else set())
         if failed.lost:
             self.lost = failed.node
-            self.lost_reclaimed = self.reclaim_lost(cl, failed.node, run_id)
+            if self.el is None:  # an elastic run goes on without it and retries it meanwhile
+                self.lost_reclaimed = self.reclaim_lost(cl, failed.node, run_id)
         return EXIT_JOB_FAILED  # the job's own code is in the line above and in `runner status`
+
+    def layout_started(self, cl: Cluster, probes: dict[str, Probe], run_id: str, resume: bool) -> None:
+        """An elastic run's layout event, once its containers run (nothing without job.elastic)."""
+        if self.el is not None:
+            self.el.started(cl, run_id, {n: probes[n].home for n in cl.remotes}, self.resumed_from if resume else None,
+                            layout_split(self.inv), synced=self.synced_at if resume else None)
 
     def prepare_resume(self, cl: Cluster, probes: dict[str, Probe], plan: Plan, port: int) -> Plan:
         """What a resumed run needs before it starts: the earlier attempt's containers gone, its
@@ -349,6 +420,8 @@ class Launcher:
         synced = sync_checkpoints(cl.remotes, {np.node: np.run_dir for np in plan.nodes},
                                   progress=lambda msg: log.info("resume: copied %s", msg))
         print(f"run {run_id}: {synced.summary()}", flush=True)
+        self.resumed_from = synced.checkpoint
+        self.synced_at = time.time()
         if synced.checkpoint and not synced.all_latest:
             # Some node's `latest` names another checkpoint: name the chosen one outright.
             plan = self.make_plan(probes, run_id, True, port, ["--resume", f"{OUT}/{CHECKPOINTS}/{synced.checkpoint}"])
@@ -396,54 +469,6 @@ class Launcher:
         return False
 
 
-def last_metrics(cl: Cluster, nodes: list[NodePlan]) -> str | None:
-    """The run's newest metrics.jsonl record among the nodes' run dirs (the logging rank's node
-    holds it; which one that is depends on the layout), as the node wrote it; None if none has one."""
-    from runner.node_runs import node_progress
-
-    found = []
-    for _, got, err in cl.map(nodes, lambda np: node_progress(cl[np.node], np.run_dir)[0]):
-        if err is None and got:
-            try:
-                step = json.loads(got).get("step")
-            except (ValueError, AttributeError):
-                continue
-            if isinstance(step, int):
-                found.append((step, got))
-    return max(found)[1] if found else None
-
-
-def resume_run(master: Remote, wanted: str) -> str:
-    """The run dir on the master that `--resume` means: the latest run for "latest", else the one
-    whose id is `wanted` or starts with it (runner/runs.py: the rule every command uses)."""
-    from runner.node_runs import node_run_dirs
-
-    names = list(node_run_dirs(master))
-    where = f"{node_paths(master.node, master.home).runs} on {master.node.name} (the master)"
-    if not names:
-        what = "--resume" if wanted == "latest" else f"--resume {wanted}: no such run:"
-        raise UserError(f"{what} no previous run in {where}")
-    try:
-        return runs.resolve(names, wanted, where)
-    except UserError as exc:
-        raise UserError(f"--resume {exc}") from None
-
-
-def hand_back_runs(cl: Cluster, plan: Plan, probes: dict[str, Probe]) -> None:
-    """A run an earlier runner's root containers wrote is made the (non-root) SSH user's before it
-    is resumed: the sync copies into it and the relaunched ranks, running as that user, write to it."""
-    from runner.run_owner import hand_back
-
-    def one(np_: NodePlan) -> str | None:
-        p = probes[np_.node]
-        return hand_back(cl[np_.node], np_.run_dir, np_.image, p.uid, p.gid) if p.uid else None
-
-    for np_, first, err in cl.map(plan.nodes, one):
-        if err:
-            raise err if isinstance(err, UserError) else UserError(f"node {np_.node}: {err}")
-        if first:
-            print(f"run {plan.run_id}: {np_.node}: files not owned by {probes[np_.node].user or probes[np_.node].uid} "
-                  f"handed back to it (first: {printable(first[:300])})", flush=True)
 
 
 def start_all(cl: Cluster, made: list[tuple[NodePlan, object]]) -> None:
@@ -451,22 +476,3 @@ def start_all(cl: Cluster, made: list[tuple[NodePlan, object]]) -> None:
     for (np_, _), _, err in cl.map(made, lambda m: m[1].start()):
         if err:
             raise UserError(f"node {np_.node}: starting container {np_.container} failed: {err}")
-
-
-def write_status(cl: Cluster, plan: Plan, watcher: Watcher | None, code: int, skip: set[str] = frozenset()) -> None:
-    """runner-status.json in each node's run dir, so `status`/`ls` know how a finished run ended
-    (not on nodes in skip: a lost node would block the write)."""
-    def one(np: NodePlan) -> None:
-        o = watcher.done.get(np.node) if watcher else None
-        doc = {"run_id": plan.run_id, "node": np.node, "rank": np.rank, "result": code,
-               "exit_code": o.exit_code if o else None, "error": o.error if o else None,
-               "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-               "image": np.image, "command": shlex.join(np.command)}
-        try:
-            cl[np.node].put_bytes(f"{np.run_dir}/runner-status.json", json.dumps(doc, indent=1).encode())
-            if np.go_file:  # served its purpose at start-up; it lives outside the run dir
-                cl[np.node].run(["rm", "-rf", os.path.dirname(np.go_file)])
-        except Exception as exc:  # noqa: BLE001 - an unreachable node just has no status file
-            log.debug("status file on %s: %s", np.node, exc)
-
-    cl.map([np for np in plan.nodes if np.node not in skip], one)

@@ -16,12 +16,15 @@ from rich.text import Text
 
 from contract import metrics
 from runner.cluster import Cluster, open_nodes
+from runner.elastic import ELASTIC_FILE, render_events
 from runner.errors import UserError
 from runner.inventory_arg import add_inventory_args
 from runner.node_output import LineSplitter, cells, log_chunks, visible
 from runner.node_runs import gather, node_progress, resolve_run, run_doc
 from runner.paths import node_paths
 from runner.plan import LABEL_RANK, LABEL_ROLE, LABEL_RUN
+
+EVENTS_MAX = 1 << 20  # elastic.jsonl read from a node: a few hundred bytes an event
 
 
 def _label_int(value) -> int | None:
@@ -109,8 +112,9 @@ def cmd_status(args) -> int:
         data = gather(cl)
         run_id = resolve_run(data, args.run)
         rows = status_rows(cl, data, run_id)
+        history = elastic_history(cl, data, run_id)
     if args.json:
-        print(json.dumps({"run_id": run_id, "nodes": rows}, indent=2))
+        print(json.dumps({"run_id": run_id, "nodes": rows, "elastic": history}, indent=2))
         return 0
     t = Table(title=Text(f"run {visible(run_id)}"))
     for col in ("node", "rank", "state", "exit", "uptime", "progress"):
@@ -120,7 +124,36 @@ def cmd_status(args) -> int:
         t.add_row(*cells(r["node"], r["rank"] if r["rank"] is not None else "-", r["state"],
                           r["exit_code"] if r["exit_code"] is not None else "-", r["uptime"], prog))
     _console().print(t)
+    if history:
+        print("layout history (elastic):")
+        for line in render_events("\n".join(json.dumps(e) for e in history)):
+            print(f"  {visible(line)}")
     return 0
+
+
+def elastic_history(cl: Cluster, data, run_id: str) -> list[dict]:
+    """An elastic run's events (elastic.jsonl), from the node whose copy is the longest: every
+    node of the last layout holds the whole history; a node left out since holds less."""
+    best: list[dict] = []
+    for n in cl.inv.ordered():
+        if n.name not in data or run_id not in data[n.name][1]:
+            continue
+        try:
+            text = cl[n.name].read_text(f"{node_paths(n, cl[n.name].home).run(run_id)}/{ELASTIC_FILE}", limit=EVENTS_MAX)
+        except UserError as exc:  # a node's oversized file: its history is not read, the status is still shown
+            sys.stderr.write(f"runner: warning: {exc}\n")
+            continue
+        events = []
+        for raw in (text or "").splitlines():
+            try:
+                e = json.loads(raw)
+            except ValueError:
+                continue
+            if isinstance(e, dict):
+                events.append(e)
+        if len(events) > len(best):
+            best = events
+    return best
 
 
 def cmd_ls(args) -> int:

@@ -42,6 +42,8 @@ class Outcome:
     last_lines: list[str] = field(default_factory=list)
     since: float = field(default_factory=time.time)  # when it happened (a lost node: last answer)
     lost: bool = False                # the node itself is unreachable (its container not stopped)
+    yielded: bool = False             # not a failure: `yield_to` was set and the run was stopped for it
+    detected: float | None = None     # when the watcher took it (time.time())
 
     @property
     def failed(self) -> bool:
@@ -54,8 +56,12 @@ class Watcher:
     where a thread each for logs, wait and heartbeat plus the Docker socket forwarders made ~11."""
 
     def __init__(self, remotes: dict[str, Remote], plan: Plan, log_dir: Path | None,
-                 out: TextIO | None = None, tail_lines: int = 20, workers: int = DEFAULT_PARALLEL):
+                 out: TextIO | None = None, tail_lines: int = 20, workers: int = DEFAULT_PARALLEL,
+                 yield_to: threading.Event | None = None):
         self.remotes, self.plan, self.log_dir = remotes, plan, log_dir
+        # Set from outside (an elastic run's lost node is back): stop the run with its grace period,
+        # so the trainer writes its preempt checkpoint, and return an Outcome with yielded=True.
+        self.yield_to = yield_to
         self.out = out or sys.stdout
         self.workers = workers
         self.tail: dict[str, collections.deque[str]] = {n.node: collections.deque(maxlen=tail_lines) for n in plan.nodes}
@@ -153,12 +159,15 @@ class Watcher:
         threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
         try:
             while len(self.done) < len(self.plan.nodes):
+                if self.yield_to is not None and self.yield_to.is_set():
+                    return self._yield()
                 try:
                     ev = self.events.get(timeout=0.5)
                 except queue.Empty:
                     continue
                 if ev.node in self.done:
                     continue
+                ev.detected = time.time()
                 self.done[ev.node] = ev
                 if ev.failed:
                     return self._fail(ev)
@@ -172,6 +181,16 @@ class Watcher:
         end = time.time() + timeout
         for t in self._node_threads.values():
             t.join(max(0.0, end - time.time()))
+
+    def _yield(self) -> Outcome:
+        self.stop.set()
+        stopped, errors = stop_run(self.remotes, self.plan.run_id, grace=self.plan.grace_period, workers=self.workers)
+        log.info("run %s: stopped on %s for a new layout (grace %.0fs)", self.plan.run_id, ", ".join(stopped),
+                 self.plan.grace_period)
+        for e in errors:
+            log.warning("could not stop: %s", e)
+        self._drain(1.0)
+        return Outcome("", -1, yielded=True)
 
     def _fail(self, ev: Outcome) -> Outcome:
         self.stop.set()

@@ -1,0 +1,225 @@
+"""`runner up` of an elastic job: what happens between two launches when a node is lost or comes
+back (the layouts themselves are runner/elastic.py's).
+
+A node lost (its link cut, its host gone: the watcher's heartbeat, or a failure after which the
+node no longer answers): the others are stopped as for any failure, the layout is chosen again
+over the nodes left, and the run resumes from the newest checkpoint they hold together (each node
+keeps the next one's files: `--checkpoint.replicas 1` is added), with no one at the keyboard. Below
+`min_nodes`, or with no layout that fits, it stops with one line.
+
+Meanwhile a thread keeps trying the lost nodes. One that answers has its old container removed;
+with `rejoin` the running layout is then stopped with its grace period (the trainer writes its
+preempt checkpoint on SIGTERM) and the run resumes over every node again.
+
+Each change is an event in `elastic.jsonl`, in the run dir of every node of the new layout and
+in the local logs dir: `runner status` prints them as the run's layout history.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sys
+import threading
+import time
+from pathlib import Path
+
+from runner.backends.ssh.watch import FAIL_STOP_GRACE_S, HEARTBEAT_TIMEOUT_S
+from runner.cluster import Cluster
+from runner.elastic import ELASTIC_FILE, choose, event, job_layout, replicas_args, sub_inventory
+from runner.errors import UserError
+from runner.inventory import Inventory
+from runner.inventory.elastic_spec import ElasticSpec
+from runner.node_runs import stop_node
+from runner.paths import node_paths
+from runner.redact import printable
+from runner.ssh import Remote
+
+log = logging.getLogger("runner.up")
+RETRY_S = 2.0  # how often a lost node is tried again
+
+
+class ElasticRun:
+    def __init__(self, full: Inventory, spec: ElasticSpec, accept_new: bool, log_dir: Path):
+        self.full, self.spec, self.accept_new, self.log_dir = full, spec, accept_new, log_dir
+        self.want = job_layout(full)
+        self.layout = self.want
+        self.base_args = [*full.job.args, *replicas_args(full)]
+        self.lost: dict[str, str] = {}        # node -> why, while it does not answer
+        self.back = threading.Event()         # a lost node answered again and `rejoin` is on
+        self.returned: list[str] = []         # ... which ones
+        self.events: list[dict] = []
+        self.pending: dict = {}               # what the next layout event says (why, steps seen)
+        self.planned = 0.0                    # when the last layout was chosen (time.time())
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    # -- layouts -------------------------------------------------------------------------------
+    def inventory(self) -> Inventory:
+        """The current layout's nodes, with the trainer args that put the job in it."""
+        sub = sub_inventory(self.full, self.layout.nodes)
+        extra = [] if self.layout == self.want else self.layout.args()
+        sub.job.args = [*self.base_args, *extra]
+        return sub
+
+    @staticmethod
+    def gone(view: Cluster, lost: str | None, failed=None) -> dict[str, str]:
+        """The layout's nodes lost in the failed launch: the one the watcher lost, and any other
+        that does not answer a ping now (a node killed outright: the others failed first). Node -> why."""
+        out = {lost: printable((failed.error if failed is not None and failed.node == lost and failed.error
+                                else "unreachable")[:200])} if lost else {}
+        out.update({n: why for n, why in unreachable(view).items() if n not in out})
+        return out
+
+    def after_failure(self, cl: Cluster, run_id: str, gone: dict[str, str], last_step: int | None,
+                      failed=None, stopped: float | None = None) -> bool:
+        """After a failed launch: True if the run goes on in a new layout (self.layout set), False
+        if this failure lost no node (the caller handles it as any failure). UserError, one line,
+        when the nodes left cannot go on."""
+        if not gone:
+            return False
+        for node, why in gone.items():
+            self.lost[node] = why
+            cl[node].abandon()
+            times = {"last_answer": failed.since, "detected": failed.detected, "stopped": stopped} \
+                if failed is not None and failed.node == node else {}
+            self.note(cl, run_id, event("lost", node=node, why=why, last_step=last_step, **times))
+        alive = [n for n in self.layout.nodes if n not in self.lost]
+        if len(alive) < self.spec.min_nodes:
+            why = (f"{len(alive)} node(s) left ({', '.join(alive) or 'none'}), fewer than job.elastic.min_nodes "
+                   f"{self.spec.min_nodes}; the last checkpoint stays in the run dirs (`runner up --resume {run_id}` "
+                   f"once the nodes are back)")
+            self.note(cl, run_id, event("stop", why=why))
+            raise UserError(f"run {run_id}: lost {', '.join(gone)}: {why}")
+        old = self.layout
+        try:
+            self.layout = choose(self.full, alive, self.want)
+            self.planned = time.time()
+        except UserError as exc:
+            self.note(cl, run_id, event("stop", why=str(exc)))
+            raise UserError(f"run {run_id}: lost {', '.join(gone)}; {exc}") from None
+        self.pending = {"why": f"lost {', '.join(gone)}", "last_step": last_step}
+        sys.stderr.write(f"runner: run {run_id}: lost {', '.join(gone)}: going on with {self.layout.shown} "
+                         f"(was pp {old.pp} x dp {old.dp} x tp {old.tp})\n")
+        self._watch(cl, run_id)
+        return True
+
+    def regrow(self, run_id: str, last_step: int | None) -> None:
+        """After the running layout was stopped for returning nodes: every node of the inventory
+        that answers, in a layout chosen again."""
+        with self._lock:
+            back, self.returned = self.returned, []
+            self.back.clear()
+        alive = [n.name for n in self.full.ordered() if n.name not in self.lost]
+        self.layout = choose(self.full, alive, self.want)
+        self.planned = time.time()
+        self.pending = {"why": f"{', '.join(back)} back", "last_step": last_step}
+        sys.stderr.write(f"runner: run {run_id}: {', '.join(back)} back: going on with {self.layout.shown}\n")
+
+    # -- events --------------------------------------------------------------------------------
+    def started(self, view: Cluster, run_id: str, homes: dict[str, str | None], checkpoint: str | None,
+                split: str | None, synced: float | None = None) -> None:
+        """A layout's launch is under way: its event, with the checkpoint it resumes from."""
+        step = int(m[1]) if checkpoint and (m := re.match(r"step-(\d+)", checkpoint)) else None
+        last = self.pending.get("last_step")
+        ev = event("layout", layout=self.layout.as_dict(), from_step=step, split=split,
+                   why=self.pending.get("why", "start"),
+                   steps_lost=(last - step) if last is not None and step is not None else None,
+                   planned=self.planned if self.pending else None, synced=synced)
+        self.pending = {}
+        self.note(view, run_id, ev, homes)
+
+    def note(self, cl: Cluster, run_id: str, ev: dict, homes: dict[str, str | None] | None = None) -> None:
+        """Append the event; write the whole history to the layout's nodes and the logs dir."""
+        self.events.append(ev)
+        body = "".join(json.dumps(e) + "\n" for e in self.events).encode()
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        (self.log_dir / ELASTIC_FILE).write_bytes(body)
+        if homes is None:
+            return
+
+        def one(node: str) -> None:
+            r = cl[node]
+            run = node_paths(r.node, homes.get(node)).run(run_id)
+            r.makedirs(run)
+            r.put_bytes(f"{run}/{ELASTIC_FILE}", body)
+
+        for node, _, err in cl.map([n for n in self.layout.nodes if n not in self.lost], one):
+            if err:
+                log.warning("elastic: could not write %s on %s: %s", ELASTIC_FILE, node, err)
+
+    # -- lost nodes coming back ----------------------------------------------------------------
+    def _watch(self, cl: Cluster, run_id: str) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._retry, args=(cl, run_id), daemon=True, name="elastic-rejoin")
+            self._thread.start()
+
+    def _retry(self, cl: Cluster, run_id: str) -> None:
+        while not self._stop.wait(RETRY_S):
+            for node in list(self.lost):
+                try:
+                    r = Remote(self.full.node(node), self.accept_new).connect()
+                except UserError:
+                    continue
+                try:
+                    gone = stop_node(r, run_id, grace=FAIL_STOP_GRACE_S)
+                except Exception:  # noqa: BLE001 - the engine not answering yet: next round
+                    r.close()
+                    continue
+                cl.remotes[node] = r
+                sys.stderr.write(f"runner: node {node} is reachable again"
+                                 + (": stopped and removed its container" if gone else "") + "\n")
+                with self._lock:
+                    del self.lost[node]
+                    self.events.append(event("back", node=node))
+                    if self.spec.rejoin:
+                        self.returned.append(node)
+                        self.back.set()
+
+    def stop_retrying(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def close(self) -> None:
+        self.stop_retrying()
+        if self.lost:
+            shown = ", ".join(f"{n} ({printable(w[:200])})" for n, w in self.lost.items())
+            sys.stderr.write(f"runner: warning: still unreachable: {shown}; a container of the run may still run "
+                             f"there: `runner down -i {self.full.path}` once it is back\n")
+
+
+def unreachable(view: Cluster) -> dict[str, str]:
+    """The layout's nodes that do not answer a ping now: node -> why."""
+    def ping(r: Remote) -> None:
+        if not r.alive:
+            raise ConnectionError("SSH connection closed")
+        r.ping(HEARTBEAT_TIMEOUT_S)
+
+    out = {}
+    for r, _, err in view.map(list(view.remotes.values()), ping):
+        if err is not None:
+            out[r.node.name] = printable((str(err).strip().splitlines() or [type(err).__name__])[0][:200])
+    return out
+
+
+def layout_split(inv: Inventory) -> str | None:
+    """The partition spec the launch passes (the last --parallel.partition of the job's args)."""
+    args = inv.job.args
+    idx = [i for i, a in enumerate(args) if a == "--parallel.partition" and i + 1 < len(args)]
+    return args[idx[-1] + 1] if idx else None
+
+
+def last_step(view: Cluster, nodes: list, probes: dict, run_id: str) -> int | None:
+    """The newest step in the nodes' metrics.jsonl (the logging rank's node has it), or None."""
+    from runner.node_runs import node_progress
+
+    def one(n) -> int | None:
+        got = node_progress(view[n.name], node_paths(n, probes[n.name].home).run(run_id))[0]
+        step = json.loads(got).get("step") if got else None
+        return step if isinstance(step, int) else None
+
+    steps = [v for _, v, err in view.map(nodes, one) if err is None and v is not None]
+    return max(steps) if steps else None

@@ -1,0 +1,237 @@
+"""Elastic runs on real links (issue 27): the reduced Pi pipeline (pp 3, one stage a node) on the
+namespaced sandbox, `job.elastic` on.
+
+A run held after step 4 (its checkpoint written, each node's files copied to the next node:
+`--checkpoint.replicas 1`, which the runner adds) has node-2's link cut: the runner names it, stops
+the others, and goes on by itself over node-0 and node-1 as pp 2 from step 4. Held again after
+step 6, node-2's link comes back: the runner removes node-2's old container, stops the 2-node run
+with its grace period (the trainer writes a preempt checkpoint after step 7) and resumes over all
+three as pp 3 from step 7 to the end. Every loss equals the same sequence of layouts resumed by
+hand on this machine (1e-5: another reduction order), the events name each layout, and `runner
+status` prints them.
+
+Two nodes lost at once with min_nodes 2: one line, nothing left running, the last checkpoint
+intact. The time from a cut to the first new step is bench/elastic.py's figure, not asserted here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests import IMAGE, REPO
+from tests.netns_sandbox import sandbox_cmd
+from tests.runner_helpers import (
+    node_docker,
+    node_workdir,
+    run_containers,
+    runner,
+    runner_cmd,
+    signal_sshd,
+    wait_for,
+)
+from tests.trainer_run import held, release, run_trainer
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.docker]
+NODES = ("node-0", "node-1", "node-2")
+CONFIG = "configs/pi-qwen3-3stage-tiny.yaml"
+STEPS = 10
+ARGS = ["--parallel.partition", "uniform_transformer", "--train.steps", str(STEPS), "--checkpoint.interval", "2",
+        "--profile_batch", "none"]
+
+
+def elastic_job(tmp_path: Path, hold: str, min_nodes: int = 2, rejoin: bool = True) -> Path:
+    p = tmp_path / "elastic-job.yaml"
+    p.write_text(yaml.safe_dump({"job": {
+        "image": IMAGE, "config": str(REPO / CONFIG), "args": ARGS, "master_port": "auto", "grace_period": 60,
+        "env": {"OMP_NUM_THREADS": "1", "TRAINER_TEST_HOLD": hold},
+        "elastic": {"min_nodes": min_nodes, "rejoin": rejoin}}}))
+    return p
+
+
+def start(inv: Path, job: Path, logs: Path) -> subprocess.Popen:
+    return subprocess.Popen(runner_cmd("up", "-i", str(inv), "--job", str(job), "--logs-dir", str(logs),
+                                       "--reclaim-timeout", "120"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+
+
+def run_dirs(inv: Path, run_id: str) -> dict[str, Path]:
+    return {n: node_workdir(inv, n) / "runs" / run_id for n in NODES}
+
+
+def first_run_id(inv: Path, since: set[str]) -> str:
+    """The run this test started: the one run dir on node-0 that was not there before."""
+    new = set(p.name for p in (node_workdir(inv, "node-0") / "runs").iterdir()) - since if \
+        (node_workdir(inv, "node-0") / "runs").is_dir() else set()
+    return next(iter(new)) if len(new) == 1 else ""
+
+
+def existing_runs(inv: Path) -> set[str]:
+    d = node_workdir(inv, "node-0") / "runs"
+    return {p.name for p in d.iterdir()} if d.is_dir() else set()
+
+
+def metrics(run_dir: Path) -> dict[int, dict]:
+    f = run_dir / "metrics.jsonl"
+    recs = [json.loads(x) for x in f.read_text().splitlines() if x.strip()] if f.is_file() else []
+    return {r["step"]: r for r in recs}
+
+
+def test_a_cut_node_is_dropped_then_taken_back_and_the_losses_equal_a_resume_by_hand(netns_sandbox, tmp_path):
+    state, inv = netns_sandbox["state"], netns_sandbox["inv"]
+    before = existing_runs(inv)
+    proc = start(inv, elastic_job(tmp_path, "step:4,step:6"), tmp_path / "logs")
+    try:
+        run_id = wait_for(lambda: first_run_id(inv, before), 300)
+        runs = run_dirs(inv, run_id)
+        wait_for(lambda: held(runs["node-0"], "step-4", [0]) and held(runs["node-2"], "step-4", [2]), 300)
+        cut = sandbox_cmd(state, "link", "node-2", "down")
+        assert cut.returncode == 0, cut.stderr
+        # The 2-node layout runs steps 5 and 6 and holds: node-2 is still cut off, so this is node-0
+        # and node-1 alone (pp 2: ranks 0 and 1).
+        wait_for(lambda: held(runs["node-0"], "step-6", [0]) and held(runs["node-1"], "step-6", [1]), 300)
+        assert not (runs["node-2"] / ".hold" / "step-6.held.rank2").exists()
+        back = sandbox_cmd(state, "link", "node-2", "up")
+        assert back.returncode == 0, back.stderr
+        # node-2 answers: the runner stops the 2-node layout (SIGTERM, the trainer's preempt vote)
+        wait_for(lambda: held(runs["node-0"], "step-6", [0], "signalled") and
+                 held(runs["node-1"], "step-6", [1], "signalled"), 300)
+        for n in ("node-0", "node-1"):
+            release(runs[n], "step-6")
+        out, err = proc.communicate(timeout=600)
+    finally:
+        sandbox_cmd(state, "link", "node-2", "up")
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    assert "runner: run " + run_id + ": lost node-2: going on with pp 2 x dp 1 x tp 1 on 2 node(s) (node-0, node-1) " \
+        "(was pp 3 x dp 1 x tp 1)" in err, err[-3000:]
+    assert "runner: node node-2 is reachable again: stopped and removed its container" in err, err[-3000:]
+    assert f"runner: run {run_id}: node-2 back: going on with pp 3 x dp 1 x tp 1 on 3 node(s)" in err, err[-3000:]
+    assert f"run {run_id} finished: all 3 node(s) exited 0" in out
+    assert run_containers(inv, run_id) == {n: [] for n in NODES}
+
+    # The history: three layouts, from step 4 and from step 7, on every node of the last one.
+    events = [json.loads(x) for x in (runs["node-0"] / "elastic.jsonl").read_text().splitlines()]
+    layouts = [(e["layout"]["nodes"], e["layout"]["pp"], e["from_step"], e["why"]) for e in events if e["event"] == "layout"]
+    assert layouts == [(list(NODES), 3, None, "start"), (["node-0", "node-1"], 2, 4, "lost node-2"),
+                       (list(NODES), 3, 7, "node-2 back")], events
+    assert [e["event"] for e in events] == ["layout", "lost", "layout", "back", "layout"], events
+    assert (runs["node-2"] / "elastic.jsonl").read_text() == (runs["node-0"] / "elastic.jsonl").read_text()
+    assert (tmp_path / "logs" / run_id / "elastic.jsonl").read_text() == (runs["node-0"] / "elastic.jsonl").read_text()
+    status = runner("status", run_id, "-i", str(inv), timeout=120)
+    assert status.returncode == 0, status.stderr
+    hist = status.stdout[status.stdout.index("layout history (elastic):"):].splitlines()[1:6]
+    assert [re.sub(r"^\s*\S+\s+", "", ln) for ln in hist] == [
+        "layout pp 3 x dp 1 x tp 1 on node-0, node-1, node-2, split uniform_transformer",
+        f"lost node-2: {events[1]['why']}",
+        "layout pp 2 x dp 1 x tp 1 on node-0, node-1 from step 4, split uniform_transformer",
+        "node-2 reachable again",
+        "layout pp 3 x dp 1 x tp 1 on node-0, node-1, node-2 from step 7 (0 step(s) redone), split "
+        "uniform_transformer"], status.stdout
+    assert events[1]["why"].startswith("node unreachable"), events[1]
+
+    # The losses: node-2 logs pp 3 (steps 1-4, 8-10), node-1 pp 2 (steps 5-7); each start's first
+    # record names its layout.
+    last, mid = metrics(runs["node-2"]), metrics(runs["node-1"])
+    got = {**{s: last[s] for s in (1, 2, 3, 4, 8, 9, 10)}, **{s: mid[s] for s in (5, 6, 7)}}
+    assert (got[1]["layout"]["pp"], got[5]["layout"]["pp"], got[8]["layout"]["pp"]) == (3, 2, 3)
+    assert "layout" not in got[2] and "layout" not in got[6]
+    # By hand: 3 processes to step 4, resumed as pp 2 to step 7, resumed as pp 3 to the end.
+    ref = tmp_path / "by-hand"
+    base = ["--config", CONFIG, *ARGS, "--checkpoint.replicas", "1"]
+    run_trainer(ref, *base, "--train.exit_interval", "4", nproc=3, env={"OMP_NUM_THREADS": "1"})
+    run_trainer(ref, *base, "--parallel.pp", "2", "--parallel.dp", "1", "--train.batch_size", "16",
+                "--train.exit_interval", "7", "--resume", "latest", nproc=2, env={"OMP_NUM_THREADS": "1"})
+    run_trainer(ref, *base, "--resume", "latest", nproc=3, env={"OMP_NUM_THREADS": "1"})
+    want = metrics(ref)
+    assert sorted(want) == list(range(1, STEPS + 1))
+    diffs = {s: abs(got[s]["loss"] - want[s]["loss"]) for s in want}
+    assert max(diffs.values()) < 1e-5, diffs
+
+
+def test_two_nodes_lost_below_min_nodes_stop_in_one_line_and_leave_the_checkpoint(netns_sandbox, tmp_path):
+    """node-1 and node-2 cut at once with min_nodes 2: one node is left, so the run stops, saying
+    why in one line; both lost nodes' containers are removed once their links return (nothing
+    orphaned), and the step-4 checkpoint every node wrote is still whole and `latest`."""
+    state, inv = netns_sandbox["state"], netns_sandbox["inv"]
+    before = existing_runs(inv)
+    proc = start(inv, elastic_job(tmp_path, "step:4"), tmp_path / "logs")
+    try:
+        run_id = wait_for(lambda: first_run_id(inv, before), 300)
+        runs = run_dirs(inv, run_id)
+        wait_for(lambda: all(held(runs[n], "step-4", [r]) for r, n in enumerate(NODES)), 300)
+        for n in ("node-1", "node-2"):
+            assert sandbox_cmd(state, "link", n, "down").returncode == 0
+        seen: list[str] = []
+        wait_for(lambda: "trying for 120s to reach it" in (seen.append(proc.stderr.readline()) or seen[-1]), 120,
+                 interval=0)
+        for n in ("node-1", "node-2"):
+            assert sandbox_cmd(state, "link", n, "up").returncode == 0
+        out, err = proc.communicate(timeout=300)
+        err = "".join(seen) + err
+    finally:
+        for n in ("node-1", "node-2"):
+            sandbox_cmd(state, "link", n, "up")
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 4, err
+    errors = [ln for ln in err.splitlines() if ln.startswith("runner: error: ")]
+    assert len(errors) == 1, err
+    assert re.fullmatch(rf"runner: error: run {run_id}: lost node-[12], node-[12]: 1 node\(s\) left \(node-0\), fewer "
+                        rf"than job\.elastic\.min_nodes 2; the last checkpoint stays in the run dirs \(`runner up "
+                        rf"--resume {run_id}` once the nodes are back\)", errors[0]), errors[0]
+    assert err.count("is reachable again: stopped and removed its container") == 2, err
+    assert run_containers(inv, run_id) == {n: [] for n in NODES}
+    for n in NODES:
+        ck = runs[n] / "checkpoints"
+        assert (ck / "latest").read_text().strip() == "step-4", n
+        assert (ck / "step-4" / f"rank{NODES.index(n)}.pt").is_file(), n
+    events = [json.loads(x)["event"] for x in (tmp_path / "logs" / run_id / "elastic.jsonl").read_text().splitlines()]
+    assert events == ["layout", "lost", "lost", "stop"], events
+
+
+def test_a_node_killed_outright_is_dropped_the_same_way(netns_sandbox, tmp_path):
+    """node-2's container killed and its sshd with it (a host gone, not a link): the others' ranks
+    fail at once on a reset connection, the runner finds node-2 not answering, and the run goes on
+    over node-0 and node-1 as pp 2 from step 4 to the end (rejoin off: node-2, restarted meanwhile,
+    only has its dead container removed)."""
+    state, inv = netns_sandbox["state"], netns_sandbox["inv"]
+    before = existing_runs(inv)
+    proc = start(inv, elastic_job(tmp_path, "step:4", rejoin=False), tmp_path / "logs")
+    try:
+        run_id = wait_for(lambda: first_run_id(inv, before), 300)
+        runs = run_dirs(inv, run_id)
+        wait_for(lambda: all(held(runs[n], "step-4", [r]) for r, n in enumerate(NODES)), 300)
+        assert node_docker(inv, "node-2", "kill", f"runner-{run_id}-node-2").returncode == 0
+        assert signal_sshd(inv, "node-2", signal.SIGKILL) >= 1
+        for n in ("node-0", "node-1"):  # the ranks go on, into the dead stage
+            release(runs[n], "step-4")
+        seen: list[str] = []
+        wait_for(lambda: "lost node-2: going on with" in (seen.append(proc.stderr.readline()) or seen[-1]), 300,
+                 interval=0)
+        up = sandbox_cmd(state, "up", "--nodes", "3", "--netns", "--inventory", str(tmp_path / "restored.yaml"))
+        assert up.returncode == 0, up.stderr
+        out, err = proc.communicate(timeout=600)
+        err = "".join(seen) + err
+    finally:
+        sandbox_cmd(state, "up", "--nodes", "3", "--netns", "--inventory", str(tmp_path / "restored.yaml"))
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    assert f"run {run_id} finished: all 2 node(s) exited 0" in out
+    events = [json.loads(x) for x in (runs["node-0"] / "elastic.jsonl").read_text().splitlines()]
+    layouts = [(e["layout"]["nodes"], e["layout"]["pp"], e["from_step"]) for e in events if e["event"] == "layout"]
+    assert layouts == [(list(NODES), 3, None), (["node-0", "node-1"], 2, 4)], events
+    mid = metrics(runs["node-1"])
+    assert sorted(mid) == list(range(5, STEPS + 1)) and mid[5]["layout"]["pp"] == 2
+    assert run_containers(inv, run_id)["node-0"] == run_containers(inv, run_id)["node-1"] == []
