@@ -49,6 +49,20 @@ class Cluster:
     def __exit__(self, *exc) -> None:
         self.map(list(self.remotes.values()), Remote.close)
 
+    def silent(self, timeout: float = 4.0) -> dict[str, str]:
+        """The connected nodes that do not answer a ping within `timeout` now: node -> why. What a
+        failed run asks before writing to its nodes: a write to a node behind a cut link would hang."""
+        def ping(r: Remote) -> None:
+            if not r.alive:
+                raise ConnectionError("SSH connection closed")
+            r.ping(timeout)
+
+        out = {}
+        for r, _, err in self.map(list(self.remotes.values()), ping):
+            if err is not None:
+                out[r.node.name] = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        return out
+
     def view(self, inv: Inventory) -> Cluster:
         """The same connections for a subset of the nodes (an elastic run's current layout): not
         entered, not closed; this cluster owns the connections."""

@@ -19,6 +19,9 @@ PROC_NET_LIMIT = 64 << 20  # /proc/net/tcp{,6}: 150 bytes a socket, a busy serve
 WALK_MAX_FILES = 1_000_000
 
 
+SFTP_SILENCE_S = 120.0
+
+
 class NodeFiles:
     """Mixed into Remote: needs its `client`, `node`, `_lock`, `_sftp` and `_home`."""
 
@@ -27,6 +30,9 @@ class NodeFiles:
         with self._lock:
             if self._sftp is None:
                 self._sftp = self.client.open_sftp()
+                # A node behind a cut link answers nothing and TCP may take a quarter hour to say so:
+                # an SFTP call that hears nothing for this long fails instead of hanging its caller.
+                self._sftp.get_channel().settimeout(SFTP_SILENCE_S)
             return self._sftp
 
     def makedirs(self, path: str, mode: int = 0o755) -> None:

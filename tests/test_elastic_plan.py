@@ -152,6 +152,8 @@ def test_up_dry_run_shows_the_layout_without_each_node_and_contacts_nothing(tmp_
         "  without node-0: pp 2 x dp 1 x tp 1 on 2 node(s) (node-1, node-2)",
         "  without node-1: pp 2 x dp 1 x tp 1 on 2 node(s) (node-0, node-2)",
         "  without node-2: pp 2 x dp 1 x tp 1 on 2 node(s) (node-0, node-1)"]
+    commands = [ln for ln in out.splitlines() if ln.strip().startswith("command ")]
+    assert len(commands) == 3 and all(ln.endswith("--checkpoint.replicas 1") for ln in commands), commands
     # --elastic on a job without the field: every default (min_nodes 1, rejoin)
     plain = inventory(tmp_path, elastic="", name="plain.yaml")
     assert main(["up", "-i", str(plain), "--dry-run"]) == 0

@@ -25,7 +25,7 @@ import threading
 import time
 from pathlib import Path
 
-from runner.backends.ssh.watch import FAIL_STOP_GRACE_S, HEARTBEAT_TIMEOUT_S
+from runner.backends.ssh.watch import FAIL_STOP_GRACE_S
 from runner.cluster import Cluster
 from runner.elastic import ELASTIC_FILE, choose, event, job_layout, replicas_args, sub_inventory
 from runner.errors import UserError
@@ -38,6 +38,7 @@ from runner.ssh import Remote
 
 log = logging.getLogger("runner.up")
 RETRY_S = 2.0  # how often a lost node is tried again
+HISTORY_MAX = 1 << 20  # an earlier elastic.jsonl read back: a few hundred bytes an event
 
 
 class ElasticRun:
@@ -65,12 +66,12 @@ class ElasticRun:
         return sub
 
     @staticmethod
-    def gone(view: Cluster, lost: str | None, failed=None) -> dict[str, str]:
+    def gone(lost: str | None, failed, silent: dict[str, str]) -> dict[str, str]:
         """The layout's nodes lost in the failed launch: the one the watcher lost, and any other
-        that does not answer a ping now (a node killed outright: the others failed first). Node -> why."""
+        that did not answer a ping after it (a node killed outright: the others failed first). Node -> why."""
         out = {lost: printable((failed.error if failed is not None and failed.node == lost and failed.error
                                 else "unreachable")[:200])} if lost else {}
-        out.update({n: why for n, why in unreachable(view).items() if n not in out})
+        out.update({n: printable(why) for n, why in silent.items() if n not in out})
         return out
 
     def after_failure(self, cl: Cluster, run_id: str, gone: dict[str, str], last_step: int | None,
@@ -130,6 +131,22 @@ class ElasticRun:
                    planned=self.planned if self.pending else None, synced=synced)
         self.pending = {}
         self.note(view, run_id, ev, homes)
+
+    def load_history(self, master: Remote, run_dir: str) -> None:
+        """The events an earlier `up` of this run wrote (read from the master, bounded, only JSON
+        objects kept), so the history of a resumed run goes on rather than starting over."""
+        try:
+            text = master.read_text(f"{run_dir}/{ELASTIC_FILE}", limit=HISTORY_MAX) or ""
+        except UserError as exc:
+            log.warning("elastic: %s; the layout history starts again", exc)
+            return
+        for raw in text.splitlines():
+            try:
+                ev = json.loads(raw)
+            except ValueError:
+                continue
+            if isinstance(ev, dict):
+                self.events.append(ev)
 
     def note(self, cl: Cluster, run_id: str, ev: dict, homes: dict[str, str | None] | None = None) -> None:
         """Append the event; write the whole history to the layout's nodes and the logs dir."""
@@ -191,27 +208,6 @@ class ElasticRun:
                              f"there: `runner down -i {self.full.path}` once it is back\n")
 
 
-def unreachable(view: Cluster) -> dict[str, str]:
-    """The layout's nodes that do not answer a ping now: node -> why."""
-    def ping(r: Remote) -> None:
-        if not r.alive:
-            raise ConnectionError("SSH connection closed")
-        r.ping(HEARTBEAT_TIMEOUT_S)
-
-    out = {}
-    for r, _, err in view.map(list(view.remotes.values()), ping):
-        if err is not None:
-            out[r.node.name] = printable((str(err).strip().splitlines() or [type(err).__name__])[0][:200])
-    return out
-
-
-def layout_split(inv: Inventory) -> str | None:
-    """The partition spec the launch passes (the last --parallel.partition of the job's args)."""
-    args = inv.job.args
-    idx = [i for i, a in enumerate(args) if a == "--parallel.partition" and i + 1 < len(args)]
-    return args[idx[-1] + 1] if idx else None
-
-
 def last_step(view: Cluster, nodes: list, probes: dict, run_id: str) -> int | None:
     """The newest step in the nodes' metrics.jsonl (the logging rank's node has it), or None."""
     from runner.node_runs import node_progress
@@ -223,3 +219,10 @@ def last_step(view: Cluster, nodes: list, probes: dict, run_id: str) -> int | No
 
     steps = [v for _, v, err in view.map(nodes, one) if err is None and v is not None]
     return max(steps) if steps else None
+
+
+def layout_split(inv: Inventory) -> str | None:
+    """The partition spec the launch passes (the last --parallel.partition of the job's args)."""
+    args = inv.job.args
+    idx = [i for i, a in enumerate(args) if a == "--parallel.partition" and i + 1 < len(args)]
+    return args[idx[-1] + 1] if idx else None

@@ -31,7 +31,7 @@ from runner.backends.ssh.watch import FAIL_STOP_GRACE_S, Watcher
 from runner.cluster import Cluster
 from runner.elastic import check as check_elastic
 from runner.elastic import render as render_elastic
-from runner.elastic import spec_of
+from runner.elastic import replicas_args, spec_of
 from runner.errors import (
     EXIT_INTERRUPTED,
     EXIT_JOB_FAILED,
@@ -115,6 +115,9 @@ def main(args) -> int:
 
     if args.dry_run:
         run_id = dry_run_id(args)
+        elastic_lines = render_elastic(inv, elastic) if elastic is not None else None
+        if elastic is not None:
+            inv.job.args += replicas_args(inv)  # as the launch will pass them
         if args.resume:
             inv.job.args += RESUME_ARGS
         from runner.sync import scan
@@ -127,8 +130,8 @@ def main(args) -> int:
         if inv.job.perseus is not None:
             print(perseus.render(plan, inv.job.perseus))
         check_sizing(inv, show=True, ignore=args.ignore_sizing)
-        if elastic is not None:
-            print(render_elastic(inv, elastic))
+        if elastic_lines:
+            print(elastic_lines)
         return 0
     with notifying(spec, Outcome(inv.path, "ssh", [n.name for n in inv.ordered()])) as outcome:
         check_sizing(inv, show=False, ignore=args.ignore_sizing)  # a stage that cannot fit: refused, nothing contacted
@@ -151,6 +154,7 @@ class Launcher:
         self.el: ElasticRun | None = None     # job.elastic / --elastic: the layout over the nodes there now
         self.resumed_from: str | None = None  # the checkpoint the last resume chose
         self.failed = None                    # the last attempt's watcher outcome (None: all exited 0)
+        self.silent: dict[str, str] = {}      # ... and the nodes that did not answer after it: node -> why
         self.stopped_at = self.synced_at = 0.0  # when the others were stopped; when the resume's files were
 
     def run(self) -> int:
@@ -201,6 +205,8 @@ class Launcher:
         (runner/backends/ssh/elastic_loop.py). Restarts for other failures: --max-restarts, as ever."""
         el, attempt, resume = self.el, 0, bool(self.args.resume)
         el.log_dir = Path(self.args.logs_dir) / run_id
+        if resume:  # `up --resume` of an elastic run: its history goes on
+            el.load_history(cl[self.inv.master.name], node_paths(self.inv.master, probes[self.inv.master.name].home).run(run_id))
         while True:
             self.inv = el.inventory()
             view = cl.view(self.inv)
@@ -210,7 +216,7 @@ class Launcher:
             if code in (0, EXIT_INTERRUPTED, EXIT_TERMINATED):
                 return code
             # Which nodes are gone first (pings with a timeout): a read from a cut node would hang.
-            gone = {} if code == REGROW else el.gone(view, self.lost, self.failed)
+            gone = {} if code == REGROW else el.gone(self.lost, self.failed, self.silent)
             last = last_step(view, [n for n in self.inv.ordered() if n.name not in gone], probes, run_id)
             if code == REGROW:
                 el.regrow(run_id, last)
@@ -392,12 +398,16 @@ class Launcher:
         what = failed.error or f"container exited with code {failed.exit_code}"
         for line in failed.last_lines:
             sys.stderr.write(f"  [{failed.node}/{failed.rank}] {line}\n")  # made visible when it was shown
-        write_status(cl, plan, watcher, failed.exit_code or 1, skip={failed.node} if failed.lost else set())
+        # Nodes not answering now get no status file: a write behind a cut link would hang.
+        self.silent = {failed.node: failed.error or "lost"} if failed.lost else {}
+        if failed.lost or self.el is not None:
+            self.silent.update({n: w for n, w in cl.silent().items() if n not in self.silent})
+        write_status(cl, plan, watcher, failed.exit_code or 1, skip=set(self.silent))
         where = "every node" if not failed.lost else f"the other nodes ({watcher.stopped_in or 0:.1f}s after the loss)"
         sys.stderr.write(f"runner: error: run {run_id}: node {failed.node} (rank {failed.rank}) failed: {printable(what)}; "
                          f"stopped the run on {where}\n")
         self._tell(cl, plan, f"run {run_id}: node {failed.node} (rank {failed.rank}) failed: {what}",
-                   skip={failed.node} if failed.lost else set())
+                   skip=set(self.silent))
         if failed.lost:
             self.lost = failed.node
             if self.el is None:  # an elastic run goes on without it and retries it meanwhile
