@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 BENCHES = ["trainer_throughput", "pipeline_schedules", "launch", "push", "collect", "fanout", "gpu_throughput",
-           "partition", "links", "push_relay", "gpu_families"]
+           "partition", "links", "push_relay", "gpu_families", "elastic"]
 
 
 def main(argv: list[str]) -> int:

@@ -7,23 +7,24 @@ import logging
 import shlex
 import sys
 
+from runner import backends, check, kube_export, node_exec, profile_cli, push_cli, sync_cli
 from runner.errors import Terminated, UserError, interrupt_code, interrupt_on_signals
 from runner.fanout import raise_open_file_limit
 from runner.redact import Formatter, printable
+from runner.sandbox import command as sandbox_command
 
-# Modules that contribute subcommands. Each exposes `register(subparsers)` which adds its
-# parser(s) and sets `func` to a callable taking the parsed args and returning an exit code.
-COMMAND_MODULES = [
-    "runner.sandbox.command",
-    "runner.check", "runner.push_cli", "runner.sync_cli", "runner.backends.ssh.launch", "runner.backends.ssh.status", "runner.backends.ssh.down", "runner.backends.ssh.collect",
-    # After the verbs: --scheduler on each, and up/status/logs/ls/down/collect go to the backend
-    # the inventory names (runner/backends/).
-    "runner.backends",
-    "runner.kube_export",
-    "runner.profile_cli",  # per-node measurements; parallel.partition auto in `up`
-    "runner.node_exec",  # `runner exec`: a shell or command in a node's job container
-    "runner.notify",  # `up --notify`: told on this machine when the run ends
-]
+# What contributes subcommands, in the order `runner --help` lists them. Each has
+# `register(subparsers)`, which adds its parser(s) and sets `func` to a callable taking the parsed
+# args and returning an exit code; none touches another's parser (the backends' verbs, with
+# --scheduler and --notify, are all runner/backends/'s).
+COMMANDS = (
+    sandbox_command,
+    check, push_cli, sync_cli,
+    backends,      # up, status, logs, ls, down, collect: to the backend the inventory names
+    kube_export,
+    profile_cli,   # per-node measurements; parallel.partition auto in `up`
+    node_exec,     # `runner exec`: a shell or command in a node's job container
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -73,8 +74,6 @@ def _completion(parser, shell) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    import importlib
-
     parser = _Parser(prog="runner", description="Run containerized distributed PyTorch jobs on the "
                      "nodes of an inventory: check, push, up, logs, status, down, collect.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -84,8 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "`runner --print-completion bash > ~/.local/share/bash-completion/completions/runner`")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).register(sub)
+    for module in COMMANDS:
+        module.register(sub)
     return parser
 
 

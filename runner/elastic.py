@@ -46,9 +46,13 @@ class Layout:
     def global_batch(self) -> int:
         return self.batch_size * self.dp
 
-    def args(self) -> list[str]:
-        """The trainer args that put the job into this layout (after the job's own: the last wins)."""
-        return ["--parallel.pp", str(self.pp), "--parallel.dp", str(self.dp), "--train.batch_size", str(self.batch_size)]
+    def args(self, job: Layout | None = None) -> list[str]:
+        """The trainer args that put the job into this layout (after the job's own: the last wins).
+        The batch only where it differs from the job's: a profile cached for the job's args (its
+        key holds the batch, not pp or dp) then still answers for the new layout."""
+        same = job is not None and job.batch_size == self.batch_size
+        return ["--parallel.pp", str(self.pp), "--parallel.dp", str(self.dp)] + \
+            ([] if same else ["--train.batch_size", str(self.batch_size)])
 
     @property
     def shown(self) -> str:

@@ -166,10 +166,8 @@ def _post(url: str, doc: dict) -> str | None:
     return None
 
 
-def register(sub) -> None:
-    """`--notify` on `up` (both schedulers read it through from_args)."""
-    p = sub.choices.get("up")
-    if p is not None:
-        p.add_argument("--notify", metavar="CMD|URL",
-                       help="when the run ends: run CMD here with `sh -c` (RUNNER_RUN_ID, RUNNER_STATE, RUNNER_EXIT, "
-                            "RUNNER_SUMMARY ... in its env), or POST JSON to an http(s):// URL (default: job.notify)")
+def add_notify_option(p) -> None:
+    """`--notify` on `up` (every backend reads it through from_args)."""
+    p.add_argument("--notify", metavar="CMD|URL",
+                   help="when the run ends: run CMD here with `sh -c` (RUNNER_RUN_ID, RUNNER_STATE, RUNNER_EXIT, "
+                        "RUNNER_SUMMARY ... in its env), or POST JSON to an http(s):// URL (default: job.notify)")

@@ -46,6 +46,7 @@ def test_a_pipeline_loses_a_stage_and_keeps_its_batch(tmp_path):
     got = choose(inv, ["node-0", "node-1"], want)
     assert got == Layout(("node-0", "node-1"), pp=2, dp=1, tp=1, batch_size=16)
     assert got.args() == ["--parallel.pp", "2", "--parallel.dp", "1", "--train.batch_size", "16"]
+    assert got.args(want) == ["--parallel.pp", "2", "--parallel.dp", "1"]  # the job's batch: not repeated
     # the master lost: the first node left is rank 0
     lost_master = choose(inv, ["node-1", "node-2"], want)
     assert lost_master.nodes == ("node-1", "node-2")
@@ -183,9 +184,11 @@ def test_the_profile_cache_key_ignores_the_layout_flags_an_elastic_run_adds(tmp_
     from runner.profile_cache import node_key
 
     node = Node(name="n", host="127.0.0.1")
-    base = Job(args=["--train.batch_size", "16"])
-    moved = Job(args=["--train.batch_size", "16", "--parallel.pp", "2", "--parallel.dp", "1",
-                      "--checkpoint.replicas", "1"])
+    inv = load_inventory(str(inventory(tmp_path)))
+    want = job_layout(inv)
+    shrunk = choose(inv, ["node-0", "node-1"], want)
+    base = Job(args=list(inv.job.args))
+    moved = Job(args=[*inv.job.args, *replicas_args(inv), *shrunk.args(want)])  # what the 2-node launch passes
     assert node_key(node, base, "img", 2, 2.0) == node_key(node, moved, "img", 2, 2.0)
     assert node_key(node, base, "img", 2, 2.0) != node_key(node, Job(args=["--train.batch_size", "8"]), "img", 2, 2.0)
 

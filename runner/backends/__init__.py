@@ -34,8 +34,14 @@ def add_scheduler_option(p: argparse.ArgumentParser) -> None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """--scheduler on every verb, and each backend's own flags on the verbs they belong to; each
-    verb's func becomes the dispatch to the backend its inventory goes to."""
+    """The verbs' parsers (defined with the SSH backend, the default; every backend takes the same
+    arguments), --scheduler on every verb and each backend's own flags on the verbs they belong to,
+    `--notify` on up; each verb's func becomes the dispatch to the backend its inventory goes to."""
+    from runner.backends.ssh import collect, down, launch, status
+    from runner.notify import add_notify_option
+
+    for module in (launch, status, down, collect):
+        module.register(sub)
     for verb in VERBS:
         p = sub.choices[verb]
         add_scheduler_option(p)
@@ -44,6 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                 if opt.verb == verb:
                     p.add_argument(*opt.flags, **opt.kwargs)
         p.set_defaults(func=lambda args, verb=verb: getattr(open_backend(args, verb), verb)(args))
+    add_notify_option(sub.choices["up"])
 
 
 def choose(args: argparse.Namespace) -> str:

@@ -61,7 +61,7 @@ class ElasticRun:
     def inventory(self) -> Inventory:
         """The current layout's nodes, with the trainer args that put the job in it."""
         sub = sub_inventory(self.full, self.layout.nodes)
-        extra = [] if self.layout == self.want else self.layout.args()
+        extra = [] if self.layout == self.want else self.layout.args(self.want)
         sub.job.args = [*self.base_args, *extra]
         return sub
 

@@ -395,6 +395,12 @@ class Launcher:
             print(f"run {run_id} finished: all {plan.nnodes} node(s) exited 0; collect: runner collect {run_id}")
             self._tell(cl, plan, f"run {run_id} finished: all {plan.nnodes} node(s) exited 0")
             return 0
+        return self.failed_run(cl, plan, watcher, failed)
+
+    def failed_run(self, cl: Cluster, plan: Plan, watcher: Watcher, failed) -> int:
+        """A launch that failed: the failed node's last lines, status files where nodes answer,
+        one error line, the notification's summary; a lost node reclaimed (not in elastic runs)."""
+        run_id = plan.run_id
         what = failed.error or f"container exited with code {failed.exit_code}"
         for line in failed.last_lines:
             sys.stderr.write(f"  [{failed.node}/{failed.rank}] {line}\n")  # made visible when it was shown
