@@ -1,22 +1,15 @@
-"""`runner check`: every node in parallel (SSH + verified host key, docker engine, arch, CPUs,
-memory, free disk, GPUs, clock offset, route to the master, master port, image), one table, and a
-non-zero exit naming every node that fails."""
+"""What `runner check` asks of every node, in parallel: SSH + verified host key, docker engine,
+arch, CPUs, memory, free disk, GPUs, clock offset, route to the master, master port, image; each
+node's answers and problems as a NodeCheck (the table and the exit are runner/check_cli.py's)."""
 
 from __future__ import annotations
 
-import argparse
-import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
-from rich.console import Console
-from rich.table import Table
-
-from runner.errors import EXIT_NOT_READY, UserError
+from runner.errors import UserError
 from runner.fanout import DEFAULT_PARALLEL, parallel
 from runner.images import host_image_ids, node_image_id
 from runner.inventory import Inventory, Node
-from runner.inventory_arg import add_inventory_args, load
-from runner.node_output import cells
 from runner.node_probe import Probe, probe
 from runner.rendezvous import AUTO_PORT_BASE, AUTO_PORT_OFFSETS, AUTO_PORT_SPAN
 from runner.ssh import Remote
@@ -128,48 +121,3 @@ def run_checks(inv: Inventory, accept_new: bool, workers: int = DEFAULT_PARALLEL
             val = NodeCheck(n.name, f"{n.host}:{n.port}", ssh="?", problems=[str(err)])
         out.append(val)
     return out
-
-
-def _image_cell(c: NodeCheck) -> str:
-    if c.image_state is None:
-        return "-"
-    if c.image_state == "stale":
-        return f"{c.image} stale (node {c.image_id[7:19]}, host {c.host_image_id[7:19]})"
-    return f"{c.image} {c.image_state}"
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("check", help="preflight every node in parallel and print a table")
-    add_inventory_args(p)
-    p.add_argument("--job", help="YAML file with a job section, overriding the inventory's")
-    p.add_argument("--json", action="store_true", help="print each node's checks as JSON")
-    p.set_defaults(func=main)
-
-
-def main(args) -> int:
-    inv = load(args)
-    checks = run_checks(inv, args.accept_new_host_keys, args.parallel)
-    if args.json:
-        print(json.dumps([{**asdict(c), "probe": {**asdict(c.probe), "listening": None} if c.probe else None}
-                          for c in checks], indent=2))
-    else:
-        t = Table(title=f"check {inv.path}")
-        for col in ("node", "ssh", "host key", "docker", "arch", "cpus", "mem GB", "disk GB", "gpus",
-                    "clock", "ifname", "master port", "image"):
-            t.add_column(col, overflow="fold")
-        for c in checks:
-            p = c.probe or Probe()
-            # What the node answered, as text (runner/node_output.py): no markup, controls visible.
-            t.add_row(*cells(c.node, c.ssh, c.host_key, p.docker or ("FAIL" if c.probe else "-"), p.arch or "-",
-                             p.cpus or "-", p.mem_gb or "-", p.disk_free_gb if p.disk_free_gb is not None else "-",
-                             p.gpus, f"{p.clock_offset_s:+.2f}s" if p.clock_offset_s is not None else "-",
-                             p.ifname or "-", " ".join(filter(None, (c.master_port, c.master_port_detail))),
-                             _image_cell(c)))
-        Console(width=200).print(t)
-    failing = [c for c in checks if c.problems]
-    if failing:
-        raise UserError("check failed on " + "; ".join(f"{c.node}: {', '.join(c.problems)}" for c in failing),
-                        exit_code=EXIT_NOT_READY)
-    if not args.json:
-        print(f"all {len(checks)} node(s) ok")
-    return 0

@@ -7,7 +7,7 @@ import logging
 import shlex
 import sys
 
-from runner import backends, check, kube_export, node_exec, profile_cli, push_cli, sync_cli
+from runner import backends, check_cli, kube_cli, node_exec, profile_cli, push_cli, sync_cli
 from runner.errors import Terminated, UserError, interrupt_code, interrupt_on_signals
 from runner.fanout import raise_open_file_limit
 from runner.redact import Formatter, printable
@@ -19,9 +19,9 @@ from runner.sandbox import command as sandbox_command
 # --scheduler and --notify, are all runner/backends/'s).
 COMMANDS = (
     sandbox_command,
-    check, push_cli, sync_cli,
+    check_cli, push_cli, sync_cli,
     backends,      # up, status, logs, ls, down, collect: to the backend the inventory names
-    kube_export,
+    kube_cli,
     profile_cli,   # per-node measurements; parallel.partition auto in `up`
     node_exec,     # `runner exec`: a shell or command in a node's job container
 )

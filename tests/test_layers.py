@@ -143,7 +143,7 @@ RUNNER_LAYERS = {
     "cli": ["runner.cli", "runner.__main__", "runner.completion",
             "runner.node_exec"],  # `exec` picks its backend itself (runner/backends.choose)
     "backends": ["runner.backends"],
-    "verbs": ["runner.check", "runner.sync_cli", "runner.push_cli", "runner.kube_export", "runner.profile_cli",
+    "verbs": ["runner.check_cli", "runner.sync_cli", "runner.push_cli", "runner.kube_cli", "runner.profile_cli",
               "runner.notify", "runner.sandbox"],
     "delivery, transport, profiling": [
         "runner.push", "runner.sync", "runner.relay", "runner.images", "runner.registry", "runner.resume_sync",
@@ -153,7 +153,7 @@ RUNNER_LAYERS = {
         "runner.cluster", "runner.node_probe", "runner.node_runs", "runner.rendezvous", "runner.run_owner",
         "runner.plan", "runner.paths", "runner.host_engine", "runner.collect_report",
         "runner.profile", "runner.profile_auto", "runner.profile_cache", "runner.pipeline_split", "runner.sizing",
-        "runner.elastic"],
+        "runner.elastic", "runner.check", "runner.kube_export"],
     "inventory, jobspec, runs": ["runner.inventory", "runner.inventory_arg", "runner.jobspec", "runner.runs",
                                  "runner.redact"],
     "base": ["runner.errors", "runner.fanout", "runner.node_output", "runner.safe_path", "runner.hostkeys",
