@@ -31,6 +31,7 @@ from contract.memory import MemoryEstimate, auto_loss_chunks, gib, in_flight, si
 from contract.model_size import MODEL_TYPES, ModelShape, NotSized, model_shape, stage_loads, with_overrides
 from contract.partition import parameter_bounds, uniform_bounds, uniform_items_bounds
 from contract.presets import HF_NAMES, PRESETS
+from contract.schedules import SCHEDULES, canonical, stage_to_rank
 from runner.errors import UserError
 from runner.inventory import Inventory, Job, Node, memory_bytes
 
@@ -218,7 +219,7 @@ def stage_bounds(method: str, layers: int, stages: int, shape: ModelShape | None
 @dataclass
 class NodeSize:
     node: str
-    stages: list[int]                    # the stage of each rank on the node
+    stages: list[int]                    # the pipeline rank of each rank on the node (its stage when one a rank)
     estimate: list[MemoryEstimate]       # per rank
     runtime: int                         # per rank
     build: int                           # the whole fp32 model a rank builds first (0: built sharded)
@@ -242,6 +243,7 @@ class Sizing:
     bounds: list[int]
     dtypes: dict[str, str]               # node -> compute dtype
     line: str                            # the layout, as printed
+    rank_stages: dict[int, list[int]] = field(default_factory=dict)  # pp rank -> its stages (virtual stages only)
     nodes: list[NodeSize] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -249,7 +251,8 @@ class Sizing:
         out = [self.line]
         for n in self.nodes:
             stage = n.stages[0] if len(set(n.stages)) == 1 else None
-            what = f"stage {stage} ({self.describe(stage)})" if stage is not None else \
+            what = self.describe_rank(stage) if stage is not None else \
+                "pp ranks " + ", ".join(map(str, n.stages)) if self.rank_stages else \
                 "stages " + ", ".join(map(str, n.stages))
             e = n.estimate[0]
             ranks, rp = (f"{len(n.estimate)} ranks x (", ")") if len(n.estimate) > 1 else ("", "")
@@ -262,6 +265,13 @@ class Sizing:
                        f"transient {gib(e.transient)}{rp}{self._build_note(n)}; {have}{verdict}")
         out += [f"  note: {x}" for x in self.notes]
         return "\n".join(out)
+
+    def describe_rank(self, rank: int) -> str:
+        """`stage 1 (layers 3-4)`; with virtual stages, the rank's: `stages 1, 4 (layers 1-1; layers 4-4)`."""
+        if not self.rank_stages:
+            return f"stage {rank} ({self.describe(rank)})"
+        mine = self.rank_stages[rank]
+        return f"pp rank {rank}'s stages {', '.join(map(str, mine))} ({'; '.join(self.describe(st) for st in mine)})"
 
     def describe(self, stage: int) -> str:
         a, b = self.bounds[stage], self.bounds[stage + 1]
@@ -335,8 +345,6 @@ def size_job(inv: Inventory, probed: dict[str, int] | None = None, memory_field:
     s = job_settings(inv.job)
     name, shape = model_of(s, inv.job)
     pp, tp, vs = int(s["parallel.pp"]), int(s["parallel.tp"]), int(s["parallel.virtual_stages"])
-    if vs != 1:
-        raise NotSized(f"parallel.virtual_stages {vs}: `trainer --dry-run` sizes each rank's stages")
     order = inv.ordered()
     nproc = [inv.job.nproc_per_node or n.slots for n in order]
     world = sum(nproc)
@@ -346,11 +354,12 @@ def size_job(inv: Inventory, probed: dict[str, int] | None = None, memory_field:
     micro_num = int(s["train.microbatch_num"] or (4 if pp > 1 else 1))
     batch, seq = int(s["train.batch_size"]), int(s["data.seq_len"])
     micro, n_micro = max(batch // micro_num, 1), micro_num * int(s["train.grad_acc_steps"])
-    bounds = stage_bounds(str(s["parallel.partition"]), shape.layers, pp, shape) if pp > 1 else [0, shape.layers]
+    num_stages = pp * vs if pp > 1 else 1
+    bounds = stage_bounds(str(s["parallel.partition"]), shape.layers, num_stages, shape) if pp > 1 else [0, shape.layers]
     chunks = s["train.loss_chunks"]
     chunks = auto_loss_chunks(micro * seq, shape.vocab) if chunks == "auto" else int(chunks)
     sharding = str(s["parallel.sharding"])
-    schedule = str(s["parallel.pp_schedule"]) if pp > 1 else "none"
+    schedule = canonical(str(s["parallel.pp_schedule"])) if pp > 1 else "none"
     sharded = tp > 1 or (sharding.startswith(("zero2", "zero3")) and dp > 1)
     build = 0 if sharded else 4 * shape.params
     notes = []
@@ -358,6 +367,11 @@ def size_job(inv: Inventory, probed: dict[str, int] | None = None, memory_field:
         notes.append(f"train.activation_checkpointing {s['train.activation_checkpointing']}: activations "
                      f"sized without it (an upper bound)")
     sizing = Sizing(name, shape, bounds, {}, "", notes=notes)
+    if num_stages > pp:  # virtual stages: each pipeline rank holds several, placed as the schedule places them
+        spec = SCHEDULES.get(schedule)
+        style = spec.style if spec else "loop"
+        for st in range(num_stages):
+            sizing.rank_stages.setdefault(stage_to_rank(st, pp, num_stages, style), []).append(st)
     per_rank = world // pp
     profiles = _profiles(order)
     rank = 0
@@ -365,10 +379,11 @@ def size_job(inv: Inventory, probed: dict[str, int] | None = None, memory_field:
         gpu = bool(node.gpus) and s["parallel.device"] != "cpu"
         dtype = sizing_dtype(str(s["train.dtype"]), gpu=gpu)
         loads = stage_loads(shape, bounds, micro=micro, seq=seq, dtype=dtype, chunks=chunks)
-        stages = [(rank + j) // per_rank for j in range(k)]
+        stages = [(rank + j) // per_rank for j in range(k)]  # each rank's pipeline rank
         rank += k
-        est = [stage_memory(loads[st], in_flight=in_flight(schedule, st, pp, n_micro), dtype=dtype,
-                            sharding=sharding, dp=dp, tp=tp) for st in stages]
+        est = [combined([stage_memory(loads[st], in_flight=in_flight(schedule, st, num_stages, n_micro), dtype=dtype,
+                                      sharding=sharding, dp=dp, tp=tp) for st in sizing.rank_stages.get(r, [r])])
+               for r in stages]
         prof = profiles.get(node.name)
         have, src = _memory(node, gpu, prof, (probed or {}).get(node.name), memory_field)
         runtime = 0 if gpu else int(prof["runtime_bytes"]) if prof and prof.get("runtime_bytes") else RUNTIME_BYTES
@@ -382,15 +397,27 @@ def size_job(inv: Inventory, probed: dict[str, int] | None = None, memory_field:
     return sizing
 
 
+def combined(parts: list[MemoryEstimate]) -> MemoryEstimate:
+    """One rank's estimate for all its stages (virtual stages): their sums, as `trainer --dry-run`
+    totals a rank's."""
+    if len(parts) == 1:
+        return parts[0]
+    return MemoryEstimate(*(sum(getattr(p, f) for p in parts) for f in
+                            ("weights", "gradients", "optimizer", "activations", "transient", "in_flight")))
+
+
 def refusal(sizing: Sizing, path: str) -> str | None:
     """The one line that refuses the launch, or None."""
     n = sizing.misfit()
     if n is None:
         return None
     stage = max(set(n.stages), key=lambda st: n.stages.count(st))
-    return (f"{path}: node {n.node} cannot hold pipeline stage {stage} ({sizing.describe(stage)}): it needs "
-            f"{gib(n.need)} and has {gib(n.have or 0)} ({n.have_from}); use `parallel.partition: auto` (stages "
-            f"sized to each node's measured memory) or a smaller microbatch (--batch_size / --microbatch_num), "
+    what = f"pipeline stage {stage} ({sizing.describe(stage)})" if not sizing.rank_stages else sizing.describe_rank(stage)
+    split = "`parallel.partition: auto` (stages sized to each node's measured memory)" if not sizing.rank_stages \
+        else "a split that gives it fewer layers (`parallel.partition: custom:...`)"
+    return (f"{path}: node {n.node} cannot hold {what}: it needs "
+            f"{gib(n.need)} and has {gib(n.have or 0)} ({n.have_from}); use {split} "
+            f"or a smaller microbatch (--batch_size / --microbatch_num), "
             f"or give the node more memory (--ignore-sizing launches anyway)")
 
 

@@ -8,12 +8,12 @@ import warnings
 import pytest
 import torch
 
+from contract.schedules import stage_to_rank
 from trainer.parallel.partition import (
     PartitionError,
     describe_custom,
     format_ranges,
     partition_layers,
-    stage_to_rank,
 )
 from trainer.parallel.pipeline import PipelineError, check_schedule, schedule_spec
 from trainer.parallel.stages import chain_forward, split_model

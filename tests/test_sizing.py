@@ -258,6 +258,34 @@ def test_the_runner_splits_uniform_and_parameters_as_the_trainer_does(preset, me
         assert stage_bounds(method, 6, pp, shape) == trainer_bounds, (preset, method, pp)
 
 
+@pytest.mark.parametrize("schedule", ["interleaved1f1b", "zbv"])
+def test_virtual_stages_are_sized_per_rank_as_the_trainer_does(schedule, tmp_path, monkeypatch):
+    """Two stages a rank (pp 2 x 2): the runner places them as the schedule does (round-robin for
+    interleaved 1F1B, the zig-zag of ZBV) and sizes each rank for all of its stages, equal to what
+    `trainer --dry-run` totals per rank on its meta model (parameters exact, activations within 3 %)."""
+    from runner.inventory import Inventory, Job, Node
+    from trainer.config import resolve
+    from trainer.dry_run import make_plan
+
+    monkeypatch.setenv("RUNNER_PROFILE_CACHE", str(tmp_path / "no-profiles"))
+    over = [("model.preset", "tiny-llama"), ("train.steps", 1), ("train.batch_size", 8), ("data.seq_len", 128),
+            ("train.dtype", "fp32"), ("parallel.pp", 2), ("parallel.virtual_stages", 2),
+            ("parallel.pp_schedule", schedule), ("parallel.partition", "uniform_transformer"),
+            ("model.num_hidden_layers", 6), *WIDER]
+    plan = make_plan(resolve(None, over, environ={}))
+    args = [x for k, v in over for x in (f"--{k}", str(v))]
+    inv = Inventory("inv.yaml", [Node("a", "127.33.9.1", role="master"), Node("b", "127.33.9.2")], Job(args=args))
+    sizing = size_job(inv)
+    assert sizing.rank_stages == {r["pp_rank"]: r["stages"] for r in plan["ranks"]}
+    assert sizing.rank_stages == ({0: [0, 2], 1: [1, 3]} if schedule == "interleaved1f1b" else {0: [0, 3], 1: [1, 2]})
+    for node, rank in zip(sizing.nodes, plan["ranks"], strict=True):
+        got, want = node.estimate[0], rank["memory"]
+        assert (got.weights, got.gradients, got.optimizer, got.transient) == \
+            (want["weights"], want["gradients"], want["optimizer"], want["transient"]), (schedule, node.node)
+        assert abs(got.activations / want["activations"] - 1) < 0.03, (got, want)
+    assert "pp rank 1's stages " in sizing.render()
+
+
 MEASURE = Path(__file__).with_name("sizing_peak.py")
 MODELS = {  # big enough that the model, not the interpreter, makes the peak (~250 MB each)
     "llama": ["--model.preset", "tiny-llama", "--model.hidden_size", "256", "--model.intermediate_size", "1024",

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from contract.partition import balanced_bounds, items_to_layer_bounds, uniform_bounds
+from contract.schedules import stage_to_rank
 from trainer.config.schema import ConfigError
 
 METHODS = ("uniform_transformer", "uniform", "parameters", "custom:a,b,...", "weighted:w0,w1,...", "auto")
@@ -262,14 +263,6 @@ def _weighted_bounds(text: str, num_layers: int, num_stages: int, key: str) -> l
     for c in counts:
         bounds.append(bounds[-1] + c)
     return bounds
-
-
-def stage_to_rank(stage: int, pp: int, num_stages: int, style: str = "loop") -> int:
-    """Pipeline rank that runs `stage`: round-robin ('loop') or zig-zag ('v', for ZBV/DualPipeV)."""
-    if style == "v":
-        virt = stage // pp
-        return stage % pp if virt % 2 == 0 else pp - 1 - stage % pp
-    return stage % pp
 
 
 def format_ranges(ranges: list[StageRange], pp: int, *, style: str = "loop", params: list[int] | None = None,

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from contract.schedules import stage_to_rank
 from trainer.models.lm_loss import loss_context
 from trainer.parallel.grad_norm import clip_grad_norm
 from trainer.parallel.parallelized import Parallelized
@@ -32,7 +33,6 @@ from trainer.parallel.partition import (
     describe_custom,
     format_ranges,
     partition_layers,
-    stage_to_rank,
 )
 from trainer.parallel.schedule_table import ALIASES, SCHEDULES, PipelineError, ScheduleSpec, schedule_spec  # noqa: F401
 from trainer.parallel.stages import TiedWeights, split_model, sync_tied_grads
