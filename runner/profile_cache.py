@@ -26,9 +26,14 @@ def _digest(obj: object) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-# Trainer flags that change no measurement: a job re-run with another partition keeps its profile.
+# Trainer flags that change no measurement (the probe times a layer at the microbatch shape; it
+# does not step, save or split): a job re-run with another partition, pipeline, length or
+# checkpointing keeps its profile, and an elastic run's new layout plans from it.
 IGNORED_FLAGS = ("--parallel.partition", "--partition_method", "--resume", "--checkpoint.resume",
-                 "--parallel.pp", "--parallel.dp", "--checkpoint.replicas")
+                 "--parallel.pp", "--parallel.dp", "--checkpoint.replicas", "--checkpoint.interval",
+                 "--train.steps", "--train_steps", "--train.exit_interval")
+# Env that changes no measurement: the test-support hold (trainer/hold.py) acts between steps.
+IGNORED_ENV = ("TRAINER_TEST_HOLD",)
 
 
 def shape_args(args: list[str]) -> list[str]:
@@ -50,7 +55,8 @@ def node_key(node: Node, job: Job, image_id: str | None, version: int, min_secon
     config = hashlib.sha256(Path(job.config).read_bytes()).hexdigest() if job.config else None
     return _digest({"version": version, "node": node.name, "host": node.host, "addr": node.rank_addr, "port": node.port,
                     "image": image_id, "cpus": node.cpus, "memory": node.memory, "config": config,
-                    "args": shape_args(job.args), "env": {**job.env, **node.env}, "min_seconds": min_seconds})
+                    "args": shape_args(job.args), "min_seconds": min_seconds,
+                    "env": {k: v for k, v in {**job.env, **node.env}.items() if k not in IGNORED_ENV}})
 
 
 def link_key(a: str, b: str) -> str:

@@ -58,9 +58,13 @@ def elastic_job(tmp_path: Path, hold: str, min_nodes: int = 2, rejoin: bool = Tr
 
 
 def start(inv: Path, job: Path, logs: Path) -> subprocess.Popen:
-    return subprocess.Popen(runner_cmd("up", "-i", str(inv), "--job", str(job), "--logs-dir", str(logs),
-                                       "--reclaim-timeout", "120"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    """`runner up` of the job, its stdout into logs/up.out (read with `output`; a pipe nobody reads
+    while the run goes on would fill and stop it), its stderr a pipe the test reads line by line."""
+    logs.mkdir(parents=True, exist_ok=True)
+    with (logs / "up.out").open("w") as out:
+        return subprocess.Popen(runner_cmd("up", "-i", str(inv), "--job", str(job), "--logs-dir", str(logs),
+                                           "--reclaim-timeout", "120"),
+                                stdout=out, stderr=subprocess.PIPE, text=True, cwd=REPO)
 
 
 def run_dirs(inv: Path, run_id: str) -> dict[str, Path]:
@@ -106,7 +110,8 @@ def test_a_cut_node_is_dropped_then_taken_back_and_the_losses_equal_a_resume_by_
                  held(runs["node-1"], "step-6", [1], "signalled"), 300)
         for n in ("node-0", "node-1"):
             release(runs[n], "step-6")
-        out, err = proc.communicate(timeout=600)
+        _, err = proc.communicate(timeout=600)
+        out = (tmp_path / "logs" / "up.out").read_text()
     finally:
         sandbox_cmd(state, "link", "node-2", "up")
         if proc.poll() is None:
@@ -201,8 +206,8 @@ def test_a_node_killed_outright_is_dropped_then_one_more_loss_stops_below_min_no
         assert sandbox_cmd(state, "link", "node-1", "down").returncode == 0
         wait_for(lambda: said("trying for 120s to reach it"), 300, interval=0)
         assert sandbox_cmd(state, "link", "node-1", "up").returncode == 0
-        out, err = proc.communicate(timeout=300)
-        err = "".join(seen) + err
+        _, err = proc.communicate(timeout=300)
+        out, err = (tmp_path / "logs" / "up.out").read_text(), "".join(seen) + err
     finally:
         sandbox_cmd(state, "link", "node-1", "up")
         sandbox_cmd(state, "up", "--nodes", "3", "--netns", "--inventory", str(restored))
@@ -210,6 +215,7 @@ def test_a_node_killed_outright_is_dropped_then_one_more_loss_stops_below_min_no
             proc.kill()
             proc.communicate()
     assert proc.returncode == 4, err[-3000:]
+    assert f"run {run_id} started on node-0, node-1\n" in out, out[-3000:]  # the 2-node layout
     errors = [ln for ln in err.splitlines() if ln.startswith("runner: error: ")]
     assert errors[-1] == (f"runner: error: run {run_id}: lost node-1: 1 node(s) left (node-0), fewer than "
                           f"job.elastic.min_nodes 2; the last checkpoint stays in the run dirs (`runner up --resume "

@@ -12,14 +12,16 @@ saturated by other work every process gets less than the slow node's quota and a
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests import IMAGE
+from tests import IMAGE, REPO
 from tests.runner_helpers import node_workdir, runner
 from tests.trainer_run import losses, run_trainer
 
@@ -47,11 +49,17 @@ def unequal(sandbox, tmp_path) -> Path:
     return p
 
 
+@pytest.fixture(scope="module")
+def profiles(tmp_path_factory) -> dict[str, str]:
+    """One profile cache for this module's runs: the nodes are measured once (by whichever test runs first)."""
+    return {"RUNNER_PROFILE_CACHE": str(tmp_path_factory.mktemp("profile-cache"))}
+
+
 @pytest.mark.sandbox
 @pytest.mark.docker
-def test_auto_gives_the_slow_node_fewer_layers_and_the_same_losses(unequal, pushed, tmp_path):
+def test_auto_gives_the_slow_node_fewer_layers_and_the_same_losses(unequal, pushed, tmp_path, profiles):
     t0 = time.time()
-    env = {"RUNNER_PROFILE_CACHE": str(tmp_path / "profile-cache")}
+    env = profiles
     proc = runner("up", "-i", str(unequal), "--logs-dir", str(tmp_path / "logs"), timeout=1200, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_id = re.search(r"run (\S+) started", proc.stdout)[1]
@@ -113,3 +121,69 @@ def test_auto_gives_the_slow_node_fewer_layers_and_the_same_losses(unequal, push
     assert len(ref) == 4
     assert got == ref, f"auto {got} vs uniform {ref}"
     print(f"auto split {spec} on cpus 1.0/{SLOW_CPUS}/1.0, layer times {layer}; test took {time.time() - t0:.0f} s")
+
+
+@pytest.mark.sandbox
+@pytest.mark.docker
+def test_an_elastic_run_losing_a_fast_node_splits_again_giving_the_slow_node_fewer_layers(unequal, pushed, tmp_path,
+                                                                                          profiles):
+    """The same unequal nodes (cpus 1.0 / 0.3 / 1.0), `up --elastic`, held after step 2 (its
+    checkpoint written): node-2, a fast one, stops answering (its sshd stopped). The runner plans
+    the 2-stage pipeline over node-0 and node-1 from the profiles it has (nothing measured again),
+    prints the split, the slow node-1 gets the fewer layers, and the run ends on the two nodes;
+    node-2's container is removed once it answers again."""
+    import signal
+
+    from tests.runner_helpers import run_containers, runner_cmd, signal_sshd, wait_for
+    from tests.trainer_run import held
+
+    doc = yaml.safe_load(unequal.read_text())
+    doc["job"]["args"] = [a for a in doc["job"]["args"] if a not in ("--train.exit_interval", "2")] + \
+        ["--checkpoint.interval", "2"]
+    doc["job"]["env"]["TRAINER_TEST_HOLD"] = "step:2"
+    inv = tmp_path / "elastic.yaml"
+    inv.write_text(yaml.safe_dump(doc, sort_keys=False))
+    runs_dir = node_workdir(inv, "node-0") / "runs"
+    before = {p.name for p in runs_dir.iterdir()} if runs_dir.is_dir() else set()
+    out_file = tmp_path / "up.out"  # a file, not a pipe nobody reads while the run goes on
+    with out_file.open("w") as out_fh:
+        proc = subprocess.Popen(runner_cmd("up", "-i", str(inv), "--elastic", "--logs-dir", str(tmp_path / "logs")),
+                                stdout=out_fh, stderr=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, **profiles})
+    seen: list[str] = []
+
+    def said(text: str) -> bool:
+        seen.append(proc.stderr.readline())
+        return text in seen[-1]
+
+    try:
+        run_id = wait_for(lambda: next(iter({p.name for p in runs_dir.iterdir()} - before), None)
+                          if runs_dir.is_dir() else None, 600)
+        runs = {n: node_workdir(inv, n) / "runs" / run_id for n in ("node-0", "node-1", "node-2")}
+        wait_for(lambda: all(held(runs[n], "step-2", [r]) for r, n in enumerate(runs)), 600)
+        signal_sshd(inv, "node-2", signal.SIGSTOP)
+        wait_for(lambda: said(f"run {run_id}: lost node-2: going on with pp 2 x dp 1 x tp 1"), 300, interval=0)
+        signal_sshd(inv, "node-2", signal.SIGCONT)
+        wait_for(lambda: said("runner: node node-2 is reachable again: stopped and removed its container"), 300,
+                 interval=0)
+        _, err = proc.communicate(timeout=600)
+    finally:
+        signal_sshd(inv, "node-2", signal.SIGCONT)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    err, out = "".join(seen) + err, out_file.read_text()
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    assert "profile: measuring" not in out + err  # the first split and the second: both from the cache
+    splits = re.findall(r"^parallel\.partition auto: (custom:[\d,]+)", out, re.M)
+    assert len(splits) == 2, out[-3000:]
+    bounds = [int(x) for x in splits[1][len("custom:"):].split(",")]
+    assert len(bounds) == 3 and bounds[-1] == LAYERS
+    counts = [bounds[1] - bounds[0], bounds[2] - bounds[1]]
+    assert counts[1] < counts[0], (splits, out[-3000:])  # node-1 at 0.3 CPU: the fewer layers
+    layers = f"layers {bounds[1]}-{LAYERS - 1}" if counts[1] > 1 else f"layer {bounds[1]}"
+    assert f"[node-0/0] stage 1 (pp rank 1): {layers} ({counts[1]} layers" in out, out[-3000:]
+    assert f"run {run_id} finished: all 2 node(s) exited 0" in out
+    record = json.loads((runs["node-0"] / "partition.json").read_text())
+    assert record["spec"] == splits[1] and [s["node"] for s in record["stages"]] == ["node-0", "node-1"]
+    assert yaml.safe_load((runs["node-1"] / "config.yaml").read_text())["parallel"]["partition"] == splits[1]
+    assert run_containers(inv, run_id) == {"node-0": [], "node-1": [], "node-2": []}
