@@ -10,8 +10,9 @@ three as pp 3 from step 7 to the end. Every loss equals the same sequence of lay
 hand on this machine (1e-5: another reduction order), the events name each layout, and `runner
 status` prints them.
 
-A node killed outright (container and sshd) is dropped the same way; one more loss, under
-min_nodes 2, stops the run in one line with nothing left running and the last checkpoint whole.
+The master killed outright (container and sshd) is dropped the same way, the next node becoming
+the master; one more loss, under min_nodes 2, stops the run in one line with nothing left running
+and the last checkpoint whole.
 The time from a cut to the first new step is bench/elastic.py's figure, not asserted here.
 """
 
@@ -171,13 +172,14 @@ def test_a_cut_node_is_dropped_then_taken_back_and_the_losses_equal_a_resume_by_
     assert max(diffs.values()) < 1e-5, diffs
 
 
-def test_a_node_killed_outright_is_dropped_then_one_more_loss_stops_below_min_nodes(netns_sandbox, tmp_path):
-    """node-2 killed outright (its container and its sshd: a host gone, not a link): node-0/1's
-    ranks fail at once on a reset connection, the runner finds node-2 not answering and goes on over
-    node-0 and node-1 as pp 2 from step 4, as for a cut link. node-2 restarted meanwhile only has
-    its dead container removed (rejoin off). Then node-1's link is cut: one node would be left, under
-    min_nodes 2, so the run stops with one line; node-1's container is removed once its link is
-    back (nothing orphaned), and the step-6 checkpoint node-0 and node-1 hold together is kept."""
+def test_the_master_killed_outright_is_dropped_then_one_more_loss_stops_below_min_nodes(netns_sandbox, tmp_path):
+    """node-0, the master, killed outright (its container and its sshd: a host gone, not a link):
+    the others' ranks fail at once on a reset connection, the runner finds node-0 not answering and
+    goes on over node-1 (the master now) and node-2 as pp 2 from step 4, as for a cut link. node-0
+    restarted meanwhile only has its dead container removed (rejoin off). Then node-2's link is cut:
+    one node would be left, under min_nodes 2, so the run stops with one line; node-2's container
+    is removed once its link is back (nothing orphaned), and the step-6 checkpoint node-1 and node-2
+    hold together is kept."""
     state, inv = netns_sandbox["state"], netns_sandbox["inv"]
     restored = tmp_path / "restored.yaml"
     before = existing_runs(inv)
@@ -192,42 +194,44 @@ def test_a_node_killed_outright_is_dropped_then_one_more_loss_stops_below_min_no
         run_id = wait_for(lambda: first_run_id(inv, before), 300)
         runs = run_dirs(inv, run_id)
         wait_for(lambda: all(held(runs[n], "step-4", [r]) for r, n in enumerate(NODES)), 300)
-        assert node_docker(inv, "node-2", "kill", f"runner-{run_id}-node-2").returncode == 0
-        assert signal_sshd(inv, "node-2", signal.SIGKILL) >= 1
-        for n in ("node-0", "node-1"):  # the ranks go on, into the dead stage
+        assert node_docker(inv, "node-0", "kill", f"runner-{run_id}-node-0").returncode == 0
+        assert signal_sshd(inv, "node-0", signal.SIGKILL) >= 1
+        for n in ("node-1", "node-2"):  # the ranks go on, into the dead stage
             release(runs[n], "step-4")
-        wait_for(lambda: said(f"run {run_id}: lost node-2: going on with pp 2 x dp 1 x tp 1 on 2 node(s)"), 300,
+        wait_for(lambda: said(f"run {run_id}: lost node-0: going on with pp 2 x dp 1 x tp 1 on 2 node(s)"), 300,
                  interval=0)
-        wait_for(lambda: held(runs["node-0"], "step-6", [0]) and held(runs["node-1"], "step-6", [1]), 300)
+        # node-1 is pipeline rank 0 now, node-2 rank 1
+        wait_for(lambda: held(runs["node-1"], "step-6", [0]) and held(runs["node-2"], "step-6", [1]), 300)
         up = sandbox_cmd(state, "up", "--nodes", "3", "--netns", "--inventory", str(restored))
         assert up.returncode == 0, up.stderr
-        wait_for(lambda: said("runner: node node-2 is reachable again: stopped and removed its container"), 120,
+        wait_for(lambda: said("runner: node node-0 is reachable again: stopped and removed its container"), 120,
                  interval=0)
-        assert sandbox_cmd(state, "link", "node-1", "down").returncode == 0
+        assert sandbox_cmd(state, "link", "node-2", "down").returncode == 0
         wait_for(lambda: said("trying for 120s to reach it"), 300, interval=0)
-        assert sandbox_cmd(state, "link", "node-1", "up").returncode == 0
+        assert sandbox_cmd(state, "link", "node-2", "up").returncode == 0
         _, err = proc.communicate(timeout=300)
         out, err = (tmp_path / "logs" / "up.out").read_text(), "".join(seen) + err
     finally:
-        sandbox_cmd(state, "link", "node-1", "up")
+        sandbox_cmd(state, "link", "node-2", "up")
         sandbox_cmd(state, "up", "--nodes", "3", "--netns", "--inventory", str(restored))
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
     assert proc.returncode == 4, err[-3000:]
-    assert f"run {run_id} started on node-0, node-1\n" in out, out[-3000:]  # the 2-node layout
+    assert f"run {run_id} started on node-1, node-2\n" in out, out[-3000:]  # the 2-node layout, node-1 first
     errors = [ln for ln in err.splitlines() if ln.startswith("runner: error: ")]
-    assert errors[-1] == (f"runner: error: run {run_id}: lost node-1: 1 node(s) left (node-0), fewer than "
+    assert errors[-1] == (f"runner: error: run {run_id}: lost node-2: 1 node(s) left (node-1), fewer than "
                           f"job.elastic.min_nodes 2; the last checkpoint stays in the run dirs (`runner up --resume "
                           f"{run_id}` once the nodes are back)"), errors
-    assert "runner: node node-1 is reachable again: stopped and removed its container" in err, err[-3000:]
+    assert "runner: node node-2 is reachable again: stopped and removed its container" in err, err[-3000:]
     assert run_containers(inv, run_id) == {n: [] for n in NODES}
     events = [json.loads(x) for x in (tmp_path / "logs" / run_id / "elastic.jsonl").read_text().splitlines()]
     assert [e["event"] for e in events] == ["layout", "lost", "layout", "back", "lost", "stop"], events
-    assert [(e["layout"]["pp"], e["from_step"]) for e in events if e["event"] == "layout"] == [(3, None), (2, 4)]
-    mid = metrics(runs["node-1"])
-    assert sorted(mid) == [5, 6] and mid[5]["layout"]["pp"] == 2
-    for n in ("node-0", "node-1"):  # step 6, written before the hold; the replicas make it whole
+    assert [(e["layout"]["nodes"], e["from_step"]) for e in events if e["event"] == "layout"] == [
+        (list(NODES), None), (["node-1", "node-2"], 4)]
+    last = metrics(runs["node-2"])  # the last stage logs: pp 3's steps 1-4, then pp 2's 5 and 6
+    assert sorted(last) == [1, 2, 3, 4, 5, 6] and (last[1]["layout"]["pp"], last[5]["layout"]["pp"]) == (3, 2)
+    for n in ("node-1", "node-2"):  # step 6, written before the hold; the replicas make it whole
         ck = runs[n] / "checkpoints"
         assert (ck / "latest").read_text().strip() == "step-6", n
         assert {p.name for p in (ck / "step-6").glob("rank*.pt")} == {"rank0.pt", "rank1.pt"}, n

@@ -207,9 +207,13 @@ class Launcher:
         el.log_dir = Path(self.args.logs_dir) / run_id
         if resume:  # `up --resume` of an elastic run: its history goes on
             el.load_history(cl[self.inv.master.name], node_paths(self.inv.master, probes[self.inv.master.name].home).run(run_id))
+        master = self.inv.master.name
         while True:
             self.inv = el.inventory()
             view = cl.view(self.inv)
+            if self.inv.master.name != master:  # each node's interface is the one that routes to the master
+                master = self.inv.master.name
+                probes.update(self.preflight(view))
             pin_auto_partition(view, probes, lambda n: node_paths(n, probes[n.name].home).run(run_id), resume=resume,
                                pp=el.layout.pp)
             code = self.launch_once(view, probes, run_id, resume=resume)
