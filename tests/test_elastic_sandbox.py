@@ -45,8 +45,9 @@ pytestmark = [pytest.mark.sandbox, pytest.mark.docker]
 NODES = ("node-0", "node-1", "node-2")
 CONFIG = "configs/pi-qwen3-3stage-tiny.yaml"
 STEPS = 10
+# keep_last 0: every checkpoint stays, so the resume by hand starts from the run's own step 4
 ARGS = ["--parallel.partition", "uniform_transformer", "--train.steps", str(STEPS), "--checkpoint.interval", "2",
-        "--profile_batch", "none"]
+        "--checkpoint.keep_last", "0", "--profile_batch", "none"]
 
 
 def elastic_job(tmp_path: Path, hold: str, min_nodes: int = 2, rejoin: bool = True) -> Path:
@@ -157,6 +158,7 @@ def test_a_cut_node_is_dropped_then_taken_back_and_the_losses_equal_a_resume_by_
     ref = tmp_path / "by-hand"
     ck = ref / "checkpoints" / "step-4"
     ck.mkdir(parents=True)
+    assert all((runs[n] / "checkpoints" / "step-4" / ".metadata").is_file() for n in NODES)
     for n in NODES:
         for f in (runs[n] / "checkpoints" / "step-4").iterdir():
             if f.is_file() and not (ck / f.name).exists():
