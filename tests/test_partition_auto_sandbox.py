@@ -129,9 +129,10 @@ def test_an_elastic_run_losing_a_fast_node_splits_again_giving_the_slow_node_few
                                                                                           profiles):
     """The same unequal nodes (cpus 1.0 / 0.3 / 1.0), `up --elastic`, held after step 2 (its
     checkpoint written): node-2, a fast one, stops answering (its sshd stopped). The runner plans
-    the 2-stage pipeline over node-0 and node-1 from the profiles it has (nothing measured again),
-    prints the split, the slow node-1 gets the fewer layers, and the run ends on the two nodes;
-    node-2's container is removed once it answers again."""
+    the 2-stage pipeline over node-0 and node-1 from the profiles it has (nothing measured again)
+    and prints the split: the slow node-1 gets the fewer layers. node-2 answers again: its old
+    container is removed, it is taken back (`--elastic` rejoins), the 3-stage split is the first one
+    again, from the cache too, and the run ends on all three."""
     import signal
 
     from tests.runner_helpers import run_containers, runner_cmd, signal_sshd, wait_for
@@ -175,15 +176,17 @@ def test_an_elastic_run_losing_a_fast_node_splits_again_giving_the_slow_node_few
     assert proc.returncode == 0, out[-3000:] + err[-3000:]
     assert "profile: measuring" not in out + err  # the first split and the second: both from the cache
     splits = re.findall(r"^parallel\.partition auto: (custom:[\d,]+)", out, re.M)
-    assert len(splits) == 2, out[-3000:]
+    assert len(splits) == 3 and splits[2] == splits[0], (splits, out[-3000:])  # 3 nodes, 2, 3 again
+    assert f"run {run_id}: node-2 back: going on with pp 3 x dp 1 x tp 1 on 3 node(s)" in err, err[-3000:]
     bounds = [int(x) for x in splits[1][len("custom:"):].split(",")]
     assert len(bounds) == 3 and bounds[-1] == LAYERS
     counts = [bounds[1] - bounds[0], bounds[2] - bounds[1]]
     assert counts[1] < counts[0], (splits, out[-3000:])  # node-1 at 0.3 CPU: the fewer layers
     layers = f"layers {bounds[1]}-{LAYERS - 1}" if counts[1] > 1 else f"layer {bounds[1]}"
-    assert f"[node-0/0] stage 1 (pp rank 1): {layers} ({counts[1]} layers" in out, out[-3000:]
-    assert f"run {run_id} finished: all 2 node(s) exited 0" in out
-    record = json.loads((runs["node-0"] / "partition.json").read_text())
-    assert record["spec"] == splits[1] and [s["node"] for s in record["stages"]] == ["node-0", "node-1"]
-    assert yaml.safe_load((runs["node-1"] / "config.yaml").read_text())["parallel"]["partition"] == splits[1]
+    assert f"[node-0/0] stage 1 (pp rank 1): {layers} + norm + head ({counts[1]} layers" in out, out[-3000:]
+    assert f"run {run_id} started on node-0, node-1\n" in out
+    assert f"run {run_id} finished: all 3 node(s) exited 0" in out
+    record = json.loads((runs["node-0"] / "partition.json").read_text())  # the last layout's
+    assert record["spec"] == splits[2] and [s["node"] for s in record["stages"]] == ["node-0", "node-1", "node-2"]
+    assert yaml.safe_load((runs["node-1"] / "config.yaml").read_text())["parallel"]["partition"] == splits[2]
     assert run_containers(inv, run_id) == {"node-0": [], "node-1": [], "node-2": []}
