@@ -159,6 +159,8 @@ def test_up_dry_run_shows_the_layout_without_each_node_and_contacts_nothing(tmp_
     plain = inventory(tmp_path, elastic="", name="plain.yaml")
     assert main(["up", "-i", str(plain), "--dry-run"]) == 0
     assert "elastic:" not in capsys.readouterr().out
+    assert main(["up", "-i", str(plain), "--elastic", "--detach"]) == 2  # nobody would be there to re-plan
+    assert capsys.readouterr().err.startswith("runner: error: --detach: an elastic run needs `runner up` attached")
     assert main(["up", "-i", str(plain), "--dry-run", "--elastic"]) == 0
     out = capsys.readouterr().out
     assert "elastic: min_nodes 1, rejoin yes; starts as pp 3 x dp 1 x tp 1 on 3 node(s)" in out, out

@@ -112,6 +112,8 @@ def main(args) -> int:
     elastic = spec_of(inv, args.elastic)
     if elastic is not None:
         check_elastic(inv, elastic)  # a job that could never shrink: refused before anything is contacted
+        if args.detach:  # nobody would be there to choose the layout again when a node is lost
+            raise UserError("--detach: an elastic run needs `runner up` attached; drop --detach (or the elastic)")
 
     if args.dry_run:
         run_id = dry_run_id(args)
