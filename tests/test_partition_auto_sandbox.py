@@ -174,7 +174,9 @@ def test_an_elastic_run_losing_a_fast_node_splits_again_giving_the_slow_node_few
             proc.communicate()
     err, out = "".join(seen) + err, out_file.read_text()
     assert proc.returncode == 0, out[-3000:] + err[-3000:]
-    assert "profile: measuring" not in out + err  # the first split and the second: both from the cache
+    # At most the first launch measures (nothing is cached when this test runs alone); the splits
+    # after the loss and after the rejoin come from the cache.
+    assert (out + err).count("profile: measuring") <= 1, err[-3000:]
     splits = re.findall(r"^parallel\.partition auto: (custom:[\d,]+)", out, re.M)
     assert len(splits) == 3 and splits[2] == splits[0], (splits, out[-3000:])  # 3 nodes, 2, 3 again
     assert f"run {run_id}: node-2 back: going on with pp 3 x dp 1 x tp 1 on 3 node(s)" in err, err[-3000:]
