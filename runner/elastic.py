@@ -31,6 +31,7 @@ from runner.inventory.elastic_spec import ElasticSpec
 from runner.sizing import job_settings, model_of, refusal, size_job
 
 ELASTIC_FILE = "elastic.jsonl"  # in the run dir of every node of the current layout
+EVENTS_MAX = 1 << 20  # an elastic.jsonl read from a node: a few hundred bytes an event
 RULE_PARTITIONS = ("uniform_transformer", "uniform", "parameters", "auto")
 
 
@@ -209,16 +210,23 @@ def event(kind: str, **fields) -> dict:
             "event": kind, **fields}
 
 
-def render_events(text: str) -> list[str]:
-    """`runner status`'s lines for a run's elastic.jsonl: one per layout change or loss."""
+def parse_events(text: str) -> list[dict]:
+    """The events of an elastic.jsonl as a node sent it: its JSON objects; anything else is passed over."""
     out = []
-    for raw in text.splitlines()[-200:]:
+    for raw in text.splitlines():
         try:
             e = json.loads(raw)
         except ValueError:
             continue
-        if not isinstance(e, dict):
-            continue
+        if isinstance(e, dict):
+            out.append(e)
+    return out
+
+
+def render_events(events: list[dict]) -> list[str]:
+    """`runner status`'s lines for a run's events: one per layout change or loss (the last 200)."""
+    out = []
+    for e in events[-200:]:
         when, kind = str(e.get("time", "?")), str(e.get("event", "?"))
         if kind == "layout":
             lay = e.get("layout") or {}

@@ -12,7 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from runner.elastic import Layout, choose, job_layout, render_events, replicas_args, sub_inventory
+from runner.elastic import (
+    Layout,
+    choose,
+    job_layout,
+    parse_events,
+    render_events,
+    replicas_args,
+    sub_inventory,
+)
 from runner.errors import UserError
 from runner.inventory import load_inventory
 from runner.inventory.elastic_spec import ElasticSpec
@@ -175,7 +183,9 @@ def test_status_history_lines_are_bounded_and_visible():
                     "from_step": 4, "steps_lost": 1, "split": "custom:0,4,7"}),
         "not json", "[1, 2]", json.dumps({"event": "lost", "node": "x" * 5000}),
     ])
-    lines = render_events(hostile)
+    events = parse_events(hostile)
+    assert len(events) == 4  # "not json" and a list are not events
+    lines = render_events(events)
     assert lines[:3] == ["t1  layout pp 3 x dp 1 x tp 1 on a, b, c", "t2  lost c: node unreachable",
                          "t3  layout pp 2 x dp 1 x tp 1 on a, b from step 4 (1 step(s) redone), split custom:0,4,7"]
     assert len(lines) == 4 and len(lines[3]) == 400

@@ -27,7 +27,16 @@ from pathlib import Path
 
 from runner.backends.ssh.watch import FAIL_STOP_GRACE_S
 from runner.cluster import Cluster
-from runner.elastic import ELASTIC_FILE, choose, event, job_layout, replicas_args, sub_inventory
+from runner.elastic import (
+    ELASTIC_FILE,
+    EVENTS_MAX,
+    choose,
+    event,
+    job_layout,
+    parse_events,
+    replicas_args,
+    sub_inventory,
+)
 from runner.errors import UserError
 from runner.inventory import Inventory
 from runner.inventory.elastic_spec import ElasticSpec
@@ -38,7 +47,6 @@ from runner.ssh import Remote
 
 log = logging.getLogger("runner.up")
 RETRY_S = 2.0  # how often a lost node is tried again
-HISTORY_MAX = 1 << 20  # an earlier elastic.jsonl read back: a few hundred bytes an event
 
 
 class ElasticRun:
@@ -136,17 +144,11 @@ class ElasticRun:
         """The events an earlier `up` of this run wrote (read from the master, bounded, only JSON
         objects kept), so the history of a resumed run goes on rather than starting over."""
         try:
-            text = master.read_text(f"{run_dir}/{ELASTIC_FILE}", limit=HISTORY_MAX) or ""
+            text = master.read_text(f"{run_dir}/{ELASTIC_FILE}", limit=EVENTS_MAX) or ""
         except UserError as exc:
             log.warning("elastic: %s; the layout history starts again", exc)
             return
-        for raw in text.splitlines():
-            try:
-                ev = json.loads(raw)
-            except ValueError:
-                continue
-            if isinstance(ev, dict):
-                self.events.append(ev)
+        self.events.extend(parse_events(text))
 
     def note(self, cl: Cluster, run_id: str, ev: dict, homes: dict[str, str | None] | None = None) -> None:
         """Append the event; write the whole history to the layout's nodes and the logs dir."""

@@ -16,15 +16,13 @@ from rich.text import Text
 
 from contract import metrics
 from runner.cluster import Cluster, open_nodes
-from runner.elastic import ELASTIC_FILE, render_events
+from runner.elastic import ELASTIC_FILE, EVENTS_MAX, parse_events, render_events
 from runner.errors import UserError
 from runner.inventory_arg import add_inventory_args
 from runner.node_output import LineSplitter, cells, log_chunks, visible
 from runner.node_runs import gather, node_progress, resolve_run, run_doc
 from runner.paths import node_paths
 from runner.plan import LABEL_RANK, LABEL_ROLE, LABEL_RUN
-
-EVENTS_MAX = 1 << 20  # elastic.jsonl read from a node: a few hundred bytes an event
 
 
 def _label_int(value) -> int | None:
@@ -126,7 +124,7 @@ def cmd_status(args) -> int:
     _console().print(t)
     if history:
         print("layout history (elastic):")
-        for line in render_events("\n".join(json.dumps(e) for e in history)):
+        for line in render_events(history):
             print(f"  {visible(line)}")
     return 0
 
@@ -143,14 +141,7 @@ def elastic_history(cl: Cluster, data, run_id: str) -> list[dict]:
         except UserError as exc:  # a node's oversized file: its history is not read, the status is still shown
             sys.stderr.write(f"runner: warning: {exc}\n")
             continue
-        events = []
-        for raw in (text or "").splitlines():
-            try:
-                e = json.loads(raw)
-            except ValueError:
-                continue
-            if isinstance(e, dict):
-                events.append(e)
+        events = parse_events(text or "")
         if len(events) > len(best):
             best = events
     return best
