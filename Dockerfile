@@ -49,10 +49,11 @@ RUN set -e; [ -f /tmp/certs/ca.crt ] && export PIP_CERT=/tmp/certs/ca.crt; \
 ENV PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
     TORCHELASTIC_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
 
-# `runner up` may start this image's workers together with the master: runner/gate.py holds
+# `runner up` may start this image's workers together with the master: runner/agents/gate.py holds
 # their torchrun until the master's rendezvous port listens (metadata only, set before the
-# code so that the project install stays the newest layer).
-LABEL io.runner.gate="1"
+# code so that the project install stays the newest layer). "2": the gate is runner.agents.gate
+# (runner/plan.py GATE_MODULES; "1" was runner.gate).
+LABEL io.runner.gate="2"
 
 WORKDIR /workspace
 COPY pyproject.toml README.md ./

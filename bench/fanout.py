@@ -42,7 +42,7 @@ STUB_TAG = "runner-bench-stub:1"
 RUN_ID = "20000101-000000-beef"
 REPEATS = 5
 # The master's stub torchrun listens on --master-port (as torchrun's TCPStore does), every other
-# node's just sleeps; the image keeps no runner.gate label, so workers start once the master listens.
+# node's just sleeps; the image keeps no runner.agents.gate label, so workers start once the master listens.
 STUB = b"""#!/bin/sh
 rank=0; port=0
 while [ $# -gt 0 ]; do
@@ -159,7 +159,7 @@ def check_status(roots: dict[str, Path], inv: Path, n: int) -> dict:
 # ---------------------------------------------------------------------------- 3. threads and fds
 
 def stub_image() -> None:
-    from runner.host_engine import host_engine
+    from runner.delivery.host_engine import host_engine
 
     files = {"Dockerfile": (b"FROM runner-trainer:latest\nLABEL io.runner.gate=\"0\"\n"
                             b"COPY torchrun /opt/venv/bin/torchrun\n", 0o644), "torchrun": (STUB, 0o755)}

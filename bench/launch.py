@@ -1,5 +1,5 @@
 """`runner up` time until every rank runs (image already on the nodes) for 1..4 sandbox nodes,
-beside the same launch without runner.gate (workers started only once the master listens, the
+beside the same launch without runner.agents.gate (workers started only once the master listens, the
 path of an image without the gate) and a naive launcher that starts one container per node, one
 node at a time, over ssh. The sandbox's nodes share this machine's cores: every node's start-up
 (container, torch import) competes for them, which real nodes do not.
@@ -24,7 +24,7 @@ import yaml
 from bench.sandbox_bench import REPO, STATE, runner, sandbox, ssh_argv, subset
 
 IMAGE = "runner-trainer:latest"
-NOGATE = "runner-trainer:bench-nogate"   # the same image, labelled without runner.gate
+NOGATE = "runner-trainer:bench-nogate"   # the same image, labelled without runner.agents.gate
 PAYLOAD = ("import os, time; open('/out/started-' + os.environ['NODE_NAME'], 'w').write(repr(time.time()))")
 
 

@@ -42,9 +42,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from runner.inventory import Inventory, Job, Node  # noqa: E402
-from runner.pipeline_split import brute_force, format_split, make_split  # noqa: E402
-from runner.profile import ClusterProfile  # noqa: E402
-from runner.profile_auto import plan_from_profile, problem_from_profile, render_plan  # noqa: E402
+from runner.profile.auto import plan_from_profile, problem_from_profile, render_plan  # noqa: E402
+from runner.profile.measure import ClusterProfile  # noqa: E402
+from runner.profile.split import brute_force, format_split, make_split  # noqa: E402
 
 STATE = Path(os.environ.get("BENCH_SANDBOX", "/tmp/runner-bench-partition"))
 BASE_ADDR = os.environ.get("BENCH_BASE_ADDR", "127.0.9.41")
@@ -197,7 +197,7 @@ def full_plan() -> dict:
     sprof = ClusterProfile(small["nodes"], small["links"])
     sproblem = problem_from_profile(sprof, inv)
     try:
-        from runner.pipeline_split import best_split
+        from runner.profile.split import best_split
 
         small_split = best_split(sproblem)
         print("  what if the Pi 4 had 4 GB, 3 GiB free for the job (same measurements):\n" + format_split(small_split, m, "auto").replace(

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from runner.delivery.images import host_image_ids, node_image_id
 from runner.errors import UserError
 from runner.fanout import DEFAULT_PARALLEL, parallel
-from runner.images import host_image_ids, node_image_id
 from runner.inventory import Inventory, Node
-from runner.node_probe import Probe, probe
 from runner.rendezvous import AUTO_PORT_BASE, AUTO_PORT_OFFSETS, AUTO_PORT_SPAN
-from runner.ssh import Remote
+from runner.transport.probe import Probe, probe
+from runner.transport.ssh import Remote
 
 CLOCK_TOLERANCE_S = 2.0
 MIN_DISK_GB = 5.0

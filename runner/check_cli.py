@@ -14,7 +14,7 @@ from runner.check import NodeCheck, run_checks
 from runner.errors import EXIT_NOT_READY, UserError
 from runner.inventory_arg import add_inventory_args, load
 from runner.node_output import cells
-from runner.node_probe import Probe
+from runner.transport.probe import Probe
 
 
 def _image_cell(c: NodeCheck) -> str:

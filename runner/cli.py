@@ -7,9 +7,10 @@ import logging
 import shlex
 import sys
 
-from runner import backends, check_cli, kube_cli, node_exec, profile_cli, push_cli, sync_cli
+from runner import backends, check_cli, kube_cli, node_exec, push_cli, sync_cli
 from runner.errors import Terminated, UserError, interrupt_code, interrupt_on_signals
 from runner.fanout import raise_open_file_limit
+from runner.profile import command as profile_cli
 from runner.redact import Formatter, printable
 from runner.sandbox import command as sandbox_command
 

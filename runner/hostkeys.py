@@ -10,7 +10,7 @@ line matches), and names compared lower-case. The verdict is OpenSSH's: the pres
 matching line is OK; else any other key on a matching line is a CHANGED host key (whatever its
 type: OpenSSH refuses a host whose known key type it is not offered); else the host is NEW.
 `@cert-authority` lines apply to host certificates only, which the runner never negotiates
-(runner/ssh.py offers plain key types only), so, as for OpenSSH with a plain key, they are not
+(runner/transport/ssh.py offers plain key types only), so, as for OpenSSH with a plain key, they are not
 matched. tests/test_hostile_hostkeys.py checks each form against OpenSSH's client on one server.
 
 Each file is read once per process; plain names are indexed (paramiko's HostKeys re-checks every

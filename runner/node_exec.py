@@ -26,7 +26,7 @@ from runner.backends import SCHEDULERS, choose
 from runner.errors import UserError
 from runner.inventory_arg import load
 from runner.plan import LABEL_ROLE, LABEL_RUN
-from runner.ssh import Remote
+from runner.transport.ssh import Remote
 
 # A shell in the container: bash where the image has it, else sh.
 DEFAULT_SHELL = ["/bin/sh", "-c", "command -v bash >/dev/null 2>&1 && exec bash || exec sh"]

@@ -2,7 +2,7 @@
 
 Whatever a node, its engine or a job writes is read in bounded pieces: lines are cut at MAX_LINE
 bytes (the piece is shown with CUT_MARK and the rest of the line follows as the next piece), a
-command's output is capped (runner/ssh.py), a log stream's frames are read a piece at a time
+command's output is capped (runner/transport/ssh.py), a log stream's frames are read a piece at a time
 whatever length their header claims. Before a line reaches the terminal, C0 and C1 control
 characters (except tab) are shown in `cat -v` notation: ESC as `^[`, CR as `^M`, DEL as `^?`, the
 C1 CSI (U+009B) as `M-^[`. So a job cannot write the clipboard (OSC 52), retitle the window, or

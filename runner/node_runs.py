@@ -12,14 +12,14 @@ import sys
 
 from contract import metrics
 from runner import runs
-from runner.cluster import Cluster
 from runner.errors import UserError
 from runner.fanout import DEFAULT_PARALLEL, parallel
 from runner.node_output import visible
 from runner.paths import node_paths
 from runner.plan import LABEL_GRACE, LABEL_NODE, LABEL_RUN, NodePlan, docker_limits
 from runner.run_owner import remove_dirs
-from runner.ssh import Remote
+from runner.transport.cluster import Cluster
+from runner.transport.ssh import Remote
 
 METRICS_TAIL = 16384  # bytes read from the end of metrics.jsonl: the last records, for progress and ETA
 STATUS_FILE = "runner-status.json"

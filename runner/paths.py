@@ -3,7 +3,7 @@
     <workdir>/runs/<run-id>/          the run dir, mounted as /out
     <workdir>/secrets/<run-id>.env    the env_file's values (0600), removed with the run
     <workdir>/gates/<run-id>/         go-files for gated workers
-    <workdir>/data/                   job.sync's files by content (runner/sync.py)
+    <workdir>/data/                   job.sync's files by content (runner/delivery/sync.py)
 
 `workdir` is validated when the inventory loads (absolute, or `~/...` for the SSH user's home;
 no characters a shell or a bind spec would read). `~` is resolved here with the home the node
@@ -37,7 +37,7 @@ class NodePaths:
 
     @property
     def data_blobs(self) -> str:
-        """job.sync's files by sha256 (runner/sync.py)."""
+        """job.sync's files by sha256 (runner/delivery/sync.py)."""
         return f"{self.workdir}/data/blobs"
 
     @property

@@ -25,8 +25,10 @@ LABEL_NNODES = f"{LABEL_PREFIX}.nnodes"
 LABEL_RUN_DIR = f"{LABEL_PREFIX}.run-dir"
 LABEL_MASTER = f"{LABEL_PREFIX}.master"
 LABEL_GRACE = f"{LABEL_PREFIX}.grace-period"
-# On an image: it carries runner/gate.py, so workers can start early and wait for the go-file.
+# On an image: it carries the worker's gate, so workers can start early and wait for the go-file.
+# The label's value says where: images built before runner/agents/ existed carry "1".
 LABEL_GATE = f"{LABEL_PREFIX}.gate"
+GATE_MODULES = {"1": "runner.gate", "2": "runner.agents.gate"}
 
 OUT = "/out"
 SECRETS_IN_CONTAINER = "/run/runner/secrets.env"
@@ -41,7 +43,7 @@ class Facts:
     arch: str | None = None
     ifname: str | None = None   # interface whose route reaches the master address
     home: str | None = None     # to resolve `~` in workdir (docker mounts need absolute paths)
-    gate: bool = False          # the node's image carries runner.gate (label io.runner.gate)
+    gate: str | None = None     # the module of the gate the node's image carries (GATE_MODULES), if any
     uid: int | None = None      # the SSH user's (`id -u`, `id -g`, `id -un`): containers run as uid:gid
     gid: int | None = None
     user: str | None = None
@@ -170,7 +172,7 @@ def make_plan(inv: Inventory, run_id: str, facts: dict[str, Facts] | None = None
               trees: list | None = None) -> Plan:
     """strict=True (a real launch) demands every probed fact; dry-runs show placeholders.
     launch_token (one per launch) turns on the gate for workers whose image has it.
-    trees: job.sync's scanned sources (runner/sync.py Tree), mounted read-only."""
+    trees: job.sync's scanned sources (runner/delivery/sync.py Tree), mounted read-only."""
     facts = facts or {}
     nodes = inv.ordered()
     nnodes = len(nodes)
@@ -218,12 +220,12 @@ def make_plan(inv: Inventory, run_id: str, facts: dict[str, Facts] | None = None
             mounts[m.dst] = paths.on_node(m.node_path, f.home)
         go_file = None
         if rank > 0 and f.gate and launch_token:
-            # Started with the master, not after it: runner.gate imports torchrun meanwhile and
+            # Started with the master, not after it: the gate imports torchrun meanwhile and
             # starts it only when the runner, having seen the master's port listen, writes go_file.
             gate_dir = paths.gates(run_id)
             go_file = f"{gate_dir}/go-{launch_token}"
             mounts[GATE_IN_CONTAINER] = gate_dir
-            tr = ["python", "-m", "runner.gate", f"{GATE_IN_CONTAINER}/go-{launch_token}", str(int(gate_timeout)),
+            tr = ["python", "-m", f.gate, f"{GATE_IN_CONTAINER}/go-{launch_token}", str(int(gate_timeout)),
                   "--", *tr[1:]]
         if secrets_file:
             mounts[SECRETS_IN_CONTAINER] = secrets_file

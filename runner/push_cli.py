@@ -1,13 +1,13 @@
-"""`runner push`: every node gets its image (runner/push.py), one table row per node."""
+"""`runner push`: every node gets its image (runner/delivery/push.py), one table row per node."""
 
 from __future__ import annotations
 
 import argparse
 
-from runner.cluster import Cluster
+from runner.delivery.push import push_to_nodes
 from runner.inventory_arg import add_inventory_args, load
-from runner.node_probe import probe
-from runner.push import push_to_nodes
+from runner.transport.cluster import Cluster
+from runner.transport.probe import probe
 
 
 def register(sub: argparse._SubParsersAction) -> None:

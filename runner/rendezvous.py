@@ -14,7 +14,7 @@ import time
 from runner.errors import JobFailed, UserError
 from runner.node_output import log_tail
 from runner.plan import NodePlan
-from runner.ssh import Remote
+from runner.transport.ssh import Remote
 
 log = logging.getLogger("runner.up")
 # master_port auto: the first free port from AUTO_PORT_BASE + (0..AUTO_PORT_OFFSETS-1, from the run

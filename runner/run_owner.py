@@ -17,8 +17,8 @@ import shlex
 from collections.abc import Callable
 
 from runner.errors import UserError
-from runner.plan import LABEL_GATE
-from runner.ssh import Remote
+from runner.plan import GATE_MODULES, LABEL_GATE
+from runner.transport.ssh import Remote
 
 log = logging.getLogger("runner.owner")
 MOUNT = "/runner-reclaim"
@@ -60,7 +60,8 @@ def as_root(remote: Remote, image: str | None, mount: str, argv: list[str], what
 
 def trainer_image(remote: Remote) -> str | None:
     """A tag of this project's trainer image on the node (label io.runner.gate), newest first."""
-    images = remote.docker().images.list(filters={"label": f"{LABEL_GATE}=1"})
+    images = [i for i in remote.docker().images.list(filters={"label": LABEL_GATE})
+              if i.labels.get(LABEL_GATE) in GATE_MODULES]
     images.sort(key=lambda i: i.attrs.get("Created", ""), reverse=True)
     return next((t for i in images for t in i.tags), None)
 

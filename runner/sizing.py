@@ -291,7 +291,7 @@ class Sizing:
 def _profiles(nodes: list[Node]) -> dict[str, dict]:
     """The newest `runner profile` measurement of each node (same name and address) in the cache.
     One listing of the cache for all nodes: a dry run of 10,000 nodes stays a dry run."""
-    from runner.profile_cache import cache_dir
+    from runner.profile.cache import cache_dir
 
     hosts = {n.name: n.host for n in nodes}
     newest: dict[str, tuple[float, dict]] = {}

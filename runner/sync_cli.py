@@ -1,12 +1,12 @@
-"""`runner sync`: job.sync's files to every node (runner/sync.py), one table row per node and source."""
+"""`runner sync`: job.sync's files to every node (runner/delivery/sync.py), one table row per node and source."""
 
 from __future__ import annotations
 
 import argparse
 
-from runner.cluster import Cluster
+from runner.delivery.sync import scan, sync_to_nodes
 from runner.inventory_arg import add_inventory_args, load
-from runner.sync import scan, sync_to_nodes
+from runner.transport.cluster import Cluster
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from runner.host_engine import host_engine
+from runner.delivery.host_engine import host_engine
 from tests import IMAGE, REPO
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -53,7 +53,7 @@ def have_sshd() -> None:
 
 
 # This machine's engine as the runner finds it (DOCKER_HOST, the docker context, the default
-# socket: runner/host_engine.py); the suite's images are built there.
+# socket: runner/delivery/host_engine.py); the suite's images are built there.
 HOST_DOCKER = host_engine().url
 
 

@@ -15,7 +15,7 @@ import yaml
 
 from runner.inventory import load_inventory
 from runner.plan import LABEL_RUN
-from runner.ssh import Remote
+from runner.transport.ssh import Remote
 from tests import IMAGE, REPO
 
 # Each rank records its env, its container's PID-1 start time (torchrun; host-kernel clock, so
@@ -285,7 +285,7 @@ def build_scratch_image(tag: str, layers: list[bytes]) -> str:
 def torchrun_image(tag: str, torchrun: bytes, gate: bool = True) -> str:
     """This session's trainer image with `torchrun` replaced by the given script (a master that
     never listens, one held at a file, one deaf to signals, one that exits 2); gate=False labels it
-    as an image without runner.gate. Its id."""
+    as an image without runner.agents.gate. Its id."""
     label = "" if gate else "LABEL io.runner.gate=0\n"
     return build_image(tag, {"Dockerfile": f"FROM {IMAGE}\n{label}COPY torchrun /opt/venv/bin/torchrun\n".encode(),
                              "torchrun": (torchrun, 0o755)})

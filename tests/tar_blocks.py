@@ -3,7 +3,7 @@ checksum recomputed (or not). Used by the relay tests (tests/test_relay_*.py).""
 
 from __future__ import annotations
 
-from runner.relay_agent import member_header
+from runner.agents.relay_agent import member_header
 
 FIELDS = {"name": (0, 100), "mode": (100, 108), "uid": (108, 116), "gid": (116, 124), "size": (124, 136),
           "mtime": (136, 148), "chksum": (148, 156), "type": (156, 157), "linkname": (157, 257),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from runner.check import NodeCheck, _node_problems
 from runner.inventory import Node
-from runner.node_probe import Probe
+from runner.transport.probe import Probe
 
 
 def _problems(gpus_asked: int, gpus_seen: int, runtime: bool | None) -> list[str]:

@@ -27,7 +27,7 @@ import pytest
 
 from tests.runner_helpers import wait_for
 from tests.trainer_run import REPO, held, hold_env, losses, read_metrics, release, run_trainer, start_trainer
-from trainer.preempt import EXIT_PREEMPTED
+from trainer.checkpoint.preempt import EXIT_PREEMPTED
 
 pytestmark = pytest.mark.multiproc
 

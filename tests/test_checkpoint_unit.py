@@ -6,7 +6,12 @@ import json
 
 import pytest
 
-from trainer.checkpoint import _truncate_metrics, list_checkpoints, resolve_resume, verify_manifests
+from trainer.checkpoint.checkpointer import (
+    _truncate_metrics,
+    list_checkpoints,
+    resolve_resume,
+    verify_manifests,
+)
 from trainer.config import ConfigError
 
 
@@ -56,7 +61,7 @@ def test_truncate_metrics_keeps_steps_up_to_the_checkpoint(tmp_path):
 
 def test_per_node_verify_needs_every_rank_files_on_each_node(tmp_path):
     """Per-node storage: a rank checks all manifests' files in its node's copy (DCP may read any)."""
-    from trainer.checkpoint_storage import MISSING_HINT
+    from trainer.checkpoint.storage import MISSING_HINT
 
     d = _ckpt(tmp_path, "step-1", 1)
     for r in range(2):
@@ -72,7 +77,7 @@ def test_per_node_verify_needs_every_rank_files_on_each_node(tmp_path):
 
 
 def test_nodes_agree_on_latest(tmp_path):
-    from trainer.checkpoint_storage import agree_on_latest
+    from trainer.checkpoint.storage import agree_on_latest
 
     pointer = tmp_path / "latest"
     both = [(3, "step-3"), (6, "step-6")]
@@ -86,7 +91,7 @@ def test_nodes_agree_on_latest(tmp_path):
 
 
 def test_storage_layout_groups():
-    from trainer.checkpoint_storage import StorageLayout
+    from trainer.checkpoint.storage import StorageLayout
 
     shared = StorageLayout((0, 0, 0, 0))
     assert shared.shared and shared.is_leader(0) and not shared.is_leader(1)
@@ -98,7 +103,7 @@ def test_storage_layout_groups():
 def test_prefix_saves_in_the_same_second_get_distinct_names(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from trainer import checkpoint
+    from trainer.checkpoint import checkpointer as checkpoint
 
     ck = checkpoint.Checkpointer.__new__(checkpoint.Checkpointer)  # only cfg and root matter here
     ck.cfg, ck.root = SimpleNamespace(prefix="ck", name="step-{step}"), tmp_path

@@ -193,7 +193,7 @@ def test_status_history_lines_are_bounded_and_visible():
 
 def test_the_profile_cache_key_ignores_the_layout_flags_an_elastic_run_adds(tmp_path):
     from runner.inventory import Job, Node
-    from runner.profile_cache import node_key
+    from runner.profile.cache import node_key
 
     node = Node(name="n", host="127.0.0.1")
     inv = load_inventory(str(inventory(tmp_path)))
@@ -209,8 +209,8 @@ def test_losing_the_fast_node_gives_the_slowest_the_fewest_layers(tmp_path):
     """Nodes at --cpus 0.3, 0.6, 1.0 (block times as `runner profile` measured them under those
     limits, cached for the 3-stage job): node-2, the fast one, lost. The survivors' cached profiles
     plan the 2-stage split, and the slow node-0 gets the fewer layers; the line `up` prints says so."""
-    from runner.profile import ClusterProfile
-    from runner.profile_auto import plan_from_profile, render_plan, with_pp
+    from runner.profile.auto import plan_from_profile, render_plan, with_pp
+    from runner.profile.measure import ClusterProfile
 
     inv = load_inventory(str(inventory(tmp_path, args=["--parallel.partition", "auto", "--model.num_hidden_layers",
                                                        "12"])))

@@ -68,7 +68,7 @@ def test_parallel_flag_is_accepted_everywhere(tmp_path, capsys):
 
 @pytest.mark.sandbox
 def test_known_hosts_is_read_once_for_every_node(sandbox, monkeypatch):
-    from runner.ssh import connect_each
+    from runner.transport.ssh import connect_each
 
     inv = load_inventory(sandbox, with_job=False)
     kh = inv.nodes[0].known_hosts
@@ -99,7 +99,7 @@ def test_known_hosts_is_read_once_for_every_node(sandbox, monkeypatch):
 @pytest.mark.sandbox
 @pytest.mark.docker
 def test_docker_api_rides_the_verified_ssh_connection(sandbox):
-    from runner.ssh import Remote
+    from runner.transport.ssh import Remote
 
     inv = load_inventory(sandbox, with_job=False)
     with Remote(inv.nodes[1]).connect() as r:

@@ -1,4 +1,4 @@
-"""runner.gate, as the worker containers run it: no torchrun without the runner's go-file (one line,
+"""runner.agents.gate, as the worker containers run it: no torchrun without the runner's go-file (one line,
 exit 3, after its timeout); torchrun with the given arguments once the file appears."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ TORCHRUN_ARGS = ["--standalone", "--nproc-per-node", "1", "--no-python", "sh", "
 
 
 def gate(go_file, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "runner.gate", str(go_file), str(timeout), "--", *TORCHRUN_ARGS],
+    return subprocess.run([sys.executable, "-m", "runner.agents.gate", str(go_file), str(timeout), "--", *TORCHRUN_ARGS],
                           capture_output=True, text=True, cwd=REPO, env=trainer_env(), timeout=120)
 
 
@@ -35,7 +35,7 @@ def test_go_file_starts_torchrun_with_its_arguments(tmp_path):
     import psutil
 
     go = tmp_path / "go"
-    proc = subprocess.Popen([sys.executable, "-m", "runner.gate", str(go), "120", "--", *TORCHRUN_ARGS],
+    proc = subprocess.Popen([sys.executable, "-m", "runner.agents.gate", str(go), "120", "--", *TORCHRUN_ARGS],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=trainer_env())
     try:
         gate_proc = psutil.Process(proc.pid)

@@ -93,11 +93,11 @@ def test_a_node_frozen_mid_collect_is_named_and_the_others_collected(sandbox, pu
                     frozen.append(p)
             return super().update(task_id, **kw)
 
-    # runner.stream.transfer_progress builds its bar from rich.progress at call time.
+    # runner.transport.stream.transfer_progress builds its bar from rich.progress at call time.
     monkeypatch.setattr(rich.progress, "Progress", FreezeNode1OnFirstBytes)
-    import runner.stream
+    import runner.transport.stream
 
-    monkeypatch.setattr(runner.stream, "STALL_S", 5.0)  # the stall watchdog shared by push and collect
+    monkeypatch.setattr(runner.transport.stream, "STALL_S", 5.0)  # the stall watchdog shared by push and collect
     from runner.cli import main
 
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}

@@ -163,7 +163,7 @@ def _in_process(argv: list[str]) -> int:
 
 def test_master_port_is_chosen_when_the_master_starts(sandbox, pushed, tmp_path, monkeypatch):
     """A port free at preflight but taken during the push (another run's master) is not used."""
-    from runner import push as push_mod
+    from runner.delivery import push as push_mod
     from runner.rendezvous import pick_master_port
 
     name = "mp-" + secrets.token_hex(3)

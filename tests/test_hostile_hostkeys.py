@@ -17,7 +17,7 @@ import paramiko
 import pytest
 
 from runner.errors import UserError
-from runner.ssh import Remote
+from runner.transport.ssh import Remote
 from tests.hostile_node import HostileNode
 
 pytestmark = [pytest.mark.timeout(180)]

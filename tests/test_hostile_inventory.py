@@ -293,8 +293,8 @@ def test_sync_to_a_double_slash_out_is_refused(tmp_path):
 
 
 def test_one_node_path_at_two_mount_points_stays_two_mounts(tmp_path):
+    from runner.delivery.sync import _HashCache, scan
     from runner.plan import Facts, make_plan
-    from runner.sync import _HashCache, scan
 
     a, b = tmp_path / "a", tmp_path / "b"
     for d in (a, b):  # equal contents: one tree on the node, mounted twice

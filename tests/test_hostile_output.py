@@ -291,7 +291,7 @@ def test_following_a_24_mib_line_holds_kilobytes_not_the_line(sandbox, pushed, t
 def test_a_command_that_never_stops_writing_is_cut_at_the_cap(sandbox, pushed):
     """Remote.run read stdout and stderr whole: 48 MiB from `head` was 48 MiB held (and again
     decoded). Now: one line naming the node, the command failed, a few MiB held at most."""
-    from runner.ssh import MAX_OUTPUT
+    from runner.transport.ssh import MAX_OUTPUT
 
     r = remotes(sandbox)["node-2"]
     with r:
@@ -309,7 +309,7 @@ def test_a_command_that_never_stops_writing_is_cut_at_the_cap(sandbox, pushed):
 
 def test_a_node_file_read_whole_is_capped(sandbox, pushed, tmp_path):
     """read_text (status files, config.yaml, profiles) read a node's file whole, whatever its size."""
-    from runner.ssh import MAX_OUTPUT
+    from runner.transport.ssh import MAX_OUTPUT
 
     big = tmp_path / "runner-status.json"  # the sandbox node's files are on this machine
     with open(big, "wb") as fh:
@@ -328,10 +328,10 @@ def test_a_node_file_read_whole_is_capped(sandbox, pushed, tmp_path):
 
 
 def test_a_streams_stderr_is_kept_as_its_tail_only(sandbox, pushed, tmp_path):
-    """runner/stream.py's stderr went to a temporary file (no cap: a node could fill the disk) that
+    """runner/transport/stream.py's stderr went to a temporary file (no cap: a node could fill the disk) that
     was then read whole. A node writing 64 MiB to stderr during a collect-style stream: the tail
     (the error message's 300 characters) is what is held."""
-    from runner import stream
+    from runner.transport import stream
 
     r = remotes(sandbox)["node-0"]
     out = tmp_path / "out.bin"

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from runner import safe_path
-from runner.collect_files import collect_node, place_verified
-from runner.digest import sha256_file
+from runner.delivery.collect_files import collect_node, place_verified
 from runner.errors import UserError
-from runner.ssh import Remote
+from runner.transport.digest import sha256_file
+from runner.transport.ssh import Remote
 from tests.hostile_node import HostileNode, entry
 
 pytestmark = [pytest.mark.timeout(120)]
@@ -130,7 +130,7 @@ def test_safe_path_under_accepts_plain_names_and_a_root_that_is_a_link(tmp_path)
             safe_path.under(tmp_path / "root", rel)
 
 
-# --- up --resume: checkpoint listings and files from the nodes (runner/resume_sync.py) ------------
+# --- up --resume: checkpoint listings and files from the nodes (runner/delivery/resume_sync.py) ------------
 
 def _checkpoint(run_dir: Path, rank: int, name: str = "step-2", **override: bytes) -> None:
     """What the trainer leaves on node `rank` of a 2-node run without shared storage."""
@@ -153,7 +153,7 @@ def _checkpoint(run_dir: Path, rank: int, name: str = "step-2", **override: byte
 def _resume(tmp: Path, **override_node1: bytes):  # trainer_state.json: on both nodes (rank 0's files are everywhere)
     """Two real nodes (no lies in their listings: what the job wrote is hostile enough), the resume
     sync run for real between them. (result or UserError, run dirs)."""
-    from runner.resume_sync import sync_checkpoints
+    from runner.delivery.resume_sync import sync_checkpoints
 
     nodes = [HostileNode(tmp / f"n{k}", fourth=10 + k) for k in range(2)]
     run_dirs = {}
@@ -208,7 +208,7 @@ def test_resume_refuses_hostile_checkpoint_files_in_one_line(tmp_path, name, con
     assert not list(dirs["n0"].rglob(".runner-sync-*"))
 
 
-# --- job.sync: links in the folders it sends (runner/sync.py scan) --------------------------------
+# --- job.sync: links in the folders it sends (runner/delivery/sync.py scan) --------------------------------
 
 def _fake_etc_ssh(tmp: Path) -> Path:
     d = tmp / "etc-ssh"
@@ -219,8 +219,8 @@ def _fake_etc_ssh(tmp: Path) -> Path:
 
 @pytest.mark.parametrize("link", ["dir", "file"])
 def test_sync_refuses_a_link_out_of_the_source_before_reading_behind_it(tmp_path, link):
+    from runner.delivery.sync import _HashCache, scan
     from runner.inventory.job_data import SyncSpec
-    from runner.sync import _HashCache, scan
 
     keys = _fake_etc_ssh(tmp_path)
     model = tmp_path / "model"
@@ -283,8 +283,8 @@ def _hf_cache(tmp: Path) -> tuple[Path, dict[str, bytes]]:
 def test_sync_of_a_hugging_face_snapshot_or_whole_repo_follows_its_own_links(tmp_path):
     import hashlib
 
+    from runner.delivery.sync import _HashCache, scan
     from runner.inventory.job_data import SyncSpec
-    from runner.sync import _HashCache, scan
 
     repo, files = _hf_cache(tmp_path)
     snap = repo / "snapshots" / "abc123"
@@ -303,7 +303,7 @@ def test_slurm_local_collect_keeps_files_under_the_destination(tmp_path):
     """Without a login node the shared filesystem is read here: a link already in artifacts/ must
     not carry a run's file out of it."""
     from runner.backends.slurm.collect import mirror_local
-    from runner.collect_files import NodeCollect
+    from runner.delivery.collect_files import NodeCollect
 
     src = tmp_path / "shared" / "runs" / RUN
     (src / "sub").mkdir(parents=True)

@@ -8,6 +8,7 @@ import subprocess
 
 import pytest
 
+from runner.plan import GATE_MODULES
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.docker
@@ -27,9 +28,12 @@ def test_image_has_cpu_torch_and_trainer(host_docker, trainer_image):
 def test_image_entry_points_and_architecture(host_docker, trainer_image):
     r = docker(host_docker, "image", "inspect", "--format", "{{.Os}}/{{.Architecture}}", trainer_image)
     assert r.stdout.strip() == "linux/amd64", r.stdout + r.stderr
+    r = docker(host_docker, "image", "inspect", "--format", '{{index .Config.Labels "io.runner.gate"}}', trainer_image)
+    gate = GATE_MODULES[r.stdout.strip()]  # the label names the gate `runner up` runs in the workers
+    assert gate == "runner.agents.gate", r.stdout
     r = docker(host_docker, "run", "--rm", "--network", "host", trainer_image, "sh", "-c",
                "uname -m; trainer --help | head -n 1; torchrun --help | head -n 1; "
-               "python -c 'import runner.gate, torch.distributed.run as r; print(r.__file__)'")
+               f"python -c 'import {gate}, torch.distributed.run as r; print(r.__file__)'")
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines() == [
         "x86_64", "usage: trainer [train] [--config X.yaml | X.yaml] [--section.key VALUE ...] [seed flags]",

@@ -1,4 +1,4 @@
-"""The host's export cache (runner/images.py): bounded, and never pruned under a push that is using
+"""The host's export cache (runner/delivery/images.py): bounded, and never pruned under a push that is using
 an entry. Real `docker save` from the host engine of small FROM-scratch images; two exports in one
 process hold their locks through separate open files, exactly as two runner processes would."""
 
@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from runner.images import export
+from runner.delivery.images import export
 from tests.runner_helpers import build_scratch_image, remove_host_image
 
 pytestmark = [pytest.mark.docker]

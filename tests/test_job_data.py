@@ -1,5 +1,5 @@
 """job.sync, job.mounts and job.registry as the inventory states them (runner/inventory/job_data.py), the
-plan's mounts (read-only unless :rw), and the local side of a sync (runner/sync.py scan): no
+plan's mounts (read-only unless :rw), and the local side of a sync (runner/delivery/sync.py scan): no
 network, nothing contacted."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from runner.delivery.sync import _HashCache, scan
 from runner.errors import UserError
 from runner.inventory import load_inventory
 from runner.plan import Facts, make_plan
-from runner.sync import _HashCache, scan
 from tests import REPO
 from tests.runner_helpers import no_socket_env
 
@@ -98,7 +98,7 @@ def test_cli_refuses_a_missing_sync_src_in_one_line_and_contacts_nothing(tmp_pat
 
 
 def test_scan_hashes_files_once_and_dedups(tmp_path, data, monkeypatch):
-    import runner.sync as sync_mod
+    import runner.delivery.sync as sync_mod
     from runner.inventory.job_data import SyncSpec
 
     hashed: list[str] = []

@@ -36,7 +36,8 @@ STDLIB = frozenset(sys.stdlib_module_names)
 # package -> top-level names it must never import
 FORBIDDEN = {"runner": {"trainer"}, "trainer": {"runner"}, "contract": {"runner", "trainer", "torch", "transformers"}}
 # node-side modules -> the only top-level names they may import (besides the standard library)
-NODE_SIDE = {"runner/relay_agent.py": set(), "runner/gate.py": {"torch"}}
+NODE_SIDE = {"runner/agents/relay_agent.py": set(), "runner/agents/gate.py": {"torch"},
+             "runner/agents/__init__.py": set()}
 
 
 def imports_of(path: Path) -> list[tuple[int, str]]:
@@ -143,21 +144,17 @@ RUNNER_LAYERS = {
     "cli": ["runner.cli", "runner.__main__", "runner.completion",
             "runner.node_exec"],  # `exec` picks its backend itself (runner/backends.choose)
     "backends": ["runner.backends"],
-    "verbs": ["runner.check_cli", "runner.sync_cli", "runner.push_cli", "runner.kube_cli", "runner.profile_cli",
+    "verbs": ["runner.check_cli", "runner.sync_cli", "runner.push_cli", "runner.kube_cli", "runner.profile.command",
               "runner.notify", "runner.sandbox"],
     "delivery, transport, profiling": [
-        "runner.push", "runner.sync", "runner.relay", "runner.images", "runner.registry", "runner.resume_sync",
-        "runner.push_result",
-        "runner.collect_files",
-        "runner.digest", "runner.stream", "runner.ssh", "runner.ssh_files", "runner.ssh_jump", "runner.docker_ssh",
-        "runner.cluster", "runner.node_probe", "runner.node_runs", "runner.rendezvous", "runner.run_owner",
-        "runner.plan", "runner.paths", "runner.host_engine", "runner.collect_report",
-        "runner.profile", "runner.profile_auto", "runner.profile_cache", "runner.pipeline_split", "runner.sizing",
+        "runner.delivery", "runner.transport", "runner.profile",
+        "runner.node_runs", "runner.rendezvous", "runner.run_owner",
+        "runner.plan", "runner.paths", "runner.collect_report", "runner.sizing",
         "runner.elastic", "runner.check", "runner.kube_export"],
     "inventory, jobspec, runs": ["runner.inventory", "runner.inventory_arg", "runner.jobspec", "runner.runs",
                                  "runner.redact"],
     "base": ["runner.errors", "runner.fanout", "runner.node_output", "runner.safe_path", "runner.hostkeys",
-             "runner.perseus_server", "runner.gate", "runner.relay_agent", "runner"],
+             "runner.perseus_server", "runner.agents", "runner"],
 }
 
 
@@ -248,8 +245,9 @@ def test_the_halves_meet_only_through_contract_and_node_code_needs_nothing_else(
 
 def test_the_checker_finds_each_kind_of_violation(tmp_path):
     files = {
-        "runner/relay_agent.py": "import json\nimport yaml\n",
-        "runner/gate.py": "import os\n\ndef go():\n    from torch.distributed import run\n",
+        "runner/agents/__init__.py": "",
+        "runner/agents/relay_agent.py": "import json\nimport yaml\n",
+        "runner/agents/gate.py": "import os\n\ndef go():\n    from torch.distributed import run\n",
         "runner/up.py": "def main():\n    from trainer.config import resolve\n",
         "trainer/train.py": "from __future__ import annotations\nimport runner.errors\n",
         "trainer/parallel/compose.py": "from . import mesh\nfrom ..models import build\n",
@@ -262,7 +260,7 @@ def test_the_checker_finds_each_kind_of_violation(tmp_path):
         "runner/up.py:2 imports trainer (runner never imports trainer)",
         "trainer/train.py:2 imports runner (trainer never imports runner)",
         "contract/plots.py:1 imports torch (contract never imports torch)",
-        "runner/relay_agent.py:2 imports yaml (runs on a node: standard library only)",
+        "runner/agents/relay_agent.py:2 imports yaml (runs on a node: standard library only)",
     ]
 
 

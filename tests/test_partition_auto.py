@@ -1,6 +1,6 @@
-"""parallel.partition auto, the planner (runner/pipeline_split.py): the dynamic programme against
+"""parallel.partition auto, the planner (runner/profile/split.py): the dynamic programme against
 brute force on random profiles (same bottleneck, same split under the tie rule), memory limits,
-the one-line errors, and the mapping of a measured profile onto stages (runner/profile_auto.py)."""
+the one-line errors, and the mapping of a measured profile onto stages (runner/profile/auto.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import pytest
 from contract.partition import uniform_bounds
 from runner.errors import UserError
 from runner.inventory import Inventory, Job, Node
-from runner.pipeline_split import (
+from runner.profile.auto import job_partition, plan_from_profile, problem_from_profile
+from runner.profile.split import (
     INF,
     Link,
     Problem,
@@ -23,7 +24,6 @@ from runner.pipeline_split import (
     make_split,
     stage_memory,
 )
-from runner.profile_auto import job_partition, plan_from_profile, problem_from_profile
 
 GIB = 2**30
 
@@ -225,7 +225,7 @@ def test_full_qwen3_plan_from_the_measured_fixture():
     import json
     from pathlib import Path
 
-    from runner.profile import ClusterProfile
+    from runner.profile.measure import ClusterProfile
 
     doc = json.loads((Path(__file__).parent / "fixtures" / "profile-qwen3-0.6b-pi4-pi5-laptop.json").read_text())
     prof = ClusterProfile(doc["nodes"], doc["links"])

@@ -50,7 +50,7 @@ def exported_model_loads_in_transformers(art: Path, out: Path, snap: Path) -> No
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tests.hub_fixtures import paragraphs
-    from trainer.checkpoint_export import export
+    from trainer.checkpoint.export import export
 
     assert export([str(art), str(out)]) == 0
     hf = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True).eval()

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from runner.delivery.resume_sync import Copy, Description, Listing, candidates, incomplete, plan_copies
 from runner.errors import UserError
 from runner.inventory import load_inventory
 from runner.plan import LABEL_NODE, LABEL_RANK, LABEL_RUN, MASK, Facts, make_plan
-from runner.resume_sync import Copy, Description, Listing, candidates, incomplete, plan_copies
 from tests.runner_helpers import opened_files, run_cli, shipped
 
 SECRET = "hf_SUPERSECRET_123"
@@ -180,7 +180,7 @@ def test_mixed_arch_dry_run_with_given_arch(tmp_path, no_network):
     assert "[a/0] 10.9.0.1  arch=amd64  image=t:amd" in out and "[b/1] 10.9.0.2  arch=arm64  image=t:arm" in out
 
 
-# --- runner up --resume: which checkpoint, and which files go where (runner/resume_sync.py) ---------
+# --- runner up --resume: which checkpoint, and which files go where (runner/delivery/resume_sync.py) ---------
 
 RANK0_FILES = {".metadata": 900, "trainer_state.json": 400, "config.yaml": 300}
 
@@ -294,8 +294,8 @@ def test_torchrun_shutdown_timeout_follows_the_grace_period(tmp_path):
 
 def test_gated_workers_wait_for_the_go_file_and_the_master_does_not(tmp_path):
     inv = load_inventory(inventory(tmp_path, NODES3, "  master_port: 29555\n  args: [--train_steps, '5']\n"))
-    facts = {"m": Facts(ifname="eth0", gate=True), "w1": Facts(ifname="eth0", gate=True),
-             "w2": Facts(ifname="eth0", gate=False)}  # w2's image has no gate: started after the master
+    facts = {"m": Facts(ifname="eth0", gate="runner.agents.gate"), "w1": Facts(ifname="eth0", gate="runner.agents.gate"),
+             "w2": Facts(ifname="eth0")}  # w2's image has no gate: started after the master
     plain = make_plan(inv, "r1", facts, strict=True)
     plan = make_plan(inv, "r1", facts, strict=True, launch_token="t0k3n", gate_timeout=180)
     m, w1, w2 = plan.nodes
@@ -307,7 +307,7 @@ def test_gated_workers_wait_for_the_go_file_and_the_master_does_not(tmp_path):
     assert w1.mounts == {"/out": w1.run_dir, "/run/runner/gate": f"{wd}/gates/r1"}
     torchrun = plain.nodes[1].command
     assert torchrun[0] == "torchrun"
-    assert w1.command == ["python", "-m", "runner.gate", "/run/runner/gate/go-t0k3n", "180", "--", *torchrun[1:]]
+    assert w1.command == ["python", "-m", "runner.agents.gate", "/run/runner/gate/go-t0k3n", "180", "--", *torchrun[1:]]
 
 
 def test_containers_run_as_the_ssh_users_uid_gid(tmp_path, no_network):

@@ -202,7 +202,7 @@ def test_fine_tuned_model_exports_to_transformers(tmp_path):
     continuation."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trainer.checkpoint_export import export
+    from trainer.checkpoint.export import export
     from trainer.dist_env import DistEnv
     from trainer.parallel.mesh import ParallelDims
     from trainer.train import Trainer

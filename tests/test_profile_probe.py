@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from runner.inventory import Job, Node
-from runner.profile_cache import node_key, shape_args
+from runner.profile.cache import node_key, shape_args
 from tests.runner_helpers import REPO
 
 TRAIN = ["--", "--config", "configs/pi-qwen3-3stage-tiny.yaml", "--batch_size", "16", "--microbatch_num", "4",

@@ -1,6 +1,6 @@
-"""The relay agent's stream check (runner/relay_agent.py, TarCheck): bytes from another node reach
+"""The relay agent's stream check (runner/agents/relay_agent.py, TarCheck): bytes from another node reach
 a node's `docker load` only as the archive the agent writes itself from parts that are exactly
-the host's. Streams here are the host's own (runner/relay.py chain_stream, from an export laid
+the host's. Streams here are the host's own (runner/delivery/relay.py chain_stream, from an export laid
 out as `docker save` lays it out), then tampered with the ways an upstream node could; and the
 agent's protocol lines, as a broken or hostile host side could send them, to the real agent."""
 
@@ -19,9 +19,18 @@ from pathlib import Path
 
 import pytest
 
-from runner.images import Exported, _load_export
-from runner.relay import chain_plan, chain_stream, expectation, head_line, not_relayable, route_line
-from runner.relay_agent import BLOCK, END, LINE_MAX, Refused, TarCheck, check_head, check_route, member_header
+from runner.agents.relay_agent import (
+    BLOCK,
+    END,
+    LINE_MAX,
+    Refused,
+    TarCheck,
+    check_head,
+    check_route,
+    member_header,
+)
+from runner.delivery.images import Exported, _load_export
+from runner.delivery.relay import chain_plan, chain_stream, expectation, head_line, not_relayable, route_line
 from tests.tar_blocks import header, patched
 
 AGENT = Path(__file__).resolve().parents[1] / "runner" / "relay_agent.py"
@@ -29,7 +38,7 @@ AGENT = Path(__file__).resolve().parents[1] / "runner" / "relay_agent.py"
 
 @pytest.fixture
 def exp(tmp_path) -> Exported:
-    """An export as runner.images makes it from `docker save` (legacy layout: <id>/layer.tar,
+    """An export as runner.delivery.images makes it from `docker save` (legacy layout: <id>/layer.tar,
     <image id>.json, manifest.json): three layers, one a whole number of blocks."""
     d = tmp_path / "x"
     blobs = [random.Random(i).randbytes(n) for i, n in enumerate((70_000, 4096, 70_513))]

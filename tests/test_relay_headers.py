@@ -1,4 +1,4 @@
-"""Fuzz of the relay agent's header check (runner/relay_agent.py parse_header) against three real tar
+"""Fuzz of the relay agent's header check (runner/agents/relay_agent.py parse_header) against three real tar
 readers of other implementations: Python's tarfile, GNU tar, and Go's archive/tar (the reader
 inside `docker load`; tests/tarlist/main.go, built here with Debian's golang-go). Thousands of
 headers, each a real writer's header (the relay's own, tarfile's ustar/GNU/pax, GNU tar's
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.relay_agent import BLOCK, END, SIZE_MAX, Refused, member_header, parse_header
+from runner.agents.relay_agent import BLOCK, END, SIZE_MAX, Refused, member_header, parse_header
 from tests.conftest import require
 from tests.tar_blocks import FIELDS, checksum, patched
 

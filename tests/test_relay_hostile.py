@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from runner.images import export
-from runner.relay import chain_stream, head_line, route_line
+from runner.delivery.images import export
+from runner.delivery.relay import chain_stream, head_line, route_line
 from tests.conftest import HOST_DOCKER
 from tests.runner_helpers import build_scratch_image, remove_host_image, unique_tag
 from tests.tar_blocks import header

@@ -1,4 +1,4 @@
-"""The host's side of the relay protocol (runner/relay.py) against agents that do not keep to it: a
+"""The host's side of the relay protocol (runner/delivery/relay.py) against agents that do not keep to it: a
 node runs its agent itself, so what it reports is read bounded, parsed strictly, and a node whose
 report is too long or malformed fails alone (push relays to the nodes it cut off again, or streams
 to them directly). The agents here are real processes writing real pipes, as ssh's stdout is."""
@@ -11,9 +11,9 @@ import tracemalloc
 
 import pytest
 
-from runner import relay
-from runner.relay import RelayHop, parse_report
-from runner.relay_agent import Tail
+from runner.agents.relay_agent import Tail
+from runner.delivery import relay
+from runner.delivery.relay import RelayHop, parse_report
 from tests.runner_helpers import wait_for
 
 

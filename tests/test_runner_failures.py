@@ -286,7 +286,7 @@ def test_rendezvous_timeout_is_one_line_and_leaves_nothing(sandbox, pushed, tmp_
         with r:
             left = r.run(["docker", "ps", "-a", "--format", "{{.Names}}", "--filter", f"ancestor={tag}"]).out.split()
             assert left == [], (name, left)
-    # The workers' containers were started with the master's (the image carries runner.gate), but
+    # The workers' containers were started with the master's (the image carries runner.agents.gate), but
     # the runner never saw the master listen, so it gave no worker the go to start torchrun.
     for n in ("node-1", "node-2"):
         new = gate_dirs(n) - before[n]

@@ -21,10 +21,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from runner import push as push_mod
-from runner.images import export
+from runner.delivery import push as push_mod
+from runner.delivery.images import export
 from runner.inventory import load_inventory
-from runner.ssh import Remote
+from runner.transport.ssh import Remote
 from tests import IMAGE
 from tests.runner_helpers import (
     REPO,
@@ -274,7 +274,7 @@ def runner_no_torch(*args: str) -> subprocess.CompletedProcess:
 def one_error(stderr: str) -> str:
     """The CLI's one error line (its text after 'runner: error: '); nothing else but warnings.
     (paramiko's transport thread may print 'Exception in thread ' at interpreter exit, a race
-    in runner/ssh.py's close, reported; it is cut off here so it cannot hide a second error.)"""
+    in runner/transport/ssh.py's close, reported; it is cut off here so it cannot hide a second error.)"""
     lines = [ln.split("runner: error: ", 1)[1] for ln in stderr.splitlines() if "runner: error: " in ln]
     assert len(lines) == 1, stderr
     return lines[0]
@@ -391,7 +391,7 @@ def test_remote_sha256_checks_the_exit_code(sandbox, pieces_run):
     odd = ["a b.txt", "back\\slash", "new\nline"]
     for name in odd:
         (rd / name).write_bytes(name.encode())
-    from runner.collect_files import remote_sha256
+    from runner.delivery.collect_files import remote_sha256
 
     try:
         with connect(sandbox, "node-0") as remote:
@@ -410,7 +410,7 @@ def test_remote_sha256_checks_the_exit_code(sandbox, pieces_run):
 def test_collect_file_vanished_after_listing_is_skipped_not_failed(sandbox, pieces_run, tmp_path):
     """Listed, then deleted before hashing (a rotated checkpoint): skipped and counted, no error;
     a listed file that cannot be hashed but still exists is an error naming it."""
-    from runner.collect_files import NodeCollect, _collect_batch
+    from runner.delivery.collect_files import NodeCollect, _collect_batch
 
     rd = node_workdir(sandbox, "node-2") / "runs" / pieces_run
     gone = rd / "ckpt-old.bin"
@@ -603,7 +603,7 @@ def test_relay_with_a_stalled_node_stops_it_and_leaves_nothing_running(sandbox, 
     nodes again, or streams to them directly). Nothing the relay started runs on afterwards: no
     process of this one's (tar, gzip, ssh, ...), and on every node no process of the SSH sessions
     it opened (agent, `docker load`, dial-stdio, the sessions themselves)."""
-    from runner.relay import relay_chain
+    from runner.delivery.relay import relay_chain
 
     def sessions(node: str) -> set[int]:  # every process below the node's sshd listener
         return {p.pid for p in sshd_procs(sandbox, node)[0].children(recursive=True)}

@@ -179,11 +179,11 @@ def test_up_three_nodes_env_order_prefixed_logs(sandbox, finished_run):
     # Master first (no worker's torchrun before the master listens): tests/test_master_first.py.
     # Finished runs leave no containers behind; `runner logs` then shows the logs `up` kept.
     assert run_containers(sandbox, run_id) == {"node-0": [], "node-1": [], "node-2": []}
-    # The workers ran behind runner.gate, the master did not; go-files (outside the run dir) are
+    # The workers ran behind runner.agents.gate, the master did not; go-files (outside the run dir) are
     # tidied away.
     for node in ("node-0", "node-1", "node-2"):
         status = json.loads((node_workdir(sandbox, node) / "runs" / run_id / "runner-status.json").read_text())
-        assert ("python -m runner.gate /run/runner/gate/go-" in status["command"]) == (node != "node-0"), status
+        assert ("python -m runner.agents.gate /run/runner/gate/go-" in status["command"]) == (node != "node-0"), status
         assert not (node_workdir(sandbox, node) / "gates" / run_id).exists(), node
     logs = runner("logs", run_id, "-i", str(sandbox), "--logs-dir", str(finished_run["tmp"] / "logs"))
     assert logs.returncode == 0 and "[node-1/1] probe node-1 rank 1 of 3" in logs.stdout, logs.stderr

@@ -261,7 +261,7 @@ def test_relay_agent_loads_nothing_from_a_stranger(netns_sandbox, tmp_path):
     archive: tests/test_relay_hostile.py.)"""
     import socket
 
-    from runner.relay import agent_command
+    from runner.delivery.relay import agent_command
     from tests.conftest import HOST_DOCKER
 
     inv, net = netns_sandbox["inv"], netns_sandbox["net"]

@@ -17,7 +17,7 @@ import yaml
 
 from runner.errors import UserError
 from runner.inventory import load_inventory
-from runner.ssh import Remote
+from runner.transport.ssh import Remote
 
 PASSPHRASE = "correct horse battery staple"
 pytestmark = [pytest.mark.sandbox, pytest.mark.skipif(not shutil.which("ssh-agent"), reason="no ssh-agent")]

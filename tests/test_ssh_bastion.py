@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from runner import ssh as ssh_mod
 from runner.errors import UserError
 from runner.inventory import load_inventory
-from runner.ssh import Remote, connect_each
-from runner.ssh_jump import BASTIONS
-from runner.stream import ssh_stream
+from runner.transport import ssh as ssh_mod
+from runner.transport.jump import BASTIONS
+from runner.transport.ssh import Remote, connect_each
+from runner.transport.stream import ssh_stream
 from tests.bastion import NODE_PORT, BastionNet, available
 from tests.conftest import net_addr, require
 from tests.runner_helpers import runner

@@ -12,7 +12,7 @@ import pytest
 from runner.errors import UserError
 from runner.inventory import Jump, load_inventory
 from runner.inventory.ssh_config import parse_jump
-from runner.ssh_jump import proxy_command
+from runner.transport.jump import proxy_command
 
 # Addresses from the documentation ranges (RFC 5737): parsed, never contacted (no_network).
 CONFIG = """\

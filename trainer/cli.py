@@ -39,7 +39,7 @@ examples:
 COMMANDS: dict[str, str] = {
     "train": "trainer.cli:train_main",
     "print-config": "trainer.config_doc:print_config_main",  # also `trainer --print-config`
-    "export": "trainer.checkpoint_export:export",
+    "export": "trainer.checkpoint.export:export",
     "plot": "trainer.plots:main",
     "probe": "trainer.probe:main",  # per-node measurements for parallel.partition auto (runner profile)
     "perseus-plans": "trainer.profiling.perseus_plans:main",  # plan files from instructions-{rank}.csv

@@ -48,7 +48,7 @@ from trainer.tracking import Trackers
 
 log = logging.getLogger("trainer")
 
-CALLBACKS = ["trainer.checkpoint:make_callback", "trainer.profiling:make_callback"]
+CALLBACKS = ["trainer.checkpoint.checkpointer:make_callback", "trainer.profiling:make_callback"]
 
 
 def setup_logging(rank: int, output_dir: Path, console: bool) -> None:
@@ -76,7 +76,7 @@ class Trainer:
         self._layout_noted = False       # metrics.jsonl's first record of this start names the layout
         self.tokens_seen = 0
         self.stop_requested = False      # a callback (e.g. preemption) may end the run after a step
-        self.exit_code = 0               # ... and set the process exit code (trainer/preempt.py)
+        self.exit_code = 0               # ... and set the process exit code (trainer/checkpoint/preempt.py)
         t, d = cfg.train, cfg.data
 
         tokenizer, texts, self._tmp = None, None, None

@@ -9,7 +9,7 @@ The CLI resolves the backend once per command (`open_backend`) and calls its ver
 and each backend's own flags are added to the verbs here. A new backend: its module, one line in
 BACKENDS.
 
-May import: the inventory, transport (runner.ssh), delivery and run-id layers; never runner.cli.
+May import: the inventory, transport (runner.transport.ssh), delivery and run-id layers; never runner.cli.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The job's data: what a job needs besides its image, as the inventory says it.
 
-    job.sync:     [{src: LOCAL_PATH, dst: CONTAINER_PATH}]   copied to every node (runner/sync.py),
+    job.sync:     [{src: LOCAL_PATH, dst: CONTAINER_PATH}]   copied to every node (runner/delivery/sync.py),
                                                              mounted read-only at dst
     job.mounts:   {NODE_PATH: CONTAINER_PATH[:ro|:rw]}        already on the nodes (an HF cache, NFS),
                                                              read-only unless :rw
@@ -8,7 +8,7 @@
                                                              (engine socket, /, /proc, writable /etc...):
                                                              refused unless named here
     job.registry: HOST[:PORT]                                 nodes `docker pull` the job's tags from
-                                                             there instead of a push (runner/registry.py)
+                                                             there instead of a push (runner/delivery/registry.py)
 
 Parsing only (no I/O beyond checking that a sync source exists). Every path that reaches a node's
 shell or a docker bind spec is refused unless made of plain characters, and container paths may

@@ -164,7 +164,7 @@ class Job:
     grace_period: float = 30.0        # seconds between SIGTERM and SIGKILL on down
     command: list[str] | None = None  # replaces `-m trainer --config ...` (tests, custom entrypoints)
     build: dict[str, BuildSpec] = field(default_factory=dict)  # {arch: spec}; one spec for all fills both
-    sync: list[SyncSpec] = field(default_factory=list)     # local data copied to every node (runner/sync.py)
+    sync: list[SyncSpec] = field(default_factory=list)     # local data copied to every node (runner/delivery/sync.py)
     mounts: list[MountSpec] = field(default_factory=list)  # data already on the nodes
     unsafe_mounts: list[str] = field(default_factory=list)  # job.mounts node paths that hand the job the node, on purpose
     registry: str | None = None       # nodes pull the job's tags from HOST:PORT instead of a push

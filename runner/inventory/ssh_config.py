@@ -21,7 +21,7 @@ connects to, and the ranks' address unless `addr` is set); User, Port, IdentityF
 fill `user`, `port`, `identity_file` and `proxy_jump` only where the inventory (the node, or
 `defaults:`) does not set them: the inventory wins. Nothing else in the file is used: host keys are
 still checked by the runner (a `StrictHostKeyChecking no` there changes nothing), and the OpenSSH
-streams run with `-F /dev/null` so the file cannot redirect them (runner/ssh.py).
+streams run with `-F /dev/null` so the file cannot redirect them (runner/transport/ssh.py).
 
 One bastion hop only. A ProxyJump chain (`a,b`), a bastion that itself needs a jump, or a
 ProxyCommand is refused in one line: the runner verifies the host key of every hop itself, which it

@@ -9,7 +9,7 @@ written to a known_hosts file, so clients verify them instead of auto-accepting.
 real sshd's session limits (MaxSessions 10), so the runner is held to them here too.
 
 `--light` nodes (for measuring many nodes) are an sshd only: no engine of their own, their
-sessions talk to this machine's engine (runner/host_engine.py), whose containers the runner tells
+sessions talk to this machine's engine (runner/delivery/host_engine.py), whose containers the runner tells
 apart by their node label. Up to MAX_LIGHT_NODES of them.
 
 `--user NAME` nodes log in as a non-root account, as a Raspberry Pi's `pi` does: the account is

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from runner.host_engine import host_engine
+from runner.delivery.host_engine import host_engine
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ are the ones Merak users know (`uniform`, `uniform_transformer`, `parameters`,
 `custom:a,b,...`) plus `weighted:w0,w1,...` for pipelines whose nodes differ in speed (a Pi 5
 next to a Pi 4 should take proportionally more layers), and `auto`: `runner up` measures every
 node (`runner profile`) and passes the split that minimises the slowest stage as an explicit
-`custom:` value (runner/pipeline_split.py), which the run's config.yaml then records. Without a
+`custom:` value (runner/profile/split.py), which the run's config.yaml then records. Without a
 profile (plain torchrun) `auto` means `parameters`, said in one log line.
 
 The embeddings always live on the first stage and the final norm + head on the last; the

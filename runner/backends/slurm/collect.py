@@ -17,17 +17,17 @@ from pathlib import Path
 from runner import safe_path
 from runner.backends.slurm.jobs import resolve_run, workdir
 from runner.backends.slurm.shell import LocalShell, LoginShell, open_shell
-from runner.collect_files import (
+from runner.delivery.collect_files import (
     MANIFEST,
     NodeCollect,
     collect_error,
     collect_node,
     report,
 )
-from runner.digest import sha256_file
 from runner.errors import EXIT_PARTIAL, UserError
 from runner.inventory.slurm import SlurmInventory
-from runner.ssh import Remote
+from runner.transport.digest import sha256_file
+from runner.transport.ssh import Remote
 
 DEST_NAME = "slurm"   # artifacts/<run>/slurm/: one shared run dir, not one per node
 

@@ -23,7 +23,7 @@ def ensure_bundle(sh: Shell, inv: SlurmInventory, wd: str) -> tuple[str, list[st
     """(bundle dir on the cluster, the image's env, its WorkingDir) for the job's image, exported
     if the cluster does not have it yet."""
     import docker
-    from runner.host_engine import host_engine
+    from runner.delivery.host_engine import host_engine
 
     tag = inv.slurm.image or inv.job.image_for(inv.slurm.arch)
     engine = host_engine()

@@ -1,7 +1,7 @@
 """Where Slurm commands run: this machine (a login node already) or `slurm.login` over SSH.
 
 One small interface (run, files) so submit/status/down/collect are written once: LocalShell runs
-subprocesses and touches local files; LoginShell goes through runner.ssh.Remote (verified host
+subprocesses and touches local files; LoginShell goes through runner.transport.ssh.Remote (verified host
 keys, SFTP). Commands are argv lists, never strings with values pasted in. Whatever they print
 and whatever a file holds is read up to a cap (the cluster's tools and files are not trusted more
 than a node's).
@@ -18,7 +18,7 @@ from pathlib import Path
 from runner.errors import UserError
 from runner.inventory.slurm import SlurmInventory
 from runner.node_output import read_capped
-from runner.ssh import MAX_OUTPUT, Remote, Result
+from runner.transport.ssh import MAX_OUTPUT, Remote, Result
 
 
 class LocalShell:
@@ -27,7 +27,7 @@ class LocalShell:
     def run(self, argv: list[str], timeout: float = 60.0, stdin: bytes | None = None,
             max_output: int = MAX_OUTPUT) -> Result:
         """argv's exit code and output, each stream read up to max_output bytes (as a node's:
-        runner/ssh.py): more is one UserError, the process killed."""
+        runner/transport/ssh.py): more is one UserError, the process killed."""
         try:
             # Its own session and group: what it starts dies with it (and stops holding the pipes).
             p = subprocess.Popen(argv, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,

@@ -2,12 +2,12 @@
 
 Incremental: a file whose size and mtime match the manifest and the local copy is skipped (mtimes
 are copied). Verified: every transferred file's size and sha256 must equal what the node had
-(runner/digest.py); a file that does not match fails the collect naming node and file, and never
+(runner/transport/digest.py); a file that does not match fails the collect naming node and file, and never
 replaces a good local copy (it is unpacked into a staging dir and moved only once verified).
 Files arrive as plain files of the caller's: owners, setuid/setgid and sticky bits from the node
 are dropped (a container's root could otherwise plant a setuid-root file under artifacts/).
 
-The bytes travel as one OpenSSH tar stream per batch (runner/stream.py, watched for stalls: a node
+The bytes travel as one OpenSSH tar stream per batch (runner/transport/stream.py, watched for stalls: a node
 that freezes mid-stream costs only its own files). Then runner/collect_report.py merges timelines, draws the
 plots and prints a summary. None of that imports torch: the host has none.
 """
@@ -17,12 +17,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from runner import stream
-from runner.cluster import Cluster, open_nodes
-from runner.collect_files import NodeCollect, collect_error, collect_node, report
+from runner.delivery.collect_files import NodeCollect, collect_error, collect_node, report
 from runner.errors import EXIT_PARTIAL, UserError
 from runner.inventory_arg import add_inventory_args
 from runner.node_runs import gather, resolve_run
+from runner.transport import stream
+from runner.transport.cluster import Cluster, open_nodes
 
 
 def register(sub: argparse._SubParsersAction) -> None:

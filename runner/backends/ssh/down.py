@@ -14,11 +14,11 @@ import logging
 import sys
 
 from runner import runs
-from runner.cluster import Cluster, open_nodes
 from runner.errors import EXIT_PARTIAL
 from runner.inventory_arg import add_inventory_args
 from runner.node_runs import latest_run, prune_runs, stop_run
 from runner.redact import printable
+from runner.transport.cluster import Cluster, open_nodes
 
 log = logging.getLogger("runner.down")
 

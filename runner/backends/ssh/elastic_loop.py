@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 from runner.backends.ssh.watch import FAIL_STOP_GRACE_S
-from runner.cluster import Cluster
 from runner.elastic import (
     ELASTIC_FILE,
     EVENTS_MAX,
@@ -43,7 +42,8 @@ from runner.inventory.elastic_spec import ElasticSpec
 from runner.node_runs import stop_node
 from runner.paths import node_paths
 from runner.redact import printable
-from runner.ssh import Remote
+from runner.transport.cluster import Cluster
+from runner.transport.ssh import Remote
 
 log = logging.getLogger("runner.up")
 RETRY_S = 2.0  # how often a lost node is tried again

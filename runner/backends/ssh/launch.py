@@ -1,7 +1,7 @@
 """`runner up`: check -> push -> run id -> config + env-file to every node -> master container ->
 master's rendezvous port listening -> workers (node ranks 1..N-1) -> watch -> the job's result.
 
-Workers whose image carries runner.gate start their containers together with the master's and
+Workers whose image carries runner.agents.gate start their containers together with the master's and
 import torchrun meanwhile; their torchrun still starts only after the runner has seen the
 master's port listening (it writes each one a go-file then). That keeps the master-first
 contract and takes the workers' start-up off the launch's critical path.
@@ -28,7 +28,7 @@ from runner.backends.ssh.elastic_loop import ElasticRun, last_step, layout_split
 from runner.backends.ssh.resume import hand_back_runs, resume_run
 from runner.backends.ssh.run_end import last_metrics, write_status
 from runner.backends.ssh.watch import FAIL_STOP_GRACE_S, Watcher
-from runner.cluster import Cluster
+from runner.delivery.resume_sync import CHECKPOINTS, sync_checkpoints
 from runner.elastic import check as check_elastic
 from runner.elastic import render as render_elastic
 from runner.elastic import replicas_args, spec_of
@@ -42,17 +42,17 @@ from runner.errors import (
 )
 from runner.inventory import ARCH_ALIASES, Inventory
 from runner.inventory_arg import add_inventory_args, load, remember_inventory
-from runner.node_probe import Probe, probe
 from runner.node_runs import create_container, run_containers, stop_node, stop_run
 from runner.paths import node_paths
-from runner.plan import LABEL_GATE, OUT, Facts, NodePlan, Plan, make_plan, render_secrets_file
-from runner.profile_auto import pin_auto_partition
+from runner.plan import GATE_MODULES, LABEL_GATE, OUT, Facts, NodePlan, Plan, make_plan, render_secrets_file
+from runner.profile.auto import pin_auto_partition
 from runner.redact import printable
 from runner.rendezvous import choose_port, wait_listening
-from runner.resume_sync import CHECKPOINTS, sync_checkpoints
 from runner.runs import new_run_id
 from runner.sizing import check_sizing
-from runner.ssh import Remote
+from runner.transport.cluster import Cluster
+from runner.transport.probe import Probe, probe
+from runner.transport.ssh import Remote
 
 log = logging.getLogger("runner.up")
 RESUME_ARGS = ["--resume", "latest"]
@@ -122,7 +122,7 @@ def main(args) -> int:
             inv.job.args += replicas_args(inv)  # as the launch will pass them
         if args.resume:
             inv.job.args += RESUME_ARGS
-        from runner.sync import scan
+        from runner.delivery.sync import scan
 
         plan = make_plan(inv, run_id, _dry_facts(inv, args.arch), secret_keys=list(secret_vals),
                          trees=scan(inv.job.sync))
@@ -150,8 +150,8 @@ class Launcher:
         self.outcome = outcome                # runner/notify.py Outcome: what a notification says
         self.lost: str | None = None          # node lost during the last attempt
         self.lost_reclaimed = False           # ... and reached again, its container removed
-        self.gates: dict[str, bool] = {}      # node -> its image carries runner.gate
-        self.trees: list = []                 # job.sync's sources, scanned (runner/sync.py)
+        self.gates: dict[str, str | None] = {}  # node -> the gate module its image carries
+        self.trees: list = []                 # job.sync's sources, scanned (runner/delivery/sync.py)
         self.perseus_port: int | None = None  # job.perseus: the server's port on the master
         self.el: ElasticRun | None = None     # job.elastic / --elastic: the layout over the nodes there now
         self.resumed_from: str | None = None  # the checkpoint the last resume chose
@@ -172,12 +172,12 @@ class Launcher:
             check_sizing(self.inv, show=False, ignore=self.args.ignore_sizing,
                          probed={n: p.mem_available for n, p in probes.items() if p.mem_available})
             if not self.args.no_push:
-                from runner.push import push_to_nodes
+                from runner.delivery.push import push_to_nodes
 
                 push_to_nodes(cl, {n: p.arch for n, p in probes.items()}, quiet=False)
                 log.debug("images checked at %.2fs", time.time() - t0)
             if self.inv.job.sync:
-                from runner.sync import scan, sync_to_nodes
+                from runner.delivery.sync import scan, sync_to_nodes
 
                 self.trees = scan(self.inv.job.sync)
                 sync_to_nodes(cl, {n: p.home for n, p in probes.items()}, self.trees)
@@ -248,11 +248,11 @@ class Launcher:
             return new_run_id()
         return resume_run(cl[self.inv.master.name], self.args.resume)
 
-    def image_gates(self, cl: Cluster, probes: dict[str, Probe]) -> dict[str, bool]:
-        """Which nodes' images carry runner.gate (label io.runner.gate=1): their workers can start
+    def image_gates(self, cl: Cluster, probes: dict[str, Probe]) -> dict[str, str | None]:
+        """The gate module each node's image carries (label io.runner.gate): their workers can start
         with the master. Others (an image of the user's own) start once it listens. Without a
         push (--no-push) a node that lacks its image is refused here, before anything is made."""
-        from runner.images import node_image_labels
+        from runner.delivery.images import node_image_labels
 
         def tag_of(r: Remote) -> str | None:
             return self.inv.job.image_for(r.node.arch or probes[r.node.name].arch)
@@ -263,7 +263,7 @@ class Launcher:
             shown = ", ".join(f"{n} ({tag_of(cl[n])})" for n in lacking[:5]) + (" ..." if len(lacking) > 5 else "")
             raise UserError(f"--no-push: {len(lacking)} node(s) lack the job's image: {shown}; "
                             "run `runner push` first, or `runner up` without --no-push")
-        return {n: (lb or {}).get(LABEL_GATE) == "1" for n, lb in labels.items()}
+        return {n: GATE_MODULES.get((lb or {}).get(LABEL_GATE, "")) for n, lb in labels.items()}
 
     def preflight(self, cl: Cluster) -> dict[str, Probe]:
         def one(r: Remote) -> Probe:
@@ -293,7 +293,7 @@ class Launcher:
         if resume and not any(a == "--resume" for a in job.args):
             job.args = saved + resume_args
         try:
-            facts = {n: replace(p.facts(), gate=self.gates.get(n, False)) for n, p in probes.items()}
+            facts = {n: replace(p.facts(), gate=self.gates.get(n)) for n, p in probes.items()}
             plan = make_plan(self.inv, run_id, facts, master_port=port, secret_keys=list(self.secret_vals),
                              strict=True, launch_token=secrets.token_hex(4),
                              gate_timeout=self.args.rendezvous_timeout + 60, trees=self.trees)

@@ -4,13 +4,13 @@ the SSH user's again where an earlier runner's root containers wrote them."""
 from __future__ import annotations
 
 from runner import runs
-from runner.cluster import Cluster
 from runner.errors import UserError
-from runner.node_probe import Probe
 from runner.paths import node_paths
 from runner.plan import NodePlan, Plan
 from runner.redact import printable
-from runner.ssh import Remote
+from runner.transport.cluster import Cluster
+from runner.transport.probe import Probe
+from runner.transport.ssh import Remote
 
 
 def resume_run(master: Remote, wanted: str) -> str:

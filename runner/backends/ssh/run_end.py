@@ -10,8 +10,8 @@ import shlex
 from datetime import datetime, timezone
 
 from runner.backends.ssh.watch import Watcher
-from runner.cluster import Cluster
 from runner.plan import NodePlan, Plan
+from runner.transport.cluster import Cluster
 
 log = logging.getLogger("runner.up")
 

@@ -15,7 +15,6 @@ from rich.table import Table
 from rich.text import Text
 
 from contract import metrics
-from runner.cluster import Cluster, open_nodes
 from runner.elastic import ELASTIC_FILE, EVENTS_MAX, parse_events, render_events
 from runner.errors import UserError
 from runner.inventory_arg import add_inventory_args
@@ -23,6 +22,7 @@ from runner.node_output import LineSplitter, cells, log_chunks, visible
 from runner.node_runs import gather, node_progress, resolve_run, run_doc
 from runner.paths import node_paths
 from runner.plan import LABEL_RANK, LABEL_ROLE, LABEL_RUN
+from runner.transport.cluster import Cluster, open_nodes
 
 
 def _label_int(value) -> int | None:

@@ -19,7 +19,7 @@ from runner.fanout import DEFAULT_PARALLEL
 from runner.node_output import LineSplitter, log_chunks, visible
 from runner.node_runs import stop_run
 from runner.plan import Plan
-from runner.ssh import Remote
+from runner.transport.ssh import Remote
 
 log = logging.getLogger("runner.watch")
 # A failed or lost node must have every other container of the run stopped within STOP_BUDGET_S.

@@ -32,9 +32,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from runner import safe_path
-from runner.digest import remote_sha256, sha256_file
 from runner.errors import UserError
-from runner.ssh import Remote
+from runner.transport.digest import remote_sha256, sha256_file
+from runner.transport.ssh import Remote
 
 log = logging.getLogger("runner.resume")
 

@@ -17,12 +17,13 @@ from pathlib import Path
 
 import paramiko
 
-from runner import safe_path, stream
+from runner import safe_path
 from runner.collect_report import merge_timelines, render_plots, summarize
-from runner.digest import HASH_BATCH, remote_sha256, sha256_file
 from runner.errors import UserError
 from runner.paths import node_paths
-from runner.ssh import Remote
+from runner.transport import stream
+from runner.transport.digest import HASH_BATCH, remote_sha256, sha256_file
+from runner.transport.ssh import Remote
 
 log = logging.getLogger("runner.collect")
 MANIFEST = ".collect-manifest.json"
@@ -60,7 +61,7 @@ def collect_node(remote: Remote, run_id: str, dest_root: Path, progress=None) ->
     dest.mkdir(parents=True, exist_ok=True)
     man_path = dest / MANIFEST
     manifest: dict[str, dict] = json.loads(man_path.read_text()) if man_path.exists() else {}
-    # Every name was checked by the walk (runner/ssh.py); placing checks where each one resolves.
+    # Every name was checked by the walk (runner/transport/ssh.py); placing checks where each one resolves.
     todo = [(rel, st) for rel, st in files if not _unchanged(dest / rel, manifest.get(rel), st)]
     res.skipped = len(files) - len(todo)
     task = progress.add_task(remote.node.name, total=sum(st.st_size or 0 for _, st in todo) or 1) if progress else None

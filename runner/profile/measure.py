@@ -5,7 +5,7 @@ One probe container per node (`python -m trainer probe`, trainer/probe.py), all 
 each serves the link probe of the node before it on a port picked free on its node, measures the
 link to the node after it, then times the model's layer kinds at the job's microbatch shape. The
 JSON each writes under the node's `<workdir>/profiles/<id>/` is read back over SFTP, cached
-(runner/profile_cache.py) and the node's files and container removed. A node whose probe fails
+(runner/profile/cache.py) and the node's files and container removed. A node whose probe fails
 stops the others and is named with its last log line.
 """
 
@@ -18,14 +18,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from runner import profile_cache
-from runner.cluster import Cluster
 from runner.errors import UserError
 from runner.inventory import Inventory, Node
 from runner.node_output import log_tail
-from runner.node_probe import Probe
 from runner.paths import node_paths
 from runner.plan import LABEL_NODE, LABEL_PREFIX, OUT, docker_limits, user_env
+from runner.profile import cache as profile_cache
+from runner.transport.cluster import Cluster
+from runner.transport.probe import Probe
 
 log = logging.getLogger("runner.profile")
 LABEL_PROFILE = f"{LABEL_PREFIX}.profile"
@@ -57,7 +57,7 @@ def profile_cluster(cl: Cluster, probes: dict[str, Probe], refresh: bool = False
                     timeout: float = 900.0) -> ClusterProfile:
     """Every node's compute profile and every link between rank neighbours, from the cache where
     it has them, else measured now (only the nodes and links that are missing)."""
-    from runner.images import node_image_id
+    from runner.delivery.images import node_image_id
 
     inv = cl.inv
     order = inv.ordered()

@@ -1,7 +1,7 @@
 """Inside a worker's container: import torchrun while the master comes up, then start it the moment
 the runner says the master's rendezvous port listens.
 
-    python -m runner.gate GO_FILE TIMEOUT_S -- torchrun-args...
+    python -m runner.agents.gate GO_FILE TIMEOUT_S -- torchrun-args...
 
 `runner up` starts the master's container, then at once the workers' containers with this gate
 in front of torchrun. Each gate pays the slow part (importing torch, seconds on a Raspberry Pi)
@@ -27,7 +27,7 @@ POLL_S = 0.02
 
 def main(argv: list[str]) -> int:
     if len(argv) < 3 or argv[2] != "--":
-        sys.stderr.write("usage: python -m runner.gate GO_FILE TIMEOUT_S -- torchrun-args...\n")
+        sys.stderr.write("usage: python -m runner.agents.gate GO_FILE TIMEOUT_S -- torchrun-args...\n")
         return 2
     go_file, timeout, torchrun_args = argv[0], float(argv[1]), argv[3:]
     from torch.distributed import run as torchrun  # the slow import, overlapped with the master's

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from runner.errors import UserError
 from runner.paths import node_paths
 from runner.plan import Facts
-from runner.ssh import Remote
+from runner.transport.ssh import Remote
 
 
 @dataclass

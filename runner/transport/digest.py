@@ -10,7 +10,7 @@ import zlib
 from pathlib import Path
 
 from runner.errors import UserError
-from runner.ssh import Remote
+from runner.transport.ssh import Remote
 
 HASH_BATCH = 1000        # names per sha256sum round trip: stdin and stdout stay far below SSH windows
 HASH_RATE = 20e6         # bytes/s a slow node (Pi, SD card) hashes at least: sets the command timeout

@@ -23,8 +23,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
 from trainer import model_files
-from trainer.checkpoint import read_state, resolve_resume, verify_manifests
-from trainer.checkpoint_state import model_signature
+from trainer.checkpoint.checkpointer import read_state, resolve_resume, verify_manifests
+from trainer.checkpoint.state import model_signature
 from trainer.config import Config, ConfigError, apply_yaml
 
 USAGE = ("usage: trainer export CKPT DIR   (CKPT: a checkpoint directory, a checkpoints root, or a run "

@@ -17,7 +17,7 @@ point leaves `latest` naming the previous complete checkpoint.
 
 Without shared storage (each node's OUTPUT_DIR on its own disk) the same happens per node: the
 first rank of each disk renames that node's directory and writes its `latest`, and rank 0's
-description files are copied to every node (trainer/checkpoint_storage.py). Resume then needs
+description files are copied to every node (trainer/checkpoint/storage.py). Resume then needs
 the union of all nodes' files on each node (`runner up --resume` syncs them).
 """
 
@@ -38,12 +38,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from trainer import hold, model_files
-from trainer.checkpoint_replicas import Replicas
-from trainer.checkpoint_state import ModelOptimState, merged_model, model_signature, rng_state, set_rng_state
-from trainer.checkpoint_storage import MISSING_HINT, StorageLayout, agree_on_latest, probe, share_rank0_files
+from trainer.checkpoint.preempt import EXIT_PREEMPTED, Preemption
+from trainer.checkpoint.replicas import Replicas
+from trainer.checkpoint.state import ModelOptimState, merged_model, model_signature, rng_state, set_rng_state
+from trainer.checkpoint.storage import MISSING_HINT, StorageLayout, agree_on_latest, probe, share_rank0_files
 from trainer.config import ConfigError
 from trainer.optim import restart_schedule_at, schedule_mismatch, schedule_signature
-from trainer.preempt import EXIT_PREEMPTED, Preemption
 
 log = logging.getLogger("trainer")
 
@@ -338,7 +338,7 @@ class Checkpointer:
         torch.save({"rng": rng_state(), "data": trainer.data.state_dict(),
                     "coords": {k: trainer.dims.coord(k) for k in ("dp", "tp", "pp")}}, tmp / f"rank{rank}.pt")
         if self.cfg.format == "full":
-            from trainer.checkpoint_full import write_full
+            from trainer.checkpoint.full import write_full
 
             write_full(trainer, self.model, tmp, state, rank)
         if rank == 0:

@@ -33,12 +33,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runner import safe_path
-from runner.digest import sha256_file
 from runner.errors import UserError
 from runner.inventory.job_data import SyncSpec
 from runner.paths import NodePaths
-from runner.ssh import Remote
-from runner.stream import ssh_stream, transfer_progress
+from runner.transport.digest import sha256_file
+from runner.transport.ssh import Remote
+from runner.transport.stream import ssh_stream, transfer_progress
 
 log = logging.getLogger("runner.sync")
 HASH_CACHE = Path(os.environ.get("RUNNER_SYNC_CACHE", os.path.expanduser("~/.cache/runner/sync-hashes.json")))

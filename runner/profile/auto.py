@@ -1,5 +1,5 @@
 """`parallel.partition: auto` in `runner up`: profile the nodes (cached), choose the split
-(runner/pipeline_split.py) and hand it to the trainer as `--parallel.partition custom:...`, which its
+(runner/profile/split.py) and hand it to the trainer as `--parallel.partition custom:...`, which its
 config.yaml then records. The runner also writes the split and the profile it came from to
 `partition.json` in the run dir; `up --resume` reads it back there, so a resumed run keeps its split
 even if the nodes measure differently today.
@@ -20,7 +20,8 @@ import yaml
 from contract.partition import uniform_bounds
 from runner.errors import UserError
 from runner.inventory import Inventory, Job
-from runner.pipeline_split import (
+from runner.profile.measure import profile_cluster
+from runner.profile.split import (
     Link,
     Problem,
     Split,
@@ -29,7 +30,6 @@ from runner.pipeline_split import (
     format_split,
     make_split,
 )
-from runner.profile import profile_cluster
 
 log = logging.getLogger("runner.profile")
 PARTITION_FILE = "partition.json"
@@ -70,7 +70,7 @@ def _stage_nodes(inv: Inventory, pp: int) -> list[list[int]]:
 
 
 def problem_from_profile(prof, inv: Inventory) -> Problem:
-    """The planner's input from a ClusterProfile (runner/profile.py) and the inventory."""
+    """The planner's input from a ClusterProfile (runner/profile/measure.py) and the inventory."""
     m = prof.model
     pp = int(m["pp"])
     groups = _stage_nodes(inv, pp)

@@ -6,11 +6,11 @@ are refused unless the user opts in with --accept-new-host-keys, which records t
 StrictHostKeyChecking=no anywhere.
 
 The Docker client talks to the node's engine through the same verified SSH connection
-(runner/docker_ssh.py: one `docker system dial-stdio` channel per API connection).
+(runner/transport/docker_api.py: one `docker system dial-stdio` channel per API connection).
 
 A node with a `proxy_jump` (a bastion, from the inventory or the user's ssh config: runner/inventory/ssh_config.py)
 is reached over a `direct-tcpip` channel of one connection to the bastion, shared by every node
-behind it (runner/ssh_jump.py); the bastion's host key is verified exactly as a node's is, then
+behind it (runner/transport/jump.py); the bastion's host key is verified exactly as a node's is, then
 the node's over that channel.
 """
 
@@ -34,8 +34,8 @@ from runner.fanout import DEFAULT_PARALLEL, parallel
 from runner.hostkeys import fingerprint, known_hosts_name
 from runner.inventory import Node
 from runner.node_output import read_capped, visible
-from runner.ssh_files import MAX_OUTPUT, NodeFiles
-from runner.ssh_jump import BASTIONS, proxy_command
+from runner.transport.jump import BASTIONS, proxy_command
+from runner.transport.sftp import MAX_OUTPUT, NodeFiles
 
 log = logging.getLogger(__name__)
 # Its INFO lines are noise per node, and it logs a traceback at ERROR for every connection that
@@ -316,7 +316,7 @@ class Remote(NodeFiles):
         Its stdout and its stderr are each read up to max_output bytes: a node that writes more is
         named in one UserError and the command is treated as failed (its channel closed).
         hold_stdin: stdin stays open after `stdin` until the command ends, so the command sees the
-        runner's connection ending as EOF (runner/registry.py cleans up on it)."""
+        runner's connection ending as EOF (runner/delivery/registry.py cleans up on it)."""
         if isinstance(command, list):
             command = shlex.join(command)
         assert self.client is not None, "not connected"
@@ -382,7 +382,7 @@ class Remote(NodeFiles):
         `-F /dev/null`: no ssh config (the user's, or the system's) may change where this goes or
         how (a HostName, a ProxyCommand, a stale ControlMaster socket): what was resolved and
         verified is spelled out here. Behind a bastion, both hops are pinned to the keys paramiko
-        verified (runner/ssh_jump.py), and each hop logs in with the key paramiko's did."""
+        verified (runner/transport/jump.py), and each hop logs in with the key paramiko's did."""
         n = self.node
         assert self.client is not None, "not connected"
         key = self.client.get_transport().get_remote_server_key()
@@ -427,7 +427,7 @@ class Remote(NodeFiles):
         """docker.DockerClient for this node's engine, riding this verified SSH connection."""
         with self._lock:
             if self._docker is None:
-                from runner.docker_ssh import docker_client
+                from runner.transport.docker_api import docker_client
 
                 assert self.client is not None, "not connected"
                 self._docker = docker_client(self.client, timeout)

@@ -11,7 +11,7 @@ from runner.errors import UserError
 from runner.fanout import DEFAULT_PARALLEL, parallel
 from runner.inventory import Inventory, Node
 from runner.inventory_arg import load
-from runner.ssh import Remote, connect_all, connect_each
+from runner.transport.ssh import Remote, connect_all, connect_each
 
 T = TypeVar("T")
 

@@ -21,11 +21,11 @@ import logging
 import shlex
 import time
 
+from runner.delivery.push_result import PushResult
 from runner.errors import UserError
 from runner.inventory.job_data import registry_ref
-from runner.push_result import PushResult
 from runner.redact import hide
-from runner.ssh import Remote
+from runner.transport.ssh import Remote
 
 log = logging.getLogger("runner.registry")
 PULL_TIMEOUT_S = 3600.0  # a 2 GB image onto a Pi over Wi-Fi

@@ -1,5 +1,5 @@
 """A node's files over the verified SSH connection's SFTP session (no shell: an exec costs the node
-a login), each read bounded: what `Remote` (runner/ssh.py) offers for files."""
+a login), each read bounded: what `Remote` (runner/transport/ssh.py) offers for files."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from runner import safe_path
 from runner.errors import UserError
 
 # What one command's stdout (and, apart, its stderr) or one file read whole may hold. The largest
-# honest ones: a batch of sha256sum lines (runner/digest.py), a listing of a run dir's files.
+# honest ones: a batch of sha256sum lines (runner/transport/digest.py), a listing of a run dir's files.
 MAX_OUTPUT = 8 << 20
 PROC_NET_LIMIT = 64 << 20  # /proc/net/tcp{,6}: 150 bytes a socket, a busy server has 100k of them
 # A listing bigger than this is not a run dir (a node answering with a tree that never ends).

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from runner.ssh import Remote, is_loopback
+from runner.transport.ssh import Remote, is_loopback
 
 CHUNK = 1 << 20
 STALL_S = 120.0  # collect: nothing from a node for this long and it is given up (push sets its own)

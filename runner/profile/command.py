@@ -1,4 +1,4 @@
-"""`runner profile`: the command around runner/profile.py's measurement: push, probe every node,
+"""`runner profile`: the command around runner/profile/measure.py's measurement: push, probe every node,
 print the table (`--json` for tools) and the split `parallel.partition: auto` would use."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from runner.cluster import Cluster
 from runner.inventory import Inventory
 from runner.inventory_arg import add_inventory_args, load
-from runner.node_probe import probe
-from runner.profile import ClusterProfile, profile_cluster, refuse_custom_command
-from runner.profile_auto import plan_from_profile, render_plan
+from runner.profile.auto import plan_from_profile, render_plan
+from runner.profile.measure import ClusterProfile, profile_cluster, refuse_custom_command
+from runner.transport.cluster import Cluster
+from runner.transport.probe import probe
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -42,7 +42,7 @@ def main(args) -> int:
     with Cluster(inv, args.accept_new_host_keys, workers=args.parallel) as cl:
         probes = cl.each(lambda r: probe(r, inv.master.rank_addr, clock=False))
         if not args.no_push:
-            from runner.push import push_to_nodes
+            from runner.delivery.push import push_to_nodes
 
             push_to_nodes(cl, {n: p.arch for n, p in probes.items()}, quiet=args.json)
         prof = profile_cluster(cl, probes, refresh=args.refresh, min_seconds=args.min_seconds, timeout=args.timeout)

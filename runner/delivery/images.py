@@ -20,11 +20,11 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from runner.digest import sha256_file
+from runner.delivery.host_engine import host_engine
 from runner.errors import UserError
-from runner.host_engine import host_engine
 from runner.inventory import BuildSpec
-from runner.ssh import Remote
+from runner.transport.digest import sha256_file
+from runner.transport.ssh import Remote
 
 log = logging.getLogger("runner.images")
 CACHE = Path(os.environ.get("RUNNER_IMAGE_CACHE", os.path.expanduser("~/.cache/runner/images")))
@@ -76,7 +76,7 @@ class Exported:
 
 
 def host_client():
-    """This machine's engine (DOCKER_HOST, the docker context, the default socket: runner/host_engine.py)."""
+    """This machine's engine (DOCKER_HOST, the docker context, the default socket: runner/delivery/host_engine.py)."""
     return host_engine().client()
 
 

@@ -1,6 +1,6 @@
 """Relay push, the host's half: one `docker save` stream from this host feeds a chain of nodes of
 one architecture, host -> n0 -> n1 -> ..., each node loading it while passing it on (the node's
-half, its checks and its protocol: runner/relay_agent.py). The host's uplink carries each layer
+half, its checks and its protocol: runner/agents/relay_agent.py). The host's uplink carries each layer
 once whatever the node count; node <-> node links carry the rest, one copy per link.
 
 Why a chain, not a tree: every node sends at most one copy and receives one, so no link carries
@@ -38,15 +38,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runner.images import Exported
+from runner.agents import relay_agent
+from runner.agents.relay_agent import BLOCK, END, LINE_MAX, NAME, SIZE_MAX, SMALL_MAX, Tail, member_header
+from runner.delivery.images import Exported
 from runner.node_output import visible
-from runner.relay_agent import BLOCK, END, LINE_MAX, NAME, SIZE_MAX, SMALL_MAX, Tail, member_header
-from runner.ssh import Remote, is_loopback
-from runner.stream import CHUNK
+from runner.transport.ssh import Remote, is_loopback
+from runner.transport.stream import CHUNK
 
 log = logging.getLogger("runner.relay")
 
-AGENT = Path(__file__).with_name("relay_agent.py")
+AGENT = Path(relay_agent.__file__)  # sent to each node as source, run by its python3
 START_S = 30.0        # an agent that has not bound its port by then is left out
 STALL_S = 300.0       # a node whose received count has not moved for this long is stopped
 LOAD_WAIT_S = 1800.0  # once a node has the whole archive, how long its `docker load` may take

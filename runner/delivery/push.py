@@ -2,7 +2,7 @@
 
 In one direction: plan (which node has the image, what each lacks, who sends it what) ->
 transfer -> verify (each node's image id against this host's). With two or more nodes of an arch
-needing an image, they form a relay chain (runner/relay.py): this host sends the layers any of
+needing an image, they form a relay chain (runner/delivery/relay.py): this host sends the layers any of
 them lacks once, to the first, and each node passes the stream on as it loads it, so the host's
 uplink carries one copy whatever the node count. A node that cannot take part, or whose relay
 fails, gets its own stream from this host (`job.push: direct` or `push --direct` for every node):
@@ -16,9 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from runner.cluster import Cluster
-from runner.errors import UserError
-from runner.images import (
+from runner.delivery.images import (
     Exported,
     build_image,
     export,
@@ -29,11 +27,13 @@ from runner.images import (
     node_chains,
     node_image_id,
 )
+from runner.delivery.push_result import PushResult
+from runner.delivery.registry import pull_to_nodes
+from runner.errors import UserError
 from runner.inventory import BuildSpec, Inventory
-from runner.push_result import PushResult
-from runner.registry import pull_to_nodes
-from runner.ssh import Remote
-from runner.stream import ssh_stream, transfer_progress
+from runner.transport.cluster import Cluster
+from runner.transport.ssh import Remote
+from runner.transport.stream import ssh_stream, transfer_progress
 
 log = logging.getLogger("runner.push")
 
@@ -145,7 +145,7 @@ def push_to_nodes(cl: Cluster, arches: dict[str, str | None], quiet: bool = Fals
     (when missing on this host, or always with build=True); exports happen once per tag.
     relay: None follows job.push; False gives every node its own stream."""
     tags = node_tags(cl.inv, arches)
-    if cl.inv.job.registry:  # the nodes pull instead (runner/registry.py)
+    if cl.inv.job.registry:  # the nodes pull instead (runner/delivery/registry.py)
         return pull_to_nodes(cl, tags, host_image_ids(sorted(set(tags.values()))))
     specs = build_specs(cl.inv, tags, arches)
     if build and not any(specs.values()):
@@ -193,7 +193,7 @@ def plan_push(cl: Cluster, tags: dict[str, str], force_full: bool, relay: bool) 
     if not relay:
         plan.direct = [r.node.name for r in need]
         return plan
-    from runner.relay import not_relayable
+    from runner.delivery.relay import not_relayable
 
     for tag, exp in plan.exports.items():
         group = [r for r in need if tags[r.node.name] == tag]
@@ -268,7 +268,7 @@ def _run_chain(cl: Cluster, chain: Chain, exp: Exported, progress, failed: dict[
                innocent: set[str] | None = None) -> dict[str, PushResult]:
     """One relay chain; nodes that did not load go to `failed` (with why), and those that failed
     only because a node before them did also to `innocent`."""
-    from runner.relay import relay_chain
+    from runner.delivery.relay import relay_chain
 
     res = relay_chain([cl[n] for n in chain.nodes], exp, [chain.missing[n] for n in chain.nodes], progress)
     out: dict[str, PushResult] = {}

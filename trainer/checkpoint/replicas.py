@@ -1,7 +1,7 @@
 """Copies of each node's checkpoint files on other nodes, for runs WITHOUT shared storage
 (`checkpoint.replicas: K`).
 
-Each node's checkpoint directory holds only its own ranks' shards (trainer/checkpoint_storage.py),
+Each node's checkpoint directory holds only its own ranks' shards (trainer/checkpoint/storage.py),
 so a node that is lost for good (a dead SD card, a spot instance gone) takes its part of every
 checkpoint with it, and no other node can resume. With K replicas, before a checkpoint is renamed
 into place the leader of each disk sends the files its own ranks wrote to the next K leaders (in
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint_storage import RANK0_FILES, StorageLayout
+from trainer.checkpoint.storage import RANK0_FILES, StorageLayout
 
 log = logging.getLogger("trainer")
 CHUNK_BYTES = 64 << 20

@@ -1,4 +1,4 @@
-"""The node's half of the relay push (runner/relay.py): standard library only, run on a node as
+"""The node's half of the relay push (runner/delivery/relay.py): standard library only, run on a node as
 `python3 -u -c <this file's source>` over SSH, as the SSH user.
 
 One agent per node of a chain host -> n0 -> n1 -> ... Each reads the image archive (the parts of

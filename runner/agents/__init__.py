@@ -1,0 +1,11 @@
+"""Code that runs on a node or in a container, not on the user's machine.
+
+- gate: in a worker's container, imports torchrun while the master comes up and starts it the
+  moment the runner writes the go-file (`python -m runner.agents.gate`; the image's label
+  io.runner.gate="2" says it is here)
+- relay_agent: the node's half of the relay push, sent as source over SSH and run by the node's
+  python3
+
+May import: the standard library only (and torch, for the gate, which runs in the image); nothing
+of runner/, since a node has no runner installed. tests/test_layers.py checks both.
+"""
