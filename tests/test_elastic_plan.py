@@ -25,6 +25,7 @@ from runner.errors import UserError
 from runner.inventory import load_inventory
 from runner.inventory.elastic_spec import ElasticSpec
 from tests import REPO
+from tests.runner_helpers import no_socket_env, runner
 
 TINY = REPO / "configs/pi-qwen3-3stage-tiny.yaml"
 
@@ -146,6 +147,17 @@ def test_elastic_in_a_slurm_inventory_is_refused(tmp_path):
 
         load_slurm_inventory(str(p))
     assert str(e.value).startswith(f"{p}:4: job.elastic: a Slurm allocation does not shrink node by node")
+
+
+def test_the_elastic_flag_on_a_slurm_run_is_one_line_and_contacts_nothing(tmp_path):
+    guard = no_socket_env(tmp_path)
+    p = tmp_path / "slurm.yaml"
+    p.write_text(f"slurm: {{nodes: 2, partition: debug}}\njob:\n  config: {TINY}\n")
+    for dry in (["--dry-run"], []):
+        res = runner("up", "-i", str(p), "--elastic", *dry, env=guard)
+        assert res.returncode == 2 and res.stdout == "", (dry, res.stdout, res.stderr)
+        assert res.stderr.strip() == ("runner: error: --elastic is for SSH runs: a Slurm allocation does not shrink "
+                                      "node by node; use --requeue (a preempted job resumes from its latest checkpoint)")
 
 
 def test_up_dry_run_shows_the_layout_without_each_node_and_contacts_nothing(tmp_path, no_network, capsys):

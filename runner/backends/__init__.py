@@ -49,8 +49,16 @@ def register(sub: argparse._SubParsersAction) -> None:
             for opt in backend.options:
                 if opt.verb == verb:
                     p.add_argument(*opt.flags, **opt.kwargs)
-        p.set_defaults(func=lambda args, verb=verb: getattr(open_backend(args, verb), verb)(args))
+        p.set_defaults(func=lambda args, verb=verb: dispatch(args, verb))
     add_notify_option(sub.choices["up"])
+
+
+def dispatch(args: argparse.Namespace, verb: str) -> int:
+    """The verb's method of the backend the command goes to (`up --dry-run`: its dryrun)."""
+    backend = open_backend(args, verb)
+    if verb == "up" and args.dry_run:
+        return backend.dryrun(args)
+    return getattr(backend, verb)(args)
 
 
 def choose(args: argparse.Namespace) -> str:

@@ -1,11 +1,13 @@
 """The one interface every backend implements: where a run of the job goes (SSH nodes of an
 inventory, a Slurm cluster, ...) behind the same verbs.
 
-The verbs below are defined once (runner/backends/ssh/launch.py, status.py, down.py, collect.py build their
-parsers); `runner/cli.py` resolves the backend once per command (`open_backend`) and calls its
-method for the verb. A backend adds its own flags through `options` (refused, naming it, when a
-run goes to another backend) and says which inventories are its own through `claims`. Adding a
-backend is one module here and one line in runner/backends/__init__.py."""
+The verbs' parsers are defined once (runner/backends/ssh/launch.py, status.py, down.py, collect.py
+build them: every backend takes the same arguments); `runner/cli.py` resolves the backend once per
+command (`open_backend`) and calls its method for the verb: `dryrun` for `up --dry-run` (the plan
+printed, nothing contacted), `up` to start or submit the run, then `status`, `logs`, `ls`, `down`
+(stop), `collect`. A backend adds its own flags through `options` (refused, naming it, when a run
+goes to another backend) and says which inventories are its own through `claims`. Adding a backend
+is one module here and one line in runner/backends/__init__.py."""
 
 from __future__ import annotations
 
@@ -46,7 +48,12 @@ class Backend(Protocol):
     def accepts(keys: set[str], inventory: str) -> None:
         """Raise UserError when `--scheduler NAME` names this backend for an inventory it cannot run."""
 
-    def up(self, args: argparse.Namespace) -> int: ...
+    def dryrun(self, args: argparse.Namespace) -> int:
+        """`up --dry-run`: the plan printed (what would run where); reads no key, contacts nothing."""
+
+    def up(self, args: argparse.Namespace) -> int:
+        """Start the run (submit it, for a scheduler); attached unless --detach."""
+
     def status(self, args: argparse.Namespace) -> int: ...
     def logs(self, args: argparse.Namespace) -> int: ...
     def ls(self, args: argparse.Namespace) -> int: ...

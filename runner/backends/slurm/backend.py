@@ -36,13 +36,17 @@ class SlurmBackend:
         return load_slurm_inventory(args.inventory, job_path=getattr(args, "job", None), check_files=not dry,
                                     with_job=verb == "up")
 
+    def dryrun(self, args) -> int:
+        from runner.backends.slurm.submit import cmd_dry_run
+
+        return cmd_dry_run(args, self._inventory(args, "up"))
+
     def up(self, args) -> int:
         from runner.backends.slurm.submit import cmd_up
         from runner.inventory_arg import remember_inventory
 
         inv = self._inventory(args, "up")
-        if not args.dry_run:
-            remember_inventory(args.inventory)
+        remember_inventory(args.inventory)
         return cmd_up(args, inv)
 
     def down(self, args) -> int:

@@ -39,23 +39,36 @@ from runner.node_output import visible
 from runner.sizing import check_sizing, slurm_nodes
 
 
-def cmd_up(args, inv: SlurmInventory) -> int:
+def _prepare(args, inv: SlurmInventory) -> tuple[dict[str, str], object]:
+    """What `up` and `up --dry-run` both do first: the SSH-only flags refused, the job's secrets
+    and notify spec. (secrets, notify spec)."""
     if getattr(args, "max_restarts", 0):
         raise UserError("--max-restarts is for SSH runs; on Slurm use --requeue (the job requeues itself "
                         "after a preemption and resumes from the latest checkpoint)")
+    if getattr(args, "elastic", False):
+        raise UserError("--elastic is for SSH runs: a Slurm allocation does not shrink node by node; use --requeue "
+                        "(a preempted job resumes from its latest checkpoint)")
     refuse_for(inv.job, "--scheduler slurm")
-    secrets, spec = up_job(args, inv.job, inv.path)
+    return up_job(args, inv.job, inv.path)
+
+
+def cmd_dry_run(args, inv: SlurmInventory) -> int:
+    """The batch script and its torchrun line, printed; nothing contacted or submitted."""
+    secrets, _spec = _prepare(args, inv)
+    run_id = dry_run_id(args)
+    home = None if inv.slurm.login else str(Path.home())
+    plan = make_slurm_plan(inv, run_id, SlurmFacts(home=home), resume=bool(args.resume), requeue=args.requeue,
+                           secret_keys=list(secrets))
+    print(plan.render(inv, _where(inv)))
+    check_sizing(slurm_nodes(inv.slurm, inv.job, inv.path), show=True, ignore=args.ignore_sizing,
+                 memory_field="slurm.mem")
+    return 0
+
+
+def cmd_up(args, inv: SlurmInventory) -> int:
     from runner.notify import Outcome, notifying
 
-    if args.dry_run:
-        run_id = dry_run_id(args)
-        home = None if inv.slurm.login else str(Path.home())
-        plan = make_slurm_plan(inv, run_id, SlurmFacts(home=home), resume=bool(args.resume), requeue=args.requeue,
-                               secret_keys=list(secrets))
-        print(plan.render(inv, _where(inv)))
-        check_sizing(slurm_nodes(inv.slurm, inv.job, inv.path), show=True, ignore=args.ignore_sizing,
-                     memory_field="slurm.mem")
-        return 0
+    secrets, spec = _prepare(args, inv)
     with notifying(spec, Outcome(inv.path, "slurm")) as outcome:
         # a stage that cannot fit slurm.mem: refused before anything is contacted or submitted
         check_sizing(slurm_nodes(inv.slurm, inv.job, inv.path), show=False, ignore=args.ignore_sizing,

@@ -5,7 +5,8 @@ watcher, restarts) makes each node's container from runner/plan.py's NodePlan wi
 line of runner/jobspec.py; watch follows the nodes (heartbeats, a lost or failed node stops the
 others); status (`status`, `ls`, `logs`), down and collect find the run by its container labels
 and run dirs (runner/node_runs.py); perseus starts job.perseus's server beside the master.
-backend: `SshBackend`, what runner/backends gives each verb to.
+dry_run prints what `up --dry-run` would start, contacting nothing. backend: `SshBackend`, what
+runner/backends gives each verb to.
 
 May import: the verbs below the backends (push, sync, notify), delivery, transport, the inventory;
 never another backend or runner.cli.

@@ -22,6 +22,11 @@ class SshBackend:
     def accepts(keys: set[str], inventory: str) -> None:
         return None  # a missing `nodes:` is the inventory's own one-line error
 
+    def dryrun(self, args) -> int:
+        from runner.backends.ssh.dry_run import main
+
+        return main(args)
+
     def up(self, args) -> int:
         from runner.backends.ssh.launch import main
 

@@ -22,7 +22,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from runner.backends.base import dry_run_id, up_job
+from runner.backends.base import up_job
 from runner.backends.ssh import perseus
 from runner.backends.ssh.elastic_loop import ElasticRun, last_step, layout_split
 from runner.backends.ssh.resume import hand_back_runs, resume_run
@@ -30,8 +30,7 @@ from runner.backends.ssh.run_end import last_metrics, write_status
 from runner.backends.ssh.watch import FAIL_STOP_GRACE_S, Watcher
 from runner.delivery.resume_sync import CHECKPOINTS, sync_checkpoints
 from runner.elastic import check as check_elastic
-from runner.elastic import render as render_elastic
-from runner.elastic import replicas_args, spec_of
+from runner.elastic import spec_of
 from runner.errors import (
     EXIT_INTERRUPTED,
     EXIT_JOB_FAILED,
@@ -40,11 +39,11 @@ from runner.errors import (
     UserError,
     interrupt_code,
 )
-from runner.inventory import ARCH_ALIASES, Inventory
+from runner.inventory import Inventory
 from runner.inventory_arg import add_inventory_args, load, remember_inventory
 from runner.node_runs import create_container, run_containers, stop_node, stop_run
 from runner.paths import node_paths
-from runner.plan import GATE_MODULES, LABEL_GATE, OUT, Facts, NodePlan, Plan, make_plan, render_secrets_file
+from runner.plan import GATE_MODULES, LABEL_GATE, OUT, NodePlan, Plan, make_plan, render_secrets_file
 from runner.profile.auto import pin_auto_partition
 from runner.redact import printable
 from runner.rendezvous import choose_port, wait_listening
@@ -86,55 +85,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=main)
 
 
-def _dry_facts(inv: Inventory, arch_args: list[str]) -> dict[str, Facts]:
-    given: dict[str, str] = {}
-    for a in arch_args:
-        node, sep, arch = a.rpartition("=")
-        if arch not in ARCH_ALIASES:
-            raise UserError(f"--arch {a}: unknown arch {arch!r} (amd64 or arm64)")
-        if sep:
-            try:
-                inv.node(node)
-            except UserError:
-                raise UserError(f"--arch {a}: no node named {node!r} in {inv.path}") from None
-        given[node if sep else "*"] = ARCH_ALIASES[arch]
-    return {n.name: Facts(arch=given.get(n.name, given.get("*"))) for n in inv.nodes}
-
-
-def main(args) -> int:
-    # A dry-run reads no key and contacts nothing: it plans on a laptop without the cluster's keys.
-    inv = load(args, check_files=not args.dry_run)
-    if not args.dry_run:
+def prepare(args, dry: bool):
+    """What `up` and `up --dry-run` both do first: the inventory (a dry-run reads no key and
+    contacts nothing: it plans on a laptop without the cluster's keys), the job's secrets and
+    notify spec, and an elastic run's refusals. (inventory, secrets, notify spec, elastic spec)."""
+    inv = load(args, check_files=not dry)
+    if not dry:
         remember_inventory(args.inventory)  # the default of the next command here (runner/inventory_arg.py)
     secret_vals, spec = up_job(args, inv.job, inv.path)
-    from runner.notify import Outcome, notifying
-
     elastic = spec_of(inv, args.elastic)
     if elastic is not None:
         check_elastic(inv, elastic)  # a job that could never shrink: refused before anything is contacted
         if args.detach:  # nobody would be there to choose the layout again when a node is lost
             raise UserError("--detach: an elastic run needs `runner up` attached; drop --detach (or the elastic)")
+    return inv, secret_vals, spec, elastic
 
-    if args.dry_run:
-        run_id = dry_run_id(args)
-        elastic_lines = render_elastic(inv, elastic) if elastic is not None else None
-        if elastic is not None:
-            inv.job.args += replicas_args(inv)  # as the launch will pass them
-        if args.resume:
-            inv.job.args += RESUME_ARGS
-        from runner.delivery.sync import scan
 
-        plan = make_plan(inv, run_id, _dry_facts(inv, args.arch), secret_keys=list(secret_vals),
-                         trees=scan(inv.job.sync))
-        if inv.job.perseus is not None:
-            perseus.attach(plan, None)
-        print(plan.render())
-        if inv.job.perseus is not None:
-            print(perseus.render(plan, inv.job.perseus))
-        check_sizing(inv, show=True, ignore=args.ignore_sizing)
-        if elastic_lines:
-            print(elastic_lines)
-        return 0
+def main(args) -> int:
+    from runner.notify import Outcome, notifying
+
+    inv, secret_vals, spec, elastic = prepare(args, dry=False)
     with notifying(spec, Outcome(inv.path, "ssh", [n.name for n in inv.ordered()])) as outcome:
         check_sizing(inv, show=False, ignore=args.ignore_sizing)  # a stage that cannot fit: refused, nothing contacted
         launcher = Launcher(inv, args, secret_vals, outcome if spec else None)
