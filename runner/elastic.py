@@ -164,10 +164,10 @@ def check(inv: Inventory, spec: ElasticSpec) -> None:
                         f"{inv.job.nproc_per_node or inv.node(narrow[0]).slots} process(es)); a tp group "
                         f"cannot lose a node: keep tp within a node")
     want = job_layout(inv)
-    from runner.sizing import _memory, _profiles
+    from runner.sizing import cached_profiles, known_memory
 
-    profiles = _profiles(inv.nodes)
-    roomy = sorted(inv.nodes, key=lambda n: -(_memory(n, bool(n.gpus), profiles.get(n.name))[0] or 1 << 62))
+    profiles = cached_profiles(inv.nodes)
+    roomy = sorted(inv.nodes, key=lambda n: -(known_memory(n, bool(n.gpus), profiles.get(n.name))[0] or 1 << 62))
     fewest = [n.name for n in roomy[:spec.min_nodes]]
     try:
         choose(inv, fewest, want)

@@ -288,7 +288,7 @@ class Sizing:
         return next((n for n in self.nodes if n.fits is False), None)
 
 
-def _profiles(nodes: list[Node]) -> dict[str, dict]:
+def cached_profiles(nodes: list[Node]) -> dict[str, dict]:
     """The newest `runner profile` measurement of each node (same name and address) in the cache.
     One listing of the cache for all nodes: a dry run of 10,000 nodes stays a dry run."""
     from runner.profile.cache import cache_dir
@@ -319,7 +319,7 @@ def _candidates(filename: str) -> list[str]:
     return [stem[:i] for i, ch in enumerate(stem) if ch == "-"]
 
 
-def _memory(node: Node, gpu: bool, prof: dict | None, probed: int | None = None,
+def known_memory(node: Node, gpu: bool, prof: dict | None, probed: int | None = None,
             label: str = "inventory memory") -> tuple[int | None, str]:
     """The least of what is known of the node's memory: `memory:` (Slurm: slurm.mem), the profile's
     measure, and (`runner up`, once connected) the node's MemAvailable."""
@@ -373,7 +373,7 @@ def size_job(inv: Inventory, probed: dict[str, int] | None = None, memory_field:
         for st in range(num_stages):
             sizing.rank_stages.setdefault(stage_to_rank(st, pp, num_stages, style), []).append(st)
     per_rank = world // pp
-    profiles = _profiles(order)
+    profiles = cached_profiles(order)
     rank = 0
     for node, k in zip(order, nproc, strict=True):
         gpu = bool(node.gpus) and s["parallel.device"] != "cpu"
@@ -385,7 +385,7 @@ def size_job(inv: Inventory, probed: dict[str, int] | None = None, memory_field:
                                       sharding=sharding, dp=dp, tp=tp) for st in sizing.rank_stages.get(r, [r])])
                for r in stages]
         prof = profiles.get(node.name)
-        have, src = _memory(node, gpu, prof, (probed or {}).get(node.name), memory_field)
+        have, src = known_memory(node, gpu, prof, (probed or {}).get(node.name), memory_field)
         runtime = 0 if gpu else int(prof["runtime_bytes"]) if prof and prof.get("runtime_bytes") else RUNTIME_BYTES
         sizing.dtypes[node.name] = dtype
         sizing.nodes.append(NodeSize(node.name, stages, est, runtime, build, have, src, gpu))
