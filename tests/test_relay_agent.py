@@ -33,7 +33,7 @@ from runner.delivery.images import Exported, _load_export
 from runner.delivery.relay import chain_plan, chain_stream, expectation, head_line, not_relayable, route_line
 from tests.tar_blocks import header, patched
 
-AGENT = Path(__file__).resolve().parents[1] / "runner" / "relay_agent.py"
+AGENT = Path(__file__).resolve().parents[1] / "runner" / "agents" / "relay_agent.py"
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from tests.runner_helpers import build_scratch_image, remove_host_image, unique_
 from tests.tar_blocks import header
 
 pytestmark = pytest.mark.docker
-AGENT = Path(__file__).resolve().parents[1] / "runner" / "relay_agent.py"
+AGENT = Path(__file__).resolve().parents[1] / "runner" / "agents" / "relay_agent.py"
 
 
 def start_agent(head: dict, route: dict) -> tuple[subprocess.Popen, int]:
