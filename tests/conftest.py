@@ -13,6 +13,7 @@ import pytest
 
 from runner.delivery.host_engine import host_engine
 from tests import IMAGE, REPO
+from tests.worker_share import groups, machine_share, serialized
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 # First two octets of every loopback address the tests give sandbox nodes. Two pytest sessions on
@@ -21,6 +22,12 @@ TEST_NET = os.environ.get("RUNNER_TEST_NET", "127.0")
 # The suite's `runner up`s run from the checkout: none may become its default inventory
 # (runner/inventory_arg.py; the tests of that default set it themselves).
 os.environ["RUNNER_LAST_UP"] = ""
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    with machine_share(alone=item.get_closest_marker("alone") is not None):
+        yield
 
 
 def net_addr(third: int, fourth: int) -> str:
@@ -36,7 +43,9 @@ def require(what: str, ok: bool, reason: str) -> None:
     pytest.skip(f"{what} missing: {reason} (run scripts/setup.sh)")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
+    groups(items)  # which worker runs what (tests/worker_share.py)
     if os.environ.get("RUN_SLOW") == "1":
         return
     skip_slow = pytest.mark.skip(reason="slow tier (qemu emulation, benchmark smoke runs, layouts beyond one per "
@@ -76,8 +85,9 @@ def trainer_image(host_docker) -> str:
     """This session's trainer image (tests/__init__.py IMAGE) on the host engine, built by the
     project's script from the checkout (cached layers); its tag is removed at the end."""
     import subprocess
-    proc = subprocess.run([str(REPO / "scripts/build-image.sh"), IMAGE], capture_output=True, text=True,
-                          cwd=REPO, env={**os.environ, "DOCKER_HOST": host_docker})
+    with serialized("image-build"):  # one wheel-server port per machine (scripts/build-image.sh)
+        proc = subprocess.run([str(REPO / "scripts/build-image.sh"), IMAGE], capture_output=True, text=True,
+                              cwd=REPO, env={**os.environ, "DOCKER_HOST": host_docker})
     assert proc.returncode == 0, f"image build failed:\n{proc.stderr[-3000:]}"
     yield IMAGE
     if not os.environ.get("RUNNER_TEST_IMAGE"):

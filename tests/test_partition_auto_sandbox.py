@@ -33,6 +33,8 @@ LAYERS = 12
 ARGS = ["--batch_size", "16", "--microbatch_num", "4", "--model.num_hidden_layers", str(LAYERS),
         "--profile_batch", "none", "--train_steps", "4"]
 CONFIG = "configs/pi-qwen3-3stage-tiny.yaml"
+# The quotas separate the nodes' speeds only with CPU to spare: not beside the other test worker.
+pytestmark = pytest.mark.alone
 
 
 @pytest.fixture

@@ -1,0 +1,98 @@
+"""Two pytest-xdist workers on one machine (scripts/test.sh: `-n 2 --dist loadgroup`).
+
+Why two: a serial run keeps the 2 cores busy only ~63% of its time (a run on 2026-11-27, sampling
+/proc/stat: 2966 CPU-seconds in 2358 s); the sandbox tests wait on nodes, links, heartbeats and
+grace periods, and the other worker's trainer runs fill those waits.
+
+What keeps them apart:
+- `groups`: every test that uses a cluster (the session sandbox, the non-root one, the namespaced
+  one, Slurm) goes to the one worker that holds that cluster, tests sharing a cluster together;
+  every other test goes with its module (module fixtures are computed once).
+- `alone`: a test marked `alone` runs with the other worker between tests (speed-sensitive: the
+  unequal-node quotas separate speeds only while the machine has CPU to spare). A shared/exclusive
+  lock on one file, with a turnstile so that a waiting `alone` test is not starved.
+- `serialized`: one worker at a time through a step (the image build's fixed wheel-server port).
+
+Without xdist (`TEST_WORKERS=0`) nothing here changes a run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+# Fixtures that stand for a cluster of nodes: at most one worker may make each.
+CLUSTERS = ("sandbox", "nonroot_sandbox", "netns_sandbox", "slurm")
+
+
+def under_xdist() -> bool:
+    return bool(os.environ.get("PYTEST_XDIST_WORKER"))
+
+
+def _lock_path(name: str) -> Path:
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID", str(os.getppid()))
+    return Path(tempfile.gettempdir()) / f"runner-tests-{run}-{name}.lock"
+
+
+@contextlib.contextmanager
+def _flock(name: str, mode: int) -> Iterator[None]:
+    with open(_lock_path(name), "a") as fh:
+        fcntl.flock(fh, mode)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def machine_share(alone: bool) -> Iterator[None]:
+    """Held for a whole test (setup, call, teardown): exclusive for an `alone` test, shared for the rest."""
+    if not under_xdist():
+        yield
+        return
+    with open(_lock_path("machine"), "a") as main:
+        with _flock("turnstile", fcntl.LOCK_EX):  # a waiting exclusive holder keeps new sharers out
+            fcntl.flock(main, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(main, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def serialized(name: str) -> Iterator[None]:
+    if not under_xdist():
+        yield
+        return
+    with _flock(name, fcntl.LOCK_EX):
+        yield
+
+
+def groups(items: list[pytest.Item]) -> None:
+    """Mark each item with its xdist_group: the clusters it uses, joined with every cluster a test
+    uses together with them (so no cluster is made by two workers), else its module."""
+    parent: dict[str, str] = {}
+
+    def find(x: str) -> str:
+        while parent.setdefault(x, x) != x:
+            x = parent[x]
+        return x
+
+    used = {item.nodeid: [c for c in CLUSTERS if c in getattr(item, "fixturenames", ())] for item in items}
+    for names in used.values():
+        for other in names[1:]:
+            parent[find(other)] = find(names[0])
+    for item in items:
+        names = used[item.nodeid]
+        if names:
+            root = find(names[0])
+            group = "nodes-" + "-".join(sorted(c for c in CLUSTERS if c in parent and find(c) == root))
+        else:
+            group = item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
