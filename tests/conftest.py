@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
 from runner.delivery.host_engine import host_engine
 from tests import IMAGE, REPO
-from tests.worker_share import groups, machine_share, serialized
+from tests.worker_share import groups, groups_file, machine_share, make_scheduler, serialized
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 # First two octets of every loopback address the tests give sandbox nodes. Two pytest sessions on
@@ -22,6 +23,23 @@ TEST_NET = os.environ.get("RUNNER_TEST_NET", "127.0")
 # The suite's `runner up`s run from the checkout: none may become its default inventory
 # (runner/inventory_arg.py; the tests of that default set it themselves).
 os.environ["RUNNER_LAST_UP"] = ""
+
+
+def pytest_configure(config):
+    if config.pluginmanager.hasplugin("xdist") and not os.environ.get("PYTEST_XDIST_WORKER"):
+        groups_file()  # the controller, before its workers start
+
+
+def pytest_unconfigure(config):
+    if config.pluginmanager.hasplugin("xdist") and not os.environ.get("PYTEST_XDIST_WORKER"):
+        Path(groups_file()).unlink(missing_ok=True)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") == "loadgroup":
+        return make_scheduler(config, log)
+    return None
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -5,13 +5,18 @@ Why two: a serial run keeps the 2 cores busy only ~63% of its time (a run on 202
 grace periods, and the other worker's trainer runs fill those waits.
 
 What keeps them apart:
-- `groups`: every test that uses a cluster (the session sandbox, the non-root one, the namespaced
+- `groups` and `GroupScheduling`: every test that uses a cluster (the session sandbox, the non-root one, the namespaced
   one, Slurm) goes to the one worker that holds that cluster, tests sharing a cluster together;
   every other test goes with its module (module fixtures are computed once).
 - `alone`: a test marked `alone` runs with the other worker between tests (speed-sensitive: the
   unequal-node quotas separate speeds only while the machine has CPU to spare). A shared/exclusive
   lock on one file, with a turnstile so that a waiting `alone` test is not starved.
 - `serialized`: one worker at a time through a step (the image build's fixed wheel-server port).
+
+xdist's own `--dist loadgroup` cannot do the grouping with pytest 9: it renames each test's nodeid
+to carry its group, and pytest 9's nodeid is no longer that attribute (every test was its own
+group). So the workers write {nodeid: group} to a file at collection and the controller's
+scheduler (`GroupScheduling`, installed by tests/conftest.py for `--dist loadgroup`) reads it.
 
 Without xdist (`TEST_WORKERS=0`) nothing here changes a run.
 """
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import tempfile
 from collections.abc import Iterator
@@ -96,3 +102,38 @@ def groups(items: list[pytest.Item]) -> None:
         else:
             group = item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(group))
+    path = os.environ.get(GROUPS_ENV)
+    if path and under_xdist():  # every worker writes the same; the controller reads it to schedule
+        tmp = f"{path}.{os.getpid()}"
+        Path(tmp).write_text(json.dumps({item.nodeid: _group(item) for item in items}))
+        os.replace(tmp, path)
+
+
+GROUPS_ENV = "RUNNER_TESTS_GROUPS"
+
+
+def _group(item: pytest.Item) -> str:
+    return next(m.args[0] for m in item.iter_markers("xdist_group"))
+
+
+def groups_file() -> str:
+    """Set in the controller before the workers start (they inherit it): where they write the groups."""
+    path = os.environ.setdefault(GROUPS_ENV, str(Path(tempfile.gettempdir()) / f"runner-tests-{os.getpid()}-groups.json"))
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    return path
+
+
+def make_scheduler(config, log):
+    """LoadScope scheduling with the workers' groups as scopes (tests/conftest.py's hook)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        _groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self._groups is None:
+                self._groups = json.loads(Path(os.environ[GROUPS_ENV]).read_text())
+            return self._groups.get(nodeid, nodeid)
+
+    return GroupScheduling(config, log)
