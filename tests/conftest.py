@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import os
 import shutil
-from pathlib import Path
 
 import pytest
 
 from runner.delivery.host_engine import host_engine
 from tests import IMAGE, REPO
-from tests.worker_share import groups, groups_file, machine_share, make_scheduler, serialized
+from tests.worker_share import groups, groups_file, machine_share, make_scheduler, remove_files, serialized
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 # First two octets of every loopback address the tests give sandbox nodes. Two pytest sessions on
@@ -32,7 +31,7 @@ def pytest_configure(config):
 
 def pytest_unconfigure(config):
     if config.pluginmanager.hasplugin("xdist") and not os.environ.get("PYTEST_XDIST_WORKER"):
-        Path(groups_file()).unlink(missing_ok=True)
+        remove_files()
 
 
 @pytest.hookimpl(optionalhook=True)

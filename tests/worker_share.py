@@ -42,8 +42,14 @@ def under_xdist() -> bool:
 
 
 def _lock_path(name: str) -> Path:
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID", str(os.getppid()))
-    return Path(tempfile.gettempdir()) / f"runner-tests-{run}-{name}.lock"
+    """Beside the run's groups file (one per controller), removed with it (`remove_files`)."""
+    return Path(f"{os.environ[GROUPS_ENV]}.{name}.lock")
+
+
+def remove_files() -> None:
+    base = Path(os.environ[GROUPS_ENV])
+    for p in [base, *base.parent.glob(base.name + ".*")]:
+        p.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
