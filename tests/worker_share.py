@@ -1,4 +1,4 @@
-"""Two pytest-xdist workers on one machine (scripts/test.sh: `-n 2 --dist loadgroup`).
+"""Two pytest-xdist workers on one machine (`TEST_WORKERS=2 scripts/test.sh`: `-n 2 --dist loadgroup`).
 
 Why two: a serial run keeps the 2 cores busy only ~63% of its time (a run on 2026-11-27, sampling
 /proc/stat: 2966 CPU-seconds in 2358 s); the sandbox tests wait on nodes, links, heartbeats and
