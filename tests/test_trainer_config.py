@@ -200,3 +200,29 @@ def test_stub_config_zero3_two_processes_match_one(tmp_path):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a["step"], a["loss"], b["loss"])
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * abs(b["grad_norm"]), (a["step"], a["grad_norm"], b["grad_norm"])
         assert abs(bf["loss"] - b["loss"]) <= 2e-2 * abs(b["loss"]), (bf["step"], bf["loss"], b["loss"])
+
+
+class _Writes:
+    """A stderr that records each write() call: the ranks of one job share a pipe, and a line
+    written in two calls (text, then "\\n") can be cut by another rank's line (seen in CI)."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def write(self, text):
+        self.calls.append(text)
+        return len(text)
+
+    def flush(self):
+        pass
+
+
+def test_an_error_line_reaches_stderr_in_one_write(monkeypatch):
+    from trainer.cli import main
+
+    writes = _Writes()
+    monkeypatch.setattr(sys, "stderr", writes)
+    assert main(["--config", "configs/tiny.yaml", "--batch_size", "10", "--microbatch_num", "4"]) == 2
+    assert main(["exprot"]) == 2  # the did-you-mean path
+    assert len(writes.calls) == 2 and all(c.startswith("error: ") and c.endswith("\n") and c.count("\n") == 1
+                                          for c in writes.calls), writes.calls

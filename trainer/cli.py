@@ -72,6 +72,13 @@ def train_main(argv: list[str]) -> int:
     return run(cfg, env)
 
 
+def _error(message: str) -> None:
+    """One line on stderr in one write: every rank of a job shares the pipe, and print() writes the
+    text and its newline in two calls, so another rank's line could land between them."""
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
+
+
 def _load(target: str):
     module, _, func = target.partition(":")
     return getattr(importlib.import_module(module), func)
@@ -86,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         from contract.suggest import did_you_mean
 
         if hint := did_you_mean(argv[0], COMMANDS):
-            print(f"error: unknown command '{argv[0]}'{hint}", file=sys.stderr)
+            _error(f"unknown command '{argv[0]}'{hint}")
             return 2
     if command == "train" and any(a in ("-h", "--help") for a in argv):
         print(USAGE)
@@ -106,10 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         fn = _load(COMMANDS[command])
     except (ImportError, AttributeError):
-        print(f"error: command '{command}' is not available in this build", file=sys.stderr)
+        _error(f"command '{command}' is not available in this build")
         return 2
     try:
         return int(fn(argv) or 0)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        _error(str(e))
         return 2
