@@ -18,9 +18,10 @@ if [[ ${COVER_SUBPROCESSES:-} == 1 ]]; then
 fi
 cov=(--cov --cov-report=term)
 [[ ${COVERAGE:-1} == 0 ]] && cov=()  # COVERAGE=0: no measurement at all
-# TEST_WORKERS=2: two workers (default 0, one process, until a Slurm preempt test seen failing beside a second worker is understood): each cluster's tests on one worker, the rest beside
-# them, filling the time the sandbox tests wait on nodes (tests/worker_share.py).
-workers=(-n "${TEST_WORKERS:-0}" --dist loadgroup)
-[[ ${TEST_WORKERS:-0} == 0 ]] && workers=(-p no:xdist)
+# Two workers by default (TEST_WORKERS=0: one process): each cluster's tests on one worker, the rest
+# beside them, filling the time the sandbox tests wait on nodes, links and grace periods
+# (tests/worker_share.py).
+workers=(-n "${TEST_WORKERS:-2}" --dist loadgroup)
+[[ ${TEST_WORKERS:-2} == 0 ]] && workers=(-p no:xdist)
 # --durations: the 30 slowest steps close every run, so CI's own output says where its time went.
 exec .venv/bin/pytest -p no:cacheprovider --durations=30 "${workers[@]}" "${cov[@]}" "$@"

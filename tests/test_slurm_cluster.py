@@ -2,9 +2,9 @@
 login sshd, started once for this module by `runner sandbox up --slurm` and stopped at its end
 (asserting nothing of it is left running).
 
-The reduced Pi pipeline (3 nodes, pp=3) runs through Slurm and through the SSH runner (the
-session `sandbox`, whose image push other tests need anyway): the per-step losses are equal,
-bit for bit. `runner down` of a Slurm run writes the preempt checkpoint on every rank and
+The reduced Pi pipeline (3 nodes, pp=3) runs through Slurm and as three local processes: the
+per-step losses are equal, bit for bit (the SSH runner's sandbox equals three local processes in
+test_partition_auto_sandbox.py). `runner down` of a Slurm run writes the preempt checkpoint on every rank and
 `up --resume` continues it bitwise; the same job in the trainer image through Slurm's native OCI
 support gives the same losses again.
 """
@@ -27,6 +27,7 @@ import yaml
 from tests import IMAGE
 from tests.conftest import net_addr, require
 from tests.runner_helpers import REPO, runner, runner_cmd, wait_for
+from tests.trainer_run import run_trainer
 
 pytestmark = [pytest.mark.slurm, pytest.mark.sandbox]
 
@@ -133,16 +134,16 @@ def test_contract_prefixes_and_rank_order(slurm, straight):
             "submissions": 1} in json.loads(ls.stdout)
 
 
-def test_same_losses_as_the_ssh_runner(slurm, straight, sandbox, pushed, tmp_path):
-    """The same job through the SSH runner on the session's 3 sandbox nodes (containers of the
-    trainer image; the Slurm run used the project's virtualenv): equal losses, bit for bit."""
-    proc = runner("up", "-i", str(sandbox), "--job", str(job_file(tmp_path)), "--logs-dir", str(tmp_path / "logs"))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    run_id = re.search(r"run (\S+) started", proc.stdout)[1]
-    col = runner("collect", run_id, "-i", str(sandbox), "--dest", str(tmp_path / "art"), "--quiet", "--no-plots")
-    assert col.returncode == 0, col.stderr
-    ssh = losses(tmp_path / "art" / run_id / "node-2" / "metrics.jsonl")
-    assert len(ssh) == STEPS and ssh == straight.losses
+def test_same_losses_as_three_local_processes(slurm, straight, tmp_path):
+    """The same job as three processes on this machine (torchrun, the project's virtualenv): equal
+    losses, bit for bit. The SSH runner's containers equal three local processes for this config
+    too (test_partition_auto_sandbox.py, pp=3), so the two backends give one run's numbers. Not the
+    session sandbox itself: then no Slurm test needs the worker that holds it (tests/worker_share.py)."""
+    local = tmp_path / "local"
+    run_trainer(local, "--config", CONFIG, "--train_steps", str(STEPS), "--batch_size", "16", "--microbatch_num", "4",
+                nproc=3)
+    got = losses(local / "metrics.jsonl")
+    assert len(got) == STEPS and got == straight.losses
 
 
 def test_collect_returns_the_files(slurm, straight, tmp_path):

@@ -4,18 +4,20 @@ script, task script and OCI config checked field by field (bash parses every var
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
+import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
-from runner.backends.slurm.plan import SlurmFacts, make_slurm_plan, oci_config, torchrun_argv
+from runner.backends.slurm.plan import SIGNALLED_143, SlurmFacts, make_slurm_plan, oci_config, torchrun_argv
 from runner.errors import UserError
 from runner.inventory.slurm import load_slurm_inventory
-from tests.runner_helpers import REPO, no_socket_env, runner
+from tests.runner_helpers import REPO, no_socket_env, runner, wait_for
 
 CONFIG = str(REPO / "configs" / "pi-qwen3-3stage-tiny.yaml")
 
@@ -70,10 +72,12 @@ def test_sbatch_directives_env_and_task_field_by_field(tmp_path):
                              "--rdzv-backend", "static", "--max-restarts", "0",
                              "-m", "trainer", "--config", f"{rd}/config.yaml", "--train_steps", "5"]
     task = heredoc(plan.script, "RUNNER_TASK")
-    assert task.splitlines()[-1] == (
-        'exec torchrun --nnodes 3 --node-rank "$rank" --nproc-per-node 2 --master-addr "$MASTER_ADDR" '
+    assert task.split("torchrun ", 1)[0].splitlines()[-2:] == ["got=", "trap 'got=1; cut=1' USR1 TERM  # set first: a signal from now on counts (the end)"]
+    assert [ln for ln in task.splitlines() if ln.startswith("torchrun ")] == [
+        'torchrun --nnodes 3 --node-rank "$rank" --nproc-per-node 2 --master-addr "$MASTER_ADDR" '
         '--master-port "$MASTER_PORT" --rdzv-backend static --max-restarts 0 -m trainer '
-        f'--config {rd}/config.yaml --train_steps 5 "$@"')
+        f'--config {rd}/config.yaml --train_steps 5 "$@" &']
+    assert task.endswith(SIGNALLED_143.rstrip("\n"))
     assert 'set -a; . "$dir/node$rank.env"; set +a' in task and 'export NODE_RANK="$rank"' in task
     # Node rank 0 = the allocation's first node; its NodeAddr is MASTER_ADDR; one task per node.
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" > "$JOB_DIR/nodes"' in plan.script
@@ -275,3 +279,45 @@ def test_dry_run_sizes_each_node_against_slurm_mem_and_up_refuses_before_submitt
     assert fits.returncode == 0 and fits.stdout.count(": fits") == 3, fits.stdout[-2000:] + fits.stderr
     anyway = runner("up", "-i", str(write_inv(tmp_path, {"mem": "4G"}, job)), "--dry-run", "--ignore-sizing", env=guard)
     assert anyway.returncode == 0 and "DOES NOT FIT" in anyway.stdout
+
+
+FAKE_TORCHRUN = """#!/usr/bin/env python3
+# Stands in for torchrun here: on USR1/TERM it stops and exits 1 (SignalException), as torchrun does
+# once its ranks have written the preempt checkpoint; otherwise it exits with FAKE_RC.
+import os, signal, sys, time
+for s in (signal.SIGUSR1, signal.SIGTERM):
+    signal.signal(s, lambda *_: sys.exit(1))
+open(os.environ["FAKE_READY"], "w").close()
+if os.environ.get("FAKE_RC"):
+    sys.exit(int(os.environ["FAKE_RC"]))
+time.sleep(60)
+sys.exit(5)
+"""
+
+
+@pytest.mark.parametrize("case", ["exits 0", "exits 3", "USR1", "TERM"])
+def test_a_signalled_task_ends_143_whatever_torchrun_exits(tmp_path, case):
+    """torchrun ends with 1 when USR1/TERM stops it (its ranks end 143 after the preempt checkpoint),
+    so srun's code was 143 only when --kill-on-bad-exit terminated another node's task first: under
+    load all three ended 1 together and the requeue branch (rc 143) was skipped (seen in a full run).
+    The task script itself now reports a signalled, failed torchrun as 143."""
+    _, plan = plan_for(tmp_path)
+    task = tmp_path / "task.sh"
+    task.write_text(heredoc(plan.script, "RUNNER_TASK"))
+    (tmp_path / "node0.env").write_text("NODE_NAME=n0\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "torchrun").write_text(FAKE_TORCHRUN)
+    (bin_dir / "torchrun").chmod(0o755)
+    ready = tmp_path / "ready"
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_READY": str(ready), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "1"}
+    if case.startswith("exits"):
+        env["FAKE_RC"] = case.split()[1]
+    proc = subprocess.Popen(["sh", str(task), "0", str(tmp_path)], env=env, start_new_session=True)
+    if case in ("USR1", "TERM"):
+        wait_for(lambda: ready.exists() or proc.poll() is not None, 30, interval=0.05)
+        assert ready.exists(), proc.poll()
+        os.killpg(proc.pid, getattr(signal, f"SIG{case}"))  # Slurm signals every process of the step
+    rc = proc.wait(timeout=60)
+    assert rc == {"exits 0": 0, "exits 3": 3, "USR1": 143, "TERM": 143}[case]

@@ -142,4 +142,21 @@ def make_scheduler(config, log):
                 self._groups = json.loads(Path(os.environ[GROUPS_ENV]).read_text())
             return self._groups.get(nodeid, nodeid)
 
+        def _assign_work_unit(self, node) -> None:
+            if not self._ordered:  # once, before the first unit goes out: see cluster_groups_first
+                self._ordered = True
+                queue = cluster_groups_first(self.workqueue)
+                self.workqueue.clear()
+                self.workqueue.update(queue)
+            super()._assign_work_unit(node)
+
+        _ordered = False
+
     return GroupScheduling(config, log)
+
+
+def cluster_groups_first(queue: dict[str, dict]) -> list[tuple[str, dict]]:
+    """The longest work first: the cluster groups (their tests start node runs), then the modules,
+    each by its number of tests. A worker takes the next group when its own is nearly done, so a long
+    group taken last would leave the other worker idle at the end (the Slurm module did: ~15 min)."""
+    return sorted(queue.items(), key=lambda kv: (not kv[0].startswith("nodes-"), -len(kv[1])))

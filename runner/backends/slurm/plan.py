@@ -196,8 +196,25 @@ def task_script(inv: SlurmInventory, plan: SlurmPlan, facts: SlurmFacts) -> str:
         lines.append(f"cd {shlex.quote(facts.image_workdir)}  # the image's WorkingDir, as under docker")
     if plan.secrets_file:
         lines.append('set -a; . "$RUNNER_SECRETS"; set +a   # the env_file: never in argv or in this script')
-    lines.append(f'exec {_shell_join(plan.torchrun)} "$@"')
-    return "\n".join(lines) + "\n"
+    lines += ["got=", "trap 'got=1; cut=1' USR1 TERM  # set first: a signal from now on counts (the end)",
+              f'{_shell_join(plan.torchrun)} "$@" &']
+    return "\n".join(lines) + "\n" + SIGNALLED_143
+
+
+# torchrun ends with 1 when USR1/TERM stops it (its ranks end 143 once the preempt checkpoint is
+# written), so srun's code said 143 only when --kill-on-bad-exit had terminated another node's task
+# first. The task says it: a failed torchrun on a node that got USR1/TERM (Slurm signals every
+# process of the step; torchrun gets its own copy, so nothing is forwarded) ends 143, which the batch
+# script's requeue branch reads. A wait cut short by the trap is waited again.
+SIGNALLED_143 = """pid=$!
+# The end: a failed torchrun on a node that got USR1/TERM was preempted: 143, as its ranks ended.
+while :; do
+  cut=; rc=0; wait "$pid" || rc=$?
+  [ -n "$cut" ] || break
+done
+if [ -n "$got" ] && [ "$rc" != 0 ]; then rc=143; fi
+exit "$rc"
+"""
 
 
 def container_flags(inv: SlurmInventory, plan: SlurmPlan) -> list[str]:

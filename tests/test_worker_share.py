@@ -1,0 +1,60 @@
+"""tests/worker_share.py: which worker runs what when the suite runs on two (TEST_WORKERS=2).
+Checked on the suite's own collection: a cluster is made by one worker only."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests import REPO
+from tests.worker_share import CLUSTERS, cluster_groups_first, groups
+
+
+class _Item:
+    """What groups() reads of a pytest item, and the marker it adds."""
+
+    def __init__(self, nodeid: str, *fixtures: str):
+        self.nodeid, self.fixturenames, self.markers = nodeid, fixtures, []
+
+    def add_marker(self, marker):
+        self.markers.append(marker)
+
+    @property
+    def group(self) -> str:
+        return self.markers[-1].args[0]
+
+
+def test_tests_sharing_a_cluster_share_a_group_and_the_rest_go_by_module(monkeypatch):
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    items = [_Item("tests/a.py::t1", "sandbox", "tmp_path"), _Item("tests/a.py::t2", "tmp_path"),
+             _Item("tests/b.py::t1", "nonroot_sandbox"), _Item("tests/b.py::t2", "slurm"),
+             _Item("tests/c.py::t1", "slurm", "nonroot_sandbox"), _Item("tests/c.py::t2")]
+    groups(items)
+    assert [i.group for i in items] == ["nodes-sandbox", "tests/a.py", "nodes-nonroot_sandbox-slurm",
+                                        "nodes-nonroot_sandbox-slurm", "nodes-nonroot_sandbox-slurm", "tests/c.py"]
+
+
+def test_the_longest_work_goes_out_first():
+    queue = {"tests/a.py": dict.fromkeys("abc"), "nodes-slurm": dict.fromkeys("ab"), "tests/b.py": dict.fromkeys("a"),
+             "nodes-sandbox": dict.fromkeys("abcd"), "tests/c.py": dict.fromkeys("abcde")}
+    assert [k for k, _ in cluster_groups_first(queue)] == ["nodes-sandbox", "nodes-slurm", "tests/c.py", "tests/a.py",
+                                                           "tests/b.py"]
+
+
+def test_the_suites_clusters_each_on_one_worker_and_slurm_apart_from_the_sandbox(tmp_path):
+    """The suite's real collection, as a worker writes it: four cluster groups, one per cluster.
+    The Slurm module apart from the session sandbox (~260 s the sandbox's worker does not carry)."""
+    path = tmp_path / "groups.json"
+    env = {**os.environ, "PYTEST_XDIST_WORKER": "gw9", "RUNNER_TESTS_GROUPS": str(path)}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:xdist", "-p", "no:randomly",
+                           "-p", "no:cacheprovider", "tests"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    got = json.loads(path.read_text())
+    assert len(got) == int(proc.stdout.rstrip().splitlines()[-1].split()[0]) > 1000
+    assert sorted({g for g in got.values() if g.startswith("nodes-")}) == sorted(f"nodes-{c}" for c in CLUSTERS)
+    assert {g for n, g in got.items() if n.startswith("tests/test_slurm_cluster.py::")} == {"nodes-slurm"}
+    assert got["tests/test_runner_sandbox.py::test_pipeline_trainer_job_three_nodes"] == "nodes-sandbox"
+    assert all(g == n.split("::")[0] for n, g in got.items() if not g.startswith("nodes-"))
