@@ -144,7 +144,17 @@ def sshd_procs(inventory: Path, node: str) -> list:
 
     pid = int(sandbox_node(inventory, node).sshd_pid.read_text())
     top = psutil.Process(pid)
-    return [top] + [p for p in top.children(recursive=True) if p.name().startswith("sshd")]
+    return [top] + [p for p in top.children(recursive=True) if process_name(p).startswith("sshd")]
+
+
+def process_name(p) -> str:
+    """A process's name, or "" when it ended since it was listed (a session closing: seen under load)."""
+    import psutil
+
+    try:
+        return p.name()
+    except psutil.NoSuchProcess:
+        return ""
 
 
 def signal_sshd(inventory: Path, node: str, sig: int) -> int:

@@ -225,6 +225,7 @@ def test_bf16_step_with_the_gpu_defaults(tmp_path):
     assert "torch.compile: 2 blocks compiled in place + LM head and loss (backend inductor" in log
     assert "0 graph break(s)" in log and "does not compile" not in log
     assert "expandable_segments:True" in log
+    assert train["gc_interval"] == 50 and "garbage collection: automatic off, generation 1 collected every 50 steps" in log
     m = read_metrics(tmp_path)
     assert [r["step"] for r in m] == [10, 12] and all(0 < r["loss"] < 10 for r in m)
     assert all(r["memory_gib"] > 0 and r["memory_reserved_gib"] >= r["memory_gib"] and r["mfu"] > 0 for r in m)

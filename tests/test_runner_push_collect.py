@@ -32,6 +32,7 @@ from tests.runner_helpers import (
     node_env,
     node_workdir,
     parse_push,
+    process_name,
     remotes,
     runner,
     sshd_procs,
@@ -79,7 +80,8 @@ def connect(inventory: Path, node: str) -> Remote:
 
 
 def own_children() -> list[str]:
-    return [p.name() for p in psutil.Process().children(recursive=True) if p.name() in ("tar", "gzip", "ssh")]
+    names = [process_name(p) for p in psutil.Process().children(recursive=True)]
+    return [n for n in names if n in ("tar", "gzip", "ssh")]
 
 
 # ---------------------------------------------------------------------------- push

@@ -125,6 +125,7 @@ BAD_CASES = {
     "indivisible batch": (["--batch_size", "10", "--microbatch_num", "4"], {}, "train.batch_size"),
     "slurm without MASTER_ADDR": ([], {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"}, "MASTER_ADDR"),
     "tp larger than the world": (["--tensor-parallel-size", "2"], {}, "parallel.tp"),
+    "negative gc interval": (["--train.gc_interval", "-1"], {}, "train.gc_interval"),
 }
 
 

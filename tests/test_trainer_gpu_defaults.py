@@ -1,6 +1,7 @@
 """The GPU-server defaults, checked on CPU: bf16 parameters through FSDP2's mixed precision (one
 process and DDP) against autocast, DDP's gradient buckets and hook, the log cadence, the CUDA
-allocator setting, the device index of a local rank, and memory in GiB, the largest over ranks."""
+allocator setting, the device index of a local rank, memory in GiB, the largest over ranks, and
+the garbage collector's schedule (a real loop in this process)."""
 
 from __future__ import annotations
 
@@ -265,3 +266,57 @@ def test_one_process_fsdp2_is_one_unit_with_the_same_numbers():
     assert torch.equal(l1, l2)
     assert g1.keys() == g2.keys() and all(torch.equal(g1[n], g2[n]) for n in g1)
 
+
+
+def test_gc_interval_auto_is_python_s_own_collector_on_cpu_and_every_50th_step_on_cuda():
+    from trainer.gc_schedule import resolve_gc_interval
+
+    assert resolve_gc_interval("auto", "cpu") == 0 and resolve_gc_interval("auto", "cuda") == 50
+    assert resolve_gc_interval(3, "cpu") == 3 and resolve_gc_interval(0, "cuda") == 0
+
+
+@pytest.mark.parametrize("interval", [2, 0])
+def test_gc_interval_collects_after_every_nth_step_with_the_automatic_collector_off(tmp_path, monkeypatch, interval):
+    """A real training loop in this process: with an interval the automatic collector is off during
+    every step (so nothing collects but the schedule), the young generations are collected after
+    steps 2 and 4, and the collector is on again after the loop; with 0 it stays on (Python collects
+    when it will) and the schedule collects nothing."""
+    import gc
+
+    from trainer.config import resolve
+    from trainer.config.argv import parse_train_args
+    from trainer.dist_env import DistEnv
+    from trainer.parallel.mesh import ParallelDims
+    from trainer.train import Trainer
+
+    cfg = resolve(*parse_train_args(["--config", "configs/tiny.yaml", "--train.steps", "5", "--profile.batch", "none",
+                                     "--logging.peak_flops", "1e9", "--train.gc_interval", str(interval),
+                                     "--output-dir", str(tmp_path)]))
+    trainer = Trainer(cfg, DistEnv(), ParallelDims.from_config(cfg.parallel, 1, 1), torch.device("cpu"), "gloo")
+    seen: list[tuple] = []
+    step = trainer.train_step
+
+    def watched_step():
+        seen.append(("step", trainer.step + 1, gc.isenabled()))
+        return step()
+
+    def collected(phase, info):  # collections while the automatic collector is off: the schedule's own
+        if phase == "start" and not gc.isenabled():
+            seen.append(("gc", trainer.step, info["generation"]))
+
+    monkeypatch.setattr(trainer, "train_step", watched_step)
+    assert gc.isenabled()
+    gc.callbacks.append(collected)
+    try:
+        trainer.fit()
+    finally:
+        gc.callbacks.remove(collected)
+        trainer.close()
+    assert gc.isenabled()
+    steps = [s for s in seen if s[0] == "step"]
+    assert steps == [("step", n, interval == 0) for n in range(1, 6)]
+    if interval:
+        assert [s for s in seen if s[0] == "gc"] == [("gc", 2, 1), ("gc", 4, 1)]
+        assert trainer.gc.collections == 2
+    else:
+        assert [s for s in seen if s[0] == "gc"] == [] and trainer.gc.collections == 0

@@ -35,6 +35,7 @@ from trainer import dist_env, model_files
 from trainer.config import Config, ConfigError
 from trainer.config.checks import microbatch_tokens, resolve_log_interval, resolve_loss_chunks
 from trainer.data import DataStream, build_data, load_texts, load_tokenizer, reads_text
+from trainer.gc_schedule import GcSchedule, resolve_gc_interval
 from trainer.metrics import MetricsWriter, StepStats, flops_per_token, format_line, memory_bytes, peak_flops
 from trainer.models.build import build_model, model_spec, task_of
 from trainer.optim import build_optimizer, build_scheduler
@@ -98,6 +99,8 @@ class Trainer:
         t.dtype = dist_env.training_dtype(t.dtype, device.type)[0]
         t.param_dtype = dist_env.resolve_param_dtype(t.param_dtype, t.dtype, device.type, self.spec.task)
         cfg.logging.log_interval = resolve_log_interval(cfg.logging.log_interval, device.type)
+        t.gc_interval = resolve_gc_interval(t.gc_interval, device.type)
+        self.gc = GcSchedule(t.gc_interval)
         log.info("training in %s (parameters %s), compile %s, activation checkpointing %s, loss in %d chunk(s), "
                  "%d microbatch(es) per batch, log every %d step(s)", t.dtype, t.param_dtype, t.compile,
                  t.activation_checkpointing, t.loss_chunks, t.microbatch_num, cfg.logging.log_interval)
@@ -233,10 +236,15 @@ class Trainer:
                 "partition": self.cfg.parallel.partition if d.pp > 1 else None}
 
     def fit(self) -> None:
-        cfg = self.cfg
         self.par.train(True)
         self._emit("on_train_start")
         self._write_config()  # only now: a resume refused by its checks leaves the run's files as they were
+        with self.gc.active():
+            self._loop()
+        self._emit("on_train_end")
+
+    def _loop(self) -> None:
+        cfg = self.cfg
         since, steps_since = time.perf_counter(), 0
         while self.step < self.total_steps and not self.stop_requested:
             self._emit("on_step_start", self.step)
@@ -280,9 +288,9 @@ class Trainer:
                 # The checkpoint callback saves at train end; exit 0, `--resume latest` continues.
                 log.info("train.exit_interval %d: ending this run after step %d", cfg.train.exit_interval, self.step)
                 self.stop_requested = True
+            self.gc.after_step(self.step)
             if steps_since == 0:
                 since = time.perf_counter()  # the next window starts after this step's callbacks
-        self._emit("on_train_end")
 
     def close(self) -> None:
         self.metrics.close()

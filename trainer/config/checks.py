@@ -100,6 +100,9 @@ def check_ranges(cfg: Config) -> None:
     li = cfg.logging.log_interval
     if li != "auto" and (not isinstance(li, int) or li < 1):
         raise ConfigError(f"logging.log_interval must be auto or >= 1, got {li!r}")
+    if t.gc_interval != "auto" and (not isinstance(t.gc_interval, int) or t.gc_interval < 0):
+        raise ConfigError(f"train.gc_interval must be auto or >= 0 (0: Python's automatic collector), "
+                          f"got {t.gc_interval!r}")
     if t.activation_checkpointing not in AC_MODES:
         raise ConfigError(f"train.activation_checkpointing: '{t.activation_checkpointing}' "
                           f"({', '.join(AC_MODES)})")

@@ -70,6 +70,8 @@ class TrainConfig:
     eval_batches: int = 2               # batches per evaluation
     exit_interval: int = 0              # end the run after a step divisible by N, with a checkpoint
                                         # (Megatron's --exit-interval: time-boxed jobs; --resume latest)
+    gc_interval: int | str = "auto"     # Python's cyclic GC off in the loop, young generations collected
+                                        # after every N-th step; 0 = automatic; auto: 50 on CUDA, else 0
 
 
 @dataclass
