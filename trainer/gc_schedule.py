@@ -1,8 +1,9 @@
 """Python's cyclic garbage collector on a schedule (`train.gc_interval`).
 
-Left automatic, a full collection starts whenever enough objects were allocated: at some step, in
-the middle of the host's work of queueing kernels, and a CUDA step that the host feeds just in time
-then waits for it (single slow steps among even ones). With an interval N the automatic collector
+Left automatic, a collection starts whenever enough objects were allocated (now and then one over
+every tracked object): at any point of a step, in the middle of the host's work of queueing
+kernels, and a CUDA step that the host feeds just in time then waits for it (single slow steps
+among even ones). With an interval N the automatic collector
 is off for the training loop; after every N-th step the young generations are collected, at the
 step's end, while the device still runs the work already queued. Reference counting frees
 everything else as before; the collector's state is restored when the loop ends.
