@@ -138,12 +138,14 @@ def test_an_elastic_run_losing_a_fast_node_splits_again_giving_the_slow_node_few
     import signal
 
     from tests.runner_helpers import run_containers, runner_cmd, signal_sshd, wait_for
-    from tests.trainer_run import held
+    from tests.trainer_run import held, release
 
     doc = yaml.safe_load(unequal.read_text())
     doc["job"]["args"] = [a for a in doc["job"]["args"] if a not in ("--train.exit_interval", "2")] + \
         ["--checkpoint.interval", "2"]
-    doc["job"]["env"]["TRAINER_TEST_HOLD"] = "step:2"
+    # step 2: the 3-node layout, before node-2 goes; step 3: the 2-node layout has trained (its
+    # stage lines are out) and cannot end the run before node-2 is back.
+    doc["job"]["env"]["TRAINER_TEST_HOLD"] = "step:2,step:3"
     inv = tmp_path / "elastic.yaml"
     inv.write_text(yaml.safe_dump(doc, sort_keys=False))
     runs_dir = node_workdir(inv, "node-0") / "runs"
@@ -165,9 +167,16 @@ def test_an_elastic_run_losing_a_fast_node_splits_again_giving_the_slow_node_few
         wait_for(lambda: all(held(runs[n], "step-2", [r]) for r, n in enumerate(runs)), 600)
         signal_sshd(inv, "node-2", signal.SIGSTOP)
         wait_for(lambda: said(f"run {run_id}: lost node-2: going on with pp 2 x dp 1 x tp 1"), 300, interval=0)
+        two = {"node-0": 0, "node-1": 1}  # the 2-node layout's ranks
+        wait_for(lambda: all(held(runs[n], "step-3", [r]) for n, r in two.items()), 600)
         signal_sshd(inv, "node-2", signal.SIGCONT)
         wait_for(lambda: said("runner: node node-2 is reachable again: stopped and removed its container"), 300,
                  interval=0)
+        # The runner stops the 2-node layout to take node-2 back: once its held ranks have the signal
+        # they go on, end after step 4 with the preempt checkpoint, and the 3 nodes resume from it.
+        wait_for(lambda: all(held(runs[n], "step-3", [r], "signalled") for n, r in two.items()), 300)
+        for n in two:
+            release(runs[n], "step-3")
         _, err = proc.communicate(timeout=600)
     finally:
         signal_sshd(inv, "node-2", signal.SIGCONT)
@@ -189,6 +198,9 @@ def test_an_elastic_run_losing_a_fast_node_splits_again_giving_the_slow_node_few
     layers = f"layers {bounds[1]}-{LAYERS - 1}" if counts[1] > 1 else f"layer {bounds[1]}"
     assert f"[node-0/0] stage 1 (pp rank 1): {layers} + norm + head ({counts[1]} layers" in out, out[-3000:]
     assert f"run {run_id} started on node-0, node-1\n" in out
+    # The rejoin stopped the 2-node layout with its grace: its ranks wrote the preempt checkpoint
+    # after step 4, and the 3 nodes went on from it.
+    assert "[node-0/0] [rank0] resumed from /out/checkpoints/step-4.preempt at step 4" in out, out[-3000:]
     assert f"run {run_id} finished: all 3 node(s) exited 0" in out
     record = json.loads((runs["node-0"] / "partition.json").read_text())  # the last layout's
     assert record["spec"] == splits[2] and [s["node"] for s in record["stages"]] == ["node-0", "node-1", "node-2"]
