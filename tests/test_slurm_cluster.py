@@ -4,8 +4,8 @@ login sshd, started once for this module by `runner sandbox up --slurm` and stop
 
 The reduced Pi pipeline (3 nodes, pp=3) runs through Slurm and as three local processes: the
 per-step losses are equal, bit for bit (the SSH runner's sandbox equals three local processes in
-test_partition_auto_sandbox.py). `runner down` of a Slurm run writes the preempt checkpoint on every rank and
-`up --resume` continues it bitwise; the same job in the trainer image through Slurm's native OCI
+test_partition_auto_sandbox.py). `runner down` of a Slurm run writes the preempt checkpoint on
+every rank and `up --resume` continues it bitwise; the same job in the trainer image through Slurm's native OCI
 support gives the same losses again.
 """
 

@@ -1,13 +1,14 @@
-"""Two pytest-xdist workers on one machine (`TEST_WORKERS=2 scripts/test.sh`: `-n 2 --dist loadgroup`).
+"""Two pytest-xdist workers on one machine (`scripts/test.sh`'s default: `-n 2 --dist loadgroup`).
 
 Why two: a serial run keeps the 2 cores busy only ~63% of its time (a run on 2026-11-27, sampling
 /proc/stat: 2966 CPU-seconds in 2358 s); the sandbox tests wait on nodes, links, heartbeats and
 grace periods, and the other worker's trainer runs fill those waits.
 
 What keeps them apart:
-- `groups` and `GroupScheduling`: every test that uses a cluster (the session sandbox, the non-root one, the namespaced
-  one, Slurm) goes to the one worker that holds that cluster, tests sharing a cluster together;
-  every other test goes with its module (module fixtures are computed once).
+- `groups` and `GroupScheduling`: every test that uses a cluster (the session sandbox, the
+  non-root one, the namespaced one, Slurm) goes to the one worker that holds that cluster, tests
+  sharing a cluster together; every other test goes with its module (module fixtures are computed
+  once); the longest groups go out first (`cluster_groups_first`).
 - `alone`: a test marked `alone` runs with the other worker between tests (speed-sensitive: the
   unequal-node quotas separate speeds only while the machine has CPU to spare). A shared/exclusive
   lock on one file, with a turnstile so that a waiting `alone` test is not starved.
