@@ -96,10 +96,10 @@ def run_containers(inventory: Path, run_id: str | None = None, running_only: boo
 TORCHRUN_LOG = re.compile(r"\[?[WEI]\d{4} ")
 
 
-def job_part(lines: list[str], end: str = "end") -> list[str]:
-    """A job's own lines, up to the line `end` it prints last; what follows may only be torchrun's
-    log (checked)."""
-    cut = lines.index(end) + 1 if end in lines else len(lines)
+def job_part(lines: list[str]) -> list[str]:
+    """A job's own lines, up to the `end` it prints last; what follows may only be torchrun's log
+    (checked)."""
+    cut = lines.index("end") + 1 if "end" in lines else len(lines)
     assert not lines[cut:] or TORCHRUN_LOG.match(lines[cut]), lines[cut:cut + 3]
     return lines[:cut]
 

@@ -72,7 +72,8 @@ def test_sbatch_directives_env_and_task_field_by_field(tmp_path):
                              "--rdzv-backend", "static", "--max-restarts", "0",
                              "-m", "trainer", "--config", f"{rd}/config.yaml", "--train_steps", "5"]
     task = heredoc(plan.script, "RUNNER_TASK")
-    assert task.split("torchrun ", 1)[0].splitlines()[-2:] == ["got=", "trap 'got=1; cut=1' USR1 TERM  # set first: a signal from now on counts (the end)"]
+    assert task.split("torchrun ", 1)[0].splitlines()[-2:] == [
+        "got=", "trap 'got=1; cut=1' USR1 TERM  # set first: a signal from now on counts (the end)"]
     assert [ln for ln in task.splitlines() if ln.startswith("torchrun ")] == [
         'torchrun --nnodes 3 --node-rank "$rank" --nproc-per-node 2 --master-addr "$MASTER_ADDR" '
         '--master-port "$MASTER_PORT" --rdzv-backend static --max-restarts 0 -m trainer '
