@@ -82,11 +82,16 @@ def test_gpu_bench_plans_the_headline_first_and_names_sdpa_kernels():
     from bench.gpu_throughput import plan, sdpa_kernels
 
     rows = plan(argparse.Namespace(smoke=False, quick=False))
-    head = [(r.preset, r.name) for r in rows[:9]]
-    assert head[:6] == [(p, n) for p in ("smollm-360m", "qwen3-0.6b", "smollm-1.7b")
+    head = [(r.preset, r.name, r.batch) for r in rows[:10]]
+    assert head[:6] == [(p, n, b) for p, b in (("smollm-360m", 8), ("qwen3-0.6b", 8), ("smollm-1.7b", 4))
                         for n in ("trainer (defaults)", "plain compiled, per layer")]
-    assert head[6:] == [(p, "plain compiled, whole model") for p in ("smollm-360m", "qwen3-0.6b", "smollm-1.7b")]
-    assert {r.group for r in rows[:9]} == {"headline"} and rows[-1].group == "search"
+    assert head[6] == ("smollm-1.7b", "trainer, largest batch", 8)  # the MFU target's first try
+    assert head[7:] == [(p, "plain compiled, whole model", b)
+                        for p, b in (("smollm-360m", 8), ("qwen3-0.6b", 8), ("smollm-1.7b", 4))]
+    search = [r.batch for r in rows if r.group == "search"]
+    assert search == [8, 12, 16, 16, 24, 32]  # increasing: a batch that fails stops the larger ones
+    assert [r.group for r in rows[10:15]] == ["search"] * 5 and rows[-1].group == "features"
+    assert [r.overrides for r in rows if r.name == "trainer, gc_interval 0"] == [{"train.gc_interval": 0}] * 3
     assert len(plan(argparse.Namespace(smoke=False, quick=True))) == 9
     assert sdpa_kernels(["void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128>>", "ampere_gemm"]) == [
         "flash"]
@@ -94,3 +99,29 @@ def test_gpu_bench_plans_the_headline_first_and_names_sdpa_kernels():
     assert sdpa_kernels(["fmha_cutlassF_bf16_aligned_64x64_rf_sm80", "aten::_efficient_attention_forward"]) == [
         "efficient"]
     assert sdpa_kernels(["aten::bmm", "aten::softmax"]) == ["none seen"]
+
+
+def test_gpu_bench_trainer_rows_run_the_loops_garbage_collection_schedule(tmp_path):
+    """A trainer row times Trainer.train_step outside Trainer.fit: it must hold train.gc_interval's
+    schedule as fit's loop does (automatic collector off, generation 1 every N steps), or the
+    bench would measure a trainer its users never run."""
+    import gc
+
+    import torch
+
+    from bench.gpu_throughput import _config, _trainer_step
+
+    job = {"preset": "tiny-llama", "seq": 32, "batch": 2, "device": "cpu", "backend": "eager",
+           "overrides": {"train.gc_interval": 3}}
+    was = gc.isenabled()
+    try:
+        _, step = _trainer_step(_config(job, str(tmp_path)), torch.device("cpu"))
+        enabled = []
+        for _ in range(7):
+            step()
+            enabled.append(gc.isenabled())
+        trainer = next(c.cell_contents for c in step.__closure__ if hasattr(c.cell_contents, "gc"))
+        assert enabled == [False] * 7 and trainer.step == 7
+        assert trainer.gc.collections == 2  # after steps 3 and 6
+    finally:
+        gc.enable() if was else gc.disable()
