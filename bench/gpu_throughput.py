@@ -21,9 +21,12 @@ model build a full causal mask (`torch.compiler.is_exporting()` folded to True u
 before pytorch#176347), which loses the flash kernel; the SDPA kernel column shows what ran.
 
 Every row runs in its own process with its own timeout (clean peak-memory counters and compile
-caches; an out-of-memory or a hang ends only that row, recorded as `oom` / `timeout`). Rows run in
-priority order, the headline first (trainer defaults and both compiled plain loops per preset),
-and `--budget` seconds bound the whole run: rows that no longer fit are recorded as `skipped`.
+caches; an out-of-memory or a hang ends only that row, recorded as `oom` / `timeout`; a row that
+printed its result and then outlived its time keeps the result, marked `killed_after_result`).
+Rows run in priority order: the targets' rows first (trainer defaults and the per-layer compiled
+loop per preset, smollm-1.7b at batch 8, the whole-model compiled loops, the rest of the batch
+search), then one feature changed at a time; `--budget` seconds bound the whole run: rows that no
+longer fit are recorded as `skipped`.
 The JSON (`--json`, default bench/results/gpu_throughput.json) and a CSV of its rows beside it are
 rewritten after every row, so a run cut short keeps what finished. Per row: tokens/s as the median of up to 3 timed windows
 (`--steps` each, after `--warmup` steps that include compilation) with their spread (windows
@@ -81,6 +84,10 @@ MEMORY_TARGET = {"smollm-360m": 0.8, "qwen3-0.6b": 0.8, "smollm-1.7b": 1.0}
 MFU_TARGET = 0.50
 LOSS_RTOL = 3e-2        # rows of one preset: loss at the same step, bf16 paths of different shapes
 LOG_EVERY = 10          # the trainer's CUDA log cadence; the plain loops read their loss as often
+
+
+# --smoke and tests: rows that fail on purpose (words: oom, hang, linger after the result)
+FAULTS = {"smoke-oom": "oom", "smoke-hang": "hang", "test-oom-linger": "oom linger"}
 
 
 @dataclass
@@ -228,9 +235,10 @@ def _profile_step(step, device) -> tuple[list[str], list[str]]:
 def measure(job: dict) -> dict:
     # --smoke only, before any import (seconds matter there): the paths a CUDA out-of-memory
     # error and a hung compile take.
-    if job.get("fault") == "oom":
+    faults = (job.get("fault") or "").split()
+    if "oom" in faults:
         raise RuntimeError("CUDA out of memory. Tried to allocate 1 GiB (forced by --smoke, not a real allocation)")
-    if job.get("fault") == "hang":
+    if "hang" in faults:
         time.sleep(3600)
     import torch
 
@@ -311,6 +319,8 @@ def worker(job: dict) -> int:
     except Exception as e:  # noqa: BLE001 - every failure becomes this row's status
         out = {"status": "oom" if is_oom(e) else "error", "error": traceback.format_exc()[-2000:]}
     print("RESULT " + json.dumps(out), flush=True)
+    if "linger" in (job.get("fault") or "").split():  # tests only: a process outliving its result
+        time.sleep(3600)
     return 0
 
 
@@ -321,7 +331,7 @@ def run_row(row: Row, args: argparse.Namespace, timeout: float, log: Path) -> di
     job = {"loop": row.loop, "preset": row.preset, "batch": row.batch, "overrides": row.overrides,
            "steps": args.steps, "warmup": args.warmup, "reps": args.reps, "seq": args.seq,
            "device": "cpu" if args.smoke else "cuda:0", "backend": args.backend, "deadline": time.time() + timeout,
-           "fault": {"smoke-oom": "oom", "smoke-hang": "hang"}.get(row.group)}
+           "fault": FAULTS.get(row.group)}
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.time()
     with log.open("w") as f:
@@ -338,12 +348,14 @@ def run_row(row: Row, args: argparse.Namespace, timeout: float, log: Path) -> di
                 proc.wait()
     text = log.read_text(errors="replace")
     line = next((ln for ln in reversed(text.splitlines()) if ln.startswith("RESULT ")), None)
-    if timed_out:
-        res = {"status": "timeout", "error": f"no result within {timeout:.0f} s"}
-    elif line is None:
-        res = {"status": "error", "error": f"exit {proc.returncode} without a result: {text[-1500:]}"}
-    else:
+    if line is not None:
         res = json.loads(line[len("RESULT "):])
+        if timed_out:  # measured, then the process outlived the row's time (its exit: compile workers)
+            res["killed_after_result"] = True
+    elif timed_out:
+        res = {"status": "timeout", "error": f"no result within {timeout:.0f} s"}
+    else:
+        res = {"status": "error", "error": f"exit {proc.returncode} without a result: {text[-1500:]}"}
     res.update({**asdict(row), "wall_s": round(time.time() - t0, 1), "timeout_s": round(timeout), "log": str(log)})
     print(f"  {row.preset} batch {row.batch} {row.name}: {describe(res)} ({res['wall_s']:.0f} s)", flush=True)
     return res

@@ -114,14 +114,31 @@ def test_gpu_bench_trainer_rows_run_the_loops_garbage_collection_schedule(tmp_pa
     job = {"preset": "tiny-llama", "seq": 32, "batch": 2, "device": "cpu", "backend": "eager",
            "overrides": {"train.gc_interval": 3}}
     was = gc.isenabled()
+    _, step = _trainer_step(_config(job, str(tmp_path)), torch.device("cpu"))
+    trainer = next(c.cell_contents for c in step.__closure__ if hasattr(c.cell_contents, "gc"))
     try:
-        _, step = _trainer_step(_config(job, str(tmp_path)), torch.device("cpu"))
         enabled = []
         for _ in range(7):
             step()
             enabled.append(gc.isenabled())
-        trainer = next(c.cell_contents for c in step.__closure__ if hasattr(c.cell_contents, "gc"))
         assert enabled == [False] * 7 and trainer.step == 7
         assert trainer.gc.collections == 2  # after steps 3 and 6
     finally:
+        trainer.close()
+        if torch.distributed.is_initialized():  # the one-rank group it made: later tests start with none
+            torch.distributed.destroy_process_group()
         gc.enable() if was else gc.disable()
+
+
+def test_gpu_bench_keeps_a_result_printed_before_the_rows_timeout(tmp_path):
+    """A row that printed its result and then outlived its time (a process whose exit waits on
+    compile workers; seen on an H200: qwen3-0.6b's whole-model row) keeps that result, marked
+    killed_after_result, instead of becoming a timeout."""
+    import argparse
+
+    from bench.gpu_throughput import Row, run_row
+
+    args = argparse.Namespace(steps=1, warmup=0, reps=1, seq=8, smoke=True, backend="eager")
+    res = run_row(Row("lingers", "plain", "tiny-llama", 2, group="test-oom-linger"), args, 6.0, tmp_path / "row.log")
+    assert (res["status"], res.get("killed_after_result")) == ("oom", True)
+    assert 6.0 <= res["wall_s"] < 30  # ended by the row's timeout, its process group killed
