@@ -123,6 +123,15 @@ def plan(args: argparse.Namespace) -> list[Row]:
     return rows + search[:1] + whole + search[1:] + features
 
 
+def select(rows: list[Row], presets: list[str], names: list[str]) -> list[Row]:
+    """The rows of these presets and names (none given: all), in the plan's order."""
+    for given, known, what in ((presets, {r.preset for r in rows}, "preset"), (names, {r.name for r in rows}, "row")):
+        unknown = [g for g in given if g not in known]
+        if unknown:
+            raise ValueError(f"no {what} named {unknown[0]!r}; one of: {', '.join(map(repr, sorted(known)))}")
+    return [r for r in rows if (not presets or r.preset in presets) and (not names or r.name in names)]
+
+
 # ------------------------------------------------------------------ one row (worker process)
 
 
@@ -451,9 +460,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=str(REPO / "bench" / "results" / "gpu_throughput.json"))
     ap.add_argument("--logs", default=None, help="directory for each row's output (default: next to --json)")
     ap.add_argument("--smoke", action="store_true", help="every path on CPU, tiny model, seconds")
+    ap.add_argument("--preset", action="append", default=[], metavar="NAME",
+                    help=f"only this preset's rows (repeatable): {', '.join(PRESETS)}")
+    ap.add_argument("--row", action="append", default=[], metavar="NAME",
+                    help="only rows of this name (repeatable), e.g. 'trainer (defaults)', in the plan's order")
     args = ap.parse_args(argv)
     if args.worker:
         return worker(json.loads(args.worker))
+    try:
+        pending = select(plan(args), args.preset, args.row)
+    except ValueError as e:
+        print(f"gpu_throughput: {e}", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds run_row, which ends the running row
     args.seq = SEQ
     start = time.time()
@@ -479,7 +497,6 @@ def main(argv: list[str] | None = None) -> int:
             "compile_backend_plain": args.backend, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     print(f"{device}, torch {versions['torch']} (CUDA {cuda_version}), transformers {versions['transformers']}, "
           f"seq {args.seq}, bf16, budget {args.budget or 'none'} s", flush=True)
-    pending = plan(args)
     rows: list[dict] = []
     stopped: set[str] = set()  # search: a batch that failed stops the larger ones of its setting
     while pending:

@@ -106,6 +106,7 @@ def test_gpu_bench_trainer_rows_run_the_loops_garbage_collection_schedule(tmp_pa
     schedule as fit's loop does (automatic collector off, generation 1 every N steps), or the
     bench would measure a trainer its users never run."""
     import gc
+    import logging
 
     import torch
 
@@ -114,6 +115,8 @@ def test_gpu_bench_trainer_rows_run_the_loops_garbage_collection_schedule(tmp_pa
     job = {"preset": "tiny-llama", "seq": 32, "batch": 2, "device": "cpu", "backend": "eager",
            "overrides": {"train.gc_interval": 3}}
     was = gc.isenabled()
+    log = logging.getLogger("trainer")
+    saved = (log.handlers[:], log.propagate, log.level)  # setup_logging replaces them: put them back
     _, step = _trainer_step(_config(job, str(tmp_path)), torch.device("cpu"))
     trainer = next(c.cell_contents for c in step.__closure__ if hasattr(c.cell_contents, "gc"))
     try:
@@ -128,6 +131,10 @@ def test_gpu_bench_trainer_rows_run_the_loops_garbage_collection_schedule(tmp_pa
         if torch.distributed.is_initialized():  # the one-rank group it made: later tests start with none
             torch.distributed.destroy_process_group()
         gc.enable() if was else gc.disable()
+        for h in log.handlers:
+            if h not in saved[0]:
+                h.close()
+        log.handlers[:], log.propagate, log.level = saved
 
 
 def test_gpu_bench_keeps_a_result_printed_before_the_rows_timeout(tmp_path):
@@ -142,3 +149,37 @@ def test_gpu_bench_keeps_a_result_printed_before_the_rows_timeout(tmp_path):
     res = run_row(Row("lingers", "plain", "tiny-llama", 2, group="test-oom-linger"), args, 6.0, tmp_path / "row.log")
     assert (res["status"], res.get("killed_after_result")) == ("oom", True)
     assert 6.0 <= res["wall_s"] < 30  # ended by the row's timeout, its process group killed
+
+
+def test_gpu_bench_selects_rows_by_preset_and_name_and_refuses_unknown_ones():
+    import argparse
+    import subprocess
+    import sys
+
+    from bench.gpu_throughput import plan, select
+
+    rows = plan(argparse.Namespace(smoke=False, quick=False))
+    picked = select(rows, ["smollm-1.7b", "qwen3-0.6b"], ["trainer (defaults)", "trainer, gc_interval 0"])
+    assert [(r.preset, r.name) for r in picked] == [
+        ("qwen3-0.6b", "trainer (defaults)"), ("smollm-1.7b", "trainer (defaults)"),
+        ("qwen3-0.6b", "trainer, gc_interval 0"), ("smollm-1.7b", "trainer, gc_interval 0")]  # the plan's order
+    assert select(rows, [], []) == rows
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu_throughput", "--row", "trainer"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("gpu_throughput: no row named 'trainer'; one of: 'plain compiled, per layer', ")
+
+
+def test_gpu_gap_script_names_rows_and_presets_the_bench_has():
+    """bench/gpu_gap.sh runs once on a lent GPU: a row name the bench no longer has would waste it."""
+    import argparse
+    import re
+
+    from bench.gpu_throughput import plan, select
+    from tests import REPO
+
+    text = (REPO / "bench" / "gpu_gap.sh").read_text()
+    names, presets = re.findall(r'--row "([^"]+)"', text), re.findall(r"--preset (\S+) ", text)
+    assert len(names) == 5 and presets == ["smollm-1.7b", "smollm-1.7b", "qwen3-0.6b"]  # the profile's, the bench's
+    picked = select(plan(argparse.Namespace(smoke=False, quick=False)), presets, names)
+    assert {(r.preset, r.name) for r in picked} == {(p, n) for p in presets for n in names}
