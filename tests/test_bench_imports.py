@@ -179,7 +179,8 @@ def test_gpu_gap_script_names_rows_and_presets_the_bench_has():
     from tests import REPO
 
     text = (REPO / "bench" / "gpu_gap.sh").read_text()
-    names, presets = re.findall(r'--row "([^"]+)"', text), re.findall(r"--preset (\S+) ", text)
-    assert len(names) == 5 and presets == ["smollm-1.7b", "smollm-1.7b", "qwen3-0.6b"]  # the profile's, the bench's
+    names, presets = re.findall(r'--row "([^"]+)"', text), re.findall(r'rows_of ([a-z]\S+) "', text)
+    assert len(names) == 5 and presets == ["smollm-1.7b", "qwen3-0.6b"]
+    assert re.findall(r"gpu_step_profile .* --preset (\S+) --batch 4", text) == ["smollm-1.7b"]
     picked = select(plan(argparse.Namespace(smoke=False, quick=False)), presets, names)
     assert {(r.preset, r.name) for r in picked} == {(p, n) for p in presets for n in names}
