@@ -199,12 +199,12 @@ def _trainer_step(cfg, device):
     held.enter_context(trainer.gc.active())
 
     def step():
-        assert held is not None
         loss, _ = trainer.train_step()
         trainer.step += 1
         trainer.gc.after_step(trainer.step)
         return loss
 
+    step.gc_schedule = held  # type: ignore[attr-defined]
     return trainer.spec, step
 
 
