@@ -13,7 +13,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-BENCHES = ["trainer_throughput", "pipeline_schedules", "launch", "push", "collect", "fanout", "gpu_throughput",
+BENCHES = ["trainer_throughput", "lm_loss", "pipeline_schedules", "launch", "push", "collect", "fanout", "gpu_throughput",
            "partition", "links", "push_relay", "gpu_families", "elastic"]
 
 

@@ -128,29 +128,11 @@ def test_blocks_compile_whole_with_static_shapes():
 # ------------------------------------------------------------------ the chunked loss, compiled
 
 
-def _peak_cpu_bytes(fn) -> int:
-    """Peak bytes the CPU allocator held above its level at the start of `fn` (profiler memory events)."""
-    import json
-    import tempfile
-    from pathlib import Path
-
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        events = json.loads(path.read_text())["traceEvents"]
-    mem = [e["args"] for e in events if e.get("name") == "[memory]"]
-    start = mem[0]["Total Allocated"] - mem[0]["Bytes"]
-    return max(m["Total Allocated"] for m in mem) - start
-
-
 def test_peak_memory_falls_as_loss_chunks_grow():
     """The compiled LM head + loss in 1 and 8 chunks on a 8192-token vocabulary: the same loss and
     gradients, and the allocator's peak over forward + backward falls by at least half the fp32
     logits and their gradient (the eager chunks: test_trainer_speed.py)."""
+    from bench.lm_loss import peak_cpu_bytes
     from trainer.config import ModelConfig
     from trainer.models import build_model, model_spec
     from trainer.models.lm_loss import compile_loss, install_loss_forward
@@ -171,7 +153,7 @@ def test_peak_memory_falls_as_loss_chunks_grow():
             loss.backward()
             out["loss"] = loss.detach()
 
-        peak = _peak_cpu_bytes(step)
+        peak = peak_cpu_bytes(step)
         results[chunks] = (peak, out["loss"], model.lm_head.weight.grad.clone())
     (p1, l1, g1), (p8, l8, g8) = results[1], results[8]
     assert p1 - p8 > 2 * 4 * 128 * 8192 * 4 * 0.5, (p1, p8)

@@ -3,9 +3,13 @@
 `model(input_ids=x, targets=y)` returns the SUM of token cross-entropies (targets already shifted,
 -100 ignored) instead of logits. With loss_chunks = N > 1 the final hidden states go through the
 LM head and the cross-entropy N token chunks at a time, each chunk under activation checkpointing:
-its [tokens/N, vocab] logits (and their fp32 copy) exist only while that chunk is computed, in the
-forward and again in the backward, so the [batch, seq, vocab] fp32 logits never exist. (At seq 2048,
-batch 8 and Qwen3's 151,936-token vocabulary they alone are 10 GB.)
+its [tokens/N, vocab] logits (and their fp32 copy) exist only while that chunk is computed, so the
+[batch, seq, vocab] fp32 logits never exist. (At seq 2048, batch 8 and Qwen3's 151,936-token
+vocabulary they alone are 10 GB.) In training, with a plain bias-free linear head (no tensor or
+pipeline parallelism), each chunk's head gradients are computed in the forward from the chunk's one
+softmax (head_loss_grad.py): no logits are recomputed in the backward and none are kept. Elsewhere
+(pipeline stages, evaluation, BERT's head) each chunk runs under activation checkpointing and its
+logits are computed again in the backward.
 
 Why inside the root forward: DDP prepares its gradient reduction and FSDP2 gathers the root's
 parameters (embeddings, final norm, head) in hooks around the root module's forward; a head applied
@@ -15,9 +19,10 @@ FSDP2's fully_shard does), so parameter names, state dicts and checkpoints are u
 How many chunks (train.loss_chunks auto): as few as keep each chunk's logits at most 2^28
 elements (config_checks.resolve_loss_chunks), so the memory they take does not grow with the batch.
 
-Compiled (`compile_loss`, with train.compile): one chunk's head + cross-entropy is one graph
-(fullgraph, static shapes; every chunk has the same shape), so the bf16 logits, their fp32 copy,
-the log-softmax and its gradient fuse into a few kernels instead of materialising each.
+Compiled (`compile_loss`, with train.compile): one chunk's cross-entropy and its gradient (or, on
+the checkpointed path, head + cross-entropy) is one graph (fullgraph, static shapes; every chunk has
+the same shape), so the fp32 copy of the logits, the log-softmax and its gradient fuse into a few
+kernels instead of materialising each.
 
 Under tensor parallelism the head leaves its logits sharded over the vocabulary (a DTensor) and
 the cross-entropy runs vocab-parallel (torch's loss_parallel): no TP rank ever holds full logits.
@@ -38,9 +43,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from trainer.models.head_loss_grad import IGNORE_INDEX, ce_sum_and_grad, head_loss_sum
 from trainer.models.own_positions import own_positions
 
-IGNORE_INDEX = -100
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -54,7 +59,7 @@ def _head_loss_sum(head: nn.Module, h: torch.Tensor, targets: torch.Tensor) -> t
                                   reduction="sum"))
 
 
-_COMPILED: dict[str, Any] = {}
+_COMPILED: dict[tuple[str, str], Any] = {}
 _COMPILE_ATTR = "_trainer_loss_backend"  # set on the head module by compile_loss
 
 
@@ -63,26 +68,41 @@ def compile_loss(head: nn.Module, backend: str = "inductor") -> None:
     setattr(head, _COMPILE_ATTR, backend)
 
 
-def _chunk_fn(head: nn.Module) -> Any:
+def _compiled(head: nn.Module, fn: Any) -> Any:
+    """`fn` as `head` runs it: compiled when compile_loss named a backend for it (one compiled copy
+    per function and backend, shared by every head)."""
     backend = getattr(head, _COMPILE_ATTR, None)
     if backend is None:
-        return _head_loss_sum
-    if backend not in _COMPILED:
-        _COMPILED[backend] = torch.compile(_head_loss_sum, fullgraph=True, dynamic=False, backend=backend)
-    return _COMPILED[backend]
+        return fn
+    key = (fn.__name__, backend)
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
+    return _COMPILED[key]
 
 
-def lm_loss_sum(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, chunks: int = 1) -> torch.Tensor:
-    """Sum of token cross-entropies of head(hidden) against targets, in fp32, `chunks` tokens groups at a time."""
+def fuses_head_gradient(head: nn.Module, hidden: torch.Tensor) -> bool:
+    """Whether the loss computes the head's gradients in its forward (head_loss_grad.py): in
+    training, for a bias-free linear head whose weight is a plain tensor (not vocab-parallel)."""
+    weight = getattr(head, "weight", None)
+    return (type(head) is nn.Linear and head.bias is None and not hasattr(weight, "device_mesh")
+            and torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad))
+
+
+def lm_loss_sum(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, chunks: int = 1,
+                fuse: bool = True) -> torch.Tensor:
+    """Sum of token cross-entropies of head(hidden) against targets, in fp32, `chunks` token groups
+    at a time; `fuse` False (pipeline stages) always takes the recomputing path."""
     if hasattr(hidden, "full_tensor"):  # sequence-parallel hidden states: the head needs every token
         hidden = hidden.full_tensor()
-    fn = _chunk_fn(head)
+    if fuse and fuses_head_gradient(head, hidden):
+        return head_loss_sum(hidden, head.weight, targets, chunks, _compiled(head, ce_sum_and_grad))
+    fn = _compiled(head, _head_loss_sum)
     if chunks <= 1:
         return fn(head, hidden, targets)  # one call: the same numbers as the plain model's logits
     total = None
     for h, y in zip(hidden.flatten(0, -2).tensor_split(chunks), targets.flatten().tensor_split(chunks), strict=True):
         # Only h (and y) are kept for backward; the chunk's logits are recomputed there.
-        part = checkpoint(fn, head, h, y, use_reentrant=False)
+        part = checkpoint(fn, head, h, y, use_reentrant=False) if torch.is_grad_enabled() else fn(head, h, y)
         total = part if total is None else total + part
     return total
 

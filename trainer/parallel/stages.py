@@ -85,8 +85,10 @@ class _Container(nn.Module):
 
 
 def _head_out(head: nn.Module, h: torch.Tensor, targets: torch.Tensor | None, chunks: int) -> torch.Tensor:
-    """The last stage's output: logits, or with targets the summed loss (no full logits)."""
-    return head(h) if targets is None else lm_loss_sum(head, h, targets, chunks)
+    """The last stage's output: logits, or with targets the summed loss (no full logits). The loss
+    recomputes its logits in the backward (fuse=False): a schedule that runs several microbatches'
+    forwards before their backwards (GPipe) would otherwise hold a head gradient per microbatch."""
+    return head(h) if targets is None else lm_loss_sum(head, h, targets, chunks, fuse=False)
 
 
 class DecoderStage(nn.Module):
