@@ -175,7 +175,7 @@ class Trainer:
         t = self.cfg.train
         inputs, labels = self.data.next_batch()
         loss = self.par.forward_backward(inputs, labels, t.microbatch_num * t.grad_acc_steps)
-        grad_norm = self.par.clip_grad_norm(t.grad_clip)
+        grad_norm = self.par.clip_grad_norm(t.grad_clip, self.optimizer)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

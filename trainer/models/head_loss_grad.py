@@ -24,7 +24,8 @@ gradients there), then returned in the weight's dtype.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F

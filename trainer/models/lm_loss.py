@@ -47,7 +47,6 @@ from trainer.models.head_loss_grad import IGNORE_INDEX, ce_sum_and_grad, head_lo
 from trainer.models.own_positions import own_positions
 
 
-
 def _plain(t: torch.Tensor) -> torch.Tensor:
     # A vocab-parallel loss is a replicated DTensor scalar; the trainer adds plain tensors.
     return t.full_tensor() if hasattr(t, "full_tensor") else t

@@ -39,19 +39,35 @@ def total_grad_norm(params: list[torch.Tensor], pp_group: dist.ProcessGroup | No
 
 
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float, pp_group: dist.ProcessGroup | None = None,
-                   all_params: list[torch.Tensor] | None = None) -> torch.Tensor:
-    """Norm over `params` (tied copies excluded); scale every gradient in `all_params` (default params).
-
-    On the device, without reading the norm back (no host sync): the factor is torch's
-    clip_grad_norm_ formula, min(max_norm / (norm + 1e-6), 1), and 1 when the norm is not finite."""
+                   all_params: list[torch.Tensor] | None = None,
+                   optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
+    """Norm over `params` (tied copies excluded); clip every gradient in `all_params` (default
+    params) by it (scale_for_clip). On the device, without reading the norm back (no host sync)."""
     norm = total_grad_norm(params, pp_group)
+    scale_for_clip(optimizer, all_params if all_params is not None else params, norm, max_norm)
+    return norm
+
+
+def scale_for_clip(optimizer: torch.optim.Optimizer | None, params: list[torch.Tensor], norm: torch.Tensor,
+                   max_norm: float) -> None:
+    """Clip this step's gradients of `params`: times torch's clip_grad_norm_ factor
+    min(max_norm / (norm + 1e-6), 1), or 1 when the norm is not finite; nothing when max_norm <= 0.
+
+    With a fused AdamW `optimizer` the factor goes into its step as `grad_scale` (the kernel divides
+    each gradient by it as it reads it, the AMP grad scaler's path), so the gradients are not
+    rewritten by a pass of their own: one read and one write of every gradient less per step. Else
+    one foreach multiply. Either way the step sees the same clipped gradients (to rounding: x / (1/c)
+    against x * c, equal where nothing is clipped)."""
+    coef = None
     if max_norm > 0:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         coef = torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
-        grads = [_local(p.grad) for p in (all_params if all_params is not None else params) if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].device))
-    return norm
+    if optimizer is not None and optimizer.defaults.get("fused"):
+        optimizer.grad_scale = None if coef is None else coef.float().reciprocal()
+        return
+    grads = [_local(p.grad) for p in params if p.grad is not None]
+    if coef is not None and grads:
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
 
 
 def _local(g: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,6 @@ A pipeline (trainer/parallel/pipeline.py) subclasses it; trainer/parallel/compos
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,14 +86,17 @@ class Parallelized:
         with loss_context(self.dims.tp), self._autocast():
             return self.task.loss_sum(self.model_parts[0], inputs, labels) / total
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Total grad norm over all ranks' shards (clipped when max_norm > 0), as a device tensor."""
+    def clip_grad_norm(self, max_norm: float, optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
+        """Total grad norm over all ranks' shards as a device tensor; the gradients clipped to
+        max_norm when it is > 0, inside `optimizer`'s step where it is a fused AdamW (grad_norm.py)."""
+        from trainer.parallel.grad_norm import scale_for_clip, total_grad_norm
+
         params = [p for p in self.parameters() if p.grad is not None]
         if self.dims.tp > 1:  # TP and FSDP-only params live on different meshes: assemble the norm
-            from trainer.parallel.grad_norm import clip_grad_norm
-
-            return clip_grad_norm(params, max_norm)
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf, foreach=True)
-        if hasattr(norm, "full_tensor"):  # DTensor under FSDP2: the norm of the whole gradient
-            norm = norm.full_tensor()
+            norm = total_grad_norm(params)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+            if hasattr(norm, "full_tensor"):  # DTensor under FSDP2: the norm of the whole gradient
+                norm = norm.full_tensor()
+        scale_for_clip(optimizer, params, norm, max_norm)
         return norm

@@ -355,5 +355,6 @@ class PipelineParallelized(Parallelized):
             return self.runner.eval_loss(inputs.to(self.device, non_blocking=True),
                                          labels.to(self.device, non_blocking=True), 1, total)
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        return clip_grad_norm(untied_params(self.runner), max_norm, self.pp_group, all_params=self.parameters())
+    def clip_grad_norm(self, max_norm: float, optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
+        return clip_grad_norm(untied_params(self.runner), max_norm, self.pp_group, all_params=self.parameters(),
+                              optimizer=optimizer)
