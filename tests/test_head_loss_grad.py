@@ -107,8 +107,8 @@ def test_three_head_matmuls_per_chunk_where_the_checkpointed_chunks_need_four(ch
 
 def test_under_autocast_the_fused_loss_matches_the_checkpointed_one_in_bf16():
     """fp32 weights under bf16 autocast (one process with train.param_dtype fp32, DDP): the logits and
-    their gradient in bf16 on both paths; the loss and both gradients agree to bf16 tolerance and
-    keep their fp32 dtype."""
+    their gradient in bf16 on both paths, the weight's gradient summed over chunks in fp32; the loss
+    within 1e-6 and the gradient within 1% of its largest entry (measured: 0.28%), both fp32."""
     results = []
     for fuse in (True, False):
         emb, head, x, y = _tied(1)
@@ -118,9 +118,9 @@ def test_under_autocast_the_fused_loss_matches_the_checkpointed_one_in_bf16():
         results.append((loss.detach(), emb.weight.grad.clone()))
     (fl, fg), (cl, cg) = results
     assert fl.dtype == cl.dtype == fg.dtype == cg.dtype == torch.float32
-    torch.testing.assert_close(fl, cl, rtol=1e-3, atol=0)
-    torch.testing.assert_close(fg, cg, rtol=2e-2, atol=2e-2)
-    assert (fg - cg).abs().max() < 0.02 * cg.abs().max()
+    torch.testing.assert_close(fl, cl, rtol=1e-6, atol=0)  # the same bf16 logits, the loss in fp32
+    # The gradient: bf16 rounding of d(logits) before (here) or after (autograd) the 1/total scale.
+    assert (fg - cg).abs().max() < 0.01 * cg.abs().max()
 
 
 def test_evaluation_takes_the_plain_path_with_the_same_loss():

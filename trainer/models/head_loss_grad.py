@@ -17,8 +17,8 @@ microbatch's forward before any backward, and each would hold a [vocab, hidden] 
 
 Precision: as autograd would: logits and dlogits in the compute dtype (bf16 under autocast or FSDP2's
 bf16 parameters), the softmax and loss in fp32, the matmuls accumulating in fp32 inside the GEMM.
-The weight's gradient is accumulated over chunks in the compute dtype (autograd also sums bf16 chunk
-gradients there), then returned in the weight's dtype.
+The weight's gradient is accumulated over chunks in the weight's dtype, as autograd does: bf16 with
+FSDP2's bf16 parameters (in place, inside the GEMM), fp32 for fp32 weights under autocast.
 """
 
 from __future__ import annotations
@@ -65,7 +65,12 @@ class _HeadLossSum(torch.autograd.Function):
                                   grad_h.tensor_split(chunks), strict=True):
                 loss, dlogits = ce(torch.mm(hc, w.t()), yc)
                 torch.mm(dlogits, w, out=gh)
-                grad_w = torch.mm(dlogits.t(), hc) if grad_w is None else grad_w.addmm_(dlogits.t(), hc)
+                if grad_w is None:  # in the weight's dtype: fp32 under autocast, as autograd accumulates it
+                    grad_w = torch.mm(dlogits.t(), hc).to(weight.dtype)
+                elif grad_w.dtype == dtype:
+                    grad_w.addmm_(dlogits.t(), hc)
+                else:
+                    grad_w.add_(torch.mm(dlogits.t(), hc))
                 total = loss if total is None else total + loss
         ctx.save_for_backward(grad_h, grad_w)
         return total
