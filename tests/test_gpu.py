@@ -1,6 +1,7 @@
 """CUDA tests, in the order they run (cheapest and most telling first, so that a run cut off by a
 time limit still says most): compiled vs eager equality, the flash kernel in the trainer's
-profiled step, chunked vs unchunked loss, memory bounds, no host sync between log steps, the GPU
+profiled step, chunked vs unchunked loss, the head gradient in the forward vs the recomputing
+chunks, memory bounds, no host sync between log steps, the GPU
 defaults end to end (compiled blocks and loss, bf16 parameters, log cadence, memory fields), FSDP2
 on NCCL with one rank, the NVML energy CSV in real Joules, checkpoint/resume on CUDA, and with
 >= 2 GPUs every layout compiled on NCCL against one GPU. Each skips without a CUDA device (the
@@ -128,6 +129,36 @@ def test_chunked_loss_equals_one_chunk_on_cuda():
     (l1, g1), (l8, g8) = results
     assert torch.allclose(l8, l1, rtol=1e-5)
     assert all(torch.allclose(g8[n], g1[n], rtol=1e-3, atol=1e-5) for n in g1)
+
+
+def test_head_gradient_in_forward_equals_the_recomputing_chunks_on_cuda():
+    """The loss as the trainer runs it (head gradients in the forward, compiled by inductor) against
+    the recomputing chunks a pipeline stage runs, fp32 and bf16 (autocast): the same loss (1e-5 /
+    1e-3) and gradients of the hidden states and the head (1e-4 / 1% of the largest entry)."""
+    import torch
+
+    from trainer.models.lm_loss import compile_loss, lm_loss_sum
+
+    dev = torch.device("cuda", 0)
+    g = torch.Generator().manual_seed(0)
+    w0, h0 = torch.randn(8192, 256, generator=g) * 0.05, torch.randn(4096, 256, generator=g)
+    y = torch.randint(0, 8192, (4096,), generator=g).to(dev)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-3)):
+        out = []
+        for fuse in (True, False):
+            head = torch.nn.Linear(256, 8192, bias=False).to(dev)
+            with torch.no_grad():
+                head.weight.copy_(w0)
+            h = h0.to(dev).requires_grad_()
+            compile_loss(head, "inductor")
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+                loss = lm_loss_sum(head, h, y, 4, fuse=fuse)
+            loss.backward()
+            out.append((loss.detach(), h.grad, head.weight.grad))
+        (fl, fh, fw), (cl, ch, cw) = out
+        assert torch.allclose(fl, cl, rtol=tol), (dtype, float(fl), float(cl))
+        for a, b in ((fh, ch), (fw, cw)):
+            assert (a - b).abs().max() <= (1e-4 if dtype == torch.float32 else 1e-2) * b.abs().max(), dtype
 
 
 def _peak_gib(model, x) -> float:
