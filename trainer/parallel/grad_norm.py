@@ -56,8 +56,9 @@ def scale_for_clip(optimizer: torch.optim.Optimizer | None, params: list[torch.T
     With a fused AdamW `optimizer` the factor goes into its step as `grad_scale` (the kernel divides
     each gradient by it as it reads it and writes the result back, the AMP grad scaler's path), so
     the gradients are not rewritten by a pass of their own: 4 bytes per fp32 gradient less per step
-    (the clip's read + write become the kernel's write-back). Else one foreach multiply. Either way the step sees the same clipped gradients (to rounding: x / (1/c)
-    against x * c, equal where nothing is clipped)."""
+    (the clip's read + write become the kernel's write-back). Else one foreach multiply. Either way
+    the step sees the same clipped gradients (to rounding: x / (1/c) against x * c, equal where
+    nothing is clipped)."""
     coef = None
     if max_norm > 0:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
