@@ -7,13 +7,13 @@
 #
 #   OUT=/some/dir bash bench/gpu_gap.sh [BUDGET_S]        (default 540; run from anywhere)
 #
-# 1. bench/lm_loss.py on CUDA (bf16, inductor): the LM head + loss alone, forward + backward, full
+# 1. bench/gpu_throughput.py: trainer defaults and the per-layer compiled plain loop for every preset
+#    (the headline ratios with the new loss), first because they decide the target; at most 350 s.
+# 2. bench/lm_loss.py on CUDA (bf16, inductor): the LM head + loss alone, forward + backward, full
 #    logits vs the recomputing chunks vs the head gradient in the forward, at qwen3-0.6b's batch-8
-#    shape (16,384 tokens, vocab 151,936, 16 chunks) and smollm-1.7b's batch-4 shape (8,192 tokens,
-#    vocab 49,152, 2 chunks); at most 130 s.
-# 2. bench/gpu_throughput.py: trainer defaults and the per-layer compiled plain loop for every preset
-#    (the headline ratios with the new loss); about 330 s.
-# 3. bench/gpu_step_profile.py at smollm-1.7b batch 4 (where the gap is widest) with the time left:
+#    shape (16,384 tokens, vocab 151,936, 16 chunks), then smollm-1.7b's batch-4 shape (8,192
+#    tokens, vocab 49,152, 2 chunks) with the time left; at most 90 s each.
+# 3. bench/gpu_step_profile.py at smollm-1.7b batch 4 (where the gap is widest) if 60 s are left:
 #    step wall times, device busy share, syncs and the top operators.
 # $OUT gets gap.tar.gz (every file) and summary.txt, which is also printed last. Changes no GPU
 # setting. Needs only torch with CUDA and transformers (the machine's python3).
@@ -29,29 +29,35 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }
 { date -u; timeout 20 nvidia-smi 2>&1 | head -n 12; } > "$W/environment.txt" 2>&1
 
-loss_shape() {  # loss_shape NAME TOKENS HIDDEN VOCAB CHUNKS
-  timeout -k 5 65 python3 -m bench.lm_loss --device cuda --tokens "$2" --hidden "$3" --vocab "$4" --chunks "$5" \
-    --json "$W/lm_loss-$1.json" > "$W/lm_loss-$1.log" 2>&1
-  echo "lm_loss $1: exit $? at $(( $(date +%s) - START ))s" >> "$W/summary.txt"
-}
-loss_shape qwen3-0.6b-b8 16384 1024 151936 16
-loss_shape smollm-1.7b-b4 8192 2048 49152 2
-
-b=$(( $(left) - 60 )); [ "$b" -gt 340 ] && b=340
+b=$(( $(left) - 100 )); [ "$b" -gt 350 ] && b=350
 timeout -k 10 $(( b + 5 )) python3 -m bench.gpu_throughput --budget "$b" --min-row-s 45 \
   --preset smollm-360m --preset qwen3-0.6b --preset smollm-1.7b \
   --row "trainer (defaults)" --row "plain compiled, per layer" \
   --json "$W/gpu_throughput.json" --logs "$W/gpu_throughput_logs" > "$W/gpu_throughput.log" 2>&1
 echo "throughput: exit $? at $(( $(date +%s) - START ))s" >> "$W/summary.txt"
 
+loss_shape() {  # loss_shape NAME TOKENS HIDDEN VOCAB CHUNKS: within 90 s, or not at all under 40 s left
+  local t=$(( $(left) - 10 )); [ "$t" -gt 90 ] && t=90
+  [ "$t" -lt 40 ] && { echo "lm_loss $1: not run, ${t}s left" >> "$W/summary.txt"; return; }
+  timeout -k 5 "$t" python3 -m bench.lm_loss --device cuda --tokens "$2" --hidden "$3" --vocab "$4" --chunks "$5" \
+    --json "$W/lm_loss-$1.json" > "$W/lm_loss-$1.log" 2>&1
+  echo "lm_loss $1: exit $? at $(( $(date +%s) - START ))s" >> "$W/summary.txt"
+}
+loss_shape qwen3-0.6b-b8 16384 1024 151936 16
+loss_shape smollm-1.7b-b4 8192 2048 49152 2
+
 t=$(( $(left) - 10 )); [ "$t" -gt 170 ] && t=170
-[ "$t" -ge 60 ] && timeout -k 10 "$t" python3 -m bench.gpu_step_profile --out "$W/profile" --preset smollm-1.7b \
-  --batch 4 --timeout $(( t / 2 - 5 )) > "$W/profile.log" 2>&1
-echo "step profile: exit $? at $(( $(date +%s) - START ))s" >> "$W/summary.txt"
+if [ "$t" -ge 60 ]; then
+  timeout -k 10 "$t" python3 -m bench.gpu_step_profile --out "$W/profile" --preset smollm-1.7b \
+    --batch 4 --timeout $(( t / 2 - 5 )) > "$W/profile.log" 2>&1
+  echo "step profile: exit $? at $(( $(date +%s) - START ))s" >> "$W/summary.txt"
+else
+  echo "step profile: not run, ${t}s left" >> "$W/summary.txt"
+fi
 
 {
-  for f in "$W"/lm_loss-*.log; do echo "--- $(basename "$f")"; grep -E "^(\||LM head)" "$f" || tail -n 3 "$f"; done
   grep -E "^  \S+ batch [0-9]+ " "$W/gpu_throughput.log"; sed -n '/^targets:/,/^loss agreement/p' "$W/gpu_throughput.log" | head -n 12
+  for f in "$W"/lm_loss-*.log; do echo "--- $(basename "$f")"; grep -E "^(\||LM head)" "$f" || tail -n 3 "$f"; done
   for f in "$W"/profile/profile-*.txt; do
     echo "--- $(basename "$f")"; grep -E "^(loop|step wall|host ms|profiled step|sync-like)" "$f" || head -n 5 "$f"
   done
