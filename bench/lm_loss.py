@@ -114,11 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     results = {way: measure(way, args, device, dtype) for way in WAYS}
     ref = results[WAYS[0]]
+    where = (f"fp32 on cpu ({torch.get_num_threads()} threads)" if device.type == "cpu" else
+             f"bf16 on {torch.cuda.get_device_name()}, compiled (inductor)")
     print(f"\nLM head + loss, forward + backward: {args.tokens} tokens x hidden {args.hidden} -> vocab {args.vocab}, "
-          f"{args.chunks} chunks, {str(dtype).removeprefix('torch.')} on {args.device} "
-          f"({torch.get_num_threads()} threads)\n" if device.type == "cpu" else
-          f"\nLM head + loss, forward + backward: {args.tokens} tokens x hidden {args.hidden} -> vocab {args.vocab}, "
-          f"{args.chunks} chunks, bf16 on {torch.cuda.get_device_name()}, compiled (inductor)\n")
+          f"{args.chunks} chunks, {where}\n")
     print("| way | time (ms) | vs full logits | peak memory (MiB) | loss rel. diff | grad max rel. diff |")
     print("|---|---:|---:|---:|---:|---:|")
     out = {}
