@@ -22,17 +22,22 @@ def _group_key(g: torch.Tensor) -> tuple:
     return ("plain",) if mesh is None else ("dtensor", id(mesh))
 
 
+def _mesh_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of gradients on one mesh (or plain tensors), whole across its shards, in fp32."""
+    norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
+    return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).float()
+
+
 def total_grad_norm(params: list[torch.Tensor], pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     grads = [p.grad for p in params if p.grad is not None]
     groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
     for g in grads:
         groups[_group_key(g)].append(g)
+    if len(groups) == 1 and pp_group is None:  # one mesh (or none): its norm as is, no square and root
+        return _mesh_norm(grads)
     sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
     for gs in groups.values():
-        norm = torch.nn.utils.get_total_norm(gs, 2.0, foreach=True)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        sq = sq + norm.float() ** 2
+        sq = sq + _mesh_norm(gs) ** 2
     if pp_group is not None:
         sq = ordered_sum(sq, pp_group)  # rank order: the norm decides the clip, and it is logged
     return sq.sqrt()

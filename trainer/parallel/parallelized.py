@@ -92,11 +92,6 @@ class Parallelized:
         from trainer.parallel.grad_norm import scale_for_clip, total_grad_norm
 
         params = [p for p in self.parameters() if p.grad is not None]
-        if self.dims.tp > 1:  # TP and FSDP-only params live on different meshes: assemble the norm
-            norm = total_grad_norm(params)
-        else:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-            if hasattr(norm, "full_tensor"):  # DTensor under FSDP2: the norm of the whole gradient
-                norm = norm.full_tensor()
+        norm = total_grad_norm(params)  # TP and FSDP-only params on different meshes: assembled there
         scale_for_clip(optimizer, params, norm, max_norm)
         return norm
