@@ -9,22 +9,14 @@ import math
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.op_counts import OpCounter
 from trainer.parallel.grad_norm import scale_for_clip
 
 
-class _GradMuls(TorchDispatchMode):
+def _grad_muls() -> OpCounter:
     """Counts the multiplies that rewrite gradients in place (the clip's own pass)."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket in (torch.ops.aten._foreach_mul_, torch.ops.aten.mul_):
-            self.count += 1
-        return func(*args, **(kwargs or {}))
+    return OpCounter(torch.ops.aten._foreach_mul_, torch.ops.aten.mul_)
 
 
 def _model_and_grads(scale: float, seed: int = 0):
@@ -55,7 +47,7 @@ def test_fused_step_with_the_clip_inside_equals_clip_then_step(scale, max_norm):
         want = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm if max_norm > 0 else math.inf)
         ref_opt.step()
         norm = _norm(ours)
-        with _GradMuls() as muls:
+        with _grad_muls() as muls:
             scale_for_clip(opt, list(ours.parameters()), norm, max_norm)
         assert muls.count == 0
         assert torch.equal(norm, want)
@@ -74,7 +66,7 @@ def test_foreach_optimizer_gets_one_multiply_and_the_same_step():
     ref, ours = _model_and_grads(100.0), _model_and_grads(100.0)
     torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
     opt = torch.optim.AdamW(ours.parameters(), lr=1e-2, foreach=True)
-    with _GradMuls() as muls:
+    with _grad_muls() as muls:
         scale_for_clip(opt, list(ours.parameters()), _norm(ours), 1.0)
     assert muls.count == 1 and getattr(opt, "grad_scale", None) is None
     for p, q in zip(ours.parameters(), ref.parameters(), strict=True):

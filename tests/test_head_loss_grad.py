@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.op_counts import OpCounter
 from trainer.models.head_loss_grad import ce_sum_and_grad
 from trainer.models.lm_loss import compile_loss, fuses_head_gradient, lm_loss_sum
 
@@ -68,17 +68,6 @@ def test_ce_gradient_is_softmax_minus_one_hot_and_zero_on_ignored_rows():
     assert torch.count_nonzero(grad[1]) == 0 and torch.count_nonzero(grad[4]) == 0
 
 
-class _Matmuls(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_, torch.ops.aten.bmm):
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("chunks", [1, 4])
 def test_three_head_matmuls_per_chunk_where_the_checkpointed_chunks_need_four(chunks):
     """Forward + backward of the loss alone (the hidden states are a leaf): the fused path runs the
@@ -96,7 +85,9 @@ def test_three_head_matmuls_per_chunk_where_the_checkpointed_chunks_need_four(ch
             shapes.append(tuple(t.shape))
             return t
 
-        with _Matmuls() as mm, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        aten = torch.ops.aten
+        with OpCounter(aten.mm, aten.addmm, aten.addmm_, aten.bmm) as mm, \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             lm_loss_sum(head, h, y, chunks, fuse=fuse).backward()
         counts[fuse], saved[fuse] = mm.count, shapes
     recompute = 1 if chunks > 1 else 0  # one chunk is not checkpointed: autograd keeps its logits
