@@ -305,6 +305,29 @@ print("FSDP1 OK")
     assert proc.returncode == 0 and "FSDP1 OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
+def test_master_weights_equal_fsdp2_on_one_cuda_rank():
+    """The trainer's one-process bf16 weights (master_weights.py) against FSDP2 on a one-rank NCCL
+    mesh, tiny-qwen3 (tied head), blocks compiled by inductor, three AdamW steps with the clip in
+    the fused step: the same losses and fp32 gradients and weights (to 1e-5 of the largest entry:
+    CUDA's reductions need not add in the same order twice)."""
+    import torch
+    import torch.distributed as dist
+
+    from tests.test_master_weights import _tiny_lm, _train
+
+    torch.cuda.set_device(0)
+    try:
+        ref = _train(_tiny_lm("tiny-qwen3", "cuda"), "fsdp2", False, "inductor")
+    finally:
+        dist.destroy_process_group()
+    ours = _train(_tiny_lm("tiny-qwen3", "cuda"), "master", False, "inductor")
+    for a, b in zip(ref[0], ours[0], strict=True):
+        assert torch.allclose(a, b, rtol=1e-5), (float(a), float(b))
+    for want, got in ((ref[2], ours[2]), (ref[1], ours[1])):
+        assert want.keys() == got.keys()
+        assert [n for n in want if (want[n] - got[n]).abs().max() > 1e-5 * want[n].abs().max()] == []
+
+
 def test_nvml_energy_csv_in_joules(tmp_path):
     # ~0.5 s of recorded batches: long enough for NVML's energy counter to move several times
     proc = run_trainer(tmp_path, *TINY, "--model.preset", "llama-20m", "--train.batch_size", "16", "--data.seq_len",

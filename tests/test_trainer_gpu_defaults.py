@@ -1,5 +1,5 @@
-"""The GPU-server defaults, checked on CPU: bf16 parameters through FSDP2's mixed precision (one
-process and DDP) against autocast, DDP's gradient buckets and hook, the log cadence, the CUDA
+"""The GPU-server defaults, checked on CPU: bf16 parameters (one process: bf16 copies of fp32
+masters; DDP: FSDP2's mixed precision) against autocast, DDP's gradient buckets and hook, the log cadence, the CUDA
 allocator setting, the device index of a local rank, memory in GiB, the largest over ranks, and
 the garbage collector's schedule (a real loop in this process)."""
 
@@ -38,17 +38,22 @@ def _close_not_equal(got: list[float], want: list[float]) -> None:
 
 
 def test_bf16_parameters_on_one_process_match_autocast(tmp_path, autocast_losses):
-    """train.param_dtype bf16 in one process: FSDP2 over a one-rank mesh, bf16 compute, and the
-    master weights and AdamW state the checkpoint holds are fp32."""
-    proc = run_trainer(tmp_path, *BF16, "--train.param_dtype", "bf16", "--checkpoint.enabled", "true")
-    assert "FSDP2 mixed precision on one rank, one unit (bf16 compute" in proc.stdout
+    """train.param_dtype bf16 in one process: bf16 compute weights over fp32 masters
+    (master_weights.py); the master weights and AdamW state the checkpoint holds are fp32, and a run
+    resumed from step 2 repeats steps 3 and 4 exactly."""
+    proc = run_trainer(tmp_path, *BF16, "--train.param_dtype", "bf16", "--checkpoint.interval", "2")
+    assert "bf16 compute weights over fp32 master weights in one process" in proc.stdout
     assert yaml.safe_load((tmp_path / "config.yaml").read_text())["train"]["param_dtype"] == "bf16"
-    _close_not_equal([r["loss"] for r in read_metrics(tmp_path)], autocast_losses)
+    losses = [r["loss"] for r in read_metrics(tmp_path)]
+    _close_not_equal(losses, autocast_losses)
     saved = checkpoint_tensors(tmp_path / "checkpoints" / "step-4")
     weights = {k: v for k, v in saved.items() if k.startswith("app.model.")}
     state = {k: v for k, v in saved.items() if k.startswith("app.optim.state.") and v.dim() > 0}
     assert weights and state
     assert {v.dtype for v in weights.values()} == {v.dtype for v in state.values()} == {torch.float32}
+    resumed = tmp_path / "resumed"
+    run_trainer(resumed, *BF16, "--train.param_dtype", "bf16", "--resume", str(tmp_path / "checkpoints" / "step-2"))
+    assert [r["loss"] for r in read_metrics(resumed)][-2:] == losses[2:]
 
 
 @pytest.mark.multiproc

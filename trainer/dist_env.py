@@ -147,7 +147,8 @@ def configure_allocator(environ: dict | None = None) -> str | None:
 
 def init_one_rank_group(device) -> None:
     """A process group of this process alone (world size 1) on an in-memory store: no address, no
-    port. For FSDP2 on one device (train.param_dtype bf16); does nothing when a group exists."""
+    port. For FSDP2 over a mesh of one rank (what the tests compare the trainer's one-process bf16
+    weights with, master_weights.py); does nothing when a group exists."""
     import torch
     import torch.distributed as dist
 

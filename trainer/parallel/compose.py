@@ -38,7 +38,9 @@ from trainer.models.build import ModelSpec, Task
 from trainer.models.lm_loss import compile_loss, install_loss_forward, loss_head
 from trainer.parallel.activation_checkpoint import apply_activation_checkpointing, blocks_of
 from trainer.parallel.compile import compile_blocks, resolve_compile
-from trainer.parallel.data_parallel import apply_ddp, apply_fsdp, one_rank_mesh
+from trainer.parallel.data_parallel import apply_ddp, apply_fsdp
+from trainer.parallel.master_weights import MasterWeights
+from trainer.parallel.master_weights import applies as master_weights_apply
 from trainer.parallel.materialize import materialize, move, to_meta
 from trainer.parallel.mesh import ParallelDims
 from trainer.parallel.parallelized import Parallelized
@@ -109,12 +111,13 @@ def parallelize(model: nn.Module, spec: ModelSpec, dims: ParallelDims, cfg: Conf
     par = Parallelized([model], task, dims, device, cfg.train.dtype)
     if data_parallel:
         par.model_parts = [_apply_dp(par, model, blocks_of(model), dims, cfg, backend)]
-    elif mixed:  # one process: FSDP2 over a mesh of this rank alone, for its mixed precision
-        # One unit, the root: with nothing to shard or overlap, per-block units only add host work
-        # (each block's hooks, casts and copies: 364 copies and ~60 ms of host time per step for
-        # smollm-360m on an H100, where the device needed 142 ms; bench/gpu_step_profile.py).
-        _apply_fsdp(par, model, [], one_rank_mesh(device), cfg, backend, reshard=False)
-        log.info("train.param_dtype bf16: FSDP2 mixed precision on one rank, one unit (bf16 compute, fp32 master weights)")
+    elif mixed and master_weights_apply(model):
+        # One process: bf16 compute weights over fp32 masters (master_weights.py), the numbers of
+        # FSDP2 on a mesh of this rank alone without its per-parameter copies (25 of 204 ms a step
+        # at smollm-1.7b on an H100; bench/gpu_step_profile.py).
+        par.extras["master_weights"] = MasterWeights(model)
+        par.bf16_weights = True
+        log.info("train.param_dtype bf16: bf16 compute weights over fp32 master weights in one process")
     if ref is not None:
         materialize(model, ref, device, group=dims.stage_group, source=dims.builds_weights)
     return par
@@ -208,7 +211,7 @@ def _apply_fsdp(par: Parallelized, model: nn.Module, blocks: list[nn.Module], me
     bf16 = cfg.train.dtype == "bf16" and not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     apply_fsdp(model, blocks, mesh, reshard_after_forward=reshard, param_dtype=torch.bfloat16 if bf16 else None,
                backend=backend, pipeline=pipeline)
-    par.fsdp, par.fsdp_casts = True, bf16
+    par.bf16_weights = bf16
     par.sync_every_microbatch = reshard
 
 

@@ -7,7 +7,7 @@
 - *_hybrid: the same over a 2-D (dp_replicate, dp_shard) mesh: HSDP, replicate across nodes.
 - train.param_dtype bf16: FSDP2's MixedPrecisionPolicy (bf16 weights in compute, fp32 master
   weights, fp32 gradient reduction) on every layout: ddp becomes FSDP2 over (replicate dp, shard 1)
-  and one process FSDP2 over a mesh of itself (`one_rank_mesh`, the whole model as one unit), so
+  and one process computes with bf16 copies of fp32 master weights (master_weights.py), so
   activations are bf16 throughout instead of autocast's bf16 matmuls over an fp32 residual stream.
 
 DDP reduces into its buckets' memory (gradient_as_bucket_view: no second copy of the gradients)

@@ -26,8 +26,8 @@ class Parallelized:
     device: torch.device
     dtype: str = "fp32"
     owns_loss: bool = True
-    fsdp: bool = False
-    fsdp_casts: bool = False              # FSDP2's mixed precision casts to bf16 (else autocast does)
+    bf16_weights: bool = False            # computes with bf16 weights (FSDP2's mixed precision or
+                                          # master_weights.py), so no autocast
     sync_every_microbatch: bool = False   # zero3: reduce-scatter per microbatch keeps grads sharded
     extras: dict = field(default_factory=dict)
 
@@ -39,9 +39,9 @@ class Parallelized:
             m.train(mode)
 
     def _autocast(self) -> Any:
-        # FSDP2 casts through its MixedPrecisionPolicy; DDP, single process and FSDP2 over a model
-        # with BatchNorm (fp32 weights beside fp32 running statistics) use autocast.
-        if self.dtype == "bf16" and not (self.fsdp and self.fsdp_casts):
+        # bf16 weights (FSDP2's MixedPrecisionPolicy, or master_weights.py in one process) need no
+        # autocast; fp32 weights (train.param_dtype fp32, a model with BatchNorm) compute under it.
+        if self.dtype == "bf16" and not self.bf16_weights:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 

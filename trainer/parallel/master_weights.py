@@ -1,0 +1,112 @@
+"""bf16 compute weights over fp32 master weights in one process (train.param_dtype bf16, one rank).
+
+What FSDP2's MixedPrecisionPolicy does on a mesh of one rank, without its per-parameter copies.
+FSDP2 on one rank casts each fp32 parameter to a new bf16 tensor and then copies that into the
+unsharded parameter before every forward (two kernels per parameter), and after the backward
+copies the bf16 gradients into a flat fp32 buffer and out again. On one H100 at smollm-1.7b
+batch 4 that was 14.4 ms (pre-forward) + 10.7 ms (post-backward) of a 204 ms step
+(bench/gpu_step_profile.py), where one cast each way (~7 ms) is all the arithmetic needs.
+
+Here, as in FSDP2, the model's registered parameters are the fp32 master weights whenever no
+forward/backward is in flight: the optimizer, gradient clipping, checkpoints and exports see fp32
+tensors and fp32 gradients. Around each forward (a pre-hook on the root module) the registered
+parameters are swapped for bf16 compute parameters, refreshed from the masters by one cast per
+parameter (not skipped when the masters look unchanged: fused AdamW updates them in place without
+bumping their version counters). The compute parameters are the same objects every step, so compiled blocks keep their
+graphs. When the backward ends (a callback queued on the autograd engine) each bf16 gradient is
+cast into its master's fp32 gradient, or added to it (accumulation over microbatches, in fp32, as
+FSDP2 does), and the masters are registered again. Floating-point inputs of the root forward are
+cast to bf16, as FSDP2's `cast_forward_inputs`. A forward without a backward (evaluation, no_grad)
+registers the masters again when it returns.
+
+The same numbers as FSDP2 on one rank, bit for bit (tests/test_master_weights.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+
+class MasterWeights:
+    """Attach to `model` (hooks on it; the model object is unchanged). `.masters` and `.computes`
+    are parallel lists, one entry per distinct parameter (tied weights share one)."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype = torch.bfloat16):
+        self.model, self.dtype = model, dtype
+        self.slots: list[tuple[nn.Module, str, int]] = []  # (module, attribute, index into masters)
+        self.masters: list[nn.Parameter] = []
+        self.computes: list[nn.Parameter] = []
+        index: dict[int, int] = {}
+        for module in model.modules():
+            for name, p in module._parameters.items():
+                if p is None:
+                    continue
+                if id(p) not in index:
+                    index[id(p)] = len(self.masters)
+                    self.masters.append(p)
+                    compute = nn.Parameter(torch.empty_like(p, dtype=dtype), requires_grad=p.requires_grad)
+                    self.computes.append(compute)
+                self.slots.append((module, name, index[id(p)]))
+        self.active = False           # compute parameters registered (a forward/backward in flight)
+        self._backward_queued = False
+        model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
+        model.register_forward_hook(self._post_forward)
+
+    def _register(self, params: list[nn.Parameter]) -> None:
+        for module, name, i in self.slots:
+            module._parameters[name] = params[i]
+
+    def _pre_forward(self, _module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if not self.active:  # a second forward before the backward reuses the copies in place
+            with torch.no_grad():
+                torch._foreach_copy_(self.computes, [m.detach() for m in self.masters])
+            self._register(self.computes)
+            self.active = True
+        return tree_map_only(torch.Tensor, self._cast_input, (args, kwargs))
+
+    def _cast_input(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.dtype) if t.is_floating_point() else t
+
+    def _post_forward(self, _module: nn.Module, _args: Any, output: Any) -> None:
+        grads = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not grads:
+            self._release()
+            return
+        self._backward_queued = False
+        for t in grads:
+            t.register_hook(self._on_backward)
+
+    def _on_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        if not self._backward_queued:
+            self._backward_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._post_backward)
+        return grad
+
+    @torch.no_grad()
+    def _post_backward(self) -> None:
+        for master, compute in zip(self.masters, self.computes, strict=True):
+            g = compute.grad
+            if g is None:
+                continue
+            if master.grad is None:
+                master.grad = g.to(master.dtype)
+            else:
+                master.grad.add_(g)
+            compute.grad = None
+        self._release()
+
+    def _release(self) -> None:
+        """Register the fp32 masters again (the bf16 copies stay allocated for the next forward)."""
+        if self.active:
+            self._register(self.masters)
+            self.active = False
+
+
+def applies(model: nn.Module) -> bool:
+    """bf16 compute weights suit every model here but one with BatchNorm (fp32 running statistics
+    beside a bf16 weight: batch_norm refuses the mix); such a model keeps autocast."""
+    return not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
