@@ -180,21 +180,12 @@ def test_gpu_gap_script_names_rows_and_presets_the_bench_has():
 
     text = (REPO / "bench" / "gpu_gap.sh").read_text()
     names, presets = re.findall(r'--row "([^"]+)"', text), re.findall(r'--preset ([a-z]\S+) ', text)
-    assert names == ["trainer (defaults)", "plain compiled, per layer"]
-    assert presets == ["smollm-360m", "qwen3-0.6b", "smollm-1.7b", "smollm-1.7b"]  # the last: the step profile
+    assert names == ["trainer (defaults)", "plain compiled, per layer", "trainer, largest batch"]
+    # the headline presets, the batch search's, the step profile's
+    assert presets == ["smollm-360m", "qwen3-0.6b", "smollm-1.7b", "smollm-1.7b", "smollm-1.7b"]
     assert re.findall(r"gpu_step_profile .* --preset (\S+) \\\n\s+--batch 4", text) == ["smollm-1.7b"]
-    picked = select(plan(argparse.Namespace(smoke=False, quick=False)), presets, names)
-    assert {(r.preset, r.name) for r in picked} == {(p, n) for p in presets for n in names}
-    # The loss shapes are the presets' own: tokens = batch x 2048, and the chunks train.loss_chunks auto picks.
-    from bench.gpu_throughput import PRESETS, SEQ
-    from contract.memory import auto_loss_chunks
-    from trainer.config import ModelConfig
-    from trainer.models import model_spec
-
-    shapes = re.findall(r"^loss_shape (\S+)-b(\d+) (\d+) (\d+) (\d+) (\d+)$", text, re.M)
-    assert [s[0] for s in shapes] == ["qwen3-0.6b", "smollm-1.7b"]
-    for preset, batch, tokens, h, v, chunks in shapes:
-        hf = model_spec(ModelConfig(preset=preset)).hf_config
-        assert int(batch) == PRESETS[preset] and int(tokens) == int(batch) * SEQ
-        assert (int(h), int(v)) == (hf.hidden_size, hf.vocab_size)
-        assert int(chunks) == auto_loss_chunks(int(tokens), int(v))
+    rows = plan(argparse.Namespace(smoke=False, quick=False))
+    picked = select(rows, presets[:3], names[:2])
+    assert {(r.preset, r.name) for r in picked} == {(p, n) for p in presets[:3] for n in names[:2]}
+    search = select(rows, ["smollm-1.7b"], names[2:])
+    assert [r.batch for r in search][0] == 8 and all(not r.overrides for r in search)
