@@ -61,7 +61,7 @@ class TrainConfig:
     compile_backend: str = "inductor"   # torch.compile backend: inductor | aot_eager | eager (tests, debugging)
     param_dtype: str = "auto"           # auto (bf16 when dtype is bf16 on CUDA, else fp32) | fp32 | bf16:
                                         # bf16 = bf16 weights in compute, fp32 master weights and optimizer
-                                        # state (FSDP2 MixedPrecisionPolicy on every layout, one GPU too)
+                                        # state (FSDP2 MixedPrecisionPolicy; one process: master_weights.py)
     activation_checkpointing: str = "none"  # none | selective (recompute all but matmuls/attention) | full
     loss_chunks: int | str = "auto"     # LM head + loss in N token chunks (no full logits); auto: as few
                                         # as keep each chunk's logits <= 2^28 elements (tokens x vocab)
