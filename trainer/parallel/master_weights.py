@@ -16,7 +16,8 @@ parameter (also when the masters look unchanged: fused AdamW updates them in pla
 bumping their version counters). The compute parameters are the same objects every step, so
 compiled blocks keep their graphs. When the backward ends (a callback queued on the autograd
 engine) each bf16 gradient is cast into its master's fp32 gradient, or added to it (accumulation
-over microbatches, in fp32, as FSDP2 does), and the masters are registered again. Floating-point
+over microbatches, in fp32, as FSDP2 does), the masters are registered again and the copies'
+memory is freed until the next forward (as FSDP2 reshards after the backward). Floating-point
 inputs of the root forward are cast to bf16, as FSDP2's `cast_forward_inputs`. A forward without
 a backward (evaluation, no_grad) registers the masters again when it returns.
 
@@ -64,6 +65,8 @@ class MasterWeights:
     def _pre_forward(self, _module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if not self.active:  # a second forward before the backward reuses the copies in place
             with torch.no_grad():
+                for c in self.computes:
+                    c.untyped_storage().resize_(c.numel() * c.element_size())
                 torch._foreach_copy_(self.computes, [m.detach() for m in self.masters])
             self._register(self.computes)
             self.active = True
@@ -101,10 +104,15 @@ class MasterWeights:
         self._release()
 
     def _release(self) -> None:
-        """Register the fp32 masters again (the bf16 copies stay allocated for the next forward)."""
+        """Register the fp32 masters again and free the bf16 copies' memory until the next forward
+        (the tensors stay, with empty storage, as FSDP2's resharded parameters do): the optimizer
+        step runs beside fp32 weights, gradients and state alone."""
         if self.active:
             self._register(self.masters)
             self.active = False
+            with torch.no_grad():
+                for c in self.computes:
+                    c.untyped_storage().resize_(0)
 
 
 def applies(model: nn.Module) -> bool:
