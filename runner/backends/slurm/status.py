@@ -17,6 +17,10 @@ from runner.backends.slurm.shell import Shell
 from runner.node_output import LineSplitter, visible
 
 POLL_S = 0.5
+# COMPLETING: the job's tasks have exited and its nodes run the epilog; the final state (COMPLETED,
+# FAILED, ...) comes after. An epilog may take a while, but not for ever: after this long the
+# follow ends with COMPLETING, which `runner up` does not call a success.
+COMPLETING_WAIT_S = 120.0
 READ_PIECE = 1 << 20   # bytes of a node's output file read at once
 MAX_PIECES = 16        # ... and at most this many per file and poll
 METRICS_TAIL = 16384   # bytes read from the end of metrics.jsonl (runner/node_runs.py reads as many)
@@ -62,14 +66,18 @@ class Follower:
         self.out.flush()
 
     def follow(self) -> JobState:
-        """Until the job has ended (through a requeue, it runs again: the same job id)."""
-        last_check = 0.0
+        """Until the job has ended (through a requeue, it runs again: the same job id) and left
+        COMPLETING for its final state (bounded by COMPLETING_WAIT_S)."""
+        last_check, completing_since = 0.0, None
         while True:
             self.poll()
             if time.monotonic() - last_check > 1.0:
                 last_check = time.monotonic()
                 st = job_state(self.sh, self.job_id, self.run_dir)
-                if not st.active:
+                if st.state == "COMPLETING" and completing_since is None:
+                    completing_since = last_check
+                settling = st.state == "COMPLETING" and last_check - completing_since < COMPLETING_WAIT_S
+                if not st.active and not settling:
                     self.poll(final=True)
                     return st
             time.sleep(POLL_S)
