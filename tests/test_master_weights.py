@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from trainer.models.lm_loss import install_loss_forward
-from trainer.parallel.master_weights import MasterWeights, applies
+from trainer.parallel.master_weights import MasterWeights, bf16_weights_suit
 
 
 def _tiny_lm(preset: str = "tiny-llama", device: str = "cpu"):
@@ -151,4 +151,4 @@ def test_float_inputs_are_cast_and_batchnorm_models_keep_autocast():
     assert got == {"x": torch.bfloat16, "w": torch.bfloat16} and out.dtype == torch.bfloat16
     out.float().sum().backward()
     assert lin[0].weight.dtype == torch.float32 and lin[0].weight.grad.dtype == torch.float32
-    assert applies(lin) and not applies(torch.nn.Sequential(torch.nn.Conv2d(3, 3, 1), torch.nn.BatchNorm2d(3)))
+    assert bf16_weights_suit(lin) and not bf16_weights_suit(torch.nn.Sequential(torch.nn.Conv2d(3, 3, 1), torch.nn.BatchNorm2d(3)))

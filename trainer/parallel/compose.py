@@ -39,8 +39,7 @@ from trainer.models.lm_loss import compile_loss, install_loss_forward, loss_head
 from trainer.parallel.activation_checkpoint import apply_activation_checkpointing, blocks_of
 from trainer.parallel.compile import compile_blocks, resolve_compile
 from trainer.parallel.data_parallel import apply_ddp, apply_fsdp
-from trainer.parallel.master_weights import MasterWeights
-from trainer.parallel.master_weights import applies as master_weights_apply
+from trainer.parallel.master_weights import MasterWeights, bf16_weights_suit
 from trainer.parallel.materialize import materialize, move, to_meta
 from trainer.parallel.mesh import ParallelDims
 from trainer.parallel.parallelized import Parallelized
@@ -111,10 +110,10 @@ def parallelize(model: nn.Module, spec: ModelSpec, dims: ParallelDims, cfg: Conf
     par = Parallelized([model], task, dims, device, cfg.train.dtype)
     if data_parallel:
         par.model_parts = [_apply_dp(par, model, blocks_of(model), dims, cfg, backend)]
-    elif mixed and master_weights_apply(model):
+    elif mixed and bf16_weights_suit(model):
         # One process: bf16 compute weights over fp32 masters (master_weights.py), the numbers of
         # FSDP2 on a mesh of this rank alone without its per-parameter copies (25 of 204 ms a step
-        # at smollm-1.7b on an H100; bench/gpu_step_profile.py).
+        # at smollm-1.7b on an H100; bench/results/gpu_step_profile-smollm-1.7b.txt).
         par.extras["master_weights"] = MasterWeights(model)
         par.bf16_weights = True
         log.info("train.param_dtype bf16: bf16 compute weights over fp32 master weights in one process")
@@ -208,7 +207,7 @@ def _apply_dp(par: Parallelized, model: nn.Module, blocks: list[nn.Module], dims
 def _apply_fsdp(par: Parallelized, model: nn.Module, blocks: list[nn.Module], mesh: Any, cfg: Config, backend: str,
                 reshard: bool, pipeline: bool = False) -> None:
     # bf16 parameters imply train.dtype bf16 (config_checks): the dtype alone decides.
-    bf16 = cfg.train.dtype == "bf16" and not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    bf16 = cfg.train.dtype == "bf16" and bf16_weights_suit(model)
     apply_fsdp(model, blocks, mesh, reshard_after_forward=reshard, param_dtype=torch.bfloat16 if bf16 else None,
                backend=backend, pipeline=pipeline)
     par.bf16_weights = bf16

@@ -115,7 +115,7 @@ class MasterWeights:
                     c.untyped_storage().resize_(0)
 
 
-def applies(model: nn.Module) -> bool:
-    """bf16 compute weights suit every model here but one with BatchNorm (fp32 running statistics
-    beside a bf16 weight: batch_norm refuses the mix); such a model keeps autocast."""
+def bf16_weights_suit(model: nn.Module) -> bool:
+    """bf16 compute weights (here or FSDP2's) suit every model but one with BatchNorm (fp32 running
+    statistics beside a bf16 weight: batch_norm refuses the mix); such a model keeps autocast."""
     return not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
