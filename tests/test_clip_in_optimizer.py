@@ -85,8 +85,8 @@ def test_a_non_finite_norm_leaves_the_gradients_unscaled(fused):
 
 
 def test_fsdp2_one_rank_dtensor_parameters_take_the_scale():
-    """FSDP2 over one process (the one-GPU bf16 layout): DTensor parameters and gradients, a plain
-    scale tensor; the step equals clip_grad_norm_ + step within 1e-6."""
+    """FSDP2 (here over one process): DTensor parameters and gradients, a plain scale tensor; the
+    step equals clip_grad_norm_ + step within 1e-6."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 

@@ -38,7 +38,7 @@ class MasterWeights:
     are parallel lists, one entry per distinct parameter (tied weights share one)."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype = torch.bfloat16):
-        self.model, self.dtype = model, dtype
+        self.dtype = dtype
         self.slots: list[tuple[nn.Module, str, int]] = []  # (module, attribute, index into masters)
         self.masters: list[nn.Parameter] = []
         self.computes: list[nn.Parameter] = []

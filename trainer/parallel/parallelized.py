@@ -89,9 +89,7 @@ class Parallelized:
     def clip_grad_norm(self, max_norm: float, optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
         """Total grad norm over all ranks' shards as a device tensor; the gradients clipped to
         max_norm when it is > 0, inside `optimizer`'s step where it is a fused AdamW (grad_norm.py)."""
-        from trainer.parallel.grad_norm import scale_for_clip, total_grad_norm
+        from trainer.parallel.grad_norm import clip_grad_norm
 
-        params = [p for p in self.parameters() if p.grad is not None]
-        norm = total_grad_norm(params)  # TP and FSDP-only params on different meshes: assembled there
-        scale_for_clip(optimizer, params, norm, max_norm)
-        return norm
+        # TP and FSDP-only params on different meshes: the norm is assembled there
+        return clip_grad_norm([p for p in self.parameters() if p.grad is not None], max_norm, optimizer=optimizer)
