@@ -2,7 +2,8 @@
 # Where the trainer's speed target stands, in ONE call of a borrowed GPU (issue 28: on one H100 on
 # 2026-11-27, trainer defaults 1.13x / 1.16x / 1.04x the per-layer compiled plain loop for
 # smollm-360m / qwen3-0.6b / smollm-1.7b against >= 1.10x; qwen3-0.6b measured before one process
-# moved from FSDP2 to master_weights.py). What the next lent GPU should run first:
+# moved from FSDP2 to master_weights.py; all three before master_adamw.py). What the next lent GPU
+# should run first:
 #
 #   OUT=/some/dir bash bench/gpu_gap.sh [BUDGET_S]        (default 540; run from anywhere)
 #

@@ -241,9 +241,9 @@ def test_no_host_sync_between_log_steps(tmp_path):
 
 
 def test_bf16_step_with_the_gpu_defaults(tmp_path):
-    """dtype auto -> bf16 on a GPU with native bf16, bf16 parameters (FSDP2 mixed precision on one
-    rank), blocks and loss compiled into whole graphs, a log line every 10th step with memory in
-    GiB (allocated and reserved); losses finite."""
+    """dtype auto -> bf16 on a GPU with native bf16, bf16 parameters (bf16 copies of fp32 masters,
+    written by the compiled AdamW), blocks and loss compiled into whole graphs, a log line every
+    10th step with memory in GiB (allocated and reserved); losses finite."""
     import torch
 
     proc = run_trainer(tmp_path, *TINY, "--train.steps", "12", "--optim.lr", "0.003", "--train.loss_chunks", "4",
@@ -255,6 +255,8 @@ def test_bf16_step_with_the_gpu_defaults(tmp_path):
     assert train["param_dtype"] == ("bf16" if native else "fp32") and cfg["logging"]["log_interval"] == 10
     assert "torch.compile: 2 blocks compiled in place + LM head and loss (backend inductor" in log
     assert "0 graph break(s)" in log and "does not compile" not in log
+    if native:
+        assert "AdamW reads their bf16 gradients and writes them (one compiled pass per parameter)" in log
     assert "expandable_segments:True" in log
     assert train["gc_interval"] == 50 and "garbage collection: automatic off, generation 1 collected every 50 steps" in log
     m = read_metrics(tmp_path)
@@ -326,6 +328,15 @@ def test_master_weights_equal_fsdp2_on_one_cuda_rank():
     for want, got in ((ref[2], ours[2]), (ref[1], ours[1])):
         assert want.keys() == got.keys()
         assert [n for n in want if (want[n] - got[n]).abs().max() > 1e-5 * want[n].abs().max()] == []
+
+
+def test_master_adamw_equals_fused_adamw_on_cuda():
+    """master_adamw.py's update compiled by inductor (Triton) against torch's fused AdamW CUDA
+    kernel: four steps of two groups, the clip's grad_scale on two; masters and moments to rounding,
+    each bf16 copy its master cast, one graph for five shapes."""
+    from tests.test_master_adamw import check_update_equals_torch
+
+    check_update_equals_torch("inductor", "cuda")
 
 
 def test_nvml_energy_csv_in_joules(tmp_path):

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from trainer.config import Config
 
+if TYPE_CHECKING:
+    from trainer.parallel.master_weights import MasterWeights
 
-def build_optimizer(params: list[nn.Parameter], cfg: Config) -> torch.optim.Optimizer:
+
+def build_optimizer(params: list[nn.Parameter], cfg: Config, master: MasterWeights | None = None) -> torch.optim.Optimizer:
+    """AdamW over `params`; over the fp32 masters of bf16 compute copies (`master`, one process with
+    train.param_dtype bf16) master_adamw.MasterAdamW, whose step also writes the copies."""
     o = cfg.optim
     # No weight decay on biases and norm weights (1-D tensors), as is usual for transformers.
     decay = [p for p in params if p.requires_grad and p.ndim >= 2]
@@ -21,6 +27,11 @@ def build_optimizer(params: list[nn.Parameter], cfg: Config) -> torch.optim.Opti
     groups = [{**g, "params": [p for p in g["params"] if _is_dtensor(p) == dt]} for g in groups for dt in (False, True)]
     groups = [g for g in groups if g["params"]]
     kwargs = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    if master is not None:
+        from trainer.parallel.master_adamw import MasterAdamW
+
+        return MasterAdamW(groups, master, compile_backend=master.compile_backend,
+                           eager_on_error=master.compile_mode == "try", **kwargs)
     try:
         # The fused kernel is several times faster than foreach/for-loop on CPU too (one pass per tensor).
         return torch.optim.AdamW(groups, fused=True, **kwargs)

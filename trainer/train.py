@@ -109,7 +109,7 @@ class Trainer:
             log.info("model built on the meta device: its weights come from the stage's first rank")
         model = build_model(self.spec, cfg.model, t.seed, meta=meta)
         self.par: Parallelized = parallelize(model, self.spec, dims, cfg, device, backend)
-        self.optimizer = build_optimizer(self.par.parameters(), cfg)
+        self.optimizer = build_optimizer(self.par.parameters(), cfg, master=self.par.extras.get("master_weights"))
 
         self.local_batch = t.batch_size * t.grad_acc_steps
         self.data: DataStream = build_data(d, self.spec.task, self.spec.hf_config, t.seed, self.local_batch,

@@ -114,9 +114,12 @@ def parallelize(model: nn.Module, spec: ModelSpec, dims: ParallelDims, cfg: Conf
         # One process: bf16 compute weights over fp32 masters (master_weights.py), the numbers of
         # FSDP2 on a mesh of this rank alone without its per-parameter copies (25 of 204 ms a step
         # at smollm-1.7b on an H100; bench/results/gpu_step_profile-smollm-1.7b.txt).
-        par.extras["master_weights"] = MasterWeights(model)
+        par.extras["master_weights"] = MasterWeights(model, compile_mode=compile_mode,
+                                                     compile_backend=cfg.train.compile_backend)
         par.bf16_weights = True
-        log.info("train.param_dtype bf16: bf16 compute weights over fp32 master weights in one process")
+        log.info("train.param_dtype bf16: bf16 compute weights over fp32 master weights in one process; AdamW "
+                 "reads their bf16 gradients and writes them (one %s pass per parameter)",
+                 "eager" if compile_mode == "false" else "compiled")
     if ref is not None:
         materialize(model, ref, device, group=dims.stage_group, source=dims.builds_weights)
     return par

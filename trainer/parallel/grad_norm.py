@@ -28,6 +28,14 @@ def _mesh_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).float()
 
 
+def fp32_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of plain (local) gradients of any float dtype, summed and returned in fp32: bf16
+    gradients are not rounded to a bf16 norm per tensor as get_total_norm would."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
+
+
 def total_grad_norm(params: list[torch.Tensor], pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     grads = [p.grad for p in params if p.grad is not None]
     groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)

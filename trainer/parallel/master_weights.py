@@ -37,8 +37,12 @@ class MasterWeights:
     """Attach to `model` (hooks on it; the model object is unchanged). `.masters` and `.computes`
     are parallel lists, one entry per distinct parameter (tied weights share one)."""
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, model: nn.Module, dtype: torch.dtype = torch.bfloat16, compile_mode: str = "false",
+                 compile_backend: str = "inductor"):
         self.dtype = dtype
+        # How master_adamw.MasterAdamW runs its update: as the run compiles its blocks (train.compile).
+        self.compile_mode = compile_mode
+        self.compile_backend = None if compile_mode == "false" else compile_backend
         self.slots: list[tuple[nn.Module, str, int]] = []  # (module, attribute, index into masters)
         self.masters: list[nn.Parameter] = []
         self.computes: list[nn.Parameter] = []
@@ -53,7 +57,10 @@ class MasterWeights:
                     compute = nn.Parameter(torch.empty_like(p, dtype=dtype), requires_grad=p.requires_grad)
                     self.computes.append(compute)
                 self.slots.append((module, name, index[id(p)]))
+        self._index = index
         self.active = False           # compute parameters registered (a forward/backward in flight)
+        self.kept = False             # keep_copies(): the optimizer (master_adamw.py) writes the copies
+        self._synced: list[int] | None = None  # the masters' version counters when the copies last equalled them
         self._backward_queued = False
         model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
         model.register_forward_hook(self._post_forward)
@@ -65,9 +72,13 @@ class MasterWeights:
     def _pre_forward(self, _module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if not self.active:  # a second forward before the backward reuses the copies in place
             with torch.no_grad():
-                for c in self.computes:
-                    c.untyped_storage().resize_(c.numel() * c.element_size())
-                torch._foreach_copy_(self.computes, [m.detach() for m in self.masters])
+                self._fold_grads()
+                if not self.copies_current():
+                    for c in self.computes:
+                        c.untyped_storage().resize_(c.numel() * c.element_size())
+                    torch._foreach_copy_(self.computes, [m.detach() for m in self.masters])
+                    if self.kept:
+                        self._synced = self._versions()
             self._register(self.computes)
             self.active = True
         return tree_map_only(torch.Tensor, self._cast_input, (args, kwargs))
@@ -92,16 +103,23 @@ class MasterWeights:
 
     @torch.no_grad()
     def _post_backward(self) -> None:
+        # Kept copies: a first microbatch's gradients stay bf16 on the copies (the optimizer reads
+        # them there); a later one's are added to the fp32 sum.
+        self._fold_grads(only_onto_sums=self.kept)
+        self._release()
+
+    def _fold_grads(self, only_onto_sums: bool = False) -> None:
+        """Each copy's bf16 gradient cast into its master's fp32 gradient, or added to it (the
+        fp32 sum over microbatches); with only_onto_sums, only where a sum exists."""
         for master, compute in zip(self.masters, self.computes, strict=True):
             g = compute.grad
-            if g is None:
+            if g is None or (only_onto_sums and master.grad is None):
                 continue
             if master.grad is None:
                 master.grad = g.to(master.dtype)
             else:
                 master.grad.add_(g)
             compute.grad = None
-        self._release()
 
     def _release(self) -> None:
         """Register the fp32 masters again and free the bf16 copies' memory until the next forward
@@ -110,9 +128,50 @@ class MasterWeights:
         if self.active:
             self._register(self.masters)
             self.active = False
-            with torch.no_grad():
-                for c in self.computes:
-                    c.untyped_storage().resize_(0)
+            if not self.kept:
+                with torch.no_grad():
+                    for c in self.computes:
+                        c.untyped_storage().resize_(0)
+
+    # What master_adamw.MasterAdamW uses: it reads the bf16 gradients and writes the copies itself.
+
+    def keep_copies(self) -> None:
+        """From now on the copies keep their memory between steps and a single microbatch's
+        gradients stay on them in bf16: the optimizer reads those (grad_of) and writes the copies
+        (copies_written), so the next forward casts nothing. The copies are cast again before a
+        forward only when a master changed otherwise (a checkpoint loaded into it: its version
+        counter moved)."""
+        self.kept = True
+
+    def _versions(self) -> list[int]:
+        return [m._version for m in self.masters]
+
+    def copies_current(self) -> bool:
+        return self._synced is not None and self._synced == self._versions()
+
+    def copies_written(self, current: bool) -> None:
+        """The optimizer set the copies from the masters (`current`: all of them are now equal)."""
+        self._synced = self._versions() if current else None
+
+    def grad_of(self, master: torch.Tensor) -> torch.Tensor | None:
+        """`master`'s gradient: bf16 on its copy (one microbatch), else the fp32 sum on it."""
+        i = self._index[id(master)]
+        g = self.computes[i].grad
+        return g if g is not None else self.masters[i].grad
+
+    def copy_of(self, master: torch.Tensor) -> nn.Parameter:
+        return self.computes[self._index[id(master)]]
+
+    def gradients(self) -> list[torch.Tensor]:
+        return [g for m in self.masters if (g := self.grad_of(m)) is not None]
+
+    def clear_grads(self, set_to_none: bool = True) -> None:
+        for c in self.computes:
+            if c.grad is not None:
+                if set_to_none:
+                    c.grad = None
+                else:
+                    c.grad.zero_()
 
 
 def bf16_weights_suit(model: nn.Module) -> bool:

@@ -89,7 +89,14 @@ class Parallelized:
     def clip_grad_norm(self, max_norm: float, optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
         """Total grad norm over all ranks' shards as a device tensor; the gradients clipped to
         max_norm when it is > 0, inside `optimizer`'s step where it is a fused AdamW (grad_norm.py)."""
-        from trainer.parallel.grad_norm import clip_grad_norm
+        from trainer.parallel.grad_norm import clip_grad_norm, fp32_norm, scale_for_clip
 
+        master = self.extras.get("master_weights")
+        if master is not None and master.kept:  # bf16 gradients on the compute copies (master_adamw.py)
+            if max_norm > 0 and not (optimizer is not None and optimizer.defaults.get("fused")):
+                raise ValueError("clip_grad_norm: bf16 gradients are clipped inside MasterAdamW's step; pass it")
+            norm = fp32_norm(master.gradients())
+            scale_for_clip(optimizer, [], norm, max_norm)
+            return norm
         # TP and FSDP-only params on different meshes: the norm is assembled there
         return clip_grad_norm([p for p in self.parameters() if p.grad is not None], max_norm, optimizer=optimizer)
