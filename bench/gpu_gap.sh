@@ -7,8 +7,10 @@
 #
 #   OUT=/some/dir bash bench/gpu_gap.sh [BUDGET_S]        (default 540; run from anywhere)
 #
+# 0. bench/optimizer_step.py at smollm-1.7b: the optimizer phase alone, the plain loop's against the
+#    cast + fused AdamW the trainer ran before master_adamw.py and MasterAdamW (compiled); at most 50 s.
 # 1. bench/gpu_throughput.py: trainer defaults and the per-layer compiled plain loop for every preset
-#    (the headline ratios), first because they decide the target; at most 350 s.
+#    (the headline ratios), first because they decide the target; at most 330 s.
 # 2. bench/gpu_throughput.py: smollm-1.7b's batch search without checkpointing (batch 8 first: the
 #    MFU target is at its best batch), at most 110 s.
 # 3. bench/gpu_step_profile.py at smollm-1.7b batch 4 (where the gap is widest) if 60 s are left:
@@ -27,7 +29,11 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }
 { date -u; timeout 20 nvidia-smi 2>&1 | head -n 12; } > "$W/environment.txt" 2>&1
 
-b=$(( $(left) - 100 )); [ "$b" -gt 350 ] && b=350
+timeout -k 5 50 python3 -m bench.optimizer_step --device cuda --preset smollm-1.7b --reps 5 \
+  --json "$W/optimizer_step.json" > "$W/optimizer_step.log" 2>&1
+echo "optimizer step: exit $? at $(( $(date +%s) - START ))s" >> "$W/summary.txt"
+
+b=$(( $(left) - 100 )); [ "$b" -gt 330 ] && b=330
 timeout -k 10 $(( b + 5 )) python3 -m bench.gpu_throughput --budget "$b" --min-row-s 45 \
   --preset smollm-360m --preset qwen3-0.6b --preset smollm-1.7b \
   --row "trainer (defaults)" --row "plain compiled, per layer" \
@@ -53,6 +59,7 @@ else
 fi
 
 {
+  grep -E "^\| " "$W/optimizer_step.log"
   grep -E "^  \S+ batch [0-9]+ " "$W/gpu_throughput.log"; sed -n '/^targets:/,/^loss agreement/p' "$W/gpu_throughput.log" | head -n 12
   grep -E "^  \S+ batch [0-9]+ " "$W/gpu_search.log" 2>/dev/null
   for f in "$W"/profile/profile-*.txt; do

@@ -181,8 +181,10 @@ def test_gpu_gap_script_names_rows_and_presets_the_bench_has():
     text = (REPO / "bench" / "gpu_gap.sh").read_text()
     names, presets = re.findall(r'--row "([^"]+)"', text), re.findall(r'--preset ([a-z]\S+) ', text)
     assert names == ["trainer (defaults)", "plain compiled, per layer", "trainer, largest batch"]
-    # the headline presets, the batch search's, the step profile's
-    assert presets == ["smollm-360m", "qwen3-0.6b", "smollm-1.7b", "smollm-1.7b", "smollm-1.7b"]
+    # the optimizer phase's, the headline presets, the batch search's, the step profile's
+    assert presets == ["smollm-1.7b", "smollm-360m", "qwen3-0.6b", "smollm-1.7b", "smollm-1.7b", "smollm-1.7b"]
+    presets = presets[1:]
+    assert re.findall(r"bench.optimizer_step --device cuda --preset (\S+) ", text) == ["smollm-1.7b"]
     assert re.findall(r"gpu_step_profile .* --preset (\S+) \\\n\s+--batch 4", text) == ["smollm-1.7b"]
     rows = plan(argparse.Namespace(smoke=False, quick=False))
     picked = select(rows, presets[:3], names[:2])

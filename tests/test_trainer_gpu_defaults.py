@@ -18,6 +18,8 @@ from tests.trainer_run import REPO, checkpoint_tensors, read_metrics, run_traine
 # logging.peak_flops given: the CPU's bf16 matmul probe costs ~45 s of CPU per process here.
 BF16 = ("--config", "configs/tiny.yaml", "--train.steps", "4", "--optim.lr", "0.01", "--train.dtype", "bf16",
         "--profile.batch", "none", "--logging.peak_flops", "1e9")
+# As a CUDA run compiles (blocks, loss and master_adamw.py's update), with the eager-kernel backend.
+COMPILED = ("--train.compile", "true", "--train.compile_backend", "aot_eager")
 BF16_RTOL = 2e-2  # bf16 keeps 8 bits of mantissa: activations in bf16 vs fp32 residual stream and norms
 
 
@@ -39,11 +41,11 @@ def _close_not_equal(got: list[float], want: list[float]) -> None:
 
 def test_bf16_parameters_on_one_process_match_autocast(tmp_path, autocast_losses):
     """train.param_dtype bf16 in one process: bf16 compute weights over fp32 masters
-    (master_weights.py) and the AdamW that writes them (master_adamw.py); the master weights and AdamW state the checkpoint holds are fp32, and a run
+    (master_weights.py) and the compiled AdamW that writes them (master_adamw.py); the master weights and AdamW state the checkpoint holds are fp32, and a run
     resumed from step 2 repeats steps 3 and 4 exactly."""
-    proc = run_trainer(tmp_path, *BF16, "--train.param_dtype", "bf16", "--checkpoint.interval", "2")
+    proc = run_trainer(tmp_path, *BF16, *COMPILED, "--train.param_dtype", "bf16", "--checkpoint.interval", "2")
     assert "bf16 compute weights over fp32 master weights in one process; AdamW reads their bf16 gradients and " \
-           "writes them (one eager pass per parameter)" in proc.stdout
+           "writes them (one compiled pass per parameter)" in proc.stdout
     assert yaml.safe_load((tmp_path / "config.yaml").read_text())["train"]["param_dtype"] == "bf16"
     losses = [r["loss"] for r in read_metrics(tmp_path)]
     _close_not_equal(losses, autocast_losses)
@@ -53,7 +55,8 @@ def test_bf16_parameters_on_one_process_match_autocast(tmp_path, autocast_losses
     assert weights and state
     assert {v.dtype for v in weights.values()} == {v.dtype for v in state.values()} == {torch.float32}
     resumed = tmp_path / "resumed"
-    run_trainer(resumed, *BF16, "--train.param_dtype", "bf16", "--resume", str(tmp_path / "checkpoints" / "step-2"))
+    run_trainer(resumed, *BF16, *COMPILED, "--train.param_dtype", "bf16", "--resume",
+                str(tmp_path / "checkpoints" / "step-2"))
     assert [r["loss"] for r in read_metrics(resumed)][-2:] == losses[2:]
 
 

@@ -16,7 +16,9 @@ if TYPE_CHECKING:
 
 def build_optimizer(params: list[nn.Parameter], cfg: Config, master: MasterWeights | None = None) -> torch.optim.Optimizer:
     """AdamW over `params`; over the fp32 masters of bf16 compute copies (`master`, one process with
-    train.param_dtype bf16) master_adamw.MasterAdamW, whose step also writes the copies."""
+    train.param_dtype bf16) that compile, master_adamw.MasterAdamW, whose step also writes the copies
+    (eager, its dozen passes per parameter lose to torch's fused kernel over cast gradients: that
+    one then, bench/results/optimizer_step.json)."""
     o = cfg.optim
     # No weight decay on biases and norm weights (1-D tensors), as is usual for transformers.
     decay = [p for p in params if p.requires_grad and p.ndim >= 2]
@@ -27,7 +29,7 @@ def build_optimizer(params: list[nn.Parameter], cfg: Config, master: MasterWeigh
     groups = [{**g, "params": [p for p in g["params"] if _is_dtensor(p) == dt]} for g in groups for dt in (False, True)]
     groups = [g for g in groups if g["params"]]
     kwargs = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-    if master is not None:
+    if master is not None and master.compile_backend is not None:
         from trainer.parallel.master_adamw import MasterAdamW
 
         return MasterAdamW(groups, master, compile_backend=master.compile_backend,

@@ -117,9 +117,9 @@ def parallelize(model: nn.Module, spec: ModelSpec, dims: ParallelDims, cfg: Conf
         par.extras["master_weights"] = MasterWeights(model, compile_mode=compile_mode,
                                                      compile_backend=cfg.train.compile_backend)
         par.bf16_weights = True
-        log.info("train.param_dtype bf16: bf16 compute weights over fp32 master weights in one process; AdamW "
-                 "reads their bf16 gradients and writes them (one %s pass per parameter)",
-                 "eager" if compile_mode == "false" else "compiled")
+        log.info("train.param_dtype bf16: bf16 compute weights over fp32 master weights in one process; %s",
+                 "fused AdamW over fp32 gradients cast from theirs" if compile_mode == "false" else
+                 "AdamW reads their bf16 gradients and writes them (one compiled pass per parameter)")
     if ref is not None:
         materialize(model, ref, device, group=dims.stage_group, source=dims.builds_weights)
     return par

@@ -35,21 +35,34 @@ log = logging.getLogger("trainer")
 
 
 def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                 copy: torch.Tensor, step: torch.Tensor, grad_scale: torch.Tensor, hyper: torch.Tensor) -> None:
+                 copy: torch.Tensor, bias_correction1: torch.Tensor, bias_correction2_sqrt: torch.Tensor,
+                 grad_scale: torch.Tensor, hyper: torch.Tensor) -> None:
     """One AdamW update of `param` (fp32) in place, and `copy` (its bf16 compute copy) set to it.
-    `step` already counts this update; `grad` is divided by `grad_scale` (the clip, 1 for none);
-    `hyper` holds lr, beta1, beta2, eps, weight_decay (fp32, on the device: one graph for every
-    value; as Python floats, torch 2.13's compile gave some graphs wrong numbers)."""
+    The bias corrections are this update's (1 - beta1^step, sqrt(1 - beta2^step): bias_corrections,
+    outside the kernel, whose every block would compute the powers again); `grad` is divided by
+    `grad_scale` (the clip, 1 for none); `hyper` holds lr, beta1, beta2, eps, weight_decay (fp32, on
+    the device: one graph for every value; as Python floats, torch 2.13's compile gave some graphs
+    wrong numbers)."""
     lr, beta1, beta2, eps, weight_decay = hyper.unbind()
     g = grad.float() / grad_scale
     param.sub_(param * (lr * weight_decay))
     exp_avg.mul_(beta1).add_(g * (1 - beta1))
     exp_avg_sq.mul_(beta2).add_(g * g * (1 - beta2))
-    bias_correction1 = 1 - torch.pow(beta1, step)
-    bias_correction2_sqrt = torch.sqrt(1 - torch.pow(beta2, step))
     denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps
     param.sub_((lr / bias_correction1) * exp_avg / denom)
     copy.copy_(param)
+
+
+def bias_corrections(steps: list[torch.Tensor], beta1: float, beta2: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per step count (0-d tensors, on the device: no host sync), 1 - beta1^step and sqrt(1 - beta2^step)."""
+    bc1 = torch._foreach_pow(beta1, steps)
+    torch._foreach_neg_(bc1)
+    torch._foreach_add_(bc1, 1.0)
+    bc2 = torch._foreach_pow(beta2, steps)
+    torch._foreach_neg_(bc2)
+    torch._foreach_add_(bc2, 1.0)
+    torch._foreach_sqrt_(bc2)
+    return bc1, bc2
 
 
 class MasterAdamW(torch.optim.AdamW):
@@ -98,8 +111,10 @@ class MasterAdamW(torch.optim.AdamW):
             if not items:
                 continue
             states = [self._state(p) for p, _ in items]
-            torch._foreach_add_([s["step"] for s in states], 1.0)
-            for (p, g), s in zip(items, states, strict=True):
+            steps = [s["step"] for s in states]
+            torch._foreach_add_(steps, 1.0)
+            bc1, bc2 = bias_corrections(steps, beta1, beta2)
+            for (p, g), s, c1, c2 in zip(items, states, bc1, bc2, strict=True):
                 copy = self.master.copy_of(p)
                 tensors = (p.detach(), g, s["exp_avg"], s["exp_avg_sq"], copy.detach())
                 if all(t.is_contiguous() for t in tensors):  # flat: one graph for every shape (detached
@@ -107,7 +122,7 @@ class MasterAdamW(torch.optim.AdamW):
                 if p.device not in hyper:
                     hyper[p.device] = torch.tensor([group["lr"], beta1, beta2, group["eps"], group["weight_decay"]],
                                                    dtype=torch.float32).to(p.device, non_blocking=True)
-                self._run(*tensors, s["step"], self._grad_scale(p.device), hyper[p.device])
+                self._run(*tensors, c1, c2, self._grad_scale(p.device), hyper[p.device])
             written += len(items)
         # The copies of parameters without a gradient are as current as they were before the step.
         self.master.copies_written(current or written == len(self.master.masters))

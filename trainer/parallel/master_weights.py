@@ -22,6 +22,13 @@ inputs of the root forward are cast to bf16, as FSDP2's `cast_forward_inputs`. A
 a backward (evaluation, no_grad) registers the masters again when it returns.
 
 FSDP2-on-one-rank's losses and gradients bit for bit (tests/test_master_weights.py).
+
+Where the run compiles (train.compile, the CUDA default) the optimizer is master_adamw.MasterAdamW,
+which calls `keep_copies()`: then a single microbatch's gradients stay bf16 on the copies (no fp32
+gradient exists), the optimizer reads them there and writes each copy as it updates its master, and
+the copies keep their memory, so the next forward casts nothing; they are cast again only when a
+master's version counter moved otherwise (a checkpoint loaded into the model). Gradients summed over
+microbatches still go to fp32 on the masters (cast before the next microbatch's forward).
 """
 
 from __future__ import annotations
