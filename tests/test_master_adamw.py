@@ -195,3 +195,33 @@ def _parallel():
     from trainer.config import ParallelConfig
 
     return ParallelConfig()
+
+
+def test_a_compile_error_ends_the_run_or_with_compile_try_warns_once_and_runs_eagerly(caplog):
+    """train.compile true: an update that cannot compile raises; `try`: one warning naming the
+    reason, then the same step eagerly (the weights as an eager optimizer's), compiled no more."""
+    def broken(*args):
+        raise RuntimeError("inductor: no kernel for this\nsecond line")
+
+    results = []
+    for eager_on_error in (False, True, None):
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(4, 4)
+        mw = MasterWeights(lin)
+        opt = MasterAdamW(lin.parameters(), mw, compile_backend=None if eager_on_error is None else "inductor",
+                          eager_on_error=bool(eager_on_error), lr=1e-2)
+        if eager_on_error is not None:
+            opt._update = broken
+        lin(torch.ones(2, 4)).float().sum().backward()
+        if eager_on_error is False:
+            with pytest.raises(RuntimeError, match="no kernel for this"):
+                opt.step()
+            continue
+        with caplog.at_level("WARNING", logger="trainer"):
+            opt.step()
+        results.append([p.detach().clone() for p in lin.parameters()])
+        if eager_on_error:
+            assert not opt.compiled
+            assert [r.getMessage() for r in caplog.records] == [
+                "train.compile try: the AdamW update runs eagerly (inductor: no kernel for this)"]
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
