@@ -41,8 +41,9 @@ def _close_not_equal(got: list[float], want: list[float]) -> None:
 
 def test_bf16_parameters_on_one_process_match_autocast(tmp_path, autocast_losses):
     """train.param_dtype bf16 in one process: bf16 compute weights over fp32 masters
-    (master_weights.py) and the compiled AdamW that writes them (master_adamw.py); the master weights and AdamW state the checkpoint holds are fp32, and a run
-    resumed from step 2 repeats steps 3 and 4 exactly."""
+    (master_weights.py) and the compiled AdamW that writes them (master_adamw.py); the master
+    weights and AdamW state the checkpoint holds are fp32, and a run resumed from step 2 repeats
+    steps 3 and 4 exactly."""
     proc = run_trainer(tmp_path, *BF16, *COMPILED, "--train.param_dtype", "bf16", "--checkpoint.interval", "2")
     assert "bf16 compute weights over fp32 master weights in one process; AdamW reads their bf16 gradients and " \
            "writes them (one compiled pass per parameter)" in proc.stdout
