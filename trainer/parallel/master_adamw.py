@@ -89,13 +89,17 @@ class MasterAdamW(torch.optim.AdamW):
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state
 
-    def _grad_scale(self, device: torch.device) -> torch.Tensor:
+    def _scalars(self, group: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The group's hyperparameters as one fp32 tensor on `device` (one copy per step: the LR
+        moves), and the clip's grad_scale there (1 for none)."""
+        beta1, beta2 = group["betas"]
+        hyper = torch.tensor([group["lr"], beta1, beta2, group["eps"], group["weight_decay"]], dtype=torch.float32)
         scale = getattr(self, "grad_scale", None)  # grad_norm.scale_for_clip puts the clip here
-        if scale is not None:
-            return scale.to(device)
-        if device not in self._one:
-            self._one[device] = torch.ones((), dtype=torch.float32, device=device)
-        return self._one[device]
+        if scale is None:
+            if device not in self._one:
+                self._one[device] = torch.ones((), dtype=torch.float32, device=device)
+            scale = self._one[device]
+        return hyper.to(device, non_blocking=True), scale.to(device)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
@@ -106,7 +110,7 @@ class MasterAdamW(torch.optim.AdamW):
             if group["amsgrad"] or group["maximize"] or group["capturable"]:
                 raise ValueError("MasterAdamW: amsgrad, maximize and capturable are not supported")
             beta1, beta2 = group["betas"]
-            hyper: dict[torch.device, torch.Tensor] = {}
+            scalars: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
             items = [(p, g) for p in group["params"] if (g := self.master.grad_of(p)) is not None]
             if not items:
                 continue
@@ -119,10 +123,10 @@ class MasterAdamW(torch.optim.AdamW):
                 tensors = (p.detach(), g, s["exp_avg"], s["exp_avg_sq"], copy.detach())
                 if all(t.is_contiguous() for t in tensors):  # flat: one graph for every shape (detached
                     tensors = tuple(t.view(-1).detach() for t in tensors)  # again: not views, no guards on a base)
-                if p.device not in hyper:
-                    hyper[p.device] = torch.tensor([group["lr"], beta1, beta2, group["eps"], group["weight_decay"]],
-                                                   dtype=torch.float32).to(p.device, non_blocking=True)
-                self._run(*tensors, c1, c2, self._grad_scale(p.device), hyper[p.device])
+                if p.device not in scalars:
+                    scalars[p.device] = self._scalars(group, p.device)
+                hyper, scale = scalars[p.device]
+                self._run(*tensors, c1, c2, scale, hyper)
             written += len(items)
         # The copies of parameters without a gradient are as current as they were before the step.
         self.master.copies_written(current or written == len(self.master.masters))

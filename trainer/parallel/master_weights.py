@@ -79,7 +79,8 @@ class MasterWeights:
     def _pre_forward(self, _module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if not self.active:  # a second forward before the backward reuses the copies in place
             with torch.no_grad():
-                self._fold_grads()
+                if self.kept:  # a microbatch before this one left its gradients on the copies
+                    self._fold_grads()
                 if not self.copies_current():
                     for c in self.computes:
                         c.untyped_storage().resize_(c.numel() * c.element_size())
