@@ -15,7 +15,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
@@ -27,7 +26,7 @@ import yaml
 from tests import IMAGE
 from tests.conftest import net_addr, require
 from tests.runner_helpers import REPO, runner, runner_cmd, wait_for
-from tests.trainer_run import run_trainer
+from tests.trainer_run import held, hold_env, release, run_trainer
 
 pytestmark = [pytest.mark.slurm, pytest.mark.sandbox]
 
@@ -164,59 +163,44 @@ def test_collect_returns_the_files(slurm, straight, tmp_path):
         assert ": 0 copied (0.00 MB" in again.stdout, again.stdout
 
 
-def _ranks(run_id: str) -> list[psutil.Process]:
-    """The run's trainer processes (torchrun's workers: RUN_ID and LOCAL_RANK in their env)."""
-    found = []
-    for p in psutil.process_iter():
-        try:
-            env = Path(f"/proc/{p.pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"RUN_ID={run_id}".encode() in env and any(e.startswith(b"LOCAL_RANK=") for e in env):
-            found.append(p)
-    return found
+HOLD = "step-2"  # every rank waits after step 2 (trainer/hold.py) until the test lets it go
 
 
-def _usr1_pending(p: psutil.Process) -> bool:
-    status = Path(f"/proc/{p.pid}/status").read_text()
-    pend = [int(v, 16) for k, v in re.findall(r"^(SigPnd|ShdPnd):\s*([0-9a-f]+)$", status, re.M)]
-    return any(x & (1 << (signal.SIGUSR1 - 1)) for x in pend)
+def held_job(tmp: Path) -> Path:
+    """The job, held after step 2 until the preemption signal has reached every rank: the run then
+    stops after step 3 on any machine, however loaded. (Holding the ranks with SIGSTOP once step 1
+    was logged raced the run: 10 steps take ~1.2 s, and on a loaded CI machine the run ended before
+    the signal was sent, so no preempt checkpoint was written.) torchrun's shutdown timeout
+    (grace - 2 s) runs from the signal: 180 s leaves the step and the checkpoint time whatever the load."""
+    return job_file(tmp, grace_period=180, env={"OMP_NUM_THREADS": "1", **hold_env("step:2")})
 
 
 def test_down_writes_preempt_checkpoint_and_resume_is_bitwise(slurm, straight, tmp_path):
-    """Submitted from this machine (no login node), with --requeue. Once step 1 is logged the ranks
-    are held (SIGSTOP) while `runner down` signals the job, and let go once USR1 is pending on every
-    rank: the stop lands mid-run whatever the machine's load. The batch script's requeue branch then
+    """Submitted from this machine (no login node), with --requeue. The ranks are held after step 2
+    while `runner down` signals the job, and let go once USR1 has reached every rank: the run stops
+    after step 3 whatever the machine's load. The batch script's requeue branch then
     sees `runner down`'s mark: the job ends, not requeued. Then `up --resume` finishes the run."""
     env = slurm.env
-    # torchrun's shutdown timeout (grace - 2 s) runs from the USR1 it gets at once, while its ranks
-    # are held: 60 s was cut short on a loaded machine (a reversed run): 180 s leaves the held
-    # ranks time for their step and the preempt checkpoint whatever the load.
-    up = runner("up", "-i", str(slurm.local), "--job", str(job_file(tmp_path, grace_period=180)), "--detach",
-                "--requeue", env=env)
+    up = runner("up", "-i", str(slurm.local), "--job", str(held_job(tmp_path)), "--detach", "--requeue", env=env)
     assert up.returncode == 0, up.stdout + up.stderr
     run_id, job = re.search(r"^run (\S+) submitted: Slurm job (\d+)", up.stdout, re.M).groups()
     rd = slurm.shared / "runs" / run_id
-    wait_for(lambda: (rd / "metrics.jsonl").is_file() and (rd / "metrics.jsonl").read_text().strip(), 300)
-    ranks = wait_for(lambda: len(_ranks(run_id)) == 3 and _ranks(run_id), 30)
-    busy = runner("up", "-i", str(slurm.local), "--job", str(job_file(tmp_path)), "--resume", run_id, env=env)
-    assert busy.returncode != 0 and f"Slurm job {job} of the run is still RUNNING" in busy.stderr
-    for p in ranks:
-        p.send_signal(signal.SIGSTOP)
-    down = subprocess.Popen(runner_cmd("down", run_id, "-i", str(slurm.local)), cwd=REPO, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **env})
     try:
-        wait_for(lambda: all(_usr1_pending(p) for p in ranks), 60)
+        wait_for(lambda: held(rd, HOLD, range(3)), 300)
+        busy = runner("up", "-i", str(slurm.local), "--job", str(job_file(tmp_path)), "--resume", run_id, env=env)
+        assert busy.returncode != 0 and f"Slurm job {job} of the run is still RUNNING" in busy.stderr
+        down = subprocess.Popen(runner_cmd("down", run_id, "-i", str(slurm.local)), cwd=REPO, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **env})
+        wait_for(lambda: held(rd, HOLD, range(3), "signalled"), 120)
     finally:
-        for p in ranks:
-            p.send_signal(signal.SIGCONT)
+        release(rd, HOLD)
     out, err = down.communicate(timeout=300)
     assert down.returncode == 0, out + err
     assert f"run {run_id}: Slurm job {job} sent USR1; ended within the grace period" in out, out + err
     ckpts = rd / "checkpoints"
     name = (ckpts / "latest").read_text().strip()
     stopped = len(losses(rd / "metrics.jsonl"))
-    assert name == f"step-{stopped}.preempt" and 1 <= stopped < STEPS, (name, stopped)
+    assert name == "step-3.preempt" and stopped == 3, (name, stopped)
     assert f"latest checkpoint {name}" in out
     for r in range(3):  # every rank wrote its part: the shards, its manifest, its RNG/optimizer state
         assert (ckpts / name / f"rank{r}.pt").is_file() and (ckpts / name / f"manifest.rank{r}.json").is_file()
@@ -301,39 +285,26 @@ def test_requeue_resumes_from_the_preempt_checkpoint(slurm, straight, tmp_path, 
     requeues it (no `runner down` mark). Either way the ranks write the preempt checkpoint and the
     job's second start resumes from it: the same losses as the straight run."""
     env = slurm.env
-    # torchrun's shutdown timeout (grace - 2 s) runs from the USR1 it gets at once, while its ranks
-    # are held: 60 s was cut short on a loaded machine (a reversed run): 180 s leaves the held
-    # ranks time for their step and the preempt checkpoint whatever the load.
-    up = runner("up", "-i", str(slurm.local), "--job", str(job_file(tmp_path, grace_period=180)), "--detach",
-                "--requeue", env=env)
+    up = runner("up", "-i", str(slurm.local), "--job", str(held_job(tmp_path)), "--detach", "--requeue", env=env)
     assert up.returncode == 0, up.stdout + up.stderr
     run_id, job = re.search(r"^run (\S+) submitted: Slurm job (\d+)", up.stdout, re.M).groups()
     rd = slurm.shared / "runs" / run_id
-    wait_for(lambda: (rd / "metrics.jsonl").is_file() and (rd / "metrics.jsonl").read_text().strip(), 300)
-    ranks = wait_for(lambda: len(_ranks(run_id)) == 3 and _ranks(run_id), 30)
-    for p in ranks:  # held until the signal is there, so the requeue lands mid-run
-        p.send_signal(signal.SIGSTOP)
     try:
-        if how == "slurm_requeue":  # Slurm sends SIGCONT itself
+        wait_for(lambda: held(rd, HOLD, range(3)), 300)
+        if how == "slurm_requeue":  # SIGTERM to every task, then KillWait
             assert sctl(slurm, "scontrol", "requeue", job) == ""
         else:
             assert sctl(slurm, "scancel", "--signal=USR1", job) == ""
-            wait_for(lambda: all(_usr1_pending(p) for p in ranks), 60)
-            for p in ranks:
-                p.send_signal(signal.SIGCONT)
-        ended = r"JobState=(PENDING|COMPLETED|FAILED|CANCELLED|TIMEOUT|NODE_FAIL|OUT_OF_MEMORY)"
-        state = wait_for(lambda: re.search(ended, sctl(slurm, "scontrol", "show", "job", "-o", job)), 240)
-        out = rd / "slurm" / f"{job}.out"
-        assert state[1] == "PENDING", (state[0], out.read_text()[-2000:] if out.is_file() else "no batch output")
+        wait_for(lambda: held(rd, HOLD, range(3), "signalled"), 120)
     finally:
-        for p in ranks:
-            try:
-                p.send_signal(signal.SIGCONT)
-            except psutil.NoSuchProcess:
-                pass
+        release(rd, HOLD)
+    ended = r"JobState=(PENDING|COMPLETED|FAILED|CANCELLED|TIMEOUT|NODE_FAIL|OUT_OF_MEMORY)"
+    state = wait_for(lambda: re.search(ended, sctl(slurm, "scontrol", "show", "job", "-o", job)), 240)
+    out = rd / "slurm" / f"{job}.out"
+    assert state[1] == "PENDING", (state[0], out.read_text()[-2000:] if out.is_file() else "no batch output")
     stopped = len(losses(rd / "metrics.jsonl"))
     name = (rd / "checkpoints" / "latest").read_text().strip()
-    assert name == f"step-{stopped}.preempt" and 1 <= stopped < STEPS, (name, stopped)
+    assert name == "step-3.preempt" and stopped == 3, (name, stopped)
     # Slurm holds a requeued job back (BeginTime, ~2 min): let it start once its nodes are idle and
     # two seconds on. Not at once: each node revokes the job's old credential, and a credential made
     # in the same second counts as revoked (1 s resolution): a restart 0.4 s after the requeue was

@@ -139,7 +139,10 @@ def held(out_dir: Path, point: str, ranks, what: str = "held") -> bool:
 
 
 def release(out_dir: Path, point: str) -> None:
-    (Path(out_dir) / ".hold" / f"{point}.go").write_text("")
+    """Let every rank held at `point` go (safe before any rank got there: they will not wait)."""
+    d = Path(out_dir) / ".hold"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f"{point}.go").write_text("")
 
 
 def read_metrics(out_dir: Path) -> list[dict]:
