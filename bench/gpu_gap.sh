@@ -5,21 +5,25 @@
 # moved from FSDP2 to master_weights.py; all three before master_adamw.py). What the next lent GPU
 # should run first:
 #
-#   OUT=/some/dir bash bench/gpu_gap.sh [BUDGET_S]        (default 540; run from anywhere)
+#   OUT=/some/dir bash bench/gpu_gap.sh [BUDGET_S]        (default 560; run from anywhere)
 #
+# with the call's timeout_s about 590: everything in one call (a second call finds the machine given
+# back after its 30 s idle wait and pays another start).
 # 0. bench/optimizer_step.py at smollm-1.7b: the optimizer phase alone, the plain loop's against the
 #    cast + fused AdamW the trainer ran before master_adamw.py and MasterAdamW (compiled); at most 50 s.
 # 1. bench/gpu_throughput.py: trainer defaults and the per-layer compiled plain loop for every preset
-#    (the headline ratios), first because they decide the target; at most 330 s.
+#    (the headline ratios), first because they decide the target; at most 300 s.
 # 2. bench/gpu_throughput.py: smollm-1.7b's batch search without checkpointing (batch 8 first: the
-#    MFU target is at its best batch), at most 110 s.
-# 3. bench/gpu_step_profile.py at smollm-1.7b batch 4 (where the gap is widest) if 60 s are left:
+#    MFU target is at its best batch), at most 100 s.
+# 3. pytest -m gpu, the tests of what changed since the last GPU run (MasterAdamW, the master
+#    weights, the bf16 step, no host sync) if 45 s are left: gpu_tests.txt.
+# 4. bench/gpu_step_profile.py at smollm-1.7b batch 4 (where the gap is widest) if 60 s are left:
 #    step wall times, device busy share, syncs and the top operators.
 # $OUT gets gap.tar.gz (every file) and summary.txt, which is also printed last. Changes no GPU
 # setting. Needs only torch with CUDA and transformers (the machine's python3).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
-BUDGET=${1:-540}
+BUDGET=${1:-560}
 case "$BUDGET" in ''|*[!0-9]*) echo "gpu_gap: BUDGET_S must be a whole number of seconds, got '$BUDGET'" >&2; exit 2;; esac
 if [ -z "${OUT:-}" ]; then echo "gpu_gap: set OUT to the directory that receives the results" >&2; exit 2; fi
 mkdir -p "$OUT"
@@ -33,20 +37,29 @@ timeout -k 5 50 python3 -m bench.optimizer_step --device cuda --preset smollm-1.
   --json "$W/optimizer_step.json" > "$W/optimizer_step.log" 2>&1
 echo "optimizer step: exit $? at $(( $(date +%s) - START ))s" >> "$W/summary.txt"
 
-b=$(( $(left) - 100 )); [ "$b" -gt 330 ] && b=330
+b=$(( $(left) - 160 )); [ "$b" -gt 300 ] && b=300
 timeout -k 10 $(( b + 5 )) python3 -m bench.gpu_throughput --budget "$b" --min-row-s 45 \
   --preset smollm-360m --preset qwen3-0.6b --preset smollm-1.7b \
   --row "trainer (defaults)" --row "plain compiled, per layer" \
   --json "$W/gpu_throughput.json" --logs "$W/gpu_throughput_logs" > "$W/gpu_throughput.log" 2>&1
 echo "throughput: exit $? at $(( $(date +%s) - START ))s" >> "$W/summary.txt"
 
-b=$(( $(left) - 70 )); [ "$b" -gt 110 ] && b=110
+b=$(( $(left) - 60 )); [ "$b" -gt 100 ] && b=100
 if [ "$b" -ge 60 ]; then
   timeout -k 10 $(( b + 5 )) python3 -m bench.gpu_throughput --budget "$b" --min-row-s 45 --preset smollm-1.7b \
     --row "trainer, largest batch" --json "$W/gpu_search.json" --logs "$W/gpu_search_logs" > "$W/gpu_search.log" 2>&1
   echo "batch search: exit $? at $(( $(date +%s) - START ))s" >> "$W/summary.txt"
 else
   echo "batch search: not run, ${b}s left" >> "$W/summary.txt"
+fi
+
+t=$(( $(left) - 10 )); [ "$t" -gt 150 ] && t=150
+if [ "$t" -ge 45 ]; then
+  timeout -k 5 "$t" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py \
+    -k "master_adamw or master_weights or bf16_step or no_host_sync" > "$W/gpu_tests.txt" 2>&1
+  echo "gpu tests: exit $? at $(( $(date +%s) - START ))s: $(tail -n 1 "$W/gpu_tests.txt")" >> "$W/summary.txt"
+else
+  echo "gpu tests: not run, ${t}s left" >> "$W/summary.txt"
 fi
 
 t=$(( $(left) - 10 )); [ "$t" -gt 170 ] && t=170
