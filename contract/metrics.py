@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -31,10 +32,24 @@ def read(path: Path) -> list[dict]:
     return parse(Path(path).read_text(errors="replace"))
 
 
+def number(x: object) -> bool:
+    """x is a number a float holds and is finite: a job's NaN, 1e308 step time or 400-digit loss is
+    not one (they ended `runner status` in a traceback)."""
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+        return False
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:
+        return False
+
+
+def is_step(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 62
+
+
 def loss_records(records: list[dict]) -> list[dict]:
     """Records with a numeric loss and an integer step (what a loss curve plots)."""
-    return [r for r in records if isinstance(r.get("loss"), (int, float)) and isinstance(r.get("step"), int)
-            and not isinstance(r.get("step"), bool)]
+    return [r for r in records if number(r.get("loss")) and is_step(r.get("step"))]
 
 
 def total_steps(config_text: str | None) -> int | None:
@@ -75,23 +90,24 @@ def progress(records: list[dict], total: int | None) -> Progress | None:
     if not steps:
         return None
     last = steps[-1]
-    times = [r["step_time_s"] for r in steps[-ETA_WINDOW:] if isinstance(r.get("step_time_s"), (int, float))]
+    times = [r["step_time_s"] for r in steps[-ETA_WINDOW:] if number(r.get("step_time_s")) and 0 <= r["step_time_s"] < 1e7]
     eta = None
     if total and times:
         eta = round(max(0, total - last["step"]) * sum(times) / len(times), 1)
     tps = last.get("tokens_per_s")
-    return Progress(last["step"], total, float(last["loss"]),
-                    float(tps) if isinstance(tps, (int, float)) else None, eta)
+    return Progress(last["step"], total, float(last["loss"]), float(tps) if number(tps) else None,
+                    eta if eta is not None and math.isfinite(eta) else None)
 
 
 def summary(records: list[dict]) -> str | None:
     """`final loss X at step N, tokens/s mean M` (collect's summary line)."""
-    losses = loss_records(records) or [r for r in records if isinstance(r.get("loss"), (int, float))]
+    losses = loss_records(records) or [r for r in records if number(r.get("loss"))]
     if not losses:
         return None
     last = losses[-1]
-    tps = [r["tokens_per_s"] for r in losses if isinstance(r.get("tokens_per_s"), (int, float))]
-    return (f"final loss {last['loss']:.4f} at step {last.get('step', '?')}"
+    tps = [r["tokens_per_s"] for r in losses if number(r.get("tokens_per_s"))]
+    step = last.get("step") if is_step(last.get("step")) else "?"  # a string step is the job's text, not a step
+    return (f"final loss {float(last['loss']):.4f} at step {step}"
             + (f", tokens/s mean {sum(tps) / len(tps):.1f}" if tps else ""))
 
 

@@ -17,6 +17,7 @@ import socket
 import stat
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -147,6 +148,24 @@ class _FS(SFTPServerInterface):
         return os.readlink(path)
 
 
+class _SFTP(SFTPServer):
+    """SFTP whose answers longer than the node's `trickle_over` bytes go out one byte at a time,
+    `trickle_s` apart: each byte inside any wait between reads, the whole answer never."""
+
+    def __init__(self, channel, name, server, sftp_si, node: HostileNode, *a, **k):
+        super().__init__(channel, name, server, sftp_si, node, *a, **k)
+        self.node = node
+
+    def _write_all(self, out):
+        if self.node.trickle_over is None or len(out) <= self.node.trickle_over:
+            return super()._write_all(out)
+        for b in out:
+            if self.sock.closed:
+                return
+            self.sock.sendall(bytes([b]))
+            time.sleep(self.node.trickle_s)
+
+
 class _Server(paramiko.ServerInterface):
     def __init__(self, node: HostileNode):
         self.node = node
@@ -176,6 +195,9 @@ class HostileNode:
         self.addr = net_addr(third, fourth)
         self.lister = lister
         self.commands: list[str] = []
+        self.trickle_over: int | None = None  # SFTP answers over this many bytes are trickled (_SFTP)
+        self.trickle_s = 0.2
+        self.rewrite: Callable[[str], str] | None = None  # the command the node runs instead of the one asked
         self.host_key = paramiko.ECDSAKey.generate()
         self.client_key = paramiko.ECDSAKey.generate()
         self.key_file = tmp / "client_key"
@@ -216,7 +238,7 @@ class HostileNode:
                 return
             t = paramiko.Transport(conn)
             t.add_server_key(self.host_key)
-            t.set_subsystem_handler("sftp", SFTPServer, _FS, self)
+            t.set_subsystem_handler("sftp", _SFTP, _FS, self)
             self._transports.append(t)
             try:
                 t.start_server(server=_Server(self))
@@ -226,7 +248,8 @@ class HostileNode:
     def _exec(self, chan: paramiko.Channel, command: bytes) -> None:
         """The command, run for real with sh in the node's home; stdin, stdout, stderr and the exit
         status carried as sshd does."""
-        proc = subprocess.Popen(["sh", "-c", command.decode()], cwd=self.home, stdin=subprocess.PIPE,
+        cmd = self.rewrite(command.decode()) if self.rewrite else command.decode()
+        proc = subprocess.Popen(["sh", "-c", cmd], cwd=self.home, stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
         def feed() -> None:
@@ -246,7 +269,8 @@ class HostileNode:
             while data := os.read(fd, 1 << 16):
                 try:
                     send(data)
-                except OSError:
+                except (OSError, EOFError):  # the runner went away (EOFError: paramiko's word for it)
+                    proc.kill()
                     return
 
         threading.Thread(target=feed, daemon=True).start()
@@ -257,9 +281,12 @@ class HostileNode:
         rc = proc.wait()
         for t in outs:
             t.join()
-        chan.send_exit_status(rc)
-        chan.shutdown_write()
-        chan.close()
+        try:
+            chan.send_exit_status(rc if rc >= 0 else 128 - rc)  # killed by a signal: as sh reports it
+            chan.shutdown_write()
+            chan.close()
+        except (OSError, EOFError):
+            pass
 
     # -- what the runner is given -------------------------------------------------------------
     def known_hosts(self, path: Path | None = None, key: paramiko.PKey | None = None) -> Path:

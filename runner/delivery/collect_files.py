@@ -20,6 +20,7 @@ import paramiko
 from runner import safe_path
 from runner.collect_report import merge_timelines, render_plots, summarize
 from runner.errors import UserError
+from runner.node_output import visible
 from runner.paths import node_paths
 from runner.transport import stream
 from runner.transport.digest import HASH_BATCH, remote_sha256, sha256_file
@@ -30,6 +31,9 @@ MANIFEST = ".collect-manifest.json"
 MAX_ERRORS_SHOWN = 5
 # The local tar takes nothing from the node but names and bytes: files owned by whoever collects.
 UNTAR = ["tar", "-x", "--no-same-owner", "--no-same-permissions", "--no-overwrite-dir"]
+# What a batch's stream may carry beyond the listed bytes: files of a live run that grew since the
+# listing (their logs; verification then names them). Past it the node is sending what was not listed.
+GROWTH = 64 << 20
 
 @dataclass
 class NodeCollect:
@@ -83,7 +87,7 @@ def _collect_batch(remote: Remote, rd: str, dest: Path, batch: list, manifest: d
     pool = ThreadPoolExecutor(1)
     try:
         hashing = pool.submit(remote_sha256, remote, rd, [r for r, _ in batch], sum(st.st_size or 0 for _, st in batch))
-        stream_tar(remote, rd, [r for r, _ in batch], staging, progress, task)
+        stream_tar(remote, rd, [r for r, _ in batch], staging, progress, task, max_bytes=tar_bound(batch))
         sums, failed = hashing.result()
         _place_batch(remote, rd, dest, staging, batch, sums, failed, manifest, res)
     finally:
@@ -115,18 +119,34 @@ def _place_batch(remote: Remote, rd: str, dest: Path, staging: Path, batch: list
         res.bytes_copied += st.st_size or 0
 
 
-def stream_tar(remote: Remote, rd: str, rels: list[str], staging: Path, progress=None, task=None) -> None:
+def tar_bound(batch: list) -> int:
+    """The most bytes a tar of the listed (name, attributes) may take, plus GROWTH: each member's
+    header, a GNU long-name header and its name's blocks, padding to 512; the end blocks and the
+    10 KiB record."""
+    members = sum(st.st_size or 0 for _, st in batch) + sum(
+        1024 + 512 * (len(rel.encode()) // 512 + 1) + 511 for rel, _ in batch)
+    return members + 1024 + 10240 + GROWTH
+
+
+def stream_tar(remote: Remote, rd: str, rels: list[str], staging: Path, progress=None, task=None,
+               max_bytes: int | None = None) -> None:
     """The node tars the files (names NUL-separated on stdin), OpenSSH carries the stream, a local
     tar unpacks it into staging. Files the node's tar could not read are simply absent from
-    staging; the caller verifies every file."""
+    staging; the caller verifies every file. A stream over max_bytes (tar_bound of what was listed)
+    is stopped there: a node cannot fill this disk with what it was not asked for."""
     staging.mkdir(parents=True, exist_ok=True)
     on_chunk = (lambda n: progress.update(task, advance=n)) if progress is not None else None
     res = stream.ssh_stream(remote, f"cd {shlex.quote(rd)} && tar --null -T - -cf -",
                             [[*UNTAR, "-C", str(staging), "-f", "-"]], upload=False,
-                            stdin_data=b"\0".join(r.encode() for r in rels), on_chunk=on_chunk)
+                            stdin_data=b"\0".join(r.encode() for r in rels), on_chunk=on_chunk, max_bytes=max_bytes)
+    if res.over:
+        raise UserError(f"node {remote.node.name}: the stream of files from {rd} went past {max_bytes >> 20} MiB, "
+                        f"the {len(rels)} listed files' size plus {GROWTH >> 20} MiB; stopped it (the node sends what "
+                        "was not listed: check it)")
     if res.stalled:
-        raise UserError(f"node {remote.node.name}: the stream of files from {rd} stalled (nothing for "
-                        f"{stream.STALL_S:.0f}s; node frozen or link down); stopped it, rerun collect")
+        raise UserError(f"node {remote.node.name}: the stream of files from {rd} stalled (under "
+                        f"{stream.STALL_BYTES >> 10} KiB in {stream.STALL_S:.0f}s; node frozen or link down); "
+                        "stopped it, rerun collect")
     if res.ssh_rc == 255 and not res.moved:
         raise UserError(f"node {remote.node.name}: the file stream did not connect: {res.ssh_err or 'ssh failed'}")
     if res.unfinished or any(res.local_rcs):
@@ -183,8 +203,8 @@ def report(results: list, run_dir: Path, no_plots: bool) -> None:
     if not no_plots and run_dir.is_dir():
         merge_timelines(run_dir)
         render_plots(run_dir)
-    for line in summarize(run_dir):
-        print(line)
+    for line in summarize(run_dir):  # from the job's own files: no terminal controls reach the screen
+        print(visible(line))
 
 
 def collect_error(run_id: str, errors: list[str]) -> str:

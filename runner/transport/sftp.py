@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
+import time
 
 import paramiko
 
@@ -20,6 +22,53 @@ WALK_MAX_FILES = 1_000_000
 
 
 SFTP_SILENCE_S = 120.0
+SFTP_OPEN_S = 10.0
+
+
+def close_quietly(chan: paramiko.Channel) -> None:
+    """Close a channel from a watchdog: the connection may be gone already (nothing left to end)."""
+    try:
+        chan.close()
+    except (EOFError, OSError, paramiko.SSHException):
+        pass
+
+
+class WatchedSFTP(paramiko.SFTPClient):
+    """paramiko's SFTP client whose every answer (one packet: at most 16 MiB, paramiko refuses more)
+    must arrive whole within `limit` seconds of being waited for. The channel's own timeout bounds
+    only the silence between two reads: a node that sends an answer one byte at a time, each just
+    inside it, would hold its caller for ever. One watchdog thread per session (transfers read
+    thousands of packets a second: no timer per packet) closes the channel when an answer is late;
+    the reader then fails with one UserError naming the node."""
+
+    def __init__(self, chan: paramiko.Channel, node: str, limit: float):
+        self._node, self._limit = node, limit
+        self._since: float | None = None  # when the packet being read was first waited for
+        self._cut = False
+        chan.settimeout(limit)
+        threading.Thread(target=self._watch, args=(chan,), daemon=True, name="sftp-watchdog").start()
+        super().__init__(chan)  # the version exchange is the first packet watched
+
+    def _watch(self, chan: paramiko.Channel) -> None:
+        while not chan.closed:
+            time.sleep(min(5.0, self._limit / 4))
+            since = self._since
+            if since is not None and time.monotonic() - since > self._limit:
+                self._cut = True
+                close_quietly(chan)
+                return
+
+    def _read_packet(self):
+        self._since = time.monotonic()
+        try:
+            return super()._read_packet()
+        except (EOFError, OSError, paramiko.SSHException):
+            if self._cut:
+                raise UserError(f"node {self._node}: an SFTP answer took over {self._limit:.0f}s to arrive whole; "
+                                "the node is too slow or is not a plain sshd (check its link)") from None
+            raise
+        finally:
+            self._since = None
 
 
 class NodeFiles:
@@ -28,11 +77,12 @@ class NodeFiles:
     @property
     def sftp(self) -> paramiko.SFTPClient:
         with self._lock:
-            if self._sftp is None:
-                self._sftp = self.client.open_sftp()
+            if self._sftp is None or self._sftp.sock.closed:  # closed: an answer was late, a fresh session
                 # A node behind a cut link answers nothing and TCP may take a quarter hour to say so:
-                # an SFTP call that hears nothing for this long fails instead of hanging its caller.
-                self._sftp.get_channel().settimeout(SFTP_SILENCE_S)
+                # an SFTP answer that is not whole within this long fails instead of hanging its caller.
+                chan = self.client.get_transport().open_session(timeout=SFTP_OPEN_S)
+                chan.invoke_subsystem("sftp")
+                self._sftp = WatchedSFTP(chan, self.node.name, SFTP_SILENCE_S)
             return self._sftp
 
     def makedirs(self, path: str, mode: int = 0o755) -> None:

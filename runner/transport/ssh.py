@@ -35,7 +35,7 @@ from runner.hostkeys import fingerprint, known_hosts_name
 from runner.inventory import Node
 from runner.node_output import read_capped, visible
 from runner.transport.jump import BASTIONS, proxy_command
-from runner.transport.sftp import MAX_OUTPUT, NodeFiles
+from runner.transport.sftp import MAX_OUTPUT, NodeFiles, WatchedSFTP, close_quietly
 
 log = logging.getLogger(__name__)
 # Its INFO lines are noise per node, and it logs a traceback at ERROR for every connection that
@@ -342,6 +342,12 @@ class Remote(NodeFiles):
         t = threading.Thread(target=read_err, daemon=True)
         t.start()
         deadline = time.monotonic() + timeout
+        # The wait between reads (settimeout) does not end a node that sends a byte just inside it,
+        # forever: at the deadline the channel is closed, which ends both readers at once.
+        expired = threading.Event()
+        alarm = threading.Timer(timeout, lambda: (expired.set(), close_quietly(chan)))
+        alarm.daemon = True
+        alarm.start()
         try:
             out, too_much = read_capped(chan.recv, max_output)
             if too_much:
@@ -349,11 +355,13 @@ class Remote(NodeFiles):
                 chan.close()  # the node stops being read; stderr's reader sees the end
             t.join(max(0.0, deadline - time.monotonic()))
             # An exit status the node never sends must not hold the runner either.
-            if not over and not chan.status_event.wait(max(0.0, deadline - time.monotonic())):
+            if expired.is_set() or (not over and not chan.status_event.wait(max(0.0, deadline - time.monotonic()))):
                 raise TimeoutError
         except TimeoutError:
             chan.close()
             raise UserError(f"node {self.node.name}: command timed out after {timeout:.0f}s: {command[:80]}") from None
+        finally:
+            alarm.cancel()
         if over:
             chan.close()
             raise UserError(f"node {self.node.name}: `{command[:80]}` wrote more than {max_output >> 20} MiB to "
@@ -417,9 +425,8 @@ class Remote(NodeFiles):
         if not hasattr(self, "_ping_sftp"):
             # Opened with the same timeout: open_sftp() would wait up to an hour on a hung node.
             chan = self.client.get_transport().open_session(timeout=timeout)
-            chan.settimeout(timeout)
             chan.invoke_subsystem("sftp")
-            self._ping_sftp = paramiko.SFTPClient(chan)
+            self._ping_sftp = WatchedSFTP(chan, self.node.name, timeout)
         self._ping_sftp.stat(".")
 
     # -- docker ---------------------------------------------------------------------------

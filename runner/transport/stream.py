@@ -2,8 +2,10 @@
 no GIL; paramiko managed a quarter of scp's rate), watched for stalls. Used by `push` (local
 `tar [| gzip]` -> node `docker load`) and `collect` (node `tar` -> local `tar -x`).
 
-A stream that moves no byte for `stall_s` is killed, and OpenSSH's ServerAlive probes end one
-whose node stopped answering at the SSH level: a frozen node never blocks the runner forever.
+A stream that moves less than STALL_BYTES in `stall_s` is killed (a node that sends or reads one
+byte at a time is as stuck as one that sends none), and OpenSSH's ServerAlive probes end one
+whose node stopped answering at the SSH level: a frozen node never blocks the runner forever. A
+download may also be bounded in bytes (`max_bytes`: what was listed, plus the format's overhead).
 Every process is reaped on every path, and stderr goes to a pipe that a thread always drains,
 keeping only its last bytes (an unread pipe could stall a process; a file would grow with whatever
 a node writes).
@@ -21,15 +23,17 @@ from dataclasses import dataclass, field
 from runner.transport.ssh import Remote, is_loopback
 
 CHUNK = 1 << 20
-STALL_S = 120.0  # collect: nothing from a node for this long and it is given up (push sets its own)
+STALL_S = 120.0  # collect: under STALL_BYTES from a node in this long and it is given up (push sets its own)
+STALL_BYTES = 64 << 10  # ~550 B/s over STALL_S: a Pi on a poor Wi-Fi link moves that in a millisecond
 
 
 class Watchdog:
-    """Kills the processes when no byte moved for stall_s."""
+    """Kills the processes when under STALL_BYTES moved in stall_s (`progress` counts them)."""
 
     def __init__(self, procs: list[subprocess.Popen], stall_s: float):
         self.procs, self.stall_s = procs, stall_s
-        self.last = time.monotonic()
+        self.last = time.monotonic()  # when the last STALL_BYTES were complete
+        self._since_last = 0
         self.fired = False
         self._done = threading.Event()
         threading.Thread(target=self._run, daemon=True, name="stream-watchdog").start()
@@ -42,6 +46,11 @@ class Watchdog:
                     if p.poll() is None:
                         p.kill()
                 return
+
+    def progress(self, n: int) -> None:
+        self._since_last += n
+        if self._since_last >= STALL_BYTES:
+            self.last, self._since_last = time.monotonic(), 0
 
     def stop(self) -> None:
         self._done.set()
@@ -105,14 +114,18 @@ def transfer_progress(quiet: bool = False, eta: bool = True):
                     disable=quiet or not console.is_terminal, transient=True)
 
 
-def pump(src, dst, dog: Watchdog, on_chunk: Callable[[int], None] | None = None) -> tuple[int, bool]:
-    """Copy src to dst as bytes arrive; (bytes, True) when the reader went away mid-stream."""
+def pump(src, dst, dog: Watchdog, on_chunk: Callable[[int], None] | None = None,
+         max_bytes: int | None = None) -> tuple[int, bool]:
+    """Copy src to dst as bytes arrive; (bytes, True) when the reader went away mid-stream. Past
+    max_bytes nothing more is written: (bytes so far, counting the piece that went over, False)."""
     moved = 0
     try:
         while buf := src.read1(CHUNK):
+            if max_bytes is not None and moved + len(buf) > max_bytes:
+                return moved + len(buf), False
             dst.write(buf)
             moved += len(buf)
-            dog.last = time.monotonic()
+            dog.progress(len(buf))
             if on_chunk is not None:
                 on_chunk(len(buf))
         return moved, False
@@ -125,6 +138,7 @@ class StreamResult:
     moved: int = 0
     broken: bool = False      # the receiving side closed mid-stream
     stalled: bool = False     # the watchdog killed it
+    over: bool = False        # more than max_bytes came: stopped there
     unfinished: bool = False  # the receiver was still busy finish_s after the last byte
     ssh_rc: int | None = None
     local_rcs: list[int | None] = field(default_factory=list)
@@ -134,11 +148,13 @@ class StreamResult:
 
 def ssh_stream(remote: Remote, remote_cmd: str, local: list[list[str]], *, upload: bool,
                stdin_data: bytes | None = None, on_chunk: Callable[[int], None] | None = None,
-               stall_s: float | None = None, aes: bool = False, finish_s: float = 600.0) -> StreamResult:
+               stall_s: float | None = None, aes: bool = False, finish_s: float = 600.0,
+               max_bytes: int | None = None) -> StreamResult:
     """upload=True: the chain `local[0] | local[1] ...` feeds `remote_cmd` on the node.
     upload=False: `remote_cmd`'s output feeds local[0]; stdin_data (e.g. file names) goes to
     remote_cmd's stdin meanwhile. finish_s: how long the receiver may take after the last byte
-    (a `docker load` still unpacking). Returns what happened; the caller words the error."""
+    (a `docker load` still unpacking). max_bytes: a download that brings more is stopped there
+    (`over`) and its processes killed. Returns what happened; the caller words the error."""
     stall = STALL_S if stall_s is None else stall_s
     res = StreamResult()
     ssh_err, local_err = StderrTail(), StderrTail()
@@ -173,14 +189,17 @@ def ssh_stream(remote: Remote, remote_cmd: str, local: list[list[str]], *, uploa
         local_err.close_writer()
         dog = Watchdog(procs, stall)
         try:
-            res.moved, res.broken = pump(src, dst, dog, on_chunk)
+            res.moved, res.broken = pump(src, dst, dog, on_chunk, max_bytes)
         finally:
             dog.stop()  # after the last byte the receiver may legitimately be busy for minutes
         res.stalled = dog.fired
+        res.over = max_bytes is not None and res.moved > max_bytes
+        if res.over:
+            _reap(procs)  # the rest is not read; the receiver has only what came within the bound
         _close(src, dst)  # a writer still at it (the receiver died) gets EPIPE, not a hang
         receiver = ssh if upload else procs[-1]
         res.unfinished = _wait(receiver, finish_s) is None
-        if res.broken or res.stalled or res.unfinished or receiver.returncode:
+        if res.broken or res.stalled or res.over or res.unfinished or receiver.returncode:
             _reap(procs)  # the other side may still be blocked on its pipe
         for p in procs:
             _wait(p, 60)
