@@ -143,3 +143,116 @@ def test_status_elastic_history_survives_any_layout_shape(layout):
 
     lines = render_events(parse_events('{"event": "layout", "time": "t", "layout": ' + layout + '}'))
     assert len(lines) == 1 and "layout pp " in lines[0], lines
+
+
+# --- up --resume's copy of a checkpoint file through this machine (runner/delivery/resume_sync.py) ---
+
+def _fetched(tmp_path, content: bytes, listed: int, window: int | None = None, monkeypatch=None):
+    from runner.delivery import resume_sync
+    from tests.test_hostile_output import traced_peak
+
+    if window is not None:
+        monkeypatch.setattr(resume_sync, "FETCH_WINDOW", window)
+    src = tmp_path / "node" / "home" / "shard.distcp"
+    src.parent.mkdir(parents=True, exist_ok=True)
+    src.write_bytes(content)
+    local = tmp_path / "local.bin"
+    with HostileNode(tmp_path / "node", fourth=36) as node, Remote(node.node()).connect() as r:
+        got, peak = traced_peak(lambda: _bounded(lambda: resume_sync._fetch(r, str(src), str(local), listed), 60)[0])
+        for t in threading.enumerate():  # a short file: paramiko's thread may still be sending the window's reads
+            if "_prefetch_thread" in t.name:
+                t.join(10)
+    return got, peak, local
+
+
+def test_resume_fetch_memory_does_not_follow_the_size_a_node_lists(tmp_path):
+    """A 10-byte file listed as 16 GiB: paramiko's prefetch(size) built 524,288 requests (50 MiB)
+    before reading a byte; at the 16 TiB the listing allows, ~50 GiB."""
+    got, peak, local = _fetched(tmp_path, b"0123456789", 1 << 34)
+    assert got is None and local.read_bytes() == b"0123456789"  # short: the size check after names it
+    assert peak < 4 << 20, f"{peak / 2**20:.1f} MiB"
+
+
+def test_resume_fetch_in_windows_copies_exactly_and_names_a_longer_file(tmp_path, monkeypatch):
+    body = bytes(range(256)) * 4100 + b"tail"  # 1,049,604 bytes: four windows and a piece
+    got, _, local = _fetched(tmp_path, body, len(body), window=256 << 10, monkeypatch=monkeypatch)
+    assert got is None and local.read_bytes() == body
+    got, _, _ = _fetched(tmp_path / "b", body, len(body) - 1, window=256 << 10, monkeypatch=monkeypatch)
+    assert isinstance(got, UserError) and f"more than the {len(body) - 1} bytes listed" in str(got), got
+
+
+# --- runner profile: a node's probe answer and a run dir's partition.json (runner/profile/doc_check.py) ---
+
+def _probe_doc() -> dict:
+    per = {"embed": 0.001, "block": 0.01, "head": 0.004}
+    return {"time_s": per, "optim_s": per, "act_bytes": per, "train_bytes": per, "memory_available": 8e9,
+            "boundary_bytes": 131072, "model_bytes": 1e6, "runtime_bytes": 2e8,
+            "model": {"family": "qwen3", "num_layers": 5, "hidden_size": 64, "seq_len": 128, "microbatch": 4,
+                      "microbatches": 4, "pp": 3, "dtype": "float32", "pp_schedule": "1f1b", "virtual_stages": 1},
+            "link": {"latency_s": 1e-4, "bandwidth_Bps": 1e9}}
+
+
+@pytest.mark.parametrize("path, value, why", [
+    (("model", "family"), "\x1b]52;c;cm0K\x07[link=https://evil.example]click[/link]", "model.family is not a plain name"),
+    (("time_s", "block"), float("nan"), "time_s needs a number >= 0"),
+    (("time_s",), [1, 2], "time_s needs a number >= 0"),
+    (("memory_available",), "8G", "memory_available is not a number >= 0"),
+    (("model", "num_layers"), 10 ** 400, "model.num_layers is not a positive integer"),
+    (("model",), "qwen3", "model is not a mapping"),
+    (("link", "bandwidth_Bps"), 0, "link needs latency_s >= 0 and bandwidth_Bps > 0"),
+])
+def test_a_probe_answer_of_the_wrong_shape_is_refused_naming_node_and_field(path, value, why):
+    from runner.profile.doc_check import node_doc, problem
+
+    doc = _probe_doc()
+    assert problem(doc, compute=True, link=True) is None
+    target = doc
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    with pytest.raises(UserError) as err:
+        node_doc(doc, "node-1", "/wd/profiles/ab12/profile.json", compute=True, link=True)
+    msg = str(err.value)
+    assert msg.startswith(f"profile: node node-1: /wd/profiles/ab12/profile.json: {why}"), msg
+    assert "\x1b" not in msg
+
+
+def test_a_cached_profile_of_the_wrong_shape_is_measured_again(tmp_path, monkeypatch):
+    """The cache holds what a node once answered: a poisoned entry is not planned with again."""
+    from runner.profile import cache, doc_check
+
+    monkeypatch.setenv("RUNNER_PROFILE_CACHE", str(tmp_path))
+    bad = {**_probe_doc(), "model": {**_probe_doc()["model"], "family": "[bold]x"}}
+    cache.save("node", "node-1", "k", bad)
+    assert cache.load("node", "node-1", "k") == bad
+    assert doc_check.problem(cache.load("node", "node-1", "k"), compute=True, link=False) == \
+        "model.family is not a plain name (letters, digits, _ . + -)"
+
+
+def test_profile_table_title_is_text_not_markup(capsys):
+    from types import SimpleNamespace
+
+    from runner.profile.command import print_table
+
+    doc = {**_probe_doc(), "node": "node-0"}
+    doc["model"] = {**doc["model"], "family": "fam[link=https://evil.example]x[/link]"}  # had it got past the check
+    print_table(SimpleNamespace(model=doc["model"], nodes=[doc], links=[], cached={}), None)
+    assert "fam[link=https://evil.example]x[/link] 5 layers" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("text", ['{"spec": "\\u001b]0;owned\\u0007\\u001b[2Kcustom:1,2"}', '{"spec": 7}', '"custom:0,2"',
+                                  '{"spec": "custom:0,2 --train_steps 1"}', 'not json'])
+def test_resume_refuses_a_recorded_split_that_is_not_one(text):
+    from types import SimpleNamespace
+
+    from runner.inventory import Inventory, Job, Node
+    from runner.profile.auto import pin_auto_partition
+
+    master = Node("node-0", "127.0.0.1", role="master")  # no connection: the reader below answers
+    inv = Inventory("inv.yaml", [master], Job(args=["--parallel.partition", "auto"]))
+    reader = SimpleNamespace(read_text=lambda path: text)
+    cl = type("Cl", (), {"inv": inv, "__getitem__": lambda self, k: reader})()
+    with pytest.raises(UserError) as err:
+        pin_auto_partition(cl, {}, lambda n: "/wd/runs/r1", resume=True)
+    assert str(err.value).startswith("node node-0: /wd/runs/r1/partition.json: spec "), err.value
+    assert "\x1b" not in str(err.value) and inv.job.args == ["--parallel.partition", "auto"]

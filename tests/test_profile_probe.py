@@ -45,6 +45,11 @@ def test_probe_measures_kinds_memory_and_link(tmp_path):
     assert link["bytes"] == 1 << 20 and len(link["rtts_s"]) == 20
     assert 0 < link["latency_s"] < 1 and link["bandwidth_Bps"] > 1e6
     doc = json.loads(out.read_text())
+    from runner.profile.doc_check import problem
+
+    # What the runner checks before using a node's answer accepts the real probe's (hostile ones:
+    # tests/test_hostile_trickle.py).
+    assert problem(doc, compute=True, link=False) is None and problem(json.loads(c_out), compute=False, link=True) is None
     m = doc["model"]
     assert (m["family"], m["num_layers"], m["hidden_size"], m["microbatch"], m["seq_len"], m["microbatches"]) == \
         ("qwen3", 5, 64, 4, 128, 4)

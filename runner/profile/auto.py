@@ -20,6 +20,7 @@ import yaml
 from contract.partition import uniform_bounds
 from runner.errors import UserError
 from runner.inventory import Inventory, Job
+from runner.profile import doc_check
 from runner.profile.measure import profile_cluster
 from runner.profile.split import (
     Link,
@@ -137,7 +138,14 @@ def pin_auto_partition(cl, probes: dict, run_dir_of, resume: bool, refresh: bool
     master = inv.master
     if resume:
         text = cl[master.name].read_text(f"{run_dir_of(master)}/{PARTITION_FILE}")
-        spec = json.loads(text)["spec"] if text else None
+        spec = None
+        if text:
+            try:
+                doc = json.loads(text)
+            except ValueError:
+                doc = None
+            where = f"{run_dir_of(master)}/{PARTITION_FILE}"
+            spec = doc_check.split_spec(doc.get("spec") if isinstance(doc, dict) else None, master.name, where)
         if spec and pp is not None and spec.count(",") != pp:
             log.info("parallel.partition auto: the run's split %s is for another pipeline; planning for pp %d", spec, pp)
         elif spec:

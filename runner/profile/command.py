@@ -9,6 +9,7 @@ import sys
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from runner.inventory import Inventory
 from runner.inventory_arg import add_inventory_args, load
@@ -76,8 +77,8 @@ def _gib(x: float | None) -> str:
 def print_table(prof: ClusterProfile, inv: Inventory) -> None:
     m = prof.model
     t = Table("node", "limits", "embed ms", "layer ms", "head ms", "optim ms (layer)", "memory avail.", "link to next",
-              "source", title=f"{m['family']} {m['num_layers']} layers, hidden {m['hidden_size']}, microbatch "
-                              f"{m['microbatch']} x {m['seq_len']} ({m['dtype']}); forward + backward per microbatch")
+              "source", title=Text(f"{m['family']} {m['num_layers']} layers, hidden {m['hidden_size']}, microbatch "
+                                   f"{m['microbatch']} x {m['seq_len']} ({m['dtype']}); forward + backward per microbatch"))
     for i, n in enumerate(prof.nodes):
         lk = prof.links[i] if i < len(prof.links) else None
         link = "-" if lk is None else f"{lk['latency_s'] * 1e6:.0f} us, {lk['bandwidth_Bps'] / 1e6:.0f} MB/s"

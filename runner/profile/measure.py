@@ -24,6 +24,7 @@ from runner.node_output import log_tail
 from runner.paths import node_paths
 from runner.plan import LABEL_NODE, LABEL_PREFIX, OUT, docker_limits, user_env
 from runner.profile import cache as profile_cache
+from runner.profile import doc_check
 from runner.transport.cluster import Cluster
 from runner.transport.probe import Probe
 
@@ -69,10 +70,12 @@ def profile_cluster(cl: Cluster, probes: dict[str, Probe], refresh: bool = False
         raise UserError(f"profile: node(s) {', '.join(lacking)} lack the job's image; run `runner push` first")
     keys = {n.name: profile_cache.node_key(n, inv.job, ids[n.name], PROBE_VERSION, min_seconds) for n in order}
     nodes = {n.name: None if refresh else profile_cache.load("node", n.name, keys[n.name]) for n in order}
+    nodes = {k: d if doc_check.problem(d, compute=True, link=False) is None else None for k, d in nodes.items()}
     links: list[dict | None] = []
     for a, b in zip(order, order[1:], strict=False):
-        links.append(None if refresh else profile_cache.load("link", f"{a.name}-{b.name}",
-                                                             profile_cache.link_key(keys[a.name], keys[b.name])))
+        lk = None if refresh else profile_cache.load("link", f"{a.name}-{b.name}",
+                                                     profile_cache.link_key(keys[a.name], keys[b.name]))
+        links.append(lk if doc_check.problem({"link": lk}, compute=False, link=True) is None else None)
     cached = {n.name: nodes[n.name] is not None for n in order}
     need_compute = {n.name for n in order if nodes[n.name] is None}
     need_link = {i for i, lk in enumerate(links) if lk is None}
@@ -179,7 +182,12 @@ def run_probes(cl: Cluster, order: list[Node], probes: dict[str, Probe], tags: d
             text = cl[n.name].read_text(f"{dirs[n.name]}/profile.json")
             if text is None:
                 raise UserError(f"profile: node {n.name}: the probe wrote no {dirs[n.name]}/profile.json")
-            docs[n.name] = json.loads(text)
+            try:
+                doc = json.loads(text)
+            except ValueError:
+                doc = None
+            docs[n.name] = doc_check.node_doc(doc, n.name, f"{dirs[n.name]}/profile.json",
+                                                 compute=n.name in need_compute, link=i in need_link)
         return docs
     finally:
         def tidy(name: str) -> None:
