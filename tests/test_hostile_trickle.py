@@ -53,6 +53,16 @@ def test_a_command_that_trickles_stderr_times_out_too(tmp_path):
         assert took < 15, took
 
 
+def test_a_command_that_never_reads_its_stdin_times_out_at_its_timeout(tmp_path):
+    """Sending stdin was outside the deadline: a node that takes none of it (or takes it a byte at
+    a time) held the runner until paramiko's wait between sends ended, in a raw socket.timeout."""
+    with HostileNode(tmp_path / "node", fourth=39) as node, Remote(node.node()).connect() as r:
+        got, took = _bounded(lambda: r.run("sleep 60", stdin=b"x" * (16 << 20), timeout=2), 30)
+        assert isinstance(got, UserError) and "command timed out after 2s: sleep 60" in str(got), repr(got)
+        assert took < 15, took
+        assert r.run("echo ok", timeout=10).out == "ok\n"
+
+
 def test_an_sftp_answer_trickled_byte_by_byte_fails_at_the_limit_and_the_next_read_works(tmp_path, monkeypatch):
     monkeypatch.setattr(sftp, "SFTP_SILENCE_S", 1.5)  # each trickled byte (0.2 s apart) is well inside it
     node = HostileNode(tmp_path / "node", fourth=33)
@@ -101,6 +111,55 @@ def test_collect_stops_a_tar_stream_past_what_was_listed(tmp_path):
     written = sum(p.stat().st_size for p in staging.rglob("*") if p.is_file())
     assert written <= tar_bound(batch), written
     assert tar_bound(batch) == 5 + 1024 + 512 + 511 + 1024 + 10240 + GROWTH
+
+
+
+def _node_tree(tmp_path, files: dict[str, bytes]):
+    rd = tmp_path / "node" / "home" / "rd"
+    for rel, data in files.items():
+        (rd / rel).parent.mkdir(parents=True, exist_ok=True)
+        (rd / rel).write_bytes(data)
+    return rd
+
+
+@pytest.mark.parametrize("sends", ["junk", "dir"])
+def test_collect_unpacks_only_the_files_it_asked_for(tmp_path, sends, monkeypatch):
+    """Within the bound (the listed bytes + 64 MiB for growing logs) the local tar unpacked every
+    member the node sent: here a 1 MiB junk.bin and a link nobody asked for, or the one name asked
+    for sent as a directory with a file inside. Only the requested names are unpacked now."""
+    from runner.delivery.collect_files import stream_tar, tar_bound
+
+    rd = _node_tree(tmp_path, {"a.txt": b"hello", "junk.bin": b"j" * (1 << 20), "other/a.txt/inner": b"i" * 1000})
+    (rd / "lnk").symlink_to("/etc")
+    node = HostileNode(tmp_path / "node", fourth=37)
+    node.rewrite = (lambda c: c.replace("-cf -", "-cf - --add-file=junk.bin --add-file=lnk")) if sends == "junk" else \
+        (lambda c: c.replace(f"cd {rd} ", f"cd {rd}/other "))
+    staging, cwd = tmp_path / "staging", tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)  # a tar told -C after its names unpacks them here
+    with node, Remote(node.node()).connect() as r:
+        stream_tar(r, str(rd), ["a.txt"], staging, max_bytes=tar_bound([("a.txt", type("St", (), {"st_size": 5})())]))
+    assert any("tar --null" in c for c in node.commands), node.commands
+    got = sorted(str(p.relative_to(staging)) for p in staging.rglob("*"))
+    assert got == ["a.txt"] and not any(cwd.iterdir()), got
+    assert (staging / "a.txt").is_file() == (sends == "junk") and (staging / "a.txt").is_dir() == (sends == "dir")
+
+
+def test_collect_a_listed_file_gone_from_the_node_is_left_to_verification(tmp_path, monkeypatch):
+    """The local tar is told which names to unpack and says 'Not found in archive' (exit 2) for a
+    file deleted on the node since the listing (a rotated checkpoint): not a failed batch, the file
+    is absent from staging and verification counts it as vanished; the others arrive."""
+    from runner.delivery.collect_files import stream_tar
+
+    rd = _node_tree(tmp_path, {"a.txt": b"hello", "sub/b.txt": b"bee"})
+    staging, cwd = tmp_path / "staging", tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    with HostileNode(tmp_path / "node", fourth=38) as node, Remote(node.node()).connect() as r:
+        stream_tar(r, str(rd), ["a.txt", "gone.bin", "sub/b.txt"], staging)
+    assert sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file()) == ["a.txt", "sub/b.txt"]
+    assert not any(cwd.iterdir())
+    assert (staging / "sub" / "b.txt").read_bytes() == b"bee"
 
 
 def test_collect_summary_shows_a_jobs_terminal_controls_as_text(tmp_path, capsys):

@@ -11,6 +11,7 @@ import os
 import shlex
 import shutil
 import stat
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +31,15 @@ log = logging.getLogger("runner.collect")
 MANIFEST = ".collect-manifest.json"
 MAX_ERRORS_SHOWN = 5
 # The local tar takes nothing from the node but names and bytes: files owned by whoever collects.
-UNTAR = ["tar", "-x", "--no-same-owner", "--no-same-permissions", "--no-overwrite-dir"]
+# A clock ahead on the node (a Pi without a real-time clock) is no error: placing sets each mtime.
+UNTAR = ["tar", "-x", "--no-same-owner", "--no-same-permissions", "--no-overwrite-dir", "--warning=no-timestamp"]
+# ...and only the names asked for, taken literally, a name sent as a directory without what is in it
+# (GNU tar applies these, and -C, to the names after them). A node's stream may carry anything else within
+# tar_bound; none of it is unpacked.
+ONLY_NAMES = ["--no-wildcards", "--no-recursion", "--null", "--verbatim-files-from", "-T"]
+# A name the node did not send (deleted since the listing) makes tar exit 2 saying so, in C messages.
+NOT_FOUND = ": Not found in archive"
+TAR_FAILED = "tar: Exiting with failure status due to previous errors"
 # What a batch's stream may carry beyond the listed bytes: files of a live run that grew since the
 # listing (their logs; verification then names them). Past it the node is sending what was not listed.
 GROWTH = 64 << 20
@@ -131,14 +140,18 @@ def tar_bound(batch: list) -> int:
 def stream_tar(remote: Remote, rd: str, rels: list[str], staging: Path, progress=None, task=None,
                max_bytes: int | None = None) -> None:
     """The node tars the files (names NUL-separated on stdin), OpenSSH carries the stream, a local
-    tar unpacks it into staging. Files the node's tar could not read are simply absent from
+    tar unpacks those names, and no others, into staging. Files the node did not send are absent from
     staging; the caller verifies every file. A stream over max_bytes (tar_bound of what was listed)
     is stopped there: a node cannot fill this disk with what it was not asked for."""
     staging.mkdir(parents=True, exist_ok=True)
     on_chunk = (lambda n: progress.update(task, advance=n)) if progress is not None else None
-    res = stream.ssh_stream(remote, f"cd {shlex.quote(rd)} && tar --null -T - -cf -",
-                            [[*UNTAR, "-C", str(staging), "-f", "-"]], upload=False,
-                            stdin_data=b"\0".join(r.encode() for r in rels), on_chunk=on_chunk, max_bytes=max_bytes)
+    names = b"\0".join(r.encode() for r in rels)
+    with tempfile.NamedTemporaryFile(prefix="collect-names-") as listed:
+        listed.write(names)
+        listed.flush()
+        res = stream.ssh_stream(remote, f"cd {shlex.quote(rd)} && tar --null -T - -cf -",
+                                [["env", "LC_ALL=C", *UNTAR, "-C", str(staging), *ONLY_NAMES, listed.name, "-f", "-"]],
+                                upload=False, stdin_data=names, on_chunk=on_chunk, max_bytes=max_bytes)
     if res.over:
         raise UserError(f"node {remote.node.name}: the stream of files from {rd} went past {max_bytes >> 20} MiB, "
                         f"the {len(rels)} listed files' size plus {GROWTH >> 20} MiB; stopped it (the node sends what "
@@ -149,11 +162,17 @@ def stream_tar(remote: Remote, rd: str, rels: list[str], staging: Path, progress
                         "stopped it, rerun collect")
     if res.ssh_rc == 255 and not res.moved:
         raise UserError(f"node {remote.node.name}: the file stream did not connect: {res.ssh_err or 'ssh failed'}")
-    if res.unfinished or any(res.local_rcs):
+    if res.unfinished or (any(res.local_rcs) and not _only_not_found(res.local_rcs, res.local_lines)):
         raise UserError(f"node {remote.node.name}: unpacking the files from {rd} failed: "
                         f"{(res.local_err or res.ssh_err)[-200:]}")
     if res.ssh_rc:  # e.g. a file gone since the listing: verification names each one
         log.debug("node %s: tar over ssh exited %s: %s", remote.node.name, res.ssh_rc, res.ssh_err)
+
+
+def _only_not_found(rcs: list[int | None], lines: list[str]) -> bool:
+    """The local tar failed only because names were not in the stream: verification names each."""
+    return rcs == [2] and any(ln.endswith(NOT_FOUND) for ln in lines) and \
+        all(ln.endswith(NOT_FOUND) or ln == TAR_FAILED for ln in lines)
 
 
 def place_verified(staging: Path, dest: Path, rel: str, size: int, want: str, mtime: float | None) -> None:

@@ -322,6 +322,25 @@ class Remote(NodeFiles):
         assert self.client is not None, "not connected"
         chan = self.client.get_transport().open_session(timeout=CONNECT_TIMEOUT)
         chan.settimeout(timeout)
+        deadline = time.monotonic() + timeout
+        # The wait between reads or sends (settimeout) does not end a node that moves a byte just
+        # inside it, forever: at the deadline the channel is closed, which ends every wait at once.
+        expired = threading.Event()
+        alarm = threading.Timer(timeout, lambda: (expired.set(), close_quietly(chan)))
+        alarm.daemon = True
+        alarm.start()
+        try:
+            return self._run(chan, command, stdin, hold_stdin, check, max_output, deadline, expired)
+        except (OSError, EOFError, paramiko.SSHException) as e:  # TimeoutError is an OSError
+            if not (isinstance(e, TimeoutError) or expired.is_set()):
+                raise
+            close_quietly(chan)
+            raise UserError(f"node {self.node.name}: command timed out after {timeout:.0f}s: {command[:80]}") from None
+        finally:
+            alarm.cancel()
+
+    def _run(self, chan: paramiko.Channel, command: str, stdin: bytes | None, hold_stdin: bool, check: bool,
+             max_output: int, deadline: float, expired: threading.Event) -> Result:
         chan.exec_command(command)
         if stdin is not None:
             chan.sendall(stdin)
@@ -341,27 +360,14 @@ class Remote(NodeFiles):
 
         t = threading.Thread(target=read_err, daemon=True)
         t.start()
-        deadline = time.monotonic() + timeout
-        # The wait between reads (settimeout) does not end a node that sends a byte just inside it,
-        # forever: at the deadline the channel is closed, which ends both readers at once.
-        expired = threading.Event()
-        alarm = threading.Timer(timeout, lambda: (expired.set(), close_quietly(chan)))
-        alarm.daemon = True
-        alarm.start()
-        try:
-            out, too_much = read_capped(chan.recv, max_output)
-            if too_much:
-                over.append("stdout")
-                chan.close()  # the node stops being read; stderr's reader sees the end
-            t.join(max(0.0, deadline - time.monotonic()))
-            # An exit status the node never sends must not hold the runner either.
-            if expired.is_set() or (not over and not chan.status_event.wait(max(0.0, deadline - time.monotonic()))):
-                raise TimeoutError
-        except TimeoutError:
-            chan.close()
-            raise UserError(f"node {self.node.name}: command timed out after {timeout:.0f}s: {command[:80]}") from None
-        finally:
-            alarm.cancel()
+        out, too_much = read_capped(chan.recv, max_output)
+        if too_much:
+            over.append("stdout")
+            chan.close()  # the node stops being read; stderr's reader sees the end
+        t.join(max(0.0, deadline - time.monotonic()))
+        # An exit status the node never sends must not hold the runner either.
+        if expired.is_set() or (not over and not chan.status_event.wait(max(0.0, deadline - time.monotonic()))):
+            raise TimeoutError
         if over:
             chan.close()
             raise UserError(f"node {self.node.name}: `{command[:80]}` wrote more than {max_output >> 20} MiB to "

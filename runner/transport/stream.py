@@ -87,11 +87,15 @@ class StderrTail:
             os.close(self._w)
             self._w = -1
 
-    def text(self, n: int = 300) -> str:
-        """The last n characters, on one line."""
+    def lines(self) -> list[str]:
+        """The kept bytes' lines (the first may be cut short)."""
         self.close_writer()
         self._t.join(10)  # a writer's leftover child may hold the pipe: what came so far will do
-        return " ".join(bytes(self._buf[-self.KEEP:]).decode(errors="replace").strip().splitlines())[-n:]
+        return bytes(self._buf[-self.KEEP:]).decode(errors="replace").strip().splitlines()
+
+    def text(self, n: int = 300) -> str:
+        """The last n characters, on one line."""
+        return " ".join(self.lines())[-n:]
 
 
 def transfer_progress(quiet: bool = False, eta: bool = True):
@@ -144,6 +148,7 @@ class StreamResult:
     local_rcs: list[int | None] = field(default_factory=list)
     ssh_err: str = ""
     local_err: str = ""
+    local_lines: list[str] = field(default_factory=list)  # the local stderr's last 64 KiB, by line
 
 
 def ssh_stream(remote: Remote, remote_cmd: str, local: list[list[str]], *, upload: bool,
@@ -211,7 +216,7 @@ def ssh_stream(remote: Remote, remote_cmd: str, local: list[list[str]], *, uploa
         _reap(procs)
         res.ssh_rc = ssh.returncode if ssh is not None else None
         res.local_rcs = res.local_rcs or [p.returncode for p in procs if p is not ssh]
-        res.ssh_err, res.local_err = ssh_err.text(), local_err.text()
+        res.ssh_err, res.local_err, res.local_lines = ssh_err.text(), local_err.text(), local_err.lines()
     return res
 
 
