@@ -16,12 +16,13 @@ ETA_WINDOW = 10  # recent steps whose mean step time predicts the rest
 
 
 def parse(text: str) -> list[dict]:
-    """Every record that parses (a line being written when read is skipped)."""
+    """Every record that parses (a line being written when read is skipped, and one nested past
+    Python's recursion limit: RecursionError is not a ValueError)."""
     out = []
     for line in text.splitlines():
         try:
             r = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if isinstance(r, dict):
             out.append(r)
@@ -53,13 +54,15 @@ def loss_records(records: list[dict]) -> list[dict]:
 
 
 def total_steps(config_text: str | None) -> int | None:
-    """train.steps from the run's config.yaml (the trainer writes the resolved one)."""
+    """train.steps from the run's config.yaml (the trainer writes the resolved one); None for
+    anything but a step count (a node's file: nested past the recursion limit, or a count no
+    float holds, which ended `runner status` in a traceback)."""
     try:
         cfg = yaml.safe_load(config_text or "") or {}
         steps = (cfg.get("train") or {}).get("steps")
-    except (yaml.YAMLError, AttributeError):
+    except (yaml.YAMLError, AttributeError, RecursionError):
         return None
-    return steps if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0 else None
+    return steps if is_step(steps) and steps > 0 else None
 
 
 @dataclass
@@ -89,6 +92,7 @@ def progress(records: list[dict], total: int | None) -> Progress | None:
     steps = loss_records(records)
     if not steps:
         return None
+    total = total if is_step(total) and total > 0 else None  # what a float's ETA arithmetic holds
     last = steps[-1]
     times = [r["step_time_s"] for r in steps[-ETA_WINDOW:] if number(r.get("step_time_s")) and 0 <= r["step_time_s"] < 1e7]
     eta = None

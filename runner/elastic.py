@@ -211,12 +211,13 @@ def event(kind: str, **fields) -> dict:
 
 
 def parse_events(text: str) -> list[dict]:
-    """The events of an elastic.jsonl as a node sent it: its JSON objects; anything else is passed over."""
+    """The events of an elastic.jsonl as a node sent it: its JSON objects; anything else is passed over
+    (a line nested past Python's recursion limit too: RecursionError is not a ValueError)."""
     out = []
     for raw in text.splitlines():
         try:
             e = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if isinstance(e, dict):
             out.append(e)

@@ -140,10 +140,7 @@ def pin_auto_partition(cl, probes: dict, run_dir_of, resume: bool, refresh: bool
         text = cl[master.name].read_text(f"{run_dir_of(master)}/{PARTITION_FILE}")
         spec = None
         if text:
-            try:
-                doc = json.loads(text)
-            except ValueError:
-                doc = None
+            doc = doc_check.loads(text)
             where = f"{run_dir_of(master)}/{PARTITION_FILE}"
             spec = doc_check.split_spec(doc.get("spec") if isinstance(doc, dict) else None, master.name, where)
         if spec and pp is not None and spec.count(",") != pp:

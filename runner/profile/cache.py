@@ -70,7 +70,7 @@ def _path(kind: str, name: str, key: str) -> Path:
 def load(kind: str, name: str, key: str) -> dict | None:
     try:
         return json.loads(_path(kind, name, key).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # what a node once answered: checked again by doc_check
         return None
 
 

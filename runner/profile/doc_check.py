@@ -5,6 +5,7 @@ A document that fails is the node's error in one line; a cached one that fails i
 
 from __future__ import annotations
 
+import json
 import math
 import re
 
@@ -16,6 +17,15 @@ NODE_NUMBERS = ("memory_available", "boundary_bytes", "model_bytes", "runtime_by
 MODEL_INTS = ("num_layers", "hidden_size", "seq_len", "microbatch", "microbatches", "pp")
 NAME = re.compile(r"[A-Za-z0-9_.+-]{1,64}")  # a model family, a dtype, a schedule
 SPLIT = re.compile(r"custom:\d{1,7}(,\d{1,7}){0,4095}")  # as runner/profile/split.py writes it
+
+
+def loads(text: str | None) -> object:
+    """A node's JSON document, or None when it is not one (nested past Python's recursion limit
+    too: RecursionError is not a ValueError, and ended `runner profile` in a traceback)."""
+    try:
+        return json.loads(text) if text else None
+    except (ValueError, RecursionError):
+        return None
 
 
 def _number(x: object, positive: bool = False) -> bool:

@@ -11,7 +11,6 @@ stops the others and is named with its last log line.
 
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 import sys
@@ -182,11 +181,7 @@ def run_probes(cl: Cluster, order: list[Node], probes: dict[str, Probe], tags: d
             text = cl[n.name].read_text(f"{dirs[n.name]}/profile.json")
             if text is None:
                 raise UserError(f"profile: node {n.name}: the probe wrote no {dirs[n.name]}/profile.json")
-            try:
-                doc = json.loads(text)
-            except ValueError:
-                doc = None
-            docs[n.name] = doc_check.node_doc(doc, n.name, f"{dirs[n.name]}/profile.json",
+            docs[n.name] = doc_check.node_doc(doc_check.loads(text), n.name, f"{dirs[n.name]}/profile.json",
                                                  compute=n.name in need_compute, link=i in need_link)
         return docs
     finally:

@@ -30,8 +30,14 @@ def _label_int(value) -> int | None:
     return int(value) if isinstance(value, str) and value.isascii() and value.lstrip("-").isdigit() else None
 
 
+def _state(c) -> dict:
+    """The engine's State of a container: a mapping, or {} for anything else (the node's word)."""
+    st = c.attrs.get("State") if isinstance(c.attrs, dict) else None
+    return st if isinstance(st, dict) else {}
+
+
 def _uptime(c) -> str:
-    st = c.attrs.get("State", {})
+    st = _state(c)
     if st.get("Running"):
         try:
             t = datetime.fromisoformat(str(st.get("StartedAt"))[:26].rstrip("Z") + "+00:00")
@@ -55,7 +61,7 @@ def status_rows(cl: Cluster, data, run_id: str) -> list[dict]:
         if cs:
             c = cs[0]
             row.update(rank=_label_int(c.labels.get(LABEL_RANK)), state=c.status,
-                       exit_code=c.attrs.get("State", {}).get("ExitCode") if c.status == "exited" else None,
+                       exit_code=_state(c).get("ExitCode") if c.status == "exited" else None,
                        uptime=_uptime(c))
         elif run_id in dirs:
             doc = dirs[run_id] if dirs[run_id] is not None else run_doc(cl[n.name], run_id)
@@ -244,10 +250,11 @@ def _kept_logs(run_id: str, args, ranks: dict[str, int | None]) -> int:
         node = f.parent.name
         rank = ranks.get(node)
         if rank is None:
-            try:
-                rank = json.loads((f.parent / "runner-status.json").read_text()).get("rank")
-            except (OSError, ValueError):
-                rank = None
+            try:  # the run dir's copy: the job could have written it, any shape
+                doc = json.loads((f.parent / "runner-status.json").read_text(errors="replace"))
+            except (OSError, ValueError, RecursionError):
+                doc = None
+            rank = doc.get("rank") if isinstance(doc, dict) else None
         prefix = f"[{node}/{rank if isinstance(rank, int) else '?'}]"
         split = LineSplitter()
         with open(f, "rb") as fh:  # raw bytes as the job wrote them: cut and made visible here
