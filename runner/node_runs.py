@@ -147,7 +147,7 @@ def run_doc(remote: Remote, run_id: str) -> dict:
     text = remote.read_text(posixpath.join(node_paths(remote.node, remote.home).run(run_id), STATUS_FILE))
     try:
         doc = json.loads(text) if text else {}
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # a job's file: nested past Python's limit is no ValueError
         return {}
     return doc if isinstance(doc, dict) else {}
 

@@ -176,3 +176,15 @@ def test_logs_of_a_finished_run_survive_a_kept_status_file_of_any_shape(tmp_path
     (d / "runner-status.json").write_text(kept)
     assert _kept_logs("r1", SimpleNamespace(logs_dir=str(tmp_path), node=None), {}) == 0
     assert capsys.readouterr().out == "[node-0/?] hello\n"
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000, '{"rank": 0', "[1, 2]", ""])
+def test_status_run_doc_of_any_shape_is_empty(text):
+    """run_doc read runner-status.json, which the job can overwrite: nested past the recursion limit
+    it ended `runner status`, `ls` and `logs` in a RecursionError."""
+    from runner.inventory import Node
+    from runner.node_runs import run_doc
+
+    remote = SimpleNamespace(node=Node("node-0", "127.0.0.1", workdir="/wd"), home="/home/u",
+                             read_text=lambda path: text)
+    assert run_doc(remote, "r1") == {}
