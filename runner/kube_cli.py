@@ -65,13 +65,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args) -> int:
-    from runner.runs import new_run_id
+    from runner.node_output import visible
+    from runner.runs import is_run_name, new_run_id
 
     job, nodes = _nodes_of(args.inventory, args.job, args.arch, args.gpus_per_node)
     refuse_for(job, "export --to kubernetes")
     for flag, val in (("--namespace", args.namespace), ("--out-claim", args.out_claim)):
         if val is not None and not DNS_LABEL.fullmatch(val):
             raise UserError(f"{flag} {val!r}: must be a lowercase DNS label (a-z, 0-9, '-')")
+    if args.run_id is not None and not is_run_name(args.run_id):
+        raise UserError(f"--run-id {visible(args.run_id)[:80]!r}: not a run id (letters, digits, '.', '_', '-'; "
+                        "it names the manifest's file and its volume's subPath)")
     run_id = args.run_id or new_run_id()
 
     def image_for(arch: str) -> str:
@@ -85,7 +89,7 @@ def main(args) -> int:
     config_text = Path(job.config).read_text() if job.config else None
     docs = manifest(job, groups_from(nodes), run_id, namespace=args.namespace, out_claim=args.out_claim,
                     secrets=secrets, config_text=config_text, image_for=image_for)
-    head = (f"# runner export --to kubernetes: run {run_id}, {len(nodes)} pod(s), from {args.inventory}.\n"
+    head = (f"# runner export --to kubernetes: run {run_id}, {len(nodes)} pod(s), from {visible(str(args.inventory))}.\n"
             "# kubectl apply -f THIS (needs the JobSet controller: jobset.x-k8s.io).\n")
     secret_inside = bool(secrets) or any(looks_secret(k) for k in job.env)
     if args.output == "-":

@@ -229,3 +229,14 @@ def test_bad_export_arguments_are_one_line(tmp_path):
     res = runner("export", "--to", "kubernetes", "-i", str(REPO / "hosts" / "pis.yaml"), "-o", "-", "--namespace", "ML_team")
     assert res.returncode != 0 and "--namespace 'ML_team': must be a lowercase DNS label" in res.stderr
     assert not (tmp_path / "x.yaml").exists()
+
+
+@pytest.mark.parametrize("run_id", ["r1\n---\napiVersion: v1\nkind: Pod\nmetadata: {name: injected}", "../../other-team"])
+def test_export_refuses_a_run_id_that_is_not_one(tmp_path, run_id):
+    """--run-id went raw into the manifest's header comment (a newline began a Pod of the caller's
+    choosing), its file name and its volume's subPath."""
+    out = tmp_path / "x.yaml"
+    res = runner("export", "--to", "kubernetes", "-i", str(REPO / "hosts" / "pis.yaml"), "-o", str(out), "--run-id", run_id)
+    assert res.returncode != 0 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert "--run-id " in res.stderr and ": not a run id" in res.stderr
+    assert not out.exists()

@@ -207,7 +207,8 @@ BAD = [
     ({"partition": "de bug"}, 2, "slurm.partition: 'de bug': must be letters, digits"),
     ({"time": "4h"}, 6, "slurm.time: '4h': must be a Slurm time limit"),
     ({"workdir": "runs"}, 5, "slurm.workdir: 'runs': use an absolute path or ~/..."),
-    ({"workdir": "/a b"}, 5, "slurm.workdir: '/a b': must be a path without blanks, quotes or $"),
+    ({"workdir": "/a b"}, 5, "slurm.workdir: '/a b': must be a path without blanks, quotes, $ or ':'"),
+    ({"workdir": "/scratch/a:/usr/lib"}, 5, "slurm.workdir: '/scratch/a:/usr/lib': must be a path without blanks, quotes, $ or ':'"),
     ({"sbatch": ["-N 4"]}, 7, "slurm.sbatch[0]: '-N 4': use --option or --option=value"),
     ({"sbatch": ["--wrap=rm -rf /"]}, 7, "slurm.sbatch[0]: '--wrap=rm -rf /': use --option"),
     ({"container": "pyxis", "venv": "/v"}, 6, "slurm.venv: only for container: none (container is pyxis"),
@@ -322,3 +323,15 @@ def test_a_signalled_task_ends_143_whatever_torchrun_exits(tmp_path, case):
         os.killpg(proc.pid, getattr(signal, f"SIG{case}"))  # Slurm signals every process of the step
     rc = proc.wait(timeout=60)
     assert rc == {"exits 0": 0, "exits 3": 3, "USR1": 143, "TERM": 143}[case]
+
+
+def test_an_inventory_path_with_a_newline_stays_in_its_comment(tmp_path):
+    """The path went raw into the script's header comment: a newline in it began a shell command,
+    and ended sbatch's reading of the #SBATCH lines after it."""
+    d = tmp_path / "x\ntouch PWNED\n"
+    d.mkdir()
+    inv = load_slurm_inventory(str(write_inv(d)))
+    plan = make_slurm_plan(inv, "20260101-000000-abcd", SlurmFacts(home="/home/u"))
+    lines = plan.script.splitlines()
+    assert "touch PWNED" not in lines and lines[1].startswith("# runner: run ") and "x^Jtouch PWNED^J" in lines[1]
+    assert all(ln.startswith("#") for ln in lines[:4]) and any(ln.startswith("#SBATCH --nodes") for ln in lines)

@@ -39,8 +39,9 @@ LOGIN_FIELDS = {"host", "port", "user", "identity_file", "known_hosts", "host_ke
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}")   # partition, account, qos
 TIME_RE = re.compile(r"(\d+-)?\d+(:\d+){0,2}|UNLIMITED|INFINITE")
 MEM_RE = re.compile(r"\d+[KMGT]?")
-# Paths go into #SBATCH lines (sbatch's own parser) and the script: no blanks, quotes or $.
-PATH_RE = re.compile(r"~?[A-Za-z0-9_./+@:-]*")
+# Paths go into #SBATCH lines (sbatch's own parser) and the script: no blanks, quotes or $; and into
+# pyxis's --container-mounts and OCI bind specs (SRC:DST[:FLAGS], comma-separated): no ':' or ','.
+PATH_RE = re.compile(r"~?[A-Za-z0-9_./+@-]*")
 IMAGE_RE = re.compile(r"[A-Za-z0-9_./:@#+-]+")
 SBATCH_ARG_RE = re.compile(r"--[a-z][a-z0-9-]*(=[A-Za-z0-9_.,:/@%+=-]+)?")
 
@@ -143,7 +144,7 @@ def parse_slurm(c: Checker, v: Val, base: Path, check_files: bool, sline: int) -
                 c.fail(x.line, w, f"unknown arch {s!r} (use {' or '.join(ARCHES)})")
             spec.arch = ARCH_ALIASES[s]
         elif key in ("workdir", "venv", "chdir", "bundle_dir"):
-            s = _match(c, x, w, PATH_RE, "a path without blanks, quotes or $")
+            s = _match(c, x, w, PATH_RE, "a path without blanks, quotes, $ or ':'")
             if not (s.startswith("/") or s == "~" or s.startswith("~/")):
                 c.fail(x.line, w, f"{s!r}: use an absolute path or ~/... (it must be the same path on every node)")
             setattr(spec, key, s.rstrip("/") or "/")

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from runner import jobspec
 from runner.inventory.slurm import SlurmInventory
+from runner.node_output import visible
 from runner.plan import OUT, SECRETS_IN_CONTAINER
 from runner.rendezvous import AUTO_PORT_BASE, AUTO_PORT_SPAN, port_offset
 
@@ -263,7 +264,7 @@ def sbatch_script(inv: SlurmInventory, plan: SlurmPlan, facts: SlurmFacts, reque
                if plan.secrets_file else "")
     head = [
         "#!/bin/bash",
-        f"# runner: run {plan.run_id}, submission {plan.submission}, from {inv.path}. Written by `runner up",
+        f"# runner: run {plan.run_id}, submission {plan.submission}, from {visible(str(inv.path))}. Written by `runner up",
         "# --scheduler slurm`; kept with the run. One task per node runs torchrun with the static rendezvous:",
         "# node rank = the node's index in the allocation, rank 0 = its first node (MASTER_ADDR).",
         *[f"#SBATCH {d}" for d in sbatch_directives(inv, plan, requeue)],
