@@ -335,3 +335,19 @@ def test_an_inventory_path_with_a_newline_stays_in_its_comment(tmp_path):
     lines = plan.script.splitlines()
     assert "touch PWNED" not in lines and lines[1].startswith("# runner: run ") and "x^Jtouch PWNED^J" in lines[1]
     assert all(ln.startswith("#") for ln in lines[:4]) and any(ln.startswith("#SBATCH --nodes") for ln in lines)
+
+
+def test_a_users_argument_spelled_like_a_placeholder_stays_literal(tmp_path):
+    """`job.args: [--tag, $rank]` went to torchrun expanded under Slurm (the placeholders were told by
+    value) but literally over SSH. Only torchrun's own --node-rank/--master-addr/--master-port values
+    are shell variables; the user's arguments are quoted whatever they say."""
+    inv, plan = plan_for(tmp_path, job={"args": ["--tag", "$rank", "--host", "$MASTER_ADDR", "$MASTER_PORT"]})
+    (line,) = [ln for ln in heredoc(plan.script, "RUNNER_TASK").splitlines() if ln.startswith("torchrun ")]
+    assert line.startswith('torchrun --nnodes 3 --node-rank "$rank" --nproc-per-node 1 --master-addr "$MASTER_ADDR" '
+                           '--master-port "$MASTER_PORT" '), line
+    assert line.endswith(" --tag '$rank' --host '$MASTER_ADDR' '$MASTER_PORT' \"$@\" &"), line
+    argv = subprocess.run(["sh", "-c", "rank=7 MASTER_ADDR=m MASTER_PORT=9; set -- ; printf '%s\\n' "
+                           + line.removeprefix("torchrun ").removesuffix(" &")], capture_output=True, text=True)
+    got = argv.stdout.splitlines()
+    assert got[got.index("--node-rank") + 1] == "7" and got[-5:] == ["--tag", "$rank", "--host", "$MASTER_ADDR",
+                                                                      "$MASTER_PORT"], got

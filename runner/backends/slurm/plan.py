@@ -139,9 +139,17 @@ def torchrun_argv(inv: SlurmInventory, nproc: int, config: str | None, args: lis
     return jobspec.torchrun_argv(inv.job, inv.slurm.nodes, "$rank", nproc, "$MASTER_ADDR", "$MASTER_PORT", config, args)
 
 
+# Where torchrun_argv puts shell variables on purpose: the value after each of torchrun's own flags.
+SHELL_VARS = {"--node-rank": "$rank", "--master-addr": "$MASTER_ADDR", "--master-port": "$MASTER_PORT"}
+
+
 def _shell_join(argv: list[str]) -> str:
-    """Quoted, except the $variables torchrun_argv put in on purpose."""
-    return " ".join(f'"{a}"' if a in ("$rank", "$MASTER_ADDR", "$MASTER_PORT") else shlex.quote(a) for a in argv)
+    """Quoted, except the $variables torchrun_argv put in on purpose, told by position (torchrun's own
+    flags come before the entry point): a user's argument that reads `$rank` stays literal, as over SSH."""
+    own = argv.index("--max-restarts") + 2  # torchrun's own flags end there (jobspec.torchrun_argv)
+    live = {i + 1 for i in range(own - 1) if SHELL_VARS.get(argv[i]) == argv[i + 1]}
+    assert len(live) == len(SHELL_VARS), argv  # torchrun_argv changed: mark its variables again
+    return " ".join(f'"{a}"' if i in live else shlex.quote(a) for i, a in enumerate(argv))
 
 
 def sbatch_directives(inv: SlurmInventory, plan: SlurmPlan, requeue: bool) -> list[str]:
