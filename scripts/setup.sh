@@ -20,7 +20,10 @@ PKGS=(docker.io openssh-server openssh-client debootstrap docker-compose iproute
       slurm-wlm munge runc
       # Go's archive/tar (the reader inside `docker load`) for the relay header fuzz test
       # (tests/test_relay_headers.py builds tests/tarlist/main.go with it)
-      golang-go)
+      golang-go
+      # bsdtar (libarchive), the tar of a macOS laptop: tests/test_laptop_tar.py runs sync's and
+      # push's local tar commands with it
+      libarchive-tools)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -11,6 +11,7 @@ import os
 import shlex
 import shutil
 import stat
+import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -30,16 +31,11 @@ from runner.transport.ssh import Remote
 log = logging.getLogger("runner.collect")
 MANIFEST = ".collect-manifest.json"
 MAX_ERRORS_SHOWN = 5
-# The local tar takes nothing from the node but names and bytes: files owned by whoever collects.
-# A clock ahead on the node (a Pi without a real-time clock) is no error: placing sets each mtime.
-UNTAR = ["tar", "-x", "--no-same-owner", "--no-same-permissions", "--no-overwrite-dir", "--warning=no-timestamp"]
-# ...and only the names asked for, taken literally, a name sent as a directory without what is in it
-# (GNU tar applies these, and -C, to the names after them). A node's stream may carry anything else within
-# tar_bound; none of it is unpacked.
-ONLY_NAMES = ["--no-wildcards", "--no-recursion", "--null", "--verbatim-files-from", "-T"]
-# A name the node did not send (deleted since the listing) makes tar exit 2 saying so, in C messages.
-NOT_FOUND = ": Not found in archive"
-TAR_FAILED = "tar: Exiting with failure status due to previous errors"
+# The stream is unpacked by runner/delivery/untar.py (Python's tarfile, whatever this machine's tar
+# is): only the names asked for, only as regular files, bytes and names only (owner, mode, time and
+# links from the node are never applied; placing sets each mode and mtime after verification).
+# -I: no PYTHON* variable, user site or script dir shapes what it imports (the standard library only).
+UNTAR = [sys.executable, "-I", str(Path(__file__).with_name("untar.py"))]
 # What a batch's stream may carry beyond the listed bytes: files of a live run that grew since the
 # listing (their logs; verification then names them). Past it the node is sending what was not listed.
 GROWTH = 64 << 20
@@ -118,7 +114,7 @@ def _place_batch(remote: Remote, rd: str, dest: Path, staging: Path, batch: list
             res.errors.append(f"{rel}: cannot hash on the node: {failed[rel]}")
     for rel, st in todo:
         try:
-            place_verified(staging, dest, rel, st.st_size or 0, sums[rel], st.st_mtime)
+            place_verified(staging, dest, rel, st.st_size or 0, sums[rel], st.st_mtime, st.st_mode)
         except (OSError, ValueError) as exc:
             manifest.pop(rel, None)
             res.errors.append(f"{rel}: {exc}")
@@ -139,8 +135,8 @@ def tar_bound(batch: list) -> int:
 
 def stream_tar(remote: Remote, rd: str, rels: list[str], staging: Path, progress=None, task=None,
                max_bytes: int | None = None) -> None:
-    """The node tars the files (names NUL-separated on stdin), OpenSSH carries the stream, a local
-    tar unpacks those names, and no others, into staging. Files the node did not send are absent from
+    """The node tars the files (names NUL-separated on stdin), OpenSSH carries the stream, and
+    runner/delivery/untar.py unpacks those names, and no others, into staging. Files the node did not send are absent from
     staging; the caller verifies every file. A stream over max_bytes (tar_bound of what was listed)
     is stopped there: a node cannot fill this disk with what it was not asked for."""
     staging.mkdir(parents=True, exist_ok=True)
@@ -150,7 +146,7 @@ def stream_tar(remote: Remote, rd: str, rels: list[str], staging: Path, progress
         listed.write(names)
         listed.flush()
         res = stream.ssh_stream(remote, f"cd {shlex.quote(rd)} && tar --null -T - -cf -",
-                                [["env", "LC_ALL=C", *UNTAR, "-C", str(staging), *ONLY_NAMES, listed.name, "-f", "-"]],
+                                [[*UNTAR, str(staging), listed.name]],
                                 upload=False, stdin_data=names, on_chunk=on_chunk, max_bytes=max_bytes)
     if res.over:
         raise UserError(f"node {remote.node.name}: the stream of files from {rd} went past {max_bytes >> 20} MiB, "
@@ -162,24 +158,20 @@ def stream_tar(remote: Remote, rd: str, rels: list[str], staging: Path, progress
                         "stopped it, rerun collect")
     if res.ssh_rc == 255 and not res.moved:
         raise UserError(f"node {remote.node.name}: the file stream did not connect: {res.ssh_err or 'ssh failed'}")
-    if res.unfinished or (any(res.local_rcs) and not _only_not_found(res.local_rcs, res.local_lines)):
-        raise UserError(f"node {remote.node.name}: unpacking the files from {rd} failed: "
-                        f"{(res.local_err or res.ssh_err)[-200:]}")
+    if res.unfinished or any(res.local_rcs):
+        why = res.ssh_err if res.ssh_rc and not res.moved else res.local_err or res.ssh_err
+        raise UserError(f"node {remote.node.name}: unpacking the files from {rd} failed: {why[-200:]}")
     if res.ssh_rc:  # e.g. a file gone since the listing: verification names each one
         log.debug("node %s: tar over ssh exited %s: %s", remote.node.name, res.ssh_rc, res.ssh_err)
 
 
-def _only_not_found(rcs: list[int | None], lines: list[str]) -> bool:
-    """The local tar failed only because names were not in the stream: verification names each."""
-    return rcs == [2] and any(ln.endswith(NOT_FOUND) for ln in lines) and \
-        all(ln.endswith(NOT_FOUND) or ln == TAR_FAILED for ln in lines)
-
-
-def place_verified(staging: Path, dest: Path, rel: str, size: int, want: str, mtime: float | None) -> None:
+def place_verified(staging: Path, dest: Path, rel: str, size: int, want: str, mtime: float | None,
+                   mode: int | None = None) -> None:
     """Move staging/rel to dest/rel only if it is a regular file with the node's size and sha256,
-    and both paths stay under their roots through any link on the way (the node's stream may carry
-    links into staging; a link may already sit in dest); raise ValueError/OSError otherwise,
-    leaving an older good copy as it was."""
+    and both paths stay under their roots through any link on the way (a link may already sit in
+    dest); raise ValueError/OSError otherwise, leaving an older good copy as it was. It takes the
+    listed mtime and the listed mode's permission bits (0644 without one) less this process's umask:
+    no setuid, setgid or sticky bit from the node."""
     staged = safe_path.under(staging, rel)
     local = safe_path.under(dest, rel)
     try:
@@ -195,7 +187,7 @@ def place_verified(staging: Path, dest: Path, rel: str, size: int, want: str, mt
     if sha256_file(staged) != want:
         raise ValueError("sha256 after transfer differs from the node's (changed during transfer? "
                          "rerun collect when the run has finished)")
-    os.chmod(staged, stat.S_IMODE(st.st_mode) & 0o777 & ~_UMASK)  # no setuid/setgid/sticky from the node
+    os.chmod(staged, (0o644 if mode is None else stat.S_IMODE(mode)) & 0o777 & ~_UMASK)
     if mtime is not None:
         os.utime(staged, (mtime, mtime))
     local.parent.mkdir(parents=True, exist_ok=True)

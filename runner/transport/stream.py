@@ -1,6 +1,6 @@
 """One byte stream between local processes and a command on a node, carried by OpenSSH (C speed,
 no GIL; paramiko managed a quarter of scp's rate), watched for stalls. Used by `push` (local
-`tar [| gzip]` -> node `docker load`) and `collect` (node `tar` -> local `tar -x`).
+`tar [| gzip]` -> node `docker load`) and `collect` (node `tar` -> runner/delivery/untar.py).
 
 A stream that moves less than STALL_BYTES in `stall_s` is killed (a node that sends or reads one
 byte at a time is as stuck as one that sends none), and OpenSSH's ServerAlive probes end one
@@ -148,7 +148,6 @@ class StreamResult:
     local_rcs: list[int | None] = field(default_factory=list)
     ssh_err: str = ""
     local_err: str = ""
-    local_lines: list[str] = field(default_factory=list)  # the local stderr's last 64 KiB, by line
 
 
 def ssh_stream(remote: Remote, remote_cmd: str, local: list[list[str]], *, upload: bool,
@@ -216,7 +215,7 @@ def ssh_stream(remote: Remote, remote_cmd: str, local: list[list[str]], *, uploa
         _reap(procs)
         res.ssh_rc = ssh.returncode if ssh is not None else None
         res.local_rcs = res.local_rcs or [p.returncode for p in procs if p is not ssh]
-        res.ssh_err, res.local_err, res.local_lines = ssh_err.text(), local_err.text(), local_err.lines()
+        res.ssh_err, res.local_err = ssh_err.text(), local_err.text()
     return res
 
 
