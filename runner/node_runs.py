@@ -54,12 +54,22 @@ def run_containers(remote: Remote, run_id: str | None, all_: bool = True) -> lis
     return remote.docker().containers.list(all=all_, filters=flt)
 
 
+def _grace_label(value: str | None) -> float:
+    """The grace period `up` put on the container: seconds from 0 to a day, else the default 30 (the
+    label is the node's word: NaN, 1e308, text)."""
+    try:
+        g = float(value) if value is not None else 30.0
+    except ValueError:
+        return 30.0
+    return g if 0 <= g <= 86400 else 30.0
+
+
 def stop_node(remote: Remote, run_id: str, grace: float | None, remove: bool = True) -> list[str]:
     """Stop (SIGTERM, then SIGKILL after grace) and remove this node's containers of the run."""
     gone = []
     containers = run_containers(remote, run_id)
     for c in containers:
-        g = grace if grace is not None else float(c.labels.get(LABEL_GRACE, "30"))
+        g = grace if grace is not None else _grace_label(c.labels.get(LABEL_GRACE))
         try:
             if c.status in ("running", "restarting", "paused"):
                 # docker stop = SIGTERM, wait g seconds, SIGKILL: the trainer checkpoints on SIGTERM.

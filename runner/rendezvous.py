@@ -81,7 +81,7 @@ def wait_listening(remote: Remote, np: NodePlan, port: int, timeout: float) -> N
         if i % 5 == 0 or foreign:
             c.reload()
             if c.status not in ("running", "created"):
-                code = c.attrs["State"].get("ExitCode")
+                code = c.exit_code
                 if code == 0 and not foreign:
                     return  # a job this short (one node) may finish before we look
                 tail = [ln for ln in log_tail(c, 10) if ln.strip()]

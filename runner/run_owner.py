@@ -52,7 +52,7 @@ def as_root(remote: Remote, image: str | None, mount: str, argv: list[str], what
     try:
         d.containers.run(image, argv[1:], entrypoint=argv[:1], user="0:0", network_mode="none", remove=True,
                          volumes={mount: {"bind": MOUNT, "mode": "rw"}})
-    except (docker.errors.ContainerError, docker.errors.APIError, docker.errors.ImageNotFound) as exc:
+    except docker.errors.DockerException as exc:  # refused, failed, or answered malformed (docker_answers)
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise UserError(f"node {remote.node.name}: cannot {what}: a root container of {image} failed: {first}; "
                         f"run `{by_hand}` on the node") from None
@@ -62,7 +62,7 @@ def trainer_image(remote: Remote) -> str | None:
     """A tag of this project's trainer image on the node (label io.runner.gate), newest first."""
     images = [i for i in remote.docker().images.list(filters={"label": LABEL_GATE})
               if i.labels.get(LABEL_GATE) in GATE_MODULES]
-    images.sort(key=lambda i: i.attrs.get("Created", ""), reverse=True)
+    images.sort(key=lambda i: str(i.attrs.get("Created", "")), reverse=True)  # an ISO time, or the node's word
     return next((t for i in images for t in i.tags), None)
 
 

@@ -72,7 +72,9 @@ def test_status_row_survives_a_container_state_that_is_not_a_mapping(state):
 
     node = Node("node-0", "127.0.0.1", role="master")
     inv = Inventory("inv.yaml", [node], Job())
-    c = SimpleNamespace(labels={LABEL_RUN: "r1", LABEL_RANK: "0"}, status="exited", attrs={"State": state})
+    from runner.transport.docker_answers import NodeContainer
+
+    c = NodeContainer(attrs={"Id": "c0" * 32, "Config": {"Labels": {LABEL_RUN: "r1", LABEL_RANK: "0"}}, "State": state})
 
     def no_file(*a, **k):
         raise OSError("no such file")
@@ -81,7 +83,7 @@ def test_status_row_survives_a_container_state_that_is_not_a_mapping(state):
     cl = type("Cl", (), {"inv": inv, "unreachable": {}, "__getitem__": lambda self, k: remote})()
     rows = status_rows(cl, {"node-0": ([c], {})}, "r1")
     assert [(r["node"], r["rank"], r["state"], r["exit_code"], r["uptime"]) for r in rows] == \
-        [("node-0", 0, "exited", None, "-")]
+        [("node-0", 0, "exited" if state == "exited" else "unknown", None, "-")]  # an old engine's State: a word
 
 
 # --- runner profile: a probe's profile.json, the local cache, a run's partition.json (runner/profile/) ---

@@ -100,8 +100,10 @@ def pull_to_nodes(cl, tags: dict[str, str], host_ids: dict[str, str | None]) -> 
                             f"machine's {tag} is {want[7:19]}: push the current build to the registry "
                             f"(docker push {shlex.quote(registry_ref(job.registry, tag))})")
         # The node fetched the bytes itself: none went through this machine.
-        return PushResult(r.node.name, tag, got, "pulled", layers_total=len(attrs["RootFS"]["Layers"]),
-                          image_bytes=int(attrs.get("Size") or 0), seconds=seconds)
+        rootfs, size = attrs.get("RootFS"), attrs.get("Size")  # the node engine's word
+        layers = rootfs.get("Layers") if isinstance(rootfs, dict) else None
+        return PushResult(r.node.name, tag, got, "pulled", layers_total=len(layers) if isinstance(layers, list) else 0,
+                          image_bytes=size if isinstance(size, int) and size >= 0 else 0, seconds=seconds)
 
     out, errors = [], []
     for r, val, err in cl.map(remotes, one):

@@ -202,7 +202,7 @@ def _wait(containers: dict[str, object], timeout: float) -> tuple[str, int | Non
         for name, c in list(pending.items()):
             c.reload()
             if c.status in ("exited", "dead"):
-                code = c.attrs["State"].get("ExitCode")
+                code = c.exit_code
                 if code != 0:
                     return name, code
                 del pending[name]

@@ -75,17 +75,20 @@ class VerifiedSSHAdapter(SSHHTTPAdapter):
 
 
 def docker_client(client: paramiko.SSHClient, timeout: float):
-    """docker.DockerClient whose every request rides `client`."""
+    """docker.DockerClient whose every request rides `client`, its answers bounded and checked
+    (runner/transport/docker_answers.py)."""
     import docker
+    from runner.transport.docker_answers import NodeAPI, NodeDocker, bound_answer
 
-    api = docker.APIClient(base_url="tcp://127.0.0.1:9", version=docker.constants.MINIMUM_DOCKER_API_VERSION,
-                           timeout=timeout)  # an explicit version: the constructor connects to nothing
+    api = NodeAPI(base_url="tcp://127.0.0.1:9", version=docker.constants.MINIMUM_DOCKER_API_VERSION,
+                  timeout=timeout)  # an explicit version: the constructor connects to nothing
+    api.hooks["response"].append(bound_answer)  # every answer bounded, each as it arrives
     adapter = VerifiedSSHAdapter(client, timeout)
     api._custom_adapter = adapter
     api.mount("http+docker://ssh", adapter)
     api._unmount("http://", "https://")
     api.base_url = "http+docker://ssh"
     api._version = api._retrieve_server_version()
-    out = docker.DockerClient.__new__(docker.DockerClient)
+    out = NodeDocker.__new__(NodeDocker)
     out.api = api
     return out

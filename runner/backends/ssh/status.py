@@ -30,14 +30,8 @@ def _label_int(value) -> int | None:
     return int(value) if isinstance(value, str) and value.isascii() and value.lstrip("-").isdigit() else None
 
 
-def _state(c) -> dict:
-    """The engine's State of a container: a mapping, or {} for anything else (the node's word)."""
-    st = c.attrs.get("State") if isinstance(c.attrs, dict) else None
-    return st if isinstance(st, dict) else {}
-
-
 def _uptime(c) -> str:
-    st = _state(c)
+    st = c.state
     if st.get("Running"):
         try:
             t = datetime.fromisoformat(str(st.get("StartedAt"))[:26].rstrip("Z") + "+00:00")
@@ -61,7 +55,7 @@ def status_rows(cl: Cluster, data, run_id: str) -> list[dict]:
         if cs:
             c = cs[0]
             row.update(rank=_label_int(c.labels.get(LABEL_RANK)), state=c.status,
-                       exit_code=_state(c).get("ExitCode") if c.status == "exited" else None,
+                       exit_code=c.exit_code if c.status == "exited" else None,
                        uptime=_uptime(c))
         elif run_id in dirs:
             doc = dirs[run_id] if dirs[run_id] is not None else run_doc(cl[n.name], run_id)

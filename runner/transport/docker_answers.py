@@ -1,0 +1,192 @@
+"""What a node's Docker engine answers, bounded and checked before the runner reads it.
+
+The engine is the node's: whatever answers on its `docker system dial-stdio` may send anything.
+docker-py trusts it: it reads every answer whole (a listing of gigabytes is held in memory), waits
+on each read alone (an answer sent a byte a minute never ends), and its models index into the
+answer as they find it (`Config` a string, `Labels` a list, `State` a number: AttributeError,
+TypeError, KeyError in the middle of `runner status`). Here:
+
+- an answer read whole (not a stream: logs, attach and pulls keep docker-py's reading) is at most
+  MAX_ANSWER bytes, and arrives within ANSWER_S plus the request's own timeout of its headers (a
+  call made to wait for ever, docker-py's `wait()`, has no time bound);
+- the listings and inspections the models are made from must be JSON objects with an engine id,
+  else EngineAnswerError (a DockerException: one line naming the node, like an engine refusal);
+- the models' fields give the runner only what a real engine would: labels as str -> str, a status
+  that is one plain word ("unknown" otherwise), an exit code that is an int or None.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+from docker.models.containers import Container, ContainerCollection
+from docker.models.images import Image, ImageCollection
+
+import docker
+
+MAX_ANSWER = 64 << 20  # one answer read whole: a busy node's `containers/json` is a few MB
+ANSWER_S = 120.0       # an answer's body after its headers, beyond the request's own timeout
+CHUNK = 64 << 10
+ENGINE_ID = re.compile(r"(sha256:)?[0-9a-f]{12,64}")
+WORD = re.compile(r"[a-z]{1,32}")  # created, running, paused, restarting, removing, exited, dead
+
+
+class EngineAnswerError(docker.errors.DockerException):
+    """The node's engine answered what no Docker engine sends: too large, too slow, malformed."""
+
+
+def bound_answer(r, *args, stream: bool = False, **kwargs):
+    """requests' response hook: it runs before requests reads a body. A body read whole is read
+    here instead, at most MAX_ANSWER bytes within ANSWER_S; streamed answers are left as they are."""
+    if stream:
+        return r
+    length = r.headers.get("Content-Length", "")
+    if length.isdigit() and int(length) > MAX_ANSWER:
+        r.close()
+        raise EngineAnswerError(f"the engine's answer to {_what(r)} is {int(length) >> 20} MiB, over the "
+                                f"{MAX_ANSWER >> 20} MiB any engine answer needs")
+    timeout = kwargs.get("timeout")
+    timeout = sum(t or 0 for t in timeout) if isinstance(timeout, tuple) else timeout
+    deadline = None if timeout is None else time.monotonic() + ANSWER_S + timeout
+    body = bytearray()
+    for chunk in r.raw.stream(CHUNK, decode_content=True):
+        body += chunk
+        if len(body) > MAX_ANSWER or (deadline is not None and time.monotonic() > deadline):
+            r.close()
+            why = f"went past {MAX_ANSWER >> 20} MiB" if len(body) > MAX_ANSWER else \
+                f"took over {ANSWER_S + timeout:.0f}s ({len(body)} bytes so far)"
+            raise EngineAnswerError(f"the engine's answer to {_what(r)} {why}: stopped reading it")
+    r._content = bytes(body)  # what requests would have read itself (its documented body cache)
+    return r
+
+
+def _what(r) -> str:
+    req = getattr(r, "request", None)
+    path = (getattr(req, "path_url", "") or "").split("?")[0]
+    return f"{getattr(req, 'method', '')} {path}".strip() or "a request"
+
+
+def _entry(answer, what: str) -> dict:
+    """An inspection the models are made from: a JSON object with an engine id."""
+    if not isinstance(answer, dict) or not isinstance(answer.get("Id"), str) or not ENGINE_ID.fullmatch(answer["Id"]):
+        raise EngineAnswerError(f"the engine's answer for {what} is not an object with an engine id")
+    return answer
+
+
+def _listing(answer, what: str) -> list[dict]:
+    if not isinstance(answer, list):
+        raise EngineAnswerError(f"the engine's list of {what} is not a list")
+    return [_entry(a, f"one of its {what}") for a in answer]
+
+
+def mapping(value) -> dict:
+    return value if isinstance(value, dict) else {}
+
+
+def labels_of(attrs) -> dict[str, str]:
+    """Config.Labels as str -> str: any other entry, or any other shape, is left out."""
+    labels = mapping(mapping(attrs).get("Config")).get("Labels")
+    return {k: v for k, v in labels.items() if isinstance(k, str) and isinstance(v, str)} \
+        if isinstance(labels, dict) else {}
+
+
+def state_of(attrs) -> dict:
+    """A container's State: a mapping, or {} for anything else."""
+    return mapping(mapping(attrs).get("State"))
+
+
+def exit_code_of(attrs) -> int | None:
+    code = state_of(attrs).get("ExitCode")
+    return code if isinstance(code, int) and not isinstance(code, bool) and -(1 << 31) <= code < 1 << 31 else None
+
+
+class NodeContainer(Container):
+    @property
+    def labels(self) -> dict[str, str]:
+        return labels_of(self.attrs)
+
+    @property
+    def status(self) -> str:
+        st = mapping(self.attrs).get("State")
+        s = st.get("Status") if isinstance(st, dict) else st
+        return s if isinstance(s, str) and WORD.fullmatch(s) else "unknown"
+
+    @property
+    def name(self) -> str | None:
+        n = mapping(self.attrs).get("Name")
+        return n.lstrip("/") if isinstance(n, str) else None
+
+    @property
+    def state(self) -> dict:
+        return state_of(self.attrs)
+
+    @property
+    def exit_code(self) -> int | None:
+        return exit_code_of(self.attrs)
+
+
+class NodeImage(Image):
+    @property
+    def labels(self) -> dict[str, str]:
+        return labels_of(self.attrs)
+
+    @property
+    def tags(self) -> list[str]:
+        tags = mapping(self.attrs).get("RepoTags")
+        return [t for t in tags if isinstance(t, str) and t != "<none>:<none>"] if isinstance(tags, list) else []
+
+
+class NodeContainers(ContainerCollection):
+    model = NodeContainer
+
+
+class NodeImages(ImageCollection):
+    model = NodeImage
+
+
+class NodeAPI(docker.APIClient):
+    """docker.APIClient whose answers the models index into are checked first."""
+
+    def _result(self, response, json=False, binary=False):
+        try:
+            return super()._result(response, json, binary)
+        except (ValueError, RecursionError) as exc:  # requests' JSONDecodeError is a ValueError
+            raise EngineAnswerError(f"the engine's answer to {_what(response)} is not JSON: "
+                                    f"{type(exc).__name__}") from None
+
+    def containers(self, *args, **kwargs):
+        answer = super().containers(*args, **kwargs)
+        return answer if kwargs.get("quiet") else _listing(answer, "containers")
+
+    def images(self, *args, **kwargs):
+        answer = super().images(*args, **kwargs)
+        return answer if kwargs.get("quiet") else _listing(answer, "images")
+
+    def inspect_container(self, container):
+        return _entry(super().inspect_container(container), f"container {container!r}"[:120])
+
+    def inspect_image(self, image):
+        return _entry(super().inspect_image(image), f"image {image!r}"[:120])
+
+    def create_container(self, *args, **kwargs):
+        return _entry(super().create_container(*args, **kwargs), "the container it created")
+
+    def wait(self, *args, **kwargs):
+        answer = super().wait(*args, **kwargs)
+        code = answer.get("StatusCode") if isinstance(answer, dict) else None
+        if not isinstance(code, int) or isinstance(code, bool):
+            raise EngineAnswerError("the engine's answer to a container's wait has no exit status")
+        return answer
+
+
+class NodeDocker(docker.DockerClient):
+    """docker.DockerClient of checked models over a NodeAPI."""
+
+    @property
+    def containers(self) -> NodeContainers:
+        return NodeContainers(client=self)
+
+    @property
+    def images(self) -> NodeImages:
+        return NodeImages(client=self)

@@ -1,0 +1,152 @@
+"""A node's Docker engine that answers what no engine sends, through the runner's real SSH path
+(tests/hostile_node.py, a real SSH server) to a FAKE engine (tests/fake_engine.py) in place of
+`docker system dial-stdio`: the runner bounds every answer and checks what its models read
+(runner/transport/docker_answers.py). Before, docker-py read any answer whole and indexed into it
+as it came: tracebacks from `runner status`, memory as large as the node liked."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+import tracemalloc
+from pathlib import Path
+
+import pytest
+
+from runner.node_runs import run_containers
+from runner.transport import docker_answers
+from runner.transport.ssh import Remote
+from tests.hostile_node import HostileNode
+
+FAKE = Path(__file__).with_name("fake_engine.py")
+CONTAINER = {"Id": "c0" * 32, "Name": "/runner-x", "Config": {"Labels": {"runner.run": "r1", "runner.rank": "0"}},
+             "State": {"Status": "exited", "ExitCode": 3}}
+
+
+def _engine(tmp_path: Path, answers: dict, fourth: int) -> HostileNode:
+    spec = tmp_path / "answers.json"
+    spec.write_text(json.dumps(answers))
+    node = HostileNode(tmp_path / "node", fourth=fourth)
+    node.rewrite = lambda c: f"{sys.executable} {FAKE} {spec}" if c == "docker system dial-stdio" else c
+    return node
+
+
+def _bounded(fn, seconds: float):
+    box: list = []
+
+    def run():
+        try:
+            box.append(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            box.append(exc)
+
+    t0 = time.monotonic()
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    return (box[0] if box else TimeoutError(f"still running after {seconds}s")), time.monotonic() - t0
+
+
+@pytest.mark.parametrize("change, labels, status, name, code", [
+    ({"Config": "x"}, {}, "exited", "runner-x", 3),
+    ({"Config": {"Labels": ["runner.run=r1"]}}, {}, "exited", "runner-x", 3),
+    ({"Config": {"Labels": {"runner.run": 5, "runner.rank": "0", "7": None}}}, {"runner.rank": "0"}, "exited",
+     "runner-x", 3),
+    ({"State": [1]}, {"runner.run": "r1", "runner.rank": "0"}, "unknown", "runner-x", None),
+    ({"State": {"Status": {"x": 1}, "ExitCode": "3"}}, {"runner.run": "r1", "runner.rank": "0"}, "unknown",
+     "runner-x", None),
+    ({"State": {"Status": "running\x1b]0;owned\x07", "ExitCode": 1e300}}, {"runner.run": "r1", "runner.rank": "0"},
+     "unknown", "runner-x", None),
+    ({"Name": 7}, {"runner.run": "r1", "runner.rank": "0"}, "exited", None, 3),
+])
+def test_container_fields_of_any_shape_read_as_nothing(tmp_path, change, labels, status, name, code):
+    """docker-py: AttributeError ('str' has no .get), TypeError, a dict or escape sequence as the status."""
+    c_attrs = {**CONTAINER, **change}
+    with _engine(tmp_path, {"/containers/[^/]+/json": {"body": c_attrs}}, 51) as node, \
+            Remote(node.node()).connect() as r:
+        (c,) = run_containers(r, None)
+        assert (c.labels, c.status, c.name, c.exit_code) == (labels, status, name, code)
+
+
+@pytest.mark.parametrize("answer", [{"a": 1}, [1, 2], [{"Id": 5}], [{"Id": "../../images/x"}], "text"])
+def test_a_malformed_container_list_is_one_engine_error(tmp_path, answer):
+    """docker-py: TypeError, KeyError, or the node's id put into the next request's URL."""
+    with _engine(tmp_path, {"/containers/json": {"body": answer}}, 52) as node, Remote(node.node()).connect() as r:
+        with pytest.raises(docker_answers.EngineAnswerError) as err:
+            run_containers(r, None)
+    assert str(err.value).startswith("the engine's"), str(err.value)
+
+
+@pytest.mark.parametrize("answer", [{"raw": "<html>502</html>"}, {"nest": 200_000}])
+def test_an_answer_that_is_not_json_is_one_engine_error(tmp_path, answer):
+    """docker-py: requests' JSONDecodeError; JSON nested past the recursion limit: RecursionError."""
+    with _engine(tmp_path, {"/containers/json": answer}, 53) as node, Remote(node.node()).connect() as r:
+        with pytest.raises(docker_answers.EngineAnswerError) as err:
+            run_containers(r, None)
+    assert "is not JSON" in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_an_answer_past_the_bound_is_not_held(tmp_path, monkeypatch, chunked):
+    """A 24 MiB listing against a 2 MiB bound (64 MiB in use), its length said first or not:
+    docker-py held all of it, then its parsed copy."""
+    monkeypatch.setattr(docker_answers, "MAX_ANSWER", 2 << 20)
+    monkeypatch.setattr(docker_answers, "CHUNK", 64 << 10)
+    answer = {"big_mb": 24, "chunked": chunked}
+    with _engine(tmp_path, {"/containers/json": answer}, 54) as node, Remote(node.node()).connect() as r:
+        r.docker()
+        tracemalloc.start()
+        try:
+            with pytest.raises(docker_answers.EngineAnswerError) as err:
+                run_containers(r, None)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    said = "the engine's answer to GET /v1.41/containers/json " + ("went past 2 MiB" if chunked else "is 24 MiB, over")
+    assert str(err.value).startswith(said), str(err.value)
+    assert peak < 8 << 20, peak
+
+
+def test_an_answer_trickled_a_byte_at_a_time_is_given_up(tmp_path, monkeypatch):
+    """Each read waited alone for the client's timeout (60 s): a byte every 59 s never ended. Here 300 bytes
+    0.2 s apart against a 2 s client timeout and ANSWER_S 1: given up after 3 s."""
+    monkeypatch.setattr(docker_answers, "ANSWER_S", 1.0)
+    monkeypatch.setattr(docker_answers, "CHUNK", 1)
+    with _engine(tmp_path, {"/containers/json": {"raw": "x", "repeat": 300, "trickle": 0.2}}, 55) as node, \
+            Remote(node.node()).connect() as r:
+        r.docker(timeout=2.0)
+        got, took = _bounded(lambda: run_containers(r, None), 40)
+    assert isinstance(got, docker_answers.EngineAnswerError) and "took over 3s" in str(got), got
+    assert took < 10, took
+
+
+def test_a_real_answer_reads_as_before(tmp_path):
+    with _engine(tmp_path, {}, 56) as node, Remote(node.node()).connect() as r:
+        (c,) = run_containers(r, None)
+        assert c.labels == {"runner.run": "20260101-000000-abcd", "runner.rank": "0"}
+        assert (c.status, c.name, c.exit_code, c.id) == ("exited", "runner-x", 3, "c0" * 32)
+
+
+@pytest.mark.parametrize("label, grace", [("20", 20.0), ("0", 0.0), ("nan", 30.0), ("inf", 30.0), ("1e308", 30.0),
+                                          ("-5", 30.0), ("thirty", 30.0), (None, 30.0)])
+def test_a_grace_period_label_is_read_within_a_day(label, grace):
+    """`down` read the container's grace label with float(): text raised ValueError, NaN and inf
+    ended in round() (ValueError, OverflowError), 1e308 asked the engine to wait for ever."""
+    from runner.node_runs import _grace_label
+
+    assert _grace_label(label) == grace
+
+
+@pytest.mark.parametrize("answer, ok", [({"StatusCode": 0}, True), ({"StatusCode": "0"}, False), ([0], False),
+                                        ({"StatusCode": True}, False)])
+def test_a_wait_answer_without_an_exit_status_is_one_engine_error(tmp_path, answer, ok):
+    """`containers.run` (the throwaway root container of run_owner) read wait()['StatusCode'] as it came."""
+    with _engine(tmp_path, {"/containers/[^/]+/wait": {"body": answer}}, 57) as node, \
+            Remote(node.node()).connect() as r:
+        if ok:
+            assert r.docker().api.wait("c0" * 32) == answer
+        else:
+            with pytest.raises(docker_answers.EngineAnswerError):
+                r.docker().api.wait("c0" * 32)
