@@ -126,7 +126,8 @@ def log_chunks(container, *, follow: bool, tail: int | str = "all") -> Iterator[
         if follow:  # a quiet rank must not time the stream out (docker's reader does the same)
             api._disable_socket_timeout(api._get_raw_response_socket(res))
         raw = res.raw
-        if (container.attrs.get("Config") or {}).get("Tty"):  # no frames (the runner makes no such container)
+        config = container.attrs.get("Config") if isinstance(container.attrs, dict) else None  # the node's word
+        if isinstance(config, dict) and config.get("Tty"):  # no frames (the runner makes no such container)
             read = getattr(raw, "read1", raw.read)  # urllib3 1.x has no read1: whole pieces then
             while data := read(PIECE):
                 yield data

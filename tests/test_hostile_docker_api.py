@@ -150,3 +150,126 @@ def test_a_wait_answer_without_an_exit_status_is_one_engine_error(tmp_path, answ
         else:
             with pytest.raises(docker_answers.EngineAnswerError):
                 r.docker().api.wait("c0" * 32)
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * 4096
+
+
+def _peak_rss_during(fn):
+    """(fn's result or exception, the most this process's resident memory grew while it ran), sampled
+    every 5 ms: what the runner's process holds, whoever allocates it (tracemalloc sees Python's only)."""
+    base, peak, done = _rss(), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss() - base)
+            time.sleep(0.005)
+
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    try:
+        got, _ = _bounded(fn, 120)
+    finally:
+        done.set()
+        t.join()
+    return got, max(peak[0], _rss() - base)
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_a_200_mib_answer_costs_at_most_the_bound(tmp_path, chunked):
+    """The real bound (64 MiB) against a 200 MiB listing sent as fast as the channel takes it, its
+    length said first or not. docker-py held all of it (requests' chunks and their join, then the
+    parsed string: the runner grew by more than the answer)."""
+    answer = {"big_mb": 200, "chunked": chunked}
+    with _engine(tmp_path, {"/containers/json": answer}, 58) as node, Remote(node.node()).connect() as r:
+        r.docker()
+        got, grew = _peak_rss_during(lambda: run_containers(r, None))
+    assert isinstance(got, docker_answers.EngineAnswerError), repr(got)
+    said = "went past 64 MiB" if chunked else "is 200 MiB, over the 64 MiB"
+    assert str(got).startswith("the engine's answer to GET /v1.41/containers/json " + said), str(got)
+    assert grew < (100 << 20 if chunked else 16 << 20), grew >> 20
+
+
+@pytest.mark.parametrize("change, labels", [({"Config": "x"}, {}), ({"Config": {"Labels": [1, 2]}}, {}),
+                                            ({"Config": {"Labels": {"io.runner.gate": 3, "a": "b"}}}, {"a": "b"})])
+def test_image_fields_of_any_shape_read_as_nothing(tmp_path, change, labels):
+    """delivery/images.py reads an image's labels (`.labels or {}`): docker-py's Image.labels did
+    attrs['Config'].get('Labels') (AttributeError on a string Config, a list went on as labels)."""
+    from runner.delivery.images import node_image_labels
+
+    image = {"Id": "sha256:" + "ab" * 32, "RepoTags": ["t:1", 5], **change}
+    with _engine(tmp_path, {"/images/.+/json": {"body": image}}, 59) as node, Remote(node.node()).connect() as r:
+        assert node_image_labels(r, "t:1") == labels
+        img = r.docker().images.get("t:1")
+        assert (img.id, img.tags) == ("sha256:" + "ab" * 32, ["t:1"])
+
+
+@pytest.mark.parametrize("answer", [{"Id": 5}, ["x"], {"Id": "sha256:../../x"}])
+def test_a_malformed_image_inspection_is_one_engine_error(tmp_path, answer):
+    with _engine(tmp_path, {"/images/.+/json": {"body": answer}}, 60) as node, Remote(node.node()).connect() as r:
+        with pytest.raises(docker_answers.EngineAnswerError) as err:
+            r.docker().images.get("t:1")
+    assert str(err.value).startswith("the engine's answer for image 't:1' is not an object"), str(err.value)
+
+
+def _status(tmp_path, answers: dict, fourth: int, capsys) -> tuple[int | str, str, str]:
+    """`runner status --json` against one hostile node, as main() runs it: (exit code, stdout, stderr)."""
+    from types import SimpleNamespace
+
+    from runner.backends.ssh import status
+    from runner.errors import UserError
+    from runner.inventory import Inventory, Job
+    from runner.transport.cluster import Cluster
+
+    with _engine(tmp_path, answers, fourth) as node:
+        inv = Inventory(str(tmp_path / "inv.yaml"), [node.node(role="master")], Job())
+        args = SimpleNamespace(run=None, json=True)
+        orig = status.open_nodes
+        status.open_nodes = lambda a: Cluster(inv, partial=True)
+        try:
+            rc: int | str = status.cmd_status(args)
+        except UserError as exc:
+            rc = f"UserError: {exc}"
+        finally:
+            status.open_nodes = orig
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.parametrize("change", [{"State": [1]}, {"State": {"Status": {"x": 1}, "ExitCode": "3"}}, {"Name": 7},
+                                    {"Config": {"Labels": {"io.runner.run-id": "20260101-000000-abcd", "io.runner.rank": 0}}}])
+def test_runner_status_on_a_hostile_engine_shows_a_row(tmp_path, capsys, change):
+    """`runner status`: AttributeError / TypeError from docker-py's models before; now the row, the
+    node's malformed fields shown as unknown."""
+    c_attrs = {**CONTAINER, "Config": {"Labels": {"io.runner.run-id": "20260101-000000-abcd", "io.runner.rank": "0"}},
+               **change}
+    rc, out, err = _status(tmp_path, {"/containers/[^/]+/json": {"body": c_attrs}}, 61, capsys)
+    assert rc == 0 and "Traceback" not in err, (rc, err)
+    (row,) = json.loads(out)["nodes"]
+    assert row["node"] == "evil" and row["state"] in ("exited", "unknown"), row
+    assert row["rank"] in (0, None) and row["exit_code"] in (3, None), row
+
+
+@pytest.mark.parametrize("answer", [{"body": {"a": 1}}, {"body": [{"Id": 5}]}, {"big_mb": 100, "chunked": True}])
+def test_runner_status_on_a_malformed_listing_is_one_line(tmp_path, capsys, answer):
+    """The node is named on one line and left out (its only node: no run found, one error)."""
+    rc, out, err = _status(tmp_path, {"/containers/json": answer}, 62, capsys)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("runner: warning: node evil: the engine's "), err
+    assert lines[0].endswith("(left out)") and str(rc).startswith("UserError: "), (rc, err)
+
+
+@pytest.mark.parametrize("config", ["x", [1], None, {"Tty": False}])
+def test_logs_of_a_container_whose_config_is_not_a_mapping(tmp_path, config):
+    """`runner logs` / `up` read Config.Tty to choose how to read the stream: a string Config was an
+    AttributeError ('str' object has no attribute 'get')."""
+    from runner.node_output import log_chunks
+
+    frame = "\x01\x00\x00\x00\x00\x00\x00\x03hi\n"
+    answers = {"/containers/[^/]+/json": {"body": {**CONTAINER, "Config": config}},
+               "/containers/[^/]+/logs": {"raw": frame, "repeat": 2}}
+    with _engine(tmp_path, answers, 64) as node, Remote(node.node()).connect() as r:
+        c = r.docker().containers.get("c0" * 32)
+        assert b"".join(log_chunks(c, follow=False)) == b"hi\nhi\n"
