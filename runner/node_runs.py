@@ -100,7 +100,7 @@ def stop_run(remotes: dict[str, Remote], run_id: str, grace: float | None = None
     stopped, errors = [], []
     for r, val, err in res:
         if err is not None:
-            lines = str(err).strip().splitlines() or [type(err).__name__]
+            lines = str(err).strip().removeprefix(f"node {r.node.name}: ").splitlines() or [type(err).__name__]
             errors.append(f"{r.node.name}: {lines[0]}")
         elif val:
             stopped.append(r.node.name)
@@ -174,7 +174,8 @@ def gather(cl: Cluster, containers: bool = True, docs: bool = False) -> dict[str
     for r, val, err in res:
         out[r.node.name] = val if err is None else ([], {})
         if err is not None:
-            first = visible((str(err).strip().splitlines() or [type(err).__name__])[0])[:300]
+            said = str(err).strip().removeprefix(f"node {r.node.name}: ")  # an error that names the node itself
+            first = visible((said.splitlines() or [type(err).__name__])[0])[:300]
             print(f"runner: warning: node {r.node.name}: {first} (left out)", file=sys.stderr)
     return out
 

@@ -53,7 +53,7 @@ def as_root(remote: Remote, image: str | None, mount: str, argv: list[str], what
         d.containers.run(image, argv[1:], entrypoint=argv[:1], user="0:0", network_mode="none", remove=True,
                          volumes={mount: {"bind": MOUNT, "mode": "rw"}})
     except docker.errors.DockerException as exc:  # refused, failed, or answered malformed (docker_answers)
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        first = (str(exc).strip().removeprefix(f"node {remote.node.name}: ").splitlines() or [type(exc).__name__])[0]
         raise UserError(f"node {remote.node.name}: cannot {what}: a root container of {image} failed: {first}; "
                         f"run `{by_hand}` on the node") from None
 

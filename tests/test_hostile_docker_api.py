@@ -72,11 +72,22 @@ def test_container_fields_of_any_shape_read_as_nothing(tmp_path, change, labels,
 
 @pytest.mark.parametrize("answer", [{"a": 1}, [1, 2], [{"Id": 5}], [{"Id": "../../images/x"}], "text"])
 def test_a_malformed_container_list_is_one_engine_error(tmp_path, answer):
-    """docker-py: TypeError, KeyError, or the node's id put into the next request's URL."""
+    """docker-py: TypeError, KeyError, or the node's id put into the next request's URL. Now one
+    error naming the node: a DockerException where engine errors are caught, a UserError (one line,
+    exit 2) where nothing catches it (`runner exec`), the node named once by `down`'s per-node list."""
+    from runner.errors import UserError
+    from runner.node_exec import running_container
+    from runner.node_runs import stop_run
+
     with _engine(tmp_path, {"/containers/json": {"body": answer}}, 52) as node, Remote(node.node()).connect() as r:
         with pytest.raises(docker_answers.EngineAnswerError) as err:
             run_containers(r, None)
-    assert str(err.value).startswith("the engine's"), str(err.value)
+        with pytest.raises(UserError) as exec_err:
+            running_container(r, None)
+        stopped, errors = stop_run({"evil": r}, "20260101-000000-abcd")
+    assert str(err.value).startswith("node evil: the engine's"), str(err.value)
+    assert str(exec_err.value) == str(err.value)
+    assert stopped == [] and errors == [str(err.value).replace("node evil: ", "evil: ", 1)], errors
 
 
 @pytest.mark.parametrize("answer", [{"raw": "<html>502</html>"}, {"nest": 200_000}])
@@ -104,7 +115,8 @@ def test_an_answer_past_the_bound_is_not_held(tmp_path, monkeypatch, chunked):
             _, peak = tracemalloc.get_traced_memory()
         finally:
             tracemalloc.stop()
-    said = "the engine's answer to GET /v1.41/containers/json " + ("went past 2 MiB" if chunked else "is 24 MiB, over")
+    said = "node evil: the engine's answer to GET /v1.41/containers/json " + ("went past 2 MiB" if chunked else
+                                                                              "is 24 MiB, over")
     assert str(err.value).startswith(said), str(err.value)
     assert peak < 8 << 20, peak
 
@@ -119,6 +131,7 @@ def test_an_answer_trickled_a_byte_at_a_time_is_given_up(tmp_path, monkeypatch):
         r.docker(timeout=2.0)
         got, took = _bounded(lambda: run_containers(r, None), 40)
     assert isinstance(got, docker_answers.EngineAnswerError) and "took over 3s" in str(got), got
+    assert str(got).startswith("node evil: the engine's answer to GET /v1.41/containers/json took over 3s"), got
     assert took < 10, took
 
 
@@ -188,7 +201,7 @@ def test_a_200_mib_answer_costs_at_most_the_bound(tmp_path, chunked):
         got, grew = _peak_rss_during(lambda: run_containers(r, None))
     assert isinstance(got, docker_answers.EngineAnswerError), repr(got)
     said = "went past 64 MiB" if chunked else "is 200 MiB, over the 64 MiB"
-    assert str(got).startswith("the engine's answer to GET /v1.41/containers/json " + said), str(got)
+    assert str(got).startswith("node evil: the engine's answer to GET /v1.41/containers/json " + said), str(got)
     assert grew < (100 << 20 if chunked else 16 << 20), grew >> 20
 
 
@@ -211,7 +224,8 @@ def test_a_malformed_image_inspection_is_one_engine_error(tmp_path, answer):
     with _engine(tmp_path, {"/images/.+/json": {"body": answer}}, 60) as node, Remote(node.node()).connect() as r:
         with pytest.raises(docker_answers.EngineAnswerError) as err:
             r.docker().images.get("t:1")
-    assert str(err.value).startswith("the engine's answer for image 't:1' is not an object"), str(err.value)
+    assert str(err.value).startswith("node evil: the engine's answer for image 't:1' is not an object"), \
+        str(err.value)
 
 
 def _status(tmp_path, answers: dict, fourth: int, capsys) -> tuple[int | str, str, str]:
@@ -259,6 +273,7 @@ def test_runner_status_on_a_malformed_listing_is_one_line(tmp_path, capsys, answ
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("runner: warning: node evil: the engine's "), err
     assert lines[0].endswith("(left out)") and str(rc).startswith("UserError: "), (rc, err)
+    assert "node evil: node evil" not in err, err
 
 
 @pytest.mark.parametrize("config", ["x", [1], None, {"Tty": False}])

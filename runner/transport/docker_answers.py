@@ -10,13 +10,15 @@ TypeError, KeyError in the middle of `runner status`). Here:
   MAX_ANSWER bytes, and arrives within ANSWER_S plus the request's own timeout of its headers (a
   call made to wait for ever, docker-py's `wait()`, has no time bound);
 - the listings and inspections the models are made from must be JSON objects with an engine id,
-  else EngineAnswerError (a DockerException: one line naming the node, like an engine refusal);
+  else EngineAnswerError: a DockerException (caught where an engine refusal is) and a UserError
+  (one line naming the node, exit 2, where no caller catches it: `runner exec`, a relaunch);
 - the models' fields give the runner only what a real engine would: labels as str -> str, a status
   that is one plain word ("unknown" otherwise), an exit code that is an int or None.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 
@@ -24,6 +26,7 @@ from docker.models.containers import Container, ContainerCollection
 from docker.models.images import Image, ImageCollection
 
 import docker
+from runner.errors import UserError
 
 MAX_ANSWER = 64 << 20  # one answer read whole: a busy node's `containers/json` is a few MB
 ANSWER_S = 120.0       # an answer's body after its headers, beyond the request's own timeout
@@ -32,11 +35,15 @@ ENGINE_ID = re.compile(r"(sha256:)?[0-9a-f]{12,64}")
 WORD = re.compile(r"[a-z]{1,32}")  # created, running, paused, restarting, removing, exited, dead
 
 
-class EngineAnswerError(docker.errors.DockerException):
-    """The node's engine answered what no Docker engine sends: too large, too slow, malformed."""
+class EngineAnswerError(docker.errors.DockerException, UserError):
+    """The node's engine answered what no Docker engine sends: too large, too slow, malformed.
+    Its message names the node: `node NAME: the engine's ...`."""
+
+    def __init__(self, node: str, message: str):
+        super().__init__(f"node {node}: {message}")
 
 
-def bound_answer(r, *args, stream: bool = False, **kwargs):
+def bound_answer(r, *args, stream: bool = False, node: str = "?", **kwargs):
     """requests' response hook: it runs before requests reads a body. A body read whole is read
     here instead, at most MAX_ANSWER bytes within ANSWER_S; streamed answers are left as they are."""
     if stream:
@@ -44,7 +51,7 @@ def bound_answer(r, *args, stream: bool = False, **kwargs):
     length = r.headers.get("Content-Length", "")
     if length.isdigit() and int(length) > MAX_ANSWER:
         r.close()
-        raise EngineAnswerError(f"the engine's answer to {_what(r)} is {int(length) >> 20} MiB, over the "
+        raise EngineAnswerError(node, f"the engine's answer to {_what(r)} is {int(length) >> 20} MiB, over the "
                                 f"{MAX_ANSWER >> 20} MiB any engine answer needs")
     timeout = kwargs.get("timeout")
     timeout = sum(t or 0 for t in timeout) if isinstance(timeout, tuple) else timeout
@@ -56,7 +63,7 @@ def bound_answer(r, *args, stream: bool = False, **kwargs):
             r.close()
             why = f"went past {MAX_ANSWER >> 20} MiB" if len(body) > MAX_ANSWER else \
                 f"took over {ANSWER_S + timeout:.0f}s ({len(body)} bytes so far)"
-            raise EngineAnswerError(f"the engine's answer to {_what(r)} {why}: stopped reading it")
+            raise EngineAnswerError(node, f"the engine's answer to {_what(r)} {why}: stopped reading it")
     r._content = bytes(body)  # what requests would have read itself (its documented body cache)
     return r
 
@@ -67,17 +74,17 @@ def _what(r) -> str:
     return f"{getattr(req, 'method', '')} {path}".strip() or "a request"
 
 
-def _entry(answer, what: str) -> dict:
+def _entry(answer, what: str, node: str) -> dict:
     """An inspection the models are made from: a JSON object with an engine id."""
     if not isinstance(answer, dict) or not isinstance(answer.get("Id"), str) or not ENGINE_ID.fullmatch(answer["Id"]):
-        raise EngineAnswerError(f"the engine's answer for {what} is not an object with an engine id")
+        raise EngineAnswerError(node, f"the engine's answer for {what} is not an object with an engine id")
     return answer
 
 
-def _listing(answer, what: str) -> list[dict]:
+def _listing(answer, what: str, node: str) -> list[dict]:
     if not isinstance(answer, list):
-        raise EngineAnswerError(f"the engine's list of {what} is not a list")
-    return [_entry(a, f"one of its {what}") for a in answer]
+        raise EngineAnswerError(node, f"the engine's list of {what} is not a list")
+    return [_entry(a, f"one of its {what}", node) for a in answer]
 
 
 def mapping(value) -> dict:
@@ -146,37 +153,45 @@ class NodeImages(ImageCollection):
 
 
 class NodeAPI(docker.APIClient):
-    """docker.APIClient whose answers the models index into are checked first."""
+    """docker.APIClient whose answers the models index into are checked first; `node` names the
+    node in every EngineAnswerError."""
+
+    node = "?"
+
+    def bound(self, node: str) -> None:
+        """Every answer of this client bounded (bound_answer), its errors naming `node`."""
+        self.node = node
+        self.hooks["response"].append(functools.partial(bound_answer, node=node))
 
     def _result(self, response, json=False, binary=False):
         try:
             return super()._result(response, json, binary)
         except (ValueError, RecursionError) as exc:  # requests' JSONDecodeError is a ValueError
-            raise EngineAnswerError(f"the engine's answer to {_what(response)} is not JSON: "
+            raise EngineAnswerError(self.node, f"the engine's answer to {_what(response)} is not JSON: "
                                     f"{type(exc).__name__}") from None
 
     def containers(self, *args, **kwargs):
         answer = super().containers(*args, **kwargs)
-        return answer if kwargs.get("quiet") else _listing(answer, "containers")
+        return answer if kwargs.get("quiet") else _listing(answer, "containers", self.node)
 
     def images(self, *args, **kwargs):
         answer = super().images(*args, **kwargs)
-        return answer if kwargs.get("quiet") else _listing(answer, "images")
+        return answer if kwargs.get("quiet") else _listing(answer, "images", self.node)
 
     def inspect_container(self, container):
-        return _entry(super().inspect_container(container), f"container {container!r}"[:120])
+        return _entry(super().inspect_container(container), f"container {container!r}"[:120], self.node)
 
     def inspect_image(self, image):
-        return _entry(super().inspect_image(image), f"image {image!r}"[:120])
+        return _entry(super().inspect_image(image), f"image {image!r}"[:120], self.node)
 
     def create_container(self, *args, **kwargs):
-        return _entry(super().create_container(*args, **kwargs), "the container it created")
+        return _entry(super().create_container(*args, **kwargs), "the container it created", self.node)
 
     def wait(self, *args, **kwargs):
         answer = super().wait(*args, **kwargs)
         code = answer.get("StatusCode") if isinstance(answer, dict) else None
         if not isinstance(code, int) or isinstance(code, bool):
-            raise EngineAnswerError("the engine's answer to a container's wait has no exit status")
+            raise EngineAnswerError(self.node, "the engine's answer to a container's wait has no exit status")
         return answer
 
 

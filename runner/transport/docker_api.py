@@ -74,15 +74,15 @@ class VerifiedSSHAdapter(SSHHTTPAdapter):
         BaseHTTPAdapter.close(self)
 
 
-def docker_client(client: paramiko.SSHClient, timeout: float):
+def docker_client(client: paramiko.SSHClient, timeout: float, node: str = "?"):
     """docker.DockerClient whose every request rides `client`, its answers bounded and checked
-    (runner/transport/docker_answers.py)."""
+    (runner/transport/docker_answers.py), a malformed one named as node `node`'s."""
     import docker
-    from runner.transport.docker_answers import NodeAPI, NodeDocker, bound_answer
+    from runner.transport.docker_answers import NodeAPI, NodeDocker
 
     api = NodeAPI(base_url="tcp://127.0.0.1:9", version=docker.constants.MINIMUM_DOCKER_API_VERSION,
                   timeout=timeout)  # an explicit version: the constructor connects to nothing
-    api.hooks["response"].append(bound_answer)  # every answer bounded, each as it arrives
+    api.bound(node)  # every answer bounded, each as it arrives
     adapter = VerifiedSSHAdapter(client, timeout)
     api._custom_adapter = adapter
     api.mount("http+docker://ssh", adapter)

@@ -443,7 +443,7 @@ class Remote(NodeFiles):
                 from runner.transport.docker_api import docker_client
 
                 assert self.client is not None, "not connected"
-                self._docker = docker_client(self.client, timeout)
+                self._docker = docker_client(self.client, timeout, self.node.name)
             return self._docker
 
 
