@@ -6,7 +6,8 @@ dial-stdio` carries a real engine's. A hostile node's engine for tests/test_host
 
 ANSWERS maps a path without its /vX.Y prefix (a regular expression) to what is sent:
 {"body": any JSON} | {"raw": "text", "repeat": n} | {"big_mb": n} (a JSON string of n MiB, sent as
-fast as the channel takes it) | {"nest": n} (n nested lists); "trickle": s sends the body a byte
+fast as the channel takes it) | {"nest": n} (n nested lists) | {"many": "json", "n": n} (a list of n
+copies of it); "trickle": s sends the body a byte
 every s seconds; "chunked": true sends it chunked (no length first); "status": the HTTP status (200). /_ping and /version answer as an engine does
 unless ANSWERS names them.
 """
@@ -30,6 +31,8 @@ def body_of(spec: dict) -> bytes:
         return json.dumps(spec["body"]).encode()
     if "big_mb" in spec:
         return b'["' + b"x" * (spec["big_mb"] << 20) + b'"]'
+    if "many" in spec:
+        return b"[" + b",".join([spec["many"].encode()] * spec["n"]) + b"]"
     if "nest" in spec:
         return b"[" * spec["nest"] + b"]" * spec["nest"]
     return spec.get("raw", "").encode() * spec.get("repeat", 1)

@@ -288,3 +288,57 @@ def test_logs_of_a_container_whose_config_is_not_a_mapping(tmp_path, config):
     with _engine(tmp_path, answers, 64) as node, Remote(node.node()).connect() as r:
         c = r.docker().containers.get("c0" * 32)
         assert b"".join(log_chunks(c, follow=False)) == b"hi\nhi\n"
+
+
+@pytest.mark.parametrize("item", ["{}", "[]", '"ab"'])
+def test_an_answer_of_millions_of_tiny_values_is_refused_before_it_is_parsed(tmp_path, item):
+    """Within the byte bound, JSON grows when parsed: 64 MiB of `{},` are 22 million dicts, 1.5 GiB
+    (docker-py parsed any answer: a 20 MiB listing grew the runner by ~500 MiB). An answer holding
+    more values than any engine's (MAX_JSON_VALUES) is one error, not parsed."""
+    answer = {"many": item, "n": (20 << 20) // (len(item) + 1)}
+    with _engine(tmp_path, {"/containers/json": answer}, 65) as node, Remote(node.node()).connect() as r:
+        r.docker()
+        got, grew = _peak_rss_during(lambda: run_containers(r, None))
+    assert isinstance(got, docker_answers.EngineAnswerError), repr(got)
+    assert str(got).startswith("node evil: the engine's answer to GET /v1.41/containers/json holds over "), str(got)
+    assert grew < 100 << 20, grew >> 20
+
+
+def test_a_listing_of_many_containers_still_reads(tmp_path):
+    """20,000 containers of a real engine's listing shape: well within the bounds."""
+    one = {"Id": "c0" * 32, "Names": ["/runner-x"], "Labels": {"io.runner.run-id": "20260101-000000-abcd"},
+           "State": "exited", "Status": "Exited (0)", "Ports": [], "Mounts": [{"Type": "bind", "Source": "/x"}],
+           "NetworkSettings": {"Networks": {"host": {"NetworkID": "ab" * 32}}}, "HostConfig": {"NetworkMode": "host"}}
+    with _engine(tmp_path, {"/containers/json": {"many": json.dumps(one), "n": 20_000}}, 66) as node, \
+            Remote(node.node()).connect() as r:
+        assert len(r.docker().api.containers(all=True)) == 20_000
+
+
+@pytest.mark.parametrize("status, body, kind", [(404, [1], "NotFound"), (404, {"message": {"x": 1}}, "NotFound"),
+                                                (500, "x" * (1 << 20), "APIError"),
+                                                (404, {"message": "No such image: t:1"}, "ImageNotFound")])
+def test_an_error_answer_of_any_shape_is_the_engine_error_it_says(tmp_path, status, body, kind):
+    """docker-py built its error from response.json()['message']: a list was a TypeError, a dict
+    message an AttributeError (`.lower()`), a 1 MiB message went whole into `runner: error:` lines."""
+    import docker
+
+    with _engine(tmp_path, {"/containers/[^/]+/json": {"status": status, "body": body}}, 67) as node, \
+            Remote(node.node()).connect() as r:
+        with pytest.raises(docker.errors.APIError) as err:
+            r.docker().containers.get("c0" * 32)
+    assert type(err.value).__name__ == kind, repr(err.value)
+    assert len(str(err.value)) < 3000, len(str(err.value))
+
+
+def test_a_stream_is_read_past_the_bound(tmp_path, monkeypatch):
+    """Logs (and pulls, saves, loads) are streams: read as they come, never held whole, so never
+    bounded by MAX_ANSWER (here 1 MiB against 3 MiB of log frames)."""
+    from runner.node_output import log_chunks
+
+    monkeypatch.setattr(docker_answers, "MAX_ANSWER", 1 << 20)
+    line = "x" * 1023 + "\n"
+    frame = "\x01\x00\x00\x00\x00\x00\x04\x00" + line
+    answers = {"/containers/[^/]+/logs": {"raw": frame, "repeat": 3 << 10}}
+    with _engine(tmp_path, answers, 69) as node, Remote(node.node()).connect() as r:
+        c = r.docker().containers.get("c0" * 32)
+        assert sum(len(b) for b in log_chunks(c, follow=False)) == 3 << 20

@@ -9,6 +9,10 @@ TypeError, KeyError in the middle of `runner status`). Here:
 - an answer read whole (not a stream: logs, attach and pulls keep docker-py's reading) is at most
   MAX_ANSWER bytes, and arrives within ANSWER_S plus the request's own timeout of its headers (a
   call made to wait for ever, docker-py's `wait()`, has no time bound);
+- a JSON answer holds at most MAX_JSON_VALUES values, counted before it is parsed (parsed, 64 MiB
+  of `{},` are 22 million dicts: 1.5 GiB);
+- an error answer's message is a string of at most MAX_EXPLANATION characters (docker-py indexed
+  the answer's JSON for it: a list was a TypeError, a dict an AttributeError);
 - the listings and inspections the models are made from must be JSON objects with an engine id,
   else EngineAnswerError: a DockerException (caught where an engine refusal is) and a UserError
   (one line naming the node, exit 2, where no caller catches it: `runner exec`, a relaunch);
@@ -19,6 +23,7 @@ TypeError, KeyError in the middle of `runner status`). Here:
 from __future__ import annotations
 
 import functools
+import json
 import re
 import time
 
@@ -31,6 +36,8 @@ from runner.errors import UserError
 MAX_ANSWER = 64 << 20  # one answer read whole: a busy node's `containers/json` is a few MB
 ANSWER_S = 120.0       # an answer's body after its headers, beyond the request's own timeout
 CHUNK = 64 << 10
+MAX_JSON_VALUES = 2_000_000  # a real listing: ~60 values a container; parsed, ~100 bytes each
+MAX_EXPLANATION = 2000       # characters of an engine's error message kept (a real one: a line)
 ENGINE_ID = re.compile(r"(sha256:)?[0-9a-f]{12,64}")
 WORD = re.compile(r"[a-z]{1,32}")  # created, running, paused, restarting, removing, exited, dead
 
@@ -85,6 +92,24 @@ def _listing(answer, what: str, node: str) -> list[dict]:
     if not isinstance(answer, list):
         raise EngineAnswerError(node, f"the engine's list of {what} is not a list")
     return [_entry(a, f"one of its {what}", node) for a in answer]
+
+
+def _explanation(response) -> str:
+    if getattr(response, "_content", None) is False:  # a stream's error answer: its first 64 KiB only
+        try:
+            body = response.raw.read(64 << 10, decode_content=True) or b""
+        except Exception:  # noqa: BLE001 - the status alone says it then
+            body = b""
+    else:
+        body = response.content or b""
+    if len(body) <= 64 << 10:  # an engine's error: {"message": "..."}, a few hundred bytes
+        try:
+            said = json.loads(body).get("message")
+            if isinstance(said, str):
+                return said[:MAX_EXPLANATION]
+        except (ValueError, AttributeError, RecursionError):
+            pass
+    return body[:MAX_EXPLANATION].decode(errors="replace").strip()
 
 
 def mapping(value) -> dict:
@@ -164,11 +189,38 @@ class NodeAPI(docker.APIClient):
         self.hooks["response"].append(functools.partial(bound_answer, node=node))
 
     def _result(self, response, json=False, binary=False):
+        self._raise_for_status(response)  # (docker-py's _result asks again: a no-op then)
+        if json:
+            self._countable(response)
         try:
             return super()._result(response, json, binary)
         except (ValueError, RecursionError) as exc:  # requests' JSONDecodeError is a ValueError
             raise EngineAnswerError(self.node, f"the engine's answer to {_what(response)} is not JSON: "
                                     f"{type(exc).__name__}") from None
+
+    def _countable(self, response) -> None:
+        """At most MAX_JSON_VALUES values (each is after a ',' or a ':', or opens a list), counted in
+        the bytes before any is parsed: a ',' inside a string only counts against the answer."""
+        body = response.content or b""
+        if body.count(b",") + body.count(b":") > MAX_JSON_VALUES:
+            raise EngineAnswerError(self.node, f"the engine's answer to {_what(response)} holds over "
+                                    f"{MAX_JSON_VALUES:,} values: stopped before reading them")
+
+    def _raise_for_status(self, response):
+        """docker-py's APIError / NotFound / ImageNotFound, its explanation the answer's `message`
+        when that is a string (else the answer's first MAX_EXPLANATION characters)."""
+        import requests
+
+        try:
+            response.raise_for_status()
+        except requests.exceptions.HTTPError as e:
+            said = _explanation(response)
+            cls = docker.errors.APIError
+            if response.status_code == 404:
+                image = any(f in said.lower() for f in getattr(docker.errors, "_image_not_found_explanation_fragments",
+                                                               ("no such image",)))
+                cls = docker.errors.ImageNotFound if image else docker.errors.NotFound
+            raise cls(e, response=response, explanation=said) from e
 
     def containers(self, *args, **kwargs):
         answer = super().containers(*args, **kwargs)
