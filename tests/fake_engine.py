@@ -8,7 +8,7 @@ ANSWERS maps a path without its /vX.Y prefix (a regular expression) to what is s
 {"body": any JSON} | {"raw": "text", "repeat": n} | {"big_mb": n} (a JSON string of n MiB, sent as
 fast as the channel takes it) | {"nest": n} (n nested lists) | {"many": "json", "n": n} (a list of n
 copies of it); "trickle": s sends the body a byte
-every s seconds; "chunked": true sends it chunked (no length first); "status": the HTTP status (200). /_ping and /version answer as an engine does
+every s seconds; "chunked": true sends it chunked (no length first); "status": the HTTP status (200); "interim": s sends `100 Continue` every s seconds, for ever. /_ping and /version answer as an engine does
 unless ANSWERS names them.
 """
 
@@ -52,6 +52,10 @@ def main() -> None:
         spec = next((v for k, v in answers.items() if re.fullmatch(k, path)), {"status": 404, "body": {"message": "no"}})
         body = body_of(spec)
         status = spec.get("status", 200)
+        while spec.get("interim"):  # answers that are not the answer: http.client skips each
+            out.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            out.flush()
+            time.sleep(spec["interim"])
         if spec.get("chunked"):  # no length said first: the reader finds out as it reads
             out.write(f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
                       .encode())

@@ -342,3 +342,18 @@ def test_a_stream_is_read_past_the_bound(tmp_path, monkeypatch):
     with _engine(tmp_path, answers, 69) as node, Remote(node.node()).connect() as r:
         c = r.docker().containers.get("c0" * 32)
         assert sum(len(b) for b in log_chunks(c, follow=False)) == 3 << 20
+
+
+def test_an_engine_that_sends_only_interim_answers_is_given_up(tmp_path, monkeypatch):
+    """http.client skips `100 Continue` answers for as long as they come, each read within the
+    timeout: the call never ended. Here one every 0.2 s against a 2 s timeout and HEADERS_S 1."""
+    from runner.transport import docker_api
+
+    monkeypatch.setattr(docker_api, "HEADERS_S", 1.0, raising=False)
+    with _engine(tmp_path, {"/containers/json": {"interim": 0.2}}, 70) as node, Remote(node.node()).connect() as r:
+        r.docker(timeout=2.0)
+        got, took = _bounded(lambda: run_containers(r, None), 40)
+        assert isinstance(got, docker_answers.EngineAnswerError), repr(got)
+        assert str(got) == "node evil: the engine sent no answer within 3s (interim answers only, or nothing)", got
+        assert took < 10, took
+        assert r.docker().ping()  # the next call: a fresh channel

@@ -9,11 +9,14 @@ used: it makes a second connection with its own, unpinned, host-key policy.
 
 from __future__ import annotations
 
+import threading
+
 import paramiko
 from docker.transport.basehttpadapter import BaseHTTPAdapter
 from docker.transport.sshconn import RecentlyUsedContainer, SSHConnection, SSHConnectionPool, SSHHTTPAdapter
 
 CHANNEL_OPEN_TIMEOUT = 10.0
+HEADERS_S = 120.0  # an answer's status line and headers, beyond the request's read timeout
 POOL_SIZE = 4  # concurrent API connections kept per node: far below a real sshd's MaxSessions (10)
 
 
@@ -24,6 +27,35 @@ class _Channel(SSHConnection):
         chan.settimeout(self.timeout)
         chan.exec_command("docker system dial-stdio")
         self.sock = chan
+
+    def getresponse(self, *args, **kwargs):
+        """The answer's status line and headers within HEADERS_S plus the request's read timeout: the
+        timeout bounds each read alone, and http.client skips interim `100 Continue` answers for as
+        long as the engine sends them (one every few seconds held a call for ever). A request made to
+        wait for ever (docker-py's `wait()`: no timeout) is not bounded. The body: docker_answers."""
+        chan, wait = self.sock, self.timeout
+        if chan is None or not isinstance(wait, (int, float)) or isinstance(wait, bool):
+            return super().getresponse(*args, **kwargs)
+        fired = threading.Event()
+
+        def give_up() -> None:
+            fired.set()
+            chan.close()  # the blocked read ends: EOF
+
+        timer = threading.Timer(HEADERS_S + wait, give_up)
+        timer.daemon = True
+        timer.start()
+        try:
+            return super().getresponse(*args, **kwargs)
+        except Exception:
+            if fired.is_set():
+                from runner.transport.docker_answers import EngineAnswerError
+
+                raise EngineAnswerError(self.ssh_host, f"the engine sent no answer within {HEADERS_S + wait:.0f}s "
+                                        "(interim answers only, or nothing)") from None
+            raise
+        finally:
+            timer.cancel()
 
 
 class _Pool(SSHConnectionPool):
@@ -46,10 +78,10 @@ class _Pool(SSHConnectionPool):
 class VerifiedSSHAdapter(SSHHTTPAdapter):
     """SSHHTTPAdapter on a connected paramiko client it does not own (never reconnects, never closes it)."""
 
-    def __init__(self, client: paramiko.SSHClient, timeout: float):
+    def __init__(self, client: paramiko.SSHClient, timeout: float, node: str = "?"):
         self.ssh_client = client
         self.ssh_params: dict = {}
-        self.ssh_host = "node"
+        self.ssh_host = node  # docker-py keeps it only: named in EngineAnswerError
         self.timeout = timeout
         self.max_pool_size = POOL_SIZE
         self.pools = RecentlyUsedContainer(1, dispose_func=lambda p: p.close())
@@ -83,7 +115,7 @@ def docker_client(client: paramiko.SSHClient, timeout: float, node: str = "?"):
     api = NodeAPI(base_url="tcp://127.0.0.1:9", version=docker.constants.MINIMUM_DOCKER_API_VERSION,
                   timeout=timeout)  # an explicit version: the constructor connects to nothing
     api.bound(node)  # every answer bounded, each as it arrives
-    adapter = VerifiedSSHAdapter(client, timeout)
+    adapter = VerifiedSSHAdapter(client, timeout, node)
     api._custom_adapter = adapter
     api.mount("http+docker://ssh", adapter)
     api._unmount("http://", "https://")
