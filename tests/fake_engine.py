@@ -8,7 +8,8 @@ ANSWERS maps a path without its /vX.Y prefix (a regular expression) to what is s
 {"body": any JSON} | {"raw": "text", "repeat": n} | {"big_mb": n} (a JSON string of n MiB, sent as
 fast as the channel takes it) | {"nest": n} (n nested lists) | {"many": "json", "n": n} (a list of n
 copies of it); "trickle": s sends the body a byte
-every s seconds; "chunked": true sends it chunked (no length first); "status": the HTTP status (200); "interim": s sends `100 Continue` every s seconds, for ever. /_ping and /version answer as an engine does
+every s seconds; "chunked": true sends it chunked (no length first); "status": the HTTP status (200); "interim": s sends `100 Continue` every s seconds, for ever;
+"head_trickle": s sends the status line and headers a byte every s seconds. /_ping and /version answer as an engine does
 unless ANSWERS names them.
 """
 
@@ -65,9 +66,11 @@ def main() -> None:
             out.write(b"0\r\n\r\n")
             out.flush()
             continue
-        out.write(f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-                  .encode())
-        out.flush()
+        head = f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        for i in range(0, len(head), 1 if spec.get("head_trickle") else len(head)):
+            out.write(head[i:i + (1 if spec.get("head_trickle") else len(head))])
+            out.flush()
+            time.sleep(spec.get("head_trickle", 0))
         if spec.get("trickle"):
             for i in range(len(body)):
                 out.write(body[i:i + 1])

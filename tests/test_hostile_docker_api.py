@@ -136,8 +136,12 @@ def test_an_answer_trickled_a_byte_at_a_time_is_given_up(tmp_path, monkeypatch):
 
 
 def test_a_real_answer_reads_as_before(tmp_path):
+    """...and costs no thread: the bounds are checked as the answer is read (tests/test_fanout.py)."""
     with _engine(tmp_path, {}, 56) as node, Remote(node.node()).connect() as r:
+        r.docker()
+        threads = threading.active_count()
         (c,) = run_containers(r, None)
+        assert threading.active_count() == threads
         assert c.labels == {"runner.run": "20260101-000000-abcd", "runner.rank": "0"}
         assert (c.status, c.name, c.exit_code, c.id) == ("exited", "runner-x", 3, "c0" * 32)
 
@@ -344,16 +348,18 @@ def test_a_stream_is_read_past_the_bound(tmp_path, monkeypatch):
         assert sum(len(b) for b in log_chunks(c, follow=False)) == 3 << 20
 
 
-def test_an_engine_that_sends_only_interim_answers_is_given_up(tmp_path, monkeypatch):
-    """http.client skips `100 Continue` answers for as long as they come, each read within the
-    timeout: the call never ended. Here one every 0.2 s against a 2 s timeout and HEADERS_S 1."""
+@pytest.mark.parametrize("answer", [{"interim": 0.2}, {"head_trickle": 0.2, "body": []}])
+def test_an_engine_that_sends_only_interim_answers_is_given_up(tmp_path, monkeypatch, answer):
+    """http.client skips `100 Continue` answers for as long as they come, and reads a status line
+    and headers of 64 KiB each, each read within the timeout: the call never ended. Here one
+    answer or byte every 0.2 s against a 2 s timeout and HEADERS_S 1. No thread per call."""
     from runner.transport import docker_api
 
     monkeypatch.setattr(docker_api, "HEADERS_S", 1.0, raising=False)
-    with _engine(tmp_path, {"/containers/json": {"interim": 0.2}}, 70) as node, Remote(node.node()).connect() as r:
+    with _engine(tmp_path, {"/containers/json": answer}, 70) as node, Remote(node.node()).connect() as r:
         r.docker(timeout=2.0)
         got, took = _bounded(lambda: run_containers(r, None), 40)
         assert isinstance(got, docker_answers.EngineAnswerError), repr(got)
-        assert str(got) == "node evil: the engine sent no answer within 3s (interim answers only, or nothing)", got
+        assert str(got) == "node evil: the engine sent no answer within 3s (interim answers only, or a trickle)", got
         assert took < 10, took
         assert r.docker().ping()  # the next call: a fresh channel

@@ -9,7 +9,8 @@ used: it makes a second connection with its own, unpinned, host-key policy.
 
 from __future__ import annotations
 
-import threading
+import http.client
+import time
 
 import paramiko
 from docker.transport.basehttpadapter import BaseHTTPAdapter
@@ -20,7 +21,49 @@ HEADERS_S = 120.0  # an answer's status line and headers, beyond the request's r
 POOL_SIZE = 4  # concurrent API connections kept per node: far below a real sshd's MaxSessions (10)
 
 
+class _NoAnswer(Exception):
+    def __init__(self, seconds: float):
+        super().__init__(seconds)
+        self.seconds = seconds
+
+
+class _DeadlineFile(paramiko.channel.ChannelFile):
+    """A channel's reads, each refused once `deadline` (time.monotonic()) has passed."""
+
+    def __init__(self, chan: paramiko.Channel, seconds: float):
+        super().__init__(chan, "rb")
+        self.seconds, self.deadline = seconds, time.monotonic() + seconds
+
+    def _read(self, size):
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise _NoAnswer(self.seconds)
+        return super()._read(size)
+
+
+class _HeadersInTime(http.client.HTTPResponse):
+    """An answer whose status line and headers arrive within HEADERS_S plus the request's read
+    timeout (one read past it at most): the timeout bounds each read alone, and http.client skips
+    interim `100 Continue` answers for as long as the engine sends them (one every few seconds, or
+    headers a byte at a time, held a call for ever). No thread: the reads check the time. A request
+    made to wait for ever (docker-py's `wait()`: no timeout) is not bounded; the body: docker_answers."""
+
+    def __init__(self, sock, *args, **kwargs):
+        super().__init__(sock, *args, **kwargs)
+        wait = sock.gettimeout() if isinstance(sock, paramiko.Channel) else None
+        if isinstance(wait, (int, float)):
+            self.fp = _DeadlineFile(sock, HEADERS_S + wait)
+
+    def begin(self):
+        try:
+            super().begin()
+        finally:
+            if isinstance(self.fp, _DeadlineFile):
+                self.fp.deadline = None  # the body's reads: streams unbounded, the rest bounded by docker_answers
+
+
 class _Channel(SSHConnection):
+    response_class = _HeadersInTime
+
     def connect(self) -> None:
         # paramiko's default wait for a channel is an hour: a hung node must fail like a closed one.
         chan = self.ssh_transport.open_session(timeout=CHANNEL_OPEN_TIMEOUT)
@@ -29,33 +72,14 @@ class _Channel(SSHConnection):
         self.sock = chan
 
     def getresponse(self, *args, **kwargs):
-        """The answer's status line and headers within HEADERS_S plus the request's read timeout: the
-        timeout bounds each read alone, and http.client skips interim `100 Continue` answers for as
-        long as the engine sends them (one every few seconds held a call for ever). A request made to
-        wait for ever (docker-py's `wait()`: no timeout) is not bounded. The body: docker_answers."""
-        chan, wait = self.sock, self.timeout
-        if chan is None or not isinstance(wait, (int, float)) or isinstance(wait, bool):
-            return super().getresponse(*args, **kwargs)
-        fired = threading.Event()
-
-        def give_up() -> None:
-            fired.set()
-            chan.close()  # the blocked read ends: EOF
-
-        timer = threading.Timer(HEADERS_S + wait, give_up)
-        timer.daemon = True
-        timer.start()
         try:
             return super().getresponse(*args, **kwargs)
-        except Exception:
-            if fired.is_set():
-                from runner.transport.docker_answers import EngineAnswerError
+        except _NoAnswer as exc:
+            from runner.transport.docker_answers import EngineAnswerError
 
-                raise EngineAnswerError(self.ssh_host, f"the engine sent no answer within {HEADERS_S + wait:.0f}s "
-                                        "(interim answers only, or nothing)") from None
-            raise
-        finally:
-            timer.cancel()
+            self.close()
+            raise EngineAnswerError(self.ssh_host, f"the engine sent no answer within {exc.seconds:.0f}s "
+                                    "(interim answers only, or a trickle)") from None
 
 
 class _Pool(SSHConnectionPool):
