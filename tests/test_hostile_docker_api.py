@@ -141,7 +141,7 @@ def test_a_real_answer_reads_as_before(tmp_path):
         r.docker()
         threads = threading.active_count()
         (c,) = run_containers(r, None)
-        assert threading.active_count() == threads
+        assert threading.active_count() <= threads  # (an earlier test's thread may end meanwhile)
         assert c.labels == {"runner.run": "20260101-000000-abcd", "runner.rank": "0"}
         assert (c.status, c.name, c.exit_code, c.id) == ("exited", "runner-x", 3, "c0" * 32)
 
