@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from trainer import hold, model_files
+from trainer.checkpoint import safe_read
 from trainer.checkpoint.preempt import EXIT_PREEMPTED, Preemption
 from trainer.checkpoint.replicas import Replicas
 from trainer.checkpoint.state import ModelOptimState, merged_model, model_signature, rng_state, set_rng_state
@@ -446,8 +447,8 @@ class Checkpointer:
         _agree_error(err)
         assert state is not None
         try:
-            dcp.load({"app": self.app}, checkpoint_id=str(path))
-        except Exception as e:  # noqa: BLE001 - DCP wraps per-rank failures; report one line
+            safe_read.load({"app": self.app}, path)
+        except Exception as e:  # noqa: BLE001 - DCP wraps per-rank failures (safe_read.load): one line
             msg = " ".join(str(e).split())[:400]
             raise ConfigError(f"{path}: cannot load model/optimizer shards: {msg}") from None
         trainer.scheduler.load_state_dict(state["scheduler"])
@@ -464,7 +465,12 @@ class Checkpointer:
         rank_file = path / f"rank{_rank()}.pt"
         same_layout = int(state["world_size"]) == trainer.env.world_size
         if same_layout and rank_file.is_file():
-            set_rng_state(torch.load(rank_file, weights_only=False)["rng"])
+            rng = safe_read.load_rank_file(rank_file)["rng"]
+            try:
+                set_rng_state(rng)
+            except (KeyError, TypeError, ValueError, RuntimeError) as e:
+                raise ConfigError(f"{rank_file}: not a trainer RNG state ({e}); delete it to resume without "
+                                  "restoring RNG states") from None
         else:
             log.warning("checkpoint written by %s ranks, %d now: RNG states not restored (model, optimizer, "
                         "LR schedule and data position are)", state["world_size"], trainer.env.world_size)

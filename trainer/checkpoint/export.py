@@ -19,10 +19,8 @@ import tempfile
 import warnings
 from pathlib import Path
 
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner
-
 from trainer import model_files
+from trainer.checkpoint import safe_read
 from trainer.checkpoint.checkpointer import read_state, resolve_resume, verify_manifests
 from trainer.checkpoint.state import model_signature
 from trainer.config import Config, ConfigError, apply_yaml
@@ -99,7 +97,7 @@ def _export(ckpt: Path, named: Path, out: Path) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "no process group": expected, this is a single-process read
         try:
-            dcp.load({"app": {"model": sd}}, checkpoint_id=str(ckpt), planner=DefaultLoadPlanner())
+            safe_read.load({"app": {"model": sd}}, ckpt)
         except Exception as e:  # noqa: BLE001 - one line for the user
             raise ConfigError(f"{named}: cannot read the model shards: {' '.join(str(e).split())[:300]}") from None
     model.load_state_dict(sd)

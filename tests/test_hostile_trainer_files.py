@@ -1,0 +1,135 @@
+"""Files the trainer reads that a previous job, another node or the user's folders wrote:
+a hostile or corrupt one is refused in one line (exit 2), runs nothing and starts nothing.
+
+The checkpoint tests resume a real 2-step CPU run whose checkpoint was tampered with; each
+planted file is also given its right size and crc32 in manifest.rank0.json, as anyone who can
+write the file can do, so the checksum check is no defence."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.trainer_run import run_trainer
+
+TINY = ("configs/tiny.yaml", "--train.steps", "2", "--checkpoint.interval", "1")
+
+
+class _Runs:
+    """Unpickling this calls os.mkdir(marker): what any pickle can do with any callable."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("trained")
+    run_trainer(out, *TINY)
+    return out
+
+
+def _copy(trained: Path, tmp_path: Path) -> tuple[Path, Path]:
+    out = tmp_path / "out"
+    shutil.copytree(trained, out)
+    return out, out / "checkpoints" / "step-1"
+
+
+def _plant(ckpt: Path, name: str, data: bytes) -> None:
+    (ckpt / name).write_bytes(data)
+    manifest = ckpt / "manifest.rank0.json"
+    files = json.loads(manifest.read_text())
+    files[name] = [len(data), zlib.crc32(data)]
+    manifest.write_text(json.dumps(files))
+
+
+def _resume(out: Path, *extra: str):
+    return run_trainer(out, *TINY, "--checkpoint.resume", "step-1", *extra, check=False)
+
+
+def _one_error(r, *words: str) -> str:
+    assert r.returncode == 2, (r.returncode, r.stderr[-3000:])
+    errors = [ln for ln in r.stderr.splitlines() if "error" in ln.lower()]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert errors, r.stderr[-3000:]
+    for w in words:
+        assert w in errors[-1], errors[-1]
+    return errors[-1]
+
+
+def test_resume_runs_no_code_from_a_rank_rng_file(trained, tmp_path):
+    out, ckpt = _copy(trained, tmp_path)
+    marker = tmp_path / "ran"
+    buf = Path(tmp_path / "evil.pt")
+    torch.save({"rng": _Runs(marker), "data": {}, "coords": {}}, buf)
+    _plant(ckpt, "rank0.pt", buf.read_bytes())
+    r = _resume(out)
+    assert not marker.exists(), "unpickling rank0.pt ran code"
+    _one_error(r, "rank0.pt")
+
+
+def test_resume_runs_no_code_from_dcp_metadata(trained, tmp_path):
+    out, ckpt = _copy(trained, tmp_path)
+    marker = tmp_path / "ran"
+    _plant(ckpt, ".metadata", pickle.dumps(_Runs(marker)))
+    r = _resume(out)
+    assert not marker.exists(), "unpickling .metadata ran code"
+    _one_error(r, ".metadata")
+
+
+def test_resume_runs_no_code_from_a_shard_value(trained, tmp_path):
+    """DCP stores a non-tensor value (an optimizer's lr, betas...) as torch.save bytes in a shard
+    file, and its default planner loaded them with weights_only=False."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    out, ckpt = _copy(trained, tmp_path)
+    marker = tmp_path / "ran"
+    md = pickle.loads((ckpt / ".metadata").read_bytes())
+    index = next(i for i in md.storage_data if i.fqn.endswith(".lr"))
+    buf = tmp_path / "evil.pt"
+    torch.save(_Runs(marker), buf)
+    shard = ckpt / "__0_0.distcp"
+    data = shard.read_bytes()
+    md.storage_data[index] = _StorageInfo(relative_path=shard.name, offset=len(data), length=buf.stat().st_size)
+    _plant(ckpt, shard.name, data + buf.read_bytes())
+    _plant(ckpt, ".metadata", pickle.dumps(md))
+    r = _resume(out)
+    assert not marker.exists(), "loading a shard's bytes ran code"
+    _one_error(r, "step-1")
+
+
+def test_resume_reads_no_shard_outside_the_checkpoint(trained, tmp_path):
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    out, ckpt = _copy(trained, tmp_path)
+    md = pickle.loads((ckpt / ".metadata").read_bytes())
+    outside = tmp_path / "outside.distcp"
+    shutil.copy(ckpt / "__0_0.distcp", outside)
+    for index, info in list(md.storage_data.items()):
+        md.storage_data[index] = _StorageInfo(relative_path="../../../outside.distcp", offset=info.offset,
+                                              length=info.length, transform_descriptors=info.transform_descriptors)
+    (ckpt / "__0_0.distcp").unlink()
+    files = json.loads((ckpt / "manifest.rank0.json").read_text())
+    del files["__0_0.distcp"]
+    (ckpt / "manifest.rank0.json").write_text(json.dumps(files))
+    _plant(ckpt, ".metadata", pickle.dumps(md))
+    r = _resume(out)
+    _one_error(r, "outside.distcp")
+
+
+def test_a_genuine_checkpoint_still_resumes(trained, tmp_path):
+    out, _ = _copy(trained, tmp_path)
+    r = _resume(out)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stdout + r.stderr
+
