@@ -133,3 +133,49 @@ def test_a_genuine_checkpoint_still_resumes(trained, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from" in r.stdout + r.stderr
 
+
+# ---------------------------------------------------------------- trainer_state.json
+
+def _set(key: str, value: object):
+    def edit(state: dict) -> str:
+        d = state
+        *path, last = key.split(".")
+        for k in path:
+            d = d[k]
+        d[last] = value
+        return json.dumps(state)
+    return edit
+
+
+@pytest.mark.parametrize("edit, why", [
+    (lambda state: "[]", "not a mapping"),
+    (lambda state: "[" * 100_000 + "]" * 100_000, "nested"),
+    (_set("step", "3"), "'step'"),
+    (_set("world_size", 1e300), "'world_size'"),
+    (_set("tokens_seen", None), "'tokens_seen'"),
+    (_set("data", []), "'data'"),
+    (_set("data.consumed", -1), "'data.consumed'"),
+    (_set("data.global_batch", 0), "'data.global_batch'"),
+    (_set("scheduler", [1]), "'scheduler'"),
+    (_set("model", "x"), "'model'"),
+], ids=["list", "nested", "step-str", "world-huge", "tokens-null", "data-list", "consumed-neg", "batch-zero",
+        "scheduler-list", "model-str"])
+def test_resume_refuses_a_malformed_state_file_in_one_line(trained, tmp_path, edit, why):
+    out, ckpt = _copy(trained, tmp_path)
+    _plant(ckpt, "trainer_state.json", edit(json.loads((ckpt / "trainer_state.json").read_text())).encode())
+    line = _one_error(_resume(out), "trainer_state.json")
+    assert why in line
+
+
+@pytest.mark.parametrize("text", ['{"step": 1e999}', '{"step": NaN}', '[1]', '"x"', '{"step": [1]}',
+                                  "[" * 100_000 + "]" * 100_000, '{"step": -4}'])
+def test_checkpoint_list_passes_over_a_malformed_state_file(tmp_path, text):
+    """list_checkpoints runs after every save (pruning) and on every per-node resume: another
+    checkpoint's bad state file is passed over, not a crash after a save."""
+    from trainer.checkpoint.checkpointer import list_checkpoints
+
+    for name, body in (("step-1", '{"step": 1}'), ("step-9", text)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "trainer_state.json").write_text(body)
+    assert [(s, d.name) for s, d in list_checkpoints(tmp_path)] == [(1, "step-1")]
+

@@ -101,25 +101,63 @@ def checkpoint_root(cfg: Any) -> Path:
     return out / "checkpoints" if not d else (Path(d) if Path(d).is_absolute() else out / d)
 
 
+MAX_WORLD = 1 << 20  # as runner/delivery/resume_sync.py
+
+
+def _count(v: Any, low: int, high: int | None = None) -> bool:
+    return type(v) is int and v >= low and (high is None or v <= high)
+
+
+def _state_error(state: Any) -> str | None:
+    """What is wrong with a parsed trainer_state.json (its fields that resuming uses), or None."""
+    if not isinstance(state, dict):
+        return f"a {type(state).__name__}, not a mapping"
+    for key, low, high in (("step", 0, None), ("tokens_seen", 0, None), ("world_size", 1, MAX_WORLD)):
+        if not _count(state.get(key), low, high):
+            return f"'{key}' is {str(state.get(key))[:40]!r}, not an integer >= {low}" + (f" and <= {high}" if high else "")
+    data = state.get("data")
+    if not isinstance(data, dict):
+        return "'data' is not a mapping"
+    for key, low in (("global_batch", 1), ("consumed", 0)):
+        if not _count(data.get(key), low):
+            return f"'data.{key}' is {str(data.get(key))[:40]!r}, not an integer >= {low}"
+    for key in ("scheduler", "model"):
+        if not isinstance(state.get(key, {}), dict):
+            return f"'{key}' is not a mapping"
+    loss_min = state.get("loss_min")
+    if loss_min is not None and not (type(loss_min) in (int, float) and math.isfinite(loss_min)):
+        return f"'loss_min' is {str(loss_min)[:40]!r}, not a finite number"
+    return None
+
+
 def read_state(path: Path) -> dict:
     f = path / STATE_FILE
     if not f.is_file():
         raise ConfigError(f"{f}: missing; '{path}' is not a complete trainer checkpoint")
     try:
-        return json.loads(f.read_text())
+        state = json.loads(f.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{f}: corrupt ({e})") from None
+    except RecursionError:
+        raise ConfigError(f"{f}: corrupt (nested too deep)") from None
+    err = _state_error(state)
+    if err:
+        raise ConfigError(f"{f}: corrupt ({err}); resume from another checkpoint")
+    return state
 
 
 def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """(step, dir) of the complete checkpoints under root, oldest first."""
+    """(step, dir) of the complete checkpoints under root, oldest first (a malformed one is passed over)."""
     out = []
     for d in root.iterdir() if root.is_dir() else []:
         if d.is_dir() and not d.name.startswith(TMP_PREFIX) and (d / STATE_FILE).is_file():
             try:
-                out.append((int(json.loads((d / STATE_FILE).read_text())["step"]), d))
-            except (ValueError, KeyError, json.JSONDecodeError):
+                state = json.loads((d / STATE_FILE).read_text())
+            except (OSError, ValueError, RecursionError):
                 continue
+            step = state.get("step") if isinstance(state, dict) else None
+            if _count(step, 0):
+                out.append((step, d))
     return sorted(out, key=lambda t: (t[0], t[1].stat().st_mtime))
 
 
