@@ -179,3 +179,28 @@ def test_checkpoint_list_passes_over_a_malformed_state_file(tmp_path, text):
         (tmp_path / name / "trainer_state.json").write_text(body)
     assert [(s, d.name) for s, d in list_checkpoints(tmp_path)] == [(1, "step-1")]
 
+
+# ---------------------------------------------------------------- manifest.rank<r>.json
+
+@pytest.mark.parametrize("doc, why", [
+    ([], "not a mapping"),
+    ({"a.bin": "5"}, "a.bin"),
+    ({"a.bin": [5]}, "a.bin"),
+    ({"a.bin": [5, 1, 2]}, "a.bin"),
+    ({"../../outside.bin": [5, None]}, "outside.bin"),
+    ({"/etc/hostname": [5, None]}, "hostname"),
+    ("nested", "nested"),
+], ids=["list", "str", "short", "long", "climbs", "absolute", "nested"])
+@pytest.mark.parametrize("all_present", [False, True])
+def test_a_malformed_manifest_is_one_error(tmp_path, doc, why, all_present):
+    from trainer.checkpoint.checkpointer import verify_manifests
+
+    d = tmp_path / "ckpts" / "step-1"
+    d.mkdir(parents=True)
+    (d / "a.bin").write_bytes(b"12345")
+    (tmp_path / "outside.bin").write_bytes(b"12345")
+    text = "[" * 100_000 + "]" * 100_000 if doc == "nested" else json.dumps(doc)
+    (d / "manifest.rank0.json").write_text(text)
+    err = verify_manifests(d, 1, 0, 1, all_present=all_present)
+    assert err is not None and "manifest.rank0.json" in err and why in err, err
+    assert "\n" not in err

@@ -182,14 +182,30 @@ def resolve_resume(value: str, root: Path) -> Path | None:
     return p
 
 
+def _manifest_error(files: Any) -> str | None:
+    if not isinstance(files, dict):
+        return f"a {type(files).__name__}, not a mapping of file names"
+    for name, entry in files.items():
+        if name in ("", ".", "..") or "/" in name or "\0" in name:
+            return f"lists {name[:100]!r}, which is not a file name in the checkpoint directory"
+        if not (isinstance(entry, list) and len(entry) == 2 and type(entry[0]) is int
+                and (entry[1] is None or type(entry[1]) is int)):
+            return f"{name[:100]!r}: {str(entry)[:40]!r} is not [size, crc32]"
+    return None
+
+
 def _read_manifest(path: Path, j: int, hint: str) -> tuple[dict, str | None]:
     m = path / f"manifest.rank{j}.json"
     if not m.is_file():
         return {}, f"{m}: missing (the checkpoint lacks rank {j}'s shard set){hint}"
     try:
-        return json.loads(m.read_text()), None
+        files = json.loads(m.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):
         return {}, f"{m}: corrupt"
+    except RecursionError:
+        return {}, f"{m}: corrupt (nested too deep)"
+    err = _manifest_error(files)
+    return ({}, f"{m}: corrupt ({err})") if err else (files, None)
 
 
 def _check_file(f: Path, size: int, manifest: str, hint: str) -> str | None:
