@@ -204,3 +204,19 @@ def test_a_malformed_manifest_is_one_error(tmp_path, doc, why, all_present):
     err = verify_manifests(d, 1, 0, 1, all_present=all_present)
     assert err is not None and "manifest.rank0.json" in err and why in err, err
     assert "\n" not in err
+
+
+# ---------------------------------------------------------------- latest
+
+@pytest.mark.parametrize("name", ["../../elsewhere/step-1", "{abs}", "step-1/../../../elsewhere/step-1"])
+def test_latest_names_a_checkpoint_of_its_own_dir_only(tmp_path, name):
+    from trainer.checkpoint.checkpointer import resolve_resume
+    from trainer.config import ConfigError
+
+    root = tmp_path / "run" / "checkpoints"
+    (root / "step-1").mkdir(parents=True)
+    (tmp_path / "elsewhere" / "step-1").mkdir(parents=True)
+    name = name.format(abs=tmp_path / "elsewhere" / "step-1")
+    (root / "latest").write_text(name + "\n")
+    with pytest.raises(ConfigError, match="latest"):
+        resolve_resume("latest", root)

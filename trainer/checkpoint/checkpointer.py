@@ -168,7 +168,11 @@ def resolve_resume(value: str, root: Path) -> Path | None:
         pointer = root / LATEST
         if not pointer.is_file():
             return None
-        name = pointer.read_text().strip()
+        with pointer.open("rb") as f:
+            name = f.read(4096).decode(errors="replace").strip()
+        if name in ("", ".", "..") or "/" in name or "\0" in name:
+            raise ConfigError(f"{pointer}: names {name[:100]!r}, not a checkpoint directory of {root}; write "
+                              "the name of one into it, or pass --checkpoint.resume DIR")
         if not (root / name).is_dir():
             raise ConfigError(f"{pointer}: points at '{name}', which does not exist under {root}")
         return root / name
