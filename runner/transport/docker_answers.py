@@ -7,8 +7,9 @@ answer as they find it (`Config` a string, `Labels` a list, `State` a number: At
 TypeError, KeyError in the middle of `runner status`). Here:
 
 - an answer read whole (not a stream: logs, attach and pulls keep docker-py's reading) is at most
-  MAX_ANSWER bytes, and arrives within ANSWER_S plus the request's own timeout of its headers (a
-  call made to wait for ever, docker-py's `wait()`, has no time bound);
+  MAX_ANSWER bytes, and arrives within ANSWER_S plus the request's own timeout of its headers, each
+  read of the channel checking the time (a call made to wait for ever, docker-py's `wait()`, has no
+  time bound; the status line and headers: docker_api.HEADERS_S);
 - a JSON answer holds at most MAX_JSON_VALUES values, counted before it is parsed (parsed, 64 MiB
   of `{},` are 22 million dicts: 1.5 GiB);
 - an error answer's message is a string of at most MAX_EXPLANATION characters (docker-py indexed
@@ -32,6 +33,7 @@ from docker.models.images import Image, ImageCollection
 
 import docker
 from runner.errors import UserError
+from runner.transport.docker_api import DeadlineFile, NoAnswer
 
 MAX_ANSWER = 64 << 20  # one answer read whole: a busy node's `containers/json` is a few MB
 ANSWER_S = 120.0       # an answer's body after its headers, beyond the request's own timeout
@@ -63,14 +65,29 @@ def bound_answer(r, *args, stream: bool = False, node: str = "?", **kwargs):
     timeout = kwargs.get("timeout")
     timeout = sum(t or 0 for t in timeout) if isinstance(timeout, tuple) else timeout
     deadline = None if timeout is None else time.monotonic() + ANSWER_S + timeout
+    # Each read of the channel checks the time (a read of CHUNK bytes waits for all of them: a byte
+    # a timeout apart, 64 KiB took days): docker_api's answer file, as for the headers.
+    fp = getattr(getattr(r.raw, "_fp", None), "fp", None)
+    if isinstance(fp, DeadlineFile) and deadline is not None:
+        fp.deadline, fp.seconds = deadline, ANSWER_S + timeout
     body = bytearray()
-    for chunk in r.raw.stream(CHUNK, decode_content=True):
-        body += chunk
-        if len(body) > MAX_ANSWER or (deadline is not None and time.monotonic() > deadline):
-            r.close()
-            why = f"went past {MAX_ANSWER >> 20} MiB" if len(body) > MAX_ANSWER else \
-                f"took over {ANSWER_S + timeout:.0f}s ({len(body)} bytes so far)"
-            raise EngineAnswerError(node, f"the engine's answer to {_what(r)} {why}: stopped reading it")
+    try:
+        for chunk in r.raw.stream(CHUNK, decode_content=True):
+            body += chunk
+            if len(body) > MAX_ANSWER or (deadline is not None and time.monotonic() > deadline):
+                raise NoAnswer(ANSWER_S + timeout) if len(body) <= MAX_ANSWER else \
+                    EngineAnswerError(node, f"the engine's answer to {_what(r)} went past {MAX_ANSWER >> 20} MiB: "
+                                      "stopped reading it")
+    except NoAnswer:
+        r.close()
+        raise EngineAnswerError(node, f"the engine's answer to {_what(r)} took over {ANSWER_S + timeout:.0f}s "
+                                f"({len(body)} bytes so far): stopped reading it") from None
+    except EngineAnswerError:
+        r.close()
+        raise
+    finally:
+        if isinstance(fp, DeadlineFile):
+            fp.deadline = None
     r._content = bytes(body)  # what requests would have read itself (its documented body cache)
     return r
 

@@ -21,14 +21,17 @@ HEADERS_S = 120.0  # an answer's status line and headers, beyond the request's r
 POOL_SIZE = 4  # concurrent API connections kept per node: far below a real sshd's MaxSessions (10)
 
 
-class _NoAnswer(Exception):
+class NoAnswer(Exception):
+    """A DeadlineFile's deadline passed: no answer within `seconds`."""
+
     def __init__(self, seconds: float):
         super().__init__(seconds)
         self.seconds = seconds
 
 
-class _DeadlineFile(paramiko.channel.ChannelFile):
-    """A channel's reads, each refused once `deadline` (time.monotonic()) has passed."""
+class DeadlineFile(paramiko.channel.ChannelFile):
+    """A channel's reads, each refused once `deadline` (time.monotonic(); None: no deadline) has
+    passed: an answer's headers here, its body in docker_answers.bound_answer."""
 
     def __init__(self, chan: paramiko.Channel, seconds: float):
         super().__init__(chan, "rb")
@@ -36,7 +39,7 @@ class _DeadlineFile(paramiko.channel.ChannelFile):
 
     def _read(self, size):
         if self.deadline is not None and time.monotonic() > self.deadline:
-            raise _NoAnswer(self.seconds)
+            raise NoAnswer(self.seconds)
         return super()._read(size)
 
 
@@ -51,13 +54,13 @@ class _HeadersInTime(http.client.HTTPResponse):
         super().__init__(sock, *args, **kwargs)
         wait = sock.gettimeout() if isinstance(sock, paramiko.Channel) else None
         if isinstance(wait, (int, float)):
-            self.fp = _DeadlineFile(sock, HEADERS_S + wait)
+            self.fp = DeadlineFile(sock, HEADERS_S + wait)
 
     def begin(self):
         try:
             super().begin()
         finally:
-            if isinstance(self.fp, _DeadlineFile):
+            if isinstance(self.fp, DeadlineFile):
                 self.fp.deadline = None  # the body's reads: streams unbounded, the rest bounded by docker_answers
 
 
@@ -74,7 +77,7 @@ class _Channel(SSHConnection):
     def getresponse(self, *args, **kwargs):
         try:
             return super().getresponse(*args, **kwargs)
-        except _NoAnswer as exc:
+        except NoAnswer as exc:
             from runner.transport.docker_answers import EngineAnswerError
 
             self.close()
