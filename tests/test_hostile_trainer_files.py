@@ -220,3 +220,43 @@ def test_latest_names_a_checkpoint_of_its_own_dir_only(tmp_path, name):
     (root / "latest").write_text(name + "\n")
     with pytest.raises(ConfigError, match="latest"):
         resolve_resume("latest", root)
+
+
+# ---------------------------------------------------------------- model.path config.json
+
+@pytest.fixture(scope="module")
+def model_config(trained) -> dict:
+    """The tiny Llama's config.json as the trainer wrote it (a save_pretrained folder's config)."""
+    return json.loads((trained / "config.json").read_text())
+
+
+@pytest.mark.parametrize("key, value", [
+    ("vocab_size", 10**12), ("vocab_size", -1), ("vocab_size", 0), ("vocab_size", "x"), ("vocab_size", None),
+    ("hidden_size", 10**9), ("num_hidden_layers", 1.5),
+])
+def test_a_model_config_with_impossible_sizes_is_one_line(model_config, tmp_path, key, value):
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({**model_config, key: value}))
+    r = run_trainer(tmp_path / "out", *TINY, "--model.path", str(d), "--model.load_weights", "false", check=False)
+    _one_error(r, "config.json", key)
+
+
+def test_a_model_too_large_for_this_machine_is_refused_before_it_is_allocated(model_config, tmp_path, capsys,
+                                                                              monkeypatch):
+    """vocab_size 10**7 x hidden 64 x 2 matrices: 5.1 GB of fp32 weights (allocated and trained
+    before), within every field's bound but over this machine's memory, here faked at 2 GiB."""
+    from trainer.cli import main
+    from trainer.models import build
+
+    monkeypatch.setenv("PROFILE_BATCH", "0")  # run() exports it; keep it this test's
+    monkeypatch.setattr(build, "physical_memory", lambda: 2 << 30)
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({**model_config, "vocab_size": 10**7}))
+    capsys.readouterr()
+    rc = main([*TINY, "--model.path", str(d), "--model.load_weights", "false", "--output-dir", str(tmp_path / "out")])
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert rc == 2 and len(lines) == 1, lines
+    assert "config.json" in lines[0] and "5.1 GB" in lines[0] and "2.1 GB of memory" in lines[0], lines[0]
+

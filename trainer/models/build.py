@@ -8,6 +8,7 @@ starts from identical weights. Parameter counts of big presets are taken on the 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,9 +94,40 @@ class ModelSpec:
         return seq_len
 
 
+# config.json fields that size tensors: positive integers of at most MAX_SIZE_FIELD (the largest real
+# vocabularies are ~262k; a hostile 10**12 would otherwise reach allocation or an arithmetic error).
+SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "num_layers", "num_decoder_layers", "num_heads", "d_model",
+               "d_ff", "d_kv", "n_head", "n_layer", "image_size", "patch_size", "num_channels", "num_classes")
+MAX_SIZE_FIELD = 1 << 24
+
+
+def pretrained_config(mcfg: ModelConfig) -> Any:
+    """model.path's config.json as a transformers config, its size fields checked (one ConfigError)."""
+    where = f"model.path: {mcfg.path}/config.json"
+    try:
+        cfg = _transformers_attr("AutoConfig").from_pretrained(mcfg.path, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - transformers' parse and field validation errors of any kind: one line
+        raise ConfigError(f"{where}: {' '.join(str(e).split())[:300]}") from None
+    for key in SIZE_FIELDS:
+        v = getattr(cfg, key, None)
+        if v is not None and not (type(v) is int and 1 <= v <= MAX_SIZE_FIELD):
+            raise ConfigError(f"{where}: {key} {str(v)[:40]!r} is not an integer in 1..{MAX_SIZE_FIELD}; "
+                              "the file is corrupt or not this model's")
+    return cfg
+
+
+def physical_memory() -> int | None:
+    """This machine's RAM in bytes (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def _family_of(mcfg: ModelConfig) -> str:
     if mcfg.path is not None:
-        cfg = _transformers_attr("AutoConfig").from_pretrained(mcfg.path, local_files_only=True)
+        cfg = pretrained_config(mcfg)
         fam = MODEL_TYPE_TO_FAMILY.get(cfg.model_type)
         if fam is None:
             raise ConfigError(f"model.path: model_type '{cfg.model_type}' is not supported "
@@ -116,7 +148,7 @@ def build_hf_config(mcfg: ModelConfig, vocab_size: int | None = None) -> tuple[s
     family = _family_of(mcfg)
     fam = FAMILIES[family]
     if mcfg.path is not None:
-        cfg = _transformers_attr("AutoConfig").from_pretrained(mcfg.path, local_files_only=True)
+        cfg = pretrained_config(mcfg)
     else:
         cfg = _transformers_attr(fam.config_cls)(**_NO_DROPOUT.get(family, {}), **PRESETS[mcfg.preset].config)
     for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size"):
@@ -208,6 +240,13 @@ def build_model(spec: ModelSpec, mcfg: ModelConfig, seed: int, meta: bool = Fals
     if meta:
         with torch.device("meta"):
             return cls(spec.hf_config).float()
+    ram, need = physical_memory(), 4 * spec.num_params  # the full model, fp32, on this machine's CPU
+    if ram and need > ram:
+        where = f"model.path: {mcfg.path}/config.json" if mcfg.path is not None else "model"
+        raise ConfigError(f"{where}: {spec.num_params:,} parameters are {need / 1e9:.1f} GB in fp32, more than this "
+                          f"machine's {ram / 1e9:.1f} GB of memory; check its sizes (vocab_size "
+                          f"{getattr(spec.hf_config, 'vocab_size', None)}, hidden_size "
+                          f"{getattr(spec.hf_config, 'hidden_size', None)})")
     torch.manual_seed(seed)
     if mcfg.path is not None and mcfg.load_weights:
         _transformers_attr("utils").logging.disable_progress_bar()  # one bar per rank in the logs otherwise
