@@ -260,3 +260,17 @@ def test_a_model_too_large_for_this_machine_is_refused_before_it_is_allocated(mo
     assert rc == 2 and len(lines) == 1, lines
     assert "config.json" in lines[0] and "5.1 GB" in lines[0] and "2.1 GB of memory" in lines[0], lines[0]
 
+
+# ---------------------------------------------------------------- model.path weights index
+
+@pytest.mark.parametrize("index", ["[]", '{"weight_map": []}', '{"weight_map": {"a": 5}}', '"x"',
+                                   "[" * 100_000 + "]" * 100_000])
+def test_a_malformed_weights_index_is_one_error(model_config, tmp_path, index):
+    from trainer.config import ConfigError
+    from trainer.hub_layout import model_dir
+
+    (tmp_path / "config.json").write_text(json.dumps(model_config))
+    (tmp_path / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(ConfigError, match="model.safetensors.index.json"):
+        model_dir(tmp_path)
+

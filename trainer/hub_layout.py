@@ -75,7 +75,9 @@ def model_dir(path: str | Path, load_weights: bool = True) -> Path:
     if index is not None and not any(f == index.removesuffix(".index.json") for f in present):
         try:
             shards = sorted(set(json.loads((p / index).read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError, AttributeError):
+            if not all(isinstance(s, str) for s in shards):
+                raise ValueError("a shard name is not a string")
+        except (OSError, ValueError, KeyError, AttributeError, TypeError, RecursionError):
             raise ConfigError(f"{key}: '{p / index}' is not a weights index (no weight_map)") from None
         missing = [s for s in shards if not (p / s).is_file()]
         if missing:
