@@ -274,3 +274,26 @@ def test_a_malformed_weights_index_is_one_error(model_config, tmp_path, index):
     with pytest.raises(ConfigError, match="model.safetensors.index.json"):
         model_dir(tmp_path)
 
+
+# ---------------------------------------------------------------- instructions-<rank>.csv (trainer perseus-plans)
+
+HEADER = "instruction,stage,microbatch,start\n"
+
+
+@pytest.mark.parametrize("files, where", [
+    ({"instructions-0.csv": HEADER + "forward_microstep,0,0,x\n"}, "instructions-0.csv:2"),
+    ({"instructions-0.csv": HEADER + "forward_microstep,,0,1.0\n"}, "instructions-0.csv:2"),
+    ({"instructions-0.csv": "instruction,start\nforward_microstep,1.0\n"}, "instructions-0.csv:2"),
+    ({"instructions-0.csv": HEADER + "forward_microstep,0,0,nan\n"}, "instructions-0.csv:2"),
+    ({"instructions-0.csv": HEADER + "forward_microstep,0,0,1.0\n", "instructions-x.csv": HEADER},
+     "instructions-x.csv"),
+], ids=["start", "stage-empty", "no-columns", "start-nan", "rank-name"])
+def test_perseus_plans_refuse_a_malformed_instructions_csv_in_one_line(tmp_path, files, where):
+    from trainer.config import ConfigError
+    from trainer.profiling.perseus_plans import orders
+
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError) as e:
+        orders(tmp_path)
+    assert where in str(e.value) and "\n" not in str(e.value)

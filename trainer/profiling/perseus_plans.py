@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import math
 from pathlib import Path
 
 from trainer.config import ConfigError
@@ -26,11 +27,19 @@ def rank_order(path: Path) -> list[tuple[str, int, int]]:
     """(instruction, stage, microbatch) of one step of this rank, from its instructions CSV."""
     rows, split = [], False
     with path.open(newline="") as f:
-        for row in csv.DictReader(f):
+        reader = csv.DictReader(f)
+        for row in reader:
             name = row.get("instruction", "")
             split |= name in SPLIT
             if name in NAMES:
-                rows.append((float(row["start"]), NAMES[name], int(row["stage"]), int(row["microbatch"])))
+                try:
+                    start, stage, mb = float(row["start"]), int(row["stage"]), int(row["microbatch"])
+                    if not math.isfinite(start) or stage < 0 or mb < 0:
+                        raise ValueError(f"start {start}, stage {stage}, microbatch {mb}")
+                except (KeyError, TypeError, ValueError) as e:
+                    raise ConfigError(f"{path}:{reader.line_num}: not a timing row ({' '.join(str(e).split())[:100]}); "
+                                      "export it again with --export_timing_csv") from None
+                rows.append((start, NAMES[name], stage, mb))
     if split:
         raise ConfigError(f"{path}: the schedule splits backward into input and weight parts; Perseus plans "
                           f"name forward and backward only")
@@ -49,7 +58,11 @@ def rank_order(path: Path) -> list[tuple[str, int, int]]:
 
 
 def orders(run_dir: Path) -> list[list[tuple[str, int, int]]]:
-    files = sorted(run_dir.glob("instructions-*.csv"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
+    files = list(run_dir.glob("instructions-*.csv"))
+    for p in files:
+        if not (p.stem.rsplit("-", 1)[1].isascii() and p.stem.rsplit("-", 1)[1].isdigit()):
+            raise ConfigError(f"{p}: not an instructions-<rank>.csv name; move it out of {run_dir}")
+    files.sort(key=lambda p: int(p.stem.rsplit("-", 1)[1]))
     if not files:
         raise ConfigError(f"{run_dir}: no instructions-{{rank}}.csv (run the job with --export_timing_csv)")
     ranks = [int(p.stem.rsplit("-", 1)[1]) for p in files]
