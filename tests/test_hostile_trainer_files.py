@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.test_perseus_units import answering  # noqa: F401 - a fixture: a loopback HTTP server
 from tests.trainer_run import run_trainer
 
 TINY = ("configs/tiny.yaml", "--train.steps", "2", "--checkpoint.interval", "1")
@@ -297,3 +298,14 @@ def test_perseus_plans_refuse_a_malformed_instructions_csv_in_one_line(tmp_path,
     with pytest.raises(ConfigError) as e:
         orders(tmp_path)
     assert where in str(e.value) and "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------- a Perseus server's answer
+
+@pytest.mark.parametrize("status", [200, 500])
+def test_a_perseus_answer_nested_past_the_recursion_limit_is_one_line(answering, status):  # noqa: F811
+    from trainer.profiling.perseus_client import PerseusClient, PerseusError
+
+    url = answering(status, b"[" * 200_000 + b"]" * 200_000)  # 400 kB, within the 4 MiB bound
+    with pytest.raises(PerseusError, match="Perseus server"):
+        PerseusClient(url).register_job(2, 1, 1, 2, None)

@@ -49,7 +49,7 @@ def server_detail(body: bytes) -> str:
     text = body.decode("utf-8", "replace")
     try:
         detail = json.loads(text).get("detail", text)
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         detail = text
     if isinstance(detail, list):  # request validation errors
         detail = "; ".join(f"{'.'.join(map(str, d.get('loc', [])))}: {d.get('msg', '')}" if isinstance(d, dict)
@@ -97,7 +97,7 @@ class PerseusClient:
             raise PerseusError(f"{where}: HTTP {resp.status}: {detail}")
         try:
             return json.loads(data) if data else None
-        except ValueError:
+        except (ValueError, RecursionError):
             raise PerseusError(f"{where}: the answer is not JSON (starts {_one_line(repr(data[:60]))})") from None
 
     def register_job(self, pp: int, dp: int, tp: int, world_size: int, metadata: str | None) -> str:
