@@ -34,7 +34,9 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from trainer.config import ConfigError
 
-RNG_GLOBALS = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+# numpy 2 moved numpy.core to numpy._core (pyproject allows numpy >= 1.26; a node's image may hold either).
+_multiarray = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray
+RNG_GLOBALS = [_multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
 def _why(e: BaseException) -> str:
