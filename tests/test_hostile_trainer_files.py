@@ -309,3 +309,22 @@ def test_a_perseus_answer_nested_past_the_recursion_limit_is_one_line(answering,
     url = answering(status, b"[" * 200_000 + b"]" * 200_000)  # 400 kB, within the 4 MiB bound
     with pytest.raises(PerseusError, match="Perseus server"):
         PerseusClient(url).register_job(2, 1, 1, 2, None)
+
+
+# ---------------------------------------------------------------- image folder
+
+def test_a_decompression_bomb_image_is_one_line(tmp_path):
+    """A 20000 x 20000 PNG of one colour is a 50 kB file; PIL refuses to decode it (over twice
+    MAX_IMAGE_PIXELS) with DecompressionBombError, which is not an OSError: a traceback mid-run."""
+    from PIL import Image
+
+    from trainer.config import ConfigError
+    from trainer.data import ImageFolder
+
+    (tmp_path / "cats").mkdir()
+    bomb = tmp_path / "cats" / "bomb.png"
+    Image.new("1", (20_000, 20_000)).save(bomb, optimize=True)
+    assert bomb.stat().st_size < 1 << 20
+    folder = ImageFolder.scan(str(tmp_path), 0, 0.0, 10, 3)
+    with pytest.raises(ConfigError, match="bomb.png"):
+        folder.load(folder.train_files[0], 32)

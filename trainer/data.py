@@ -107,7 +107,7 @@ class ImageFolder:
                 left, top = (w - size) // 2, (h - size) // 2
                 im = im.crop((left, top, left + size, top + size))
                 x = torch.from_numpy(np.asarray(im, dtype=np.float32).copy()) / 255.0
-        except OSError as e:
+        except (OSError, Image.DecompressionBombError) as e:  # the bomb error is not an OSError
             raise ConfigError(f"data.source: cannot read image '{path}': {e}") from None
         x = x.permute(2, 0, 1) if x.dim() == 3 else x.unsqueeze(0)
         if self.channels == 3:
