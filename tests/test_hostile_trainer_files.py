@@ -328,3 +328,20 @@ def test_a_decompression_bomb_image_is_one_line(tmp_path):
     folder = ImageFolder.scan(str(tmp_path), 0, 0.0, 10, 3)
     with pytest.raises(ConfigError, match="bomb.png"):
         folder.load(folder.train_files[0], 32)
+
+
+# ---------------------------------------------------------------- data.source folders
+
+def test_a_data_folder_with_a_loading_script_runs_nothing_and_is_one_line(tmp_path):
+    """A Hub dataset snapshot may still hold an old loading script: datasets 4+ refuses it with a
+    RuntimeError (not caught: a traceback); it must never run."""
+    from trainer.config import ConfigError
+    from trainer.config.schema import DataConfig
+    from trainer.text_sources import load_texts
+
+    (tmp_path / "a.jsonl").write_text('{"text": "hello"}\n')
+    marker = tmp_path / "ran"
+    (tmp_path / f"{tmp_path.name}.py").write_text(f"import os\nos.mkdir({str(marker)!r})\n")
+    with pytest.raises(ConfigError, match="data.source"):
+        load_texts(DataConfig(source=str(tmp_path)), cache_dir=str(tmp_path / "cache"))
+    assert not marker.exists()

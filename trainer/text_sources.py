@@ -116,6 +116,6 @@ def _load_files(kind: str, files: list[str] | None, folder: str | None, cache_di
             raise ConfigError(f"data.source: '{where}' holds several configurations; point data.source at the "
                               f"folder of one: {msg[:200]}") from None
         raise ConfigError(f"data.source: cannot read '{where}': {msg[:300]}") from None
-    except (OSError, datasets.exceptions.DatasetGenerationError) as e:
+    except (OSError, RuntimeError, datasets.exceptions.DatasetGenerationError) as e:  # RuntimeError: a loading script
         where = folder or files[0]  # type: ignore[index]
         raise ConfigError(f"data.source: cannot read '{where}': {' '.join(str(e).split())[:300]}") from None
