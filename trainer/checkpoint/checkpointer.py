@@ -130,6 +130,22 @@ def _state_error(state: Any) -> str | None:
     return None
 
 
+def _scheduler_error(saved: dict, mine: dict) -> str | None:
+    """Why a checkpoint's scheduler state is not one this run's scheduler wrote: LambdaLR's
+    load_state_dict sets every key it is given as an attribute of the scheduler."""
+    def kind(v: Any) -> Any:
+        return "number" if type(v) in (int, float) else type(v)
+
+    for key, value in saved.items():
+        if key not in mine:
+            return f"'scheduler.{key}' is not a field of this run's LR scheduler"
+        want = mine[key]
+        if kind(value) != kind(want) or (isinstance(want, list) and (
+                len(value) != len(want) or any(kind(a) != kind(b) for a, b in zip(value, want, strict=True)))):
+            return f"'scheduler.{key}' is {str(value)[:40]!r}, not like this run's {str(want)[:40]!r}"
+    return None
+
+
 def read_state(path: Path) -> dict:
     f = path / STATE_FILE
     if not f.is_file():
@@ -479,6 +495,9 @@ class Checkpointer:
                               f"resuming would train step {state['step'] + 1} at the old schedule's LR. Keep the "
                               f"schedule, or pass --checkpoint.override_schedule true to take the new schedule's LR "
                               f"from step {state['step'] + 1} on")
+        err = _scheduler_error(state["scheduler"], trainer.scheduler.state_dict())
+        if err:
+            return None, f"{path / STATE_FILE}: corrupt ({err}); resume from another checkpoint"
         data, g_new = state["data"], trainer.data.global_batch
         if data.get("seed", trainer.data.seed) != trainer.data.seed:
             return None, (f"{path / STATE_FILE}: data seed {data['seed']} differs from train.seed "
