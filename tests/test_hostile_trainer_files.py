@@ -360,3 +360,15 @@ def test_resume_refuses_a_scheduler_state_that_is_not_this_schedulers(trained, t
     _plant(ckpt, "trainer_state.json", edit(json.loads((ckpt / "trainer_state.json").read_text())).encode())
     _one_error(_resume(out), "trainer_state.json", "scheduler")
 
+
+# ---------------------------------------------------------------- metrics.jsonl on resume
+
+@pytest.mark.parametrize("line", ['{"step": [1]}', '{"step": 1e999}', "[" * 100_000 + "]" * 100_000])
+def test_truncating_metrics_on_resume_drops_a_malformed_line(tmp_path, line):
+    from trainer.checkpoint.checkpointer import _truncate_metrics
+
+    m = tmp_path / "metrics.jsonl"
+    m.write_text('{"step": 1}\n' + line + '\n{"step": 2}\n{"step": 3}\n')
+    _truncate_metrics(m, 2)
+    assert m.read_text() == '{"step": 1}\n{"step": 2}\n'
+

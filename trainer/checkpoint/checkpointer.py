@@ -569,8 +569,8 @@ def _truncate_metrics(path: Path, step: int) -> None:
         try:
             if int(json.loads(line).get("step", 0)) <= step:
                 keep.append(line)
-        except (json.JSONDecodeError, ValueError, AttributeError):
-            continue  # a line cut by the crash
+        except (ValueError, AttributeError, TypeError, OverflowError, RecursionError):
+            continue  # a line cut by the crash, or not one of ours
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(ln + "\n" for ln in keep))
     os.replace(tmp, path)
