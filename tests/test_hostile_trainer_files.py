@@ -372,3 +372,21 @@ def test_truncating_metrics_on_resume_drops_a_malformed_line(tmp_path, line):
     _truncate_metrics(m, 2)
     assert m.read_text() == '{"step": 1}\n{"step": 2}\n'
 
+
+# ---------------------------------------------------------------- model files copied out of a checkpoint
+
+def test_model_files_copy_follows_no_link_out_of_a_checkpoint(tmp_path):
+    """`trainer export` copies a checkpoint's tokenizer files into the export (which is then shared,
+    pushed to the Hub): a tokenizer.json that is a link to a key put the key in the export."""
+    from trainer import model_files
+    from trainer.config import ConfigError
+
+    ckpt, out = tmp_path / "step-1", tmp_path / "export"
+    ckpt.mkdir()
+    out.mkdir()
+    secret = tmp_path / "id_ed25519"
+    secret.write_text("PRIVATE KEY")
+    (ckpt / "tokenizer.json").symlink_to(secret)
+    with pytest.raises(ConfigError, match="tokenizer.json"):
+        model_files.copy(ckpt, out, model_files.TOKENIZER_FILES)
+    assert not (out / "tokenizer.json").exists()

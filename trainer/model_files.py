@@ -14,6 +14,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from trainer.config import ConfigError
+
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json",
                "vocab.json", "merges.txt", "vocab.txt", "spiece.model", "tokenizer.model")
@@ -35,6 +37,9 @@ def copy(src: Path, dst: Path, names: tuple[str, ...] = MODEL_FILES) -> list[str
     """The model files present in src copied into dst; their names."""
     done = []
     for name in names:
+        if (src / name).is_symlink():  # never written as one: a link here would copy what it points at
+            raise ConfigError(f"{src / name}: a link, not a model file of the run; replace it with the file "
+                              "or remove it")
         if (src / name).is_file():
             shutil.copyfile(src / name, dst / name)
             done.append(name)
