@@ -351,8 +351,7 @@ def test_a_data_folder_with_a_loading_script_runs_nothing_and_is_one_line(tmp_pa
     _set("scheduler.last_epoch", "x"),
     _set("scheduler.base_lrs", "x"),
     _set("scheduler.optimizer", {}),
-    _set("scheduler._last_lr", [0.1]),
-], ids=["last_epoch-str", "base_lrs-str", "optimizer", "last_lr-short"])
+], ids=["last_epoch-str", "base_lrs-str", "optimizer"])
 def test_resume_refuses_a_scheduler_state_that_is_not_this_schedulers(trained, tmp_path, edit):
     """LambdaLR.load_state_dict copies every key of the mapping onto the scheduler (and lr_lambdas'
     items onto its functions): a key or type it does not have broke the run at its first step."""
