@@ -409,3 +409,47 @@ def test_a_config_yaml_bomb_is_refused_before_it_expands(tmp_path, text, why):
         apply_yaml(Config(), f)
     assert time.monotonic() - t0 < 1.0
     assert "config.yaml" in str(e.value) and "\n" not in str(e.value)
+
+
+def _dump_with_enums_by_getattr(md) -> bytes:
+    """The .metadata as the image's Python (Debian's 3.11.2) writes it: each Enum member as
+    getattr(EnumClass, 'NAME'). This machine's 3.11.7 writes EnumClass(value) instead."""
+    import copyreg
+    import enum
+    import io
+
+    import torch.distributed.checkpoint.metadata as dcp_metadata
+
+    buf = io.BytesIO()
+    p = pickle.Pickler(buf)
+    enums = [c for c in vars(dcp_metadata).values() if isinstance(c, type) and issubclass(c, enum.Enum)]
+    p.dispatch_table = {**copyreg.dispatch_table, **{c: (lambda m: (getattr, (type(m), m.name))) for c in enums}}
+    p.dump(md)
+    return buf.getvalue()
+
+
+def test_a_checkpoint_whose_metadata_names_enum_members_by_getattr_resumes(trained, tmp_path):
+    """Every checkpoint the image's trainer wrote: the reader refused 'builtins.getattr', so each
+    multi-node resume (elastic, partition) stopped with 'not DCP checkpoint metadata'."""
+    out, ckpt = _copy(trained, tmp_path)
+    data = _dump_with_enums_by_getattr(pickle.loads((ckpt / ".metadata").read_bytes()))
+    assert b"getattr" in data
+    _plant(ckpt, ".metadata", data)
+    r = _resume(out)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stdout + r.stderr
+
+
+def test_metadata_getattr_reaches_enum_members_only():
+    """getattr is allowed for a metadata enum's member by name; on any other allowed class
+    (torch.Size's attributes, a dataclass's methods) it is one error and nothing runs."""
+    from trainer.checkpoint import safe_read
+
+    with pytest.raises(pickle.UnpicklingError):
+        safe_read._enum_member(torch.Size, "__class__")
+    with pytest.raises(pickle.UnpicklingError):
+        safe_read._enum_member(safe_read.Metadata, "__init__")
+    import torch.distributed.checkpoint.metadata as dcp_metadata
+
+    member = next(iter(dcp_metadata._MEM_FORMAT_ENCODING))
+    assert safe_read._enum_member(dcp_metadata._MEM_FORMAT_ENCODING, member.name) is member

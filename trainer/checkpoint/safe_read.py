@@ -82,7 +82,19 @@ def _allowed(module: str, name: str) -> Any:
         import collections
 
         return collections.OrderedDict
+    elif (module, name) == ("builtins", "getattr"):
+        return _enum_member
     return None
+
+
+def _enum_member(cls: Any, name: Any) -> enum.Enum:
+    """What pickle's `getattr(cls, name)` may do here: name a member of a metadata enum (Python 3.11's
+    pickling of an Enum member, e.g. TensorProperties' _MEM_FORMAT_ENCODING), nothing else."""
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and cls.__module__ == dcp_metadata.__name__ \
+            and isinstance(name, str) and name in cls.__members__:
+        return cls[name]
+    raise pickle.UnpicklingError(f"getattr({getattr(cls, '__name__', type(cls).__name__)}, {str(name)[:40]!r}) "
+                                 "is not part of DCP metadata")
 
 
 class _MetadataUnpickler(pickle.Unpickler):
