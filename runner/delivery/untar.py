@@ -25,12 +25,6 @@ CHUNK = 1 << 20
 NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
 
 
-class Unpacked:
-    def __init__(self) -> None:
-        self.files = 0
-        self.bytes = 0
-
-
 def _wanted(names_file: Path) -> set[str]:
     return {n.decode("utf-8", "surrogateescape") for n in names_file.read_bytes().split(b"\0") if n}
 
@@ -56,10 +50,9 @@ def _write(src, path: Path, size: int) -> int:
     return done
 
 
-def unpack(stream, staging: Path, wanted: set[str]) -> Unpacked:
+def unpack(stream, staging: Path, wanted: set[str]) -> None:
     """Read the whole tar from stream, writing the wanted regular files under staging. Raises
     tarfile.TarError or EOFError when the stream is not a whole tar."""
-    got = Unpacked()
     with tarfile.open(fileobj=stream, mode="r|", bufsize=CHUNK, encoding="utf-8", errors="surrogateescape") as tf:
         for member in tf:
             if member.name not in wanted or not member.isreg():
@@ -72,9 +65,6 @@ def unpack(stream, staging: Path, wanted: set[str]) -> Unpacked:
             n = _write(data, path, member.size)
             if n != member.size:
                 raise EOFError(f"{member.name!r} cut short at {n} of {member.size} bytes")
-            got.files += 1
-            got.bytes += n
-    return got
 
 
 def main(argv: list[str]) -> int:
