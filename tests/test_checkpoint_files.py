@@ -136,3 +136,39 @@ def test_prefix_naming_preempt_and_keep_last_two(tmp_path):
     assert [steps[n] for n in regular] == [4, 5]  # names sort in save order; step 2 pruned
     assert [steps[n] for n in preempt] == [3]
     assert steps[(root / "latest").read_text().strip()] == 5
+
+
+def _collected(stub_ckpt: Path, art: Path) -> list[Path]:
+    """`runner collect`'s layout for a run of two nodes without shared storage: each node's copy."""
+    copies = []
+    for node in ("node-a", "node-b"):
+        root = art / node / "checkpoints"
+        shutil.copytree(stub_ckpt, root / stub_ckpt.name)
+        (root / "latest").write_text(stub_ckpt.name + "\n")
+        copies.append(root / stub_ckpt.name)
+    return copies
+
+
+def test_export_of_a_collected_run_carries_the_tokenizer_files(stub_ckpt, tmp_path):
+    """The union of the nodes' copies once linked the tokenizer files too, and the export then
+    refused its own links ('tokenizer.json: a link'): every multi-node export with a tokenizer failed."""
+    from trainer.checkpoint.export import export
+
+    a, b = _collected(stub_ckpt, tmp_path / "art")
+    (b / "tokenizer.json").write_text('{"model": {"type": "BPE"}}')  # rank 0 wrote it; the other node lacks it
+    assert export([str(tmp_path / "art"), str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "tokenizer.json").read_text() == '{"model": {"type": "BPE"}}'
+    assert not (tmp_path / "hf" / "tokenizer.json").is_symlink()
+
+
+def test_export_of_a_collected_run_refuses_a_link_in_a_node_copy(stub_ckpt, tmp_path):
+    from trainer.checkpoint.export import export
+    from trainer.config import ConfigError
+
+    a, _ = _collected(stub_ckpt, tmp_path / "art")
+    secret = tmp_path / "id_ed25519"
+    secret.write_text("PRIVATE KEY")
+    (a / "tokenizer.json").symlink_to(secret)
+    with pytest.raises(ConfigError, match=r"node-a/checkpoints/.*/tokenizer.json: a link"):
+        export([str(tmp_path / "art"), str(tmp_path / "hf")])
+    assert not (tmp_path / "hf").exists()

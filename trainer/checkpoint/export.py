@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import warnings
@@ -51,11 +52,18 @@ def node_copies(path: Path) -> list[Path]:
 
 
 def _union(copies: list[Path], into: Path) -> Path:
-    """A directory of links to every file of every copy (the first copy of each name wins: the
-    files rank 0 writes are the same on every node)."""
+    """A directory holding every file of every copy (the first copy of each name wins: the files
+    rank 0 writes are the same on every node): links to the shards, copies of the model files that
+    the export copies out by name. A link in a copy is refused."""
     for c in copies:
         for f in c.iterdir():
-            if f.is_file() and not (into / f.name).exists():
+            if f.is_symlink():  # collect writes none: a link here would read (and copy out) what it names
+                raise ConfigError(f"{f}: a link, not a file of the checkpoint; replace it with the file or remove it")
+            if not f.is_file() or (into / f.name).exists():
+                continue
+            if f.name in model_files.MODEL_FILES:  # copied into the export by name: a copy, never a link
+                shutil.copyfile(f, into / f.name)
+            else:
                 os.symlink(f.resolve(), into / f.name)
     return into
 
