@@ -395,20 +395,41 @@ def _alias_bomb(levels: int) -> str:
 
 @pytest.mark.parametrize("text, why", [(_alias_bomb(20), "alias"), ("a: " + "[" * 100_000 + "]" * 100_000, "nested")],
                          ids=["alias-bomb", "nested"])
-def test_a_config_yaml_bomb_is_refused_before_it_expands(tmp_path, text, why):
+def test_a_config_yaml_bomb_is_refused_before_it_expands(tmp_path, monkeypatch, text, why):
     """`trainer export` reads the checkpoint's config.yaml: 575 bytes of nested aliases took 5.2 s
-    and 1.1 GB to flatten (each level more doubles both); nesting was a RecursionError traceback."""
-    import time
+    and 1.1 GB to flatten (each level more doubles both); nesting was a RecursionError traceback
+    after seconds of pure-Python parsing. Both are refused from the parser's events: nothing is
+    composed (safe_load never runs) and the refusal allocates under 16 MB."""
+    import tracemalloc
+
+    import yaml
 
     from trainer.config import Config, ConfigError, apply_yaml
 
+    def no_compose(*a, **k):
+        raise AssertionError("composed before the refusal")
+
+    monkeypatch.setattr(yaml, "safe_load", no_compose)
     f = tmp_path / "config.yaml"
     f.write_text(text)
-    t0 = time.monotonic()
-    with pytest.raises(ConfigError, match=why) as e:
-        apply_yaml(Config(), f)
-    assert time.monotonic() - t0 < 1.0
+    tracemalloc.start()
+    try:
+        with pytest.raises(ConfigError, match=why) as e:
+            apply_yaml(Config(), f)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20, peak
     assert "config.yaml" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_config_yaml_larger_than_a_config_is_refused_unread(tmp_path):
+    from trainer.config import Config, ConfigError, apply_yaml
+
+    f = tmp_path / "config.yaml"
+    f.write_text("train:\n" + "".join(f"  k{i}: {i}\n" for i in range(100_000)))
+    with pytest.raises(ConfigError, match=r"config.yaml' is \d+ characters; a trainer config is at most 1048576"):
+        apply_yaml(Config(), f)
 
 
 def _dump_with_enums_by_getattr(md) -> bytes:

@@ -313,16 +313,41 @@ def _flatten(d: dict, prefix: str = "") -> list[tuple[str, Any]]:
 DICT_KEYS = {"model.hf_overrides", "model.hf_config"}
 
 
-def _no_aliases(path: str | Path, text: str) -> None:
-    """Anchors and aliases are refused before anything is built, as the runner refuses them in its
-    YAML (runner/inventory/schema.py): 575 bytes of nested aliases flattened to a million keys
-    (5 s, 1.1 GB; each level more doubles both). A checkpoint's config.yaml is a job's output."""
-    if "&" not in text and "*" not in text:
-        return
-    for ev in yaml.parse(text, Loader=yaml.SafeLoader):
+MAX_CONFIG_BYTES = 1 << 20  # the configs/ files are a few KB
+MAX_DEPTH = 32
+
+
+def _check_shape(path: str | Path, text: str) -> None:
+    """Anchors, aliases and deep nesting are refused from the parser's events, before anything is
+    built, as the runner refuses them in its YAML (runner/inventory/schema.py): 575 bytes of nested
+    aliases flattened to a million keys (5 s, 1.1 GB; each level more doubles both), and 100,000
+    brackets took seconds to reach a RecursionError. A checkpoint's config.yaml is a job's output.
+    libyaml's parser (a state machine, no recursion) when PyYAML has it."""
+    if len(text) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file '{path}' is {len(text)} characters; a trainer config is at most "
+                          f"{MAX_CONFIG_BYTES} (sections of keys, not data)")
+    try:
+        _check_events(path, yaml.parse(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)))
+    except yaml.YAMLError as e:
+        if "nesting" in str(e) or "flow level" in str(e):  # libyaml's own limit (1000) met while scanning ahead
+            raise ConfigError(f"config file '{path}' is nested more than {MAX_DEPTH} levels deep; a trainer "
+                              "config is sections of keys") from None
+        raise
+
+
+def _check_events(path: str | Path, events) -> None:
+    depth = 0
+    for ev in events:
         if isinstance(ev, yaml.AliasEvent) or getattr(ev, "anchor", None) is not None:
             raise ConfigError(f"{path}:{ev.start_mark.line + 1}: YAML anchors and aliases (&name, *name, <<: *name) "
                               "are not accepted in a trainer config: write the values out")
+        if isinstance(ev, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise ConfigError(f"{path}:{ev.start_mark.line + 1}: nested more than {MAX_DEPTH} levels deep; "
+                                  "a trainer config is sections of keys")
+        elif isinstance(ev, yaml.CollectionEndEvent):
+            depth -= 1
 
 
 def apply_yaml(cfg: Config, path: str | Path) -> None:
@@ -333,7 +358,7 @@ def apply_yaml(cfg: Config, path: str | Path) -> None:
         raise ConfigError(f"config file '{path}' not found")
     try:
         text = p.read_text()
-        _no_aliases(path, text)
+        _check_shape(path, text)
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"config file '{path}' is not valid YAML: {str(e).splitlines()[0]}") from e
