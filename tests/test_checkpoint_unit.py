@@ -6,12 +6,8 @@ import json
 
 import pytest
 
-from trainer.checkpoint.checkpointer import (
-    _truncate_metrics,
-    list_checkpoints,
-    resolve_resume,
-    verify_manifests,
-)
+from trainer.checkpoint.checkpointer import _truncate_metrics
+from trainer.checkpoint.on_disk import list_checkpoints, resolve_resume, verify_manifests
 from trainer.config import ConfigError
 
 

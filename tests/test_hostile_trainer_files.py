@@ -168,7 +168,7 @@ def test_resume_refuses_a_malformed_state_file_in_one_line(trained, tmp_path, ed
 def test_checkpoint_list_passes_over_a_malformed_state_file(tmp_path, text):
     """list_checkpoints runs after every save (pruning) and on every per-node resume: another
     checkpoint's bad state file is passed over, not a crash after a save."""
-    from trainer.checkpoint.checkpointer import list_checkpoints
+    from trainer.checkpoint.on_disk import list_checkpoints
 
     for name, body in (("step-1", '{"step": 1}'), ("step-9", text)):
         (tmp_path / name).mkdir()
@@ -189,7 +189,7 @@ def test_checkpoint_list_passes_over_a_malformed_state_file(tmp_path, text):
 ], ids=["list", "str", "short", "long", "climbs", "absolute", "nested"])
 @pytest.mark.parametrize("all_present", [False, True])
 def test_a_malformed_manifest_is_one_error(tmp_path, doc, why, all_present):
-    from trainer.checkpoint.checkpointer import verify_manifests
+    from trainer.checkpoint.on_disk import verify_manifests
 
     d = tmp_path / "ckpts" / "step-1"
     d.mkdir(parents=True)
@@ -206,7 +206,7 @@ def test_a_malformed_manifest_is_one_error(tmp_path, doc, why, all_present):
 
 @pytest.mark.parametrize("name", ["../../elsewhere/step-1", "{abs}", "step-1/../../../elsewhere/step-1"])
 def test_latest_names_a_checkpoint_of_its_own_dir_only(tmp_path, name):
-    from trainer.checkpoint.checkpointer import resolve_resume
+    from trainer.checkpoint.on_disk import resolve_resume
     from trainer.config import ConfigError
 
     root = tmp_path / "run" / "checkpoints"

@@ -19,6 +19,8 @@ TypeError, KeyError in the middle of `runner status`). Here:
   (one line naming the node, exit 2, where no caller catches it: `runner exec`, a relaunch);
 - the models' fields give the runner only what a real engine would: labels as str -> str, a status
   that is one plain word ("unknown" otherwise), an exit code that is an int or None.
+
+`docker_client` builds the client from these and docker_api's channel adapter.
 """
 
 from __future__ import annotations
@@ -27,13 +29,16 @@ import functools
 import json
 import re
 import time
+from typing import TYPE_CHECKING
 
 from docker.models.containers import Container, ContainerCollection
 from docker.models.images import Image, ImageCollection
 
 import docker
-from runner.errors import UserError
-from runner.transport.docker_api import DeadlineFile, NoAnswer
+from runner.transport.docker_api import DeadlineFile, EngineAnswerError, NoAnswer, VerifiedSSHAdapter
+
+if TYPE_CHECKING:
+    import paramiko
 
 MAX_ANSWER = 64 << 20  # one answer read whole: a busy node's `containers/json` is a few MB
 ANSWER_S = 120.0       # an answer's body after its headers, beyond the request's own timeout
@@ -42,14 +47,6 @@ MAX_JSON_VALUES = 2_000_000  # a real listing: ~60 values a container; parsed, ~
 MAX_EXPLANATION = 2000       # characters of an engine's error message kept (a real one: a line)
 ENGINE_ID = re.compile(r"(sha256:)?[0-9a-f]{12,64}")
 WORD = re.compile(r"[a-z]{1,32}")  # created, running, paused, restarting, removing, exited, dead
-
-
-class EngineAnswerError(docker.errors.DockerException, UserError):
-    """The node's engine answered what no Docker engine sends: too large, too slow, malformed.
-    Its message names the node: `node NAME: the engine's ...`."""
-
-    def __init__(self, node: str, message: str):
-        super().__init__(f"node {node}: {message}")
 
 
 def bound_answer(r, *args, stream: bool = False, node: str = "?", **kwargs):
@@ -274,3 +271,20 @@ class NodeDocker(docker.DockerClient):
     @property
     def images(self) -> NodeImages:
         return NodeImages(client=self)
+
+
+def docker_client(client: paramiko.SSHClient, timeout: float, node: str = "?"):
+    """docker.DockerClient whose every request rides `client` (docker_api.VerifiedSSHAdapter), its
+    answers bounded and checked here, a malformed one named as node `node`'s."""
+    api = NodeAPI(base_url="tcp://127.0.0.1:9", version=docker.constants.MINIMUM_DOCKER_API_VERSION,
+                  timeout=timeout)  # an explicit version: the constructor connects to nothing
+    api.bound(node)  # every answer bounded, each as it arrives
+    adapter = VerifiedSSHAdapter(client, timeout, node)
+    api._custom_adapter = adapter
+    api.mount("http+docker://ssh", adapter)
+    api._unmount("http://", "https://")
+    api.base_url = "http+docker://ssh"
+    api._version = api._retrieve_server_version()
+    out = NodeDocker.__new__(NodeDocker)
+    out.api = api
+    return out

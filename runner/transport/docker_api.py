@@ -12,13 +12,24 @@ from __future__ import annotations
 import http.client
 import time
 
+import docker.errors
 import paramiko
 from docker.transport.basehttpadapter import BaseHTTPAdapter
 from docker.transport.sshconn import RecentlyUsedContainer, SSHConnection, SSHConnectionPool, SSHHTTPAdapter
 
+from runner.errors import UserError
+
 CHANNEL_OPEN_TIMEOUT = 10.0
 HEADERS_S = 120.0  # an answer's status line and headers, beyond the request's read timeout
 POOL_SIZE = 4  # concurrent API connections kept per node: far below a real sshd's MaxSessions (10)
+
+
+class EngineAnswerError(docker.errors.DockerException, UserError):
+    """The node's engine answered what no Docker engine sends: too large, too slow, malformed.
+    Its message names the node: `node NAME: the engine's ...`."""
+
+    def __init__(self, node: str, message: str):
+        super().__init__(f"node {node}: {message}")
 
 
 class NoAnswer(Exception):
@@ -78,8 +89,6 @@ class _Channel(SSHConnection):
         try:
             return super().getresponse(*args, **kwargs)
         except NoAnswer as exc:
-            from runner.transport.docker_answers import EngineAnswerError
-
             self.close()
             raise EngineAnswerError(self.ssh_host, f"the engine sent no answer within {exc.seconds:.0f}s "
                                     "(interim answers only, or a trickle)") from None
@@ -131,23 +140,3 @@ class VerifiedSSHAdapter(SSHHTTPAdapter):
 
     def close(self) -> None:
         BaseHTTPAdapter.close(self)
-
-
-def docker_client(client: paramiko.SSHClient, timeout: float, node: str = "?"):
-    """docker.DockerClient whose every request rides `client`, its answers bounded and checked
-    (runner/transport/docker_answers.py), a malformed one named as node `node`'s."""
-    import docker
-    from runner.transport.docker_answers import NodeAPI, NodeDocker
-
-    api = NodeAPI(base_url="tcp://127.0.0.1:9", version=docker.constants.MINIMUM_DOCKER_API_VERSION,
-                  timeout=timeout)  # an explicit version: the constructor connects to nothing
-    api.bound(node)  # every answer bounded, each as it arrives
-    adapter = VerifiedSSHAdapter(client, timeout, node)
-    api._custom_adapter = adapter
-    api.mount("http+docker://ssh", adapter)
-    api._unmount("http://", "https://")
-    api.base_url = "http+docker://ssh"
-    api._version = api._retrieve_server_version()
-    out = NodeDocker.__new__(NodeDocker)
-    out.api = api
-    return out

@@ -440,7 +440,7 @@ class Remote(NodeFiles):
         """docker.DockerClient for this node's engine, riding this verified SSH connection."""
         with self._lock:
             if self._docker is None:
-                from runner.transport.docker_api import docker_client
+                from runner.transport.docker_answers import docker_client
 
                 assert self.client is not None, "not connected"
                 self._docker = docker_client(self.client, timeout, self.node.name)

@@ -3,6 +3,7 @@ loop reaches it only through the callback named in trainer/train.py (CALLBACKS) 
 export` through trainer/cli.py's command table.
 
 - checkpointer: sharded checkpoints (torch.distributed.checkpoint), resume, keep_last, `latest`
+- on_disk: a checkpoint directory read and checked (trainer_state.json, `latest`, manifests)
 - state: what a checkpoint holds (model and optimizer through DCP, the small per-run state)
 - storage: which ranks share a checkpoint directory when nodes share no storage
 - replicas: copies of each node's checkpoint files on other nodes (`checkpoint.replicas`)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from trainer import model_files
 from trainer.checkpoint import safe_read
-from trainer.checkpoint.checkpointer import read_state, resolve_resume, verify_manifests
+from trainer.checkpoint.on_disk import read_state, resolve_resume, verify_manifests
 from trainer.checkpoint.state import model_signature
 from trainer.config import Config, ConfigError, apply_yaml
 
