@@ -79,6 +79,20 @@ def test_resume_runs_no_code_from_a_rank_rng_file(trained, tmp_path):
     _one_error(r, "rank0.pt")
 
 
+def test_a_rank_rng_file_larger_than_rng_state_is_refused_unread(tmp_path):
+    """A rank<r>.pt is a few KB of RNG state; one of any size was loaded whole into memory."""
+    from trainer.checkpoint.safe_read import MAX_RANK_FILE, load_rank_file
+    from trainer.config import ConfigError
+
+    f = tmp_path / "rank0.pt"
+    torch.save({"rng": {"torch": torch.zeros(MAX_RANK_FILE // 4 + 1024, dtype=torch.int32)}, "data": {}}, f)
+    with pytest.raises(ConfigError, match=r"rank0.pt: \d+ bytes, not a trainer RNG file"):
+        load_rank_file(f)
+    small = tmp_path / "rank1.pt"
+    torch.save({"rng": {"torch": torch.get_rng_state()}, "data": {}}, small)
+    assert torch.equal(load_rank_file(small)["rng"]["torch"], torch.get_rng_state())
+
+
 def test_resume_runs_no_code_from_dcp_metadata(trained, tmp_path):
     out, ckpt = _copy(trained, tmp_path)
     marker = tmp_path / "ran"
@@ -269,6 +283,23 @@ def test_a_malformed_weights_index_is_one_error(model_config, tmp_path, index):
     (tmp_path / "model.safetensors.index.json").write_text(index)
     with pytest.raises(ConfigError, match="model.safetensors.index.json"):
         model_dir(tmp_path)
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/tmp/outside.safetensors", "sub/../../outside.safetensors",
+                                   ".."])
+def test_a_weights_index_naming_a_shard_outside_the_folder_is_refused(model_config, tmp_path, shard):
+    """The shard existed outside the folder, so the existence check passed and transformers loaded
+    weights from wherever the index pointed."""
+    from trainer.config import ConfigError
+    from trainer.hub_layout import model_dir
+
+    model = tmp_path / "model"
+    (model / "sub").mkdir(parents=True)
+    (tmp_path / "outside.safetensors").write_bytes(b"x")
+    (model / "config.json").write_text(json.dumps(model_config))
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"lm_head.weight": shard}}))
+    with pytest.raises(ConfigError, match=r"lists weight shard .* which is not a file of the model folder"):
+        model_dir(model)
 
 
 # ---------------------------------------------------------------- instructions-<rank>.csv (trainer perseus-plans)

@@ -79,6 +79,10 @@ def model_dir(path: str | Path, load_weights: bool = True) -> Path:
                 raise ValueError("a shard name is not a string")
         except (OSError, ValueError, KeyError, AttributeError, TypeError, RecursionError):
             raise ConfigError(f"{key}: '{p / index}' is not a weights index (no weight_map)") from None
+        outside = [s for s in shards if s in ("", ".", "..") or "/" in s or "\\" in s or "\0" in s]
+        if outside:  # transformers would load it from wherever it points
+            raise ConfigError(f"{key}: '{p / index}' lists weight shard {outside[0][:100]!r}, which is not a file "
+                              "of the model folder; a Hub index names its shards by file name only")
         missing = [s for s in shards if not (p / s).is_file()]
         if missing:
             raise ConfigError(f"{key}: '{p}' lacks {len(missing)} of the {len(shards)} weight shards its "

@@ -36,6 +36,7 @@ from trainer.config import ConfigError
 
 # numpy 2 moved numpy.core to numpy._core (pyproject allows numpy >= 1.26; a node's image may hold either).
 _multiarray = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray
+MAX_RANK_FILE = 16 << 20  # RNG states (torch, python, numpy, one per GPU) and a data position: a few KB
 RNG_GLOBALS = [_multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
@@ -50,7 +51,11 @@ def _why(e: BaseException) -> str:
 
 
 def load_rank_file(path: Path) -> dict[str, Any]:
-    """A checkpoint's rank<r>.pt, read as data only."""
+    """A checkpoint's rank<r>.pt, read as data only, at most MAX_RANK_FILE bytes."""
+    size = path.stat().st_size if path.is_file() else 0
+    if size > MAX_RANK_FILE:
+        raise ConfigError(f"{path}: {size} bytes, not a trainer RNG file (those are a few KB; at most "
+                          f"{MAX_RANK_FILE}); delete it to resume without restoring RNG states")
     try:
         with torch.serialization.safe_globals(RNG_GLOBALS):
             obj = torch.load(path, weights_only=True, map_location="cpu")
