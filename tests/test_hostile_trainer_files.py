@@ -271,6 +271,19 @@ def test_a_model_too_large_for_this_machine_is_refused_before_it_is_allocated(mo
     assert "config.json" in lines[0] and "5.1 GB" in lines[0] and "2.1 GB of memory" in lines[0], lines[0]
 
 
+def test_pretrained_pytorch_model_bin_runs_no_code(model_config, tmp_path):
+    """model.path with pickled weights (pytorch_model.bin, as older Hub repos ship): transformers
+    reads it with weights_only=True unless asked otherwise, and the trainer never asks."""
+    marker = tmp_path / "ran"
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(model_config))
+    torch.save({"model.embed_tokens.weight": torch.zeros(2), "x": _Runs(marker)}, d / "pytorch_model.bin")
+    r = run_trainer(tmp_path / "out", *TINY, "--model.path", str(d), check=False)
+    assert not marker.exists(), "loading pytorch_model.bin ran code"
+    _one_error(r, "model.path", "pytorch_model*.bin", "posix.mkdir, which is not data")
+
+
 # ---------------------------------------------------------------- model.path weights index
 
 @pytest.mark.parametrize("index", ["[]", '{"weight_map": {"a": 5}}', '"x"',

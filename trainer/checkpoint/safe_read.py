@@ -18,7 +18,6 @@ import enum
 import io
 import pathlib
 import pickle
-import re
 from pathlib import Path
 from typing import Any
 
@@ -33,21 +32,12 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from trainer.config import ConfigError
+from trainer.unpickling import why_not_data
 
 # numpy 2 moved numpy.core to numpy._core (pyproject allows numpy >= 1.26; a node's image may hold either).
 _multiarray = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray
 MAX_RANK_FILE = 16 << 20  # RNG states (torch, python, numpy, one per GPU) and a data position: a few KB
 RNG_GLOBALS = [_multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
-
-
-def _why(e: BaseException) -> str:
-    """What a failed weights_only load found, without torch's advice to load it unsafely instead."""
-    text = str(e)
-    m = re.search(r"(?:unsupported|Unsupported global:) GLOBAL ([\w.]+)", text)
-    if m:
-        return f"it names {m[1]}, which is not data"
-    lines = [ln for ln in text.splitlines() if ln.strip() and "weights_only" not in ln and "Weights only" not in ln]
-    return " ".join((lines[0] if lines else text).split())[:200]
 
 
 def load_rank_file(path: Path) -> dict[str, Any]:
@@ -60,7 +50,7 @@ def load_rank_file(path: Path) -> dict[str, Any]:
         with torch.serialization.safe_globals(RNG_GLOBALS):
             obj = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as e:  # noqa: BLE001 - an unpickling error of any kind: one line
-        raise ConfigError(f"{path}: not a trainer RNG file ({_why(e)}); "
+        raise ConfigError(f"{path}: not a trainer RNG file ({why_not_data(e)}); "
                           "delete it to resume without restoring RNG states") from None
     if not isinstance(obj, dict) or not isinstance(obj.get("rng"), dict):
         raise ConfigError(f"{path}: not a trainer RNG file (no 'rng' mapping); "
@@ -162,7 +152,7 @@ class Planner(DefaultLoadPlanner):
         try:
             obj = torch.load(value, weights_only=True)
         except Exception as e:  # noqa: BLE001
-            raise ConfigError(f"value '{read_item.dest_index.fqn}' is not plain data ({_why(e)})") from None
+            raise ConfigError(f"value '{read_item.dest_index.fqn}' is not plain data ({why_not_data(e)})") from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:

@@ -9,6 +9,7 @@ starts from identical weights. Parameter counts of big presets are taken on the 
 from __future__ import annotations
 
 import os
+import pickle
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,7 @@ from torch import nn
 
 from contract.presets import PRESETS
 from trainer.config import ConfigError, ModelConfig
+from trainer.unpickling import why_not_data
 
 
 @dataclass(frozen=True)
@@ -253,6 +255,10 @@ def build_model(spec: ModelSpec, mcfg: ModelConfig, seed: int, meta: bool = Fals
         try:
             model, info = cls.from_pretrained(mcfg.path, config=spec.hf_config, local_files_only=True,
                                               dtype=torch.float32, output_loading_info=True)
+        except pickle.UnpicklingError as e:  # pytorch_model.bin read weights_only (transformers' default)
+            raise ConfigError(f"model.path: cannot load weights from '{mcfg.path}': its pickled weights "
+                              f"(pytorch_model*.bin) are not plain tensors ({why_not_data(e)}); use the "
+                              "repository's safetensors") from None
         except (OSError, RuntimeError, ValueError) as e:
             raise ConfigError(f"model.path: cannot load weights from '{mcfg.path}': "
                               f"{' '.join(str(e).split())[:300]}") from None
