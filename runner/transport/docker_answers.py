@@ -67,25 +67,29 @@ def bound_answer(r, *args, stream: bool = False, node: str = "?", **kwargs):
     fp = getattr(getattr(r.raw, "_fp", None), "fp", None)
     if isinstance(fp, DeadlineFile) and deadline is not None:
         fp.deadline, fp.seconds = deadline, ANSWER_S + timeout
-    body = bytearray()
+    # The chunks as they came, joined once at the end: no growing buffer to realloc (where the
+    # allocator cannot grow one in place, each step copies it).
+    body: list[bytes] = []
+    size = 0
     try:
         for chunk in r.raw.stream(CHUNK, decode_content=True):
-            body += chunk
-            if len(body) > MAX_ANSWER or (deadline is not None and time.monotonic() > deadline):
-                raise NoAnswer(ANSWER_S + timeout) if len(body) <= MAX_ANSWER else \
+            body.append(chunk)
+            size += len(chunk)
+            if size > MAX_ANSWER or (deadline is not None and time.monotonic() > deadline):
+                raise NoAnswer(ANSWER_S + timeout) if size <= MAX_ANSWER else \
                     EngineAnswerError(node, f"the engine's answer to {_what(r)} went past {MAX_ANSWER >> 20} MiB: "
                                       "stopped reading it")
     except NoAnswer:
         r.close()
         raise EngineAnswerError(node, f"the engine's answer to {_what(r)} took over {ANSWER_S + timeout:.0f}s "
-                                f"({len(body)} bytes so far): stopped reading it") from None
+                                f"({size} bytes so far): stopped reading it") from None
     except EngineAnswerError:
         r.close()
         raise
     finally:
         if isinstance(fp, DeadlineFile):
             fp.deadline = None
-    r._content = bytes(body)  # what requests would have read itself (its documented body cache)
+    r._content = b"".join(body)  # what requests would have read itself (its documented body cache)
     return r
 
 
