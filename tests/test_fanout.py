@@ -135,5 +135,22 @@ def test_light_sandbox_nodes_have_sshd_only(tmp_path, have_sshd, host_docker):
         assert ls.returncode == 0, ls.stderr
         doc = yaml.safe_load(Path(inv).read_text())
         assert [n["name"] for n in doc["nodes"]] == ["node-0", "node-1"]
+
+        # `down` while a client still holds a session: the session's sshd processes ("sshd: root",
+        # init's once the listener is gone) outlived the sandbox, six after every suite run.
+        import psutil
+
+        from runner.transport.ssh import Remote
+
+        with Remote(load_inventory(inv, with_job=False).nodes[0]).connect() as r:
+            assert r.run("echo held").out.strip() == "held"
+            listener = int((state / "node-0" / "sshd.pid").read_text())
+            sessions = psutil.Process(listener).children(recursive=True)
+            assert sessions, "no session process to watch"
+            down = subprocess.run(runner_cmd("sandbox", "--dir", str(state), "down"), capture_output=True, text=True,
+                                  cwd=REPO, timeout=120)
+            assert down.returncode == 0, down.stderr
+            left = [p.pid for p in sessions if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+            assert left == [], left
     finally:
         subprocess.run(runner_cmd("sandbox", "--dir", str(state), "down"), capture_output=True, cwd=REPO, timeout=120)

@@ -51,6 +51,7 @@ from runner.sandbox.processes import (
     remove_stale_pid,
     run,
     terminate,
+    terminate_tree,
     unmount_below,
 )
 
@@ -357,7 +358,7 @@ class Sandbox:
             pid = read_pid(pidfile)
             if pid and psutil.pid_exists(pid):
                 did = True
-                terminate(pid)
+                terminate_tree(pid)
             remove_stale_pid(pidfile)
         # Anything still holding the node's files (containerd, shims, session children).
         for proc in processes_mentioning(str(nd.root), str(nd.run)):

@@ -3,6 +3,7 @@ file or by what their command line names, stopped with a grace period; ports and
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -80,3 +81,23 @@ def terminate(pid: int, grace: float = 10.0) -> None:
             pass
     except psutil.Error:
         pass
+
+
+def terminate_tree(pid: int, grace: float = 10.0) -> None:
+    """`pid` and every process below it, found before any is signalled: an sshd's sessions are its
+    children until it ends, then init's, and their command line ("sshd: root") names no node.
+    A session whose client never closed (a namespace's link removed under it) lived on after
+    `sandbox down`."""
+    try:
+        below = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        below = []
+    terminate(pid, grace)
+    for proc in below:
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+    _, alive = psutil.wait_procs(below, timeout=5)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+
