@@ -78,7 +78,23 @@ def test_probe_failures_are_one_line(tmp_path):
     assert bad.returncode == 2 and err.strip().count("\n") == 0 and "parallel.partition" in err
     bad = _probe("--peer", f"127.0.0.1:{_port()}", "--no-compute", "--timeout", "1")
     out, err = bad.communicate(timeout=60)
-    assert bad.returncode != 0 and "no link probe answered on 127.0.0.1" in err
+    assert bad.returncode == 1 and err.startswith("error: link probe: no link probe answered on 127.0.0.1"), err
+    assert err.strip().count("\n") == 0, err  # was a traceback ending in that line
+
+
+def test_a_peer_port_that_accepts_but_never_answers_is_one_line():
+    """CI: the free port the test picked was taken by another test's server before the probe
+    connected, so the connection was accepted and the probe's first read timed out: a traceback."""
+    import socket
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(1)  # the kernel accepts; nothing ever answers
+        bad = _probe("--peer", f"127.0.0.1:{silent.getsockname()[1]}", "--no-compute", "--timeout", "1")
+        out, err = bad.communicate(timeout=60)
+    assert bad.returncode == 1, err
+    assert err.startswith("error: link probe: 127.0.0.1:") and "accepted but answered no link probe" in err, err
+    assert err.strip().count("\n") == 0, err
 
 
 def test_cache_key_follows_what_changes_the_numbers(tmp_path):

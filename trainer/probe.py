@@ -61,7 +61,11 @@ def main(argv: list[str]) -> int:
     server = LinkServer(args.serve, args.timeout) if args.serve else None
     if args.peer:
         host, _, port = args.peer.rpartition(":")
-        doc["link"] = {"peer": args.peer, **measure(host, int(port), args.link_bytes, args.timeout)}
+        try:
+            doc["link"] = {"peer": args.peer, **measure(host, int(port), args.link_bytes, args.timeout)}
+        except ConnectionError as e:
+            print(f"error: link probe: {e}", file=sys.stderr)
+            return 1
     if server is not None:
         if not server.wait(args.timeout) or server.error:
             print(f"error: link probe: the previous neighbour never finished on port {args.serve}"

@@ -90,6 +90,14 @@ def measure(host: str, port: int, nbytes: int, timeout: float) -> dict:
             if time.monotonic() > deadline:
                 raise ConnectionError(f"no link probe answered on {host}:{port} within {timeout:.0f}s") from None
             time.sleep(0.2)
+    try:
+        return _exchange(sock, nbytes, timeout)
+    except OSError as e:  # TimeoutError included: something accepted on the port but is no link probe
+        raise ConnectionError(f"{host}:{port} accepted but answered no link probe within {timeout:.0f}s "
+                              f"({e.__class__.__name__}: {e}); is another service on that port?") from None
+
+
+def _exchange(sock: socket.socket, nbytes: int, timeout: float) -> dict:
     with sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(timeout)
