@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -210,6 +211,11 @@ def test_down_writes_preempt_checkpoint_and_resume_is_bitwise(slurm, straight, t
     # The job ran its script to the end (exit-code above) and is over: not requeued (a requeue
     # leaves it PENDING with Restarts=1), and its output shows no second start.
     show = sctl(slurm, "scontrol", "show", "job", "-o", job)
+    for _ in range(120):  # slurmctld reports COMPLETING until every node has cleaned up (CI saw it)
+        if "JobState=COMPLETING" not in show:
+            break
+        time.sleep(0.5)
+        show = sctl(slurm, "scontrol", "show", "job", "-o", job)
     assert "JobState=FAILED" in show and "Restarts=0" in show and "Requeue=1" in show, show
     assert "(restart 1)" not in (rd / "slurm" / f"{job}.out").read_text()
     assert losses(rd / "metrics.jsonl") == straight.losses[:stopped]
