@@ -472,7 +472,7 @@ def test_a_config_yaml_larger_than_a_config_is_refused_unread(tmp_path):
 
     f = tmp_path / "config.yaml"
     f.write_text("train:\n" + "".join(f"  k{i}: {i}\n" for i in range(100_000)))
-    with pytest.raises(ConfigError, match=r"config.yaml' is \d+ characters; a trainer config is at most 1048576"):
+    with pytest.raises(ConfigError, match=r"config.yaml' is \d+ bytes; a trainer config is at most 1048576"):
         apply_yaml(Config(), f)
 
 

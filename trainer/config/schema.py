@@ -323,9 +323,6 @@ def _check_shape(path: str | Path, text: str) -> None:
     aliases flattened to a million keys (5 s, 1.1 GB; each level more doubles both), and 100,000
     brackets took seconds to reach a RecursionError. A checkpoint's config.yaml is a job's output.
     libyaml's parser (a state machine, no recursion) when PyYAML has it."""
-    if len(text) > MAX_CONFIG_BYTES:
-        raise ConfigError(f"config file '{path}' is {len(text)} characters; a trainer config is at most "
-                          f"{MAX_CONFIG_BYTES} (sections of keys, not data)")
     try:
         _check_events(path, yaml.parse(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)))
     except yaml.YAMLError as e:
@@ -356,6 +353,10 @@ def apply_yaml(cfg: Config, path: str | Path) -> None:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file '{path}' not found")
+    size = p.stat().st_size
+    if size > MAX_CONFIG_BYTES:  # refused unread
+        raise ConfigError(f"config file '{path}' is {size} bytes; a trainer config is at most "
+                          f"{MAX_CONFIG_BYTES} (sections of keys, not data)")
     try:
         text = p.read_text()
         _check_shape(path, text)
