@@ -121,3 +121,33 @@ def test_a_node_frozen_mid_collect_is_named_and_the_others_collected(sandbox, pu
     for n in ("node-0", "node-2"):
         assert (tmp_path / "art" / run_id / n / "small.txt").read_text() == f"{n}\n"
     assert not (tmp_path / "art" / run_id / "node-1" / "big.bin").exists()
+
+
+def test_collect_that_would_fill_the_disk_writes_nothing_from_any_node(sandbox, tmp_path):
+    """Two nodes with 10 MiB each, a 16 MiB filesystem (0.8 MiB kept free): each node alone fits,
+    the two together do not, so the check is of every node's listing at once, before the first
+    byte. Before: node-0's 10 MiB were written, node-1's stream then hit a full disk half-way."""
+    from tests.small_fs import small_fs
+
+    run_id = "hc-room-" + secrets.token_hex(3)
+    dirs = {n: node_workdir(sandbox, n) / "runs" / run_id for n in NODES[:2]}
+    try:
+        for n, d in dirs.items():
+            d.mkdir(parents=True)
+            (d / "shard.distcp").write_bytes(os.urandom(10 << 20))
+        with small_fs(tmp_path / "fs", 16 << 20) as fs:
+            proc = runner("collect", run_id, "-i", str(sandbox), "--dest", str(fs), "--quiet", "--no-plots")
+            assert proc.returncode == 2, proc.stdout + proc.stderr
+            err = proc.stderr.strip().splitlines()
+            assert len(err) == 1 and err[0].startswith(f"runner: error: collect of run {run_id} ("), err
+            assert "node-0 10.0 MiB in 1 files" in err[0] and "node-1 10.0 MiB in 1 files" in err[0], err
+            assert "needs 20.0 MiB" in err[0] and "nothing was written" in err[0], err
+            assert os.listdir(fs) == [], "something was written"
+            subprocess.run(["mount", "-o", "remount,size=32m", str(fs)], check=True)  # now it fits
+            proc = runner("collect", run_id, "-i", str(sandbox), "--dest", str(fs), "--quiet", "--no-plots")
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+            for n, d in dirs.items():
+                assert (fs / run_id / n / "shard.distcp").read_bytes() == (d / "shard.distcp").read_bytes()
+    finally:
+        for d in dirs.values():
+            shutil.rmtree(d, ignore_errors=True)

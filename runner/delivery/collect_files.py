@@ -21,6 +21,7 @@ import paramiko
 
 from runner import safe_path
 from runner.collect_report import merge_timelines, render_plots, summarize
+from runner.delivery import disk_room
 from runner.errors import UserError
 from runner.node_output import visible
 from runner.paths import node_paths
@@ -59,21 +60,54 @@ def _unchanged(local: Path, m: dict | None, st: paramiko.SFTPAttributes) -> bool
     return ls.st_size == st.st_size and int(ls.st_mtime) == int(st.st_mtime or 0)
 
 
-def collect_node(remote: Remote, run_id: str, dest_root: Path, progress=None) -> NodeCollect:
+@dataclass
+class NodeListing:
+    """What a node lists of a run dir and what of it is new or changed here: the first half of a
+    collect, before any byte is written (so every node's listing can be checked against the room
+    there is first: runner/delivery/disk_room.py)."""
+    remote: Remote
+    rd: str
+    dest: Path
+    files: int
+    todo: list
+    manifest: dict
+
+    @property
+    def need(self) -> int:
+        return sum(st.st_size or 0 for _, st in self.todo)
+
+
+def list_node(remote: Remote, run_id: str, dest_root: Path) -> NodeListing:
     rd = node_paths(remote.node, remote.home).run(run_id)
     dest = dest_root / run_id / remote.node.name
-    res = NodeCollect(remote.node.name, dest=str(dest))
     files = remote.walk(rd)
-    res.files = len(files)
-    if not files:
+    man_path = dest / MANIFEST
+    manifest: dict[str, dict] = json.loads(man_path.read_text()) if files and man_path.exists() else {}
+    # Every name was checked by the walk (runner/transport/ssh.py); placing checks where each one resolves.
+    todo = [(rel, st) for rel, st in files if not _unchanged(dest / rel, manifest.get(rel), st)]
+    return NodeListing(remote, rd, dest, len(files), todo, manifest)
+
+
+def check_room(listings: list[NodeListing], dest_root: Path, run_id: str) -> None:
+    """Refuse the whole collect, before anything is written, when what the nodes list would not
+    leave dest_root's filesystem its reserve (the largest nodes named)."""
+    need = sum(ls.need for ls in listings)
+    big = sorted((ls for ls in listings if ls.need), key=lambda ls: -ls.need)
+    names = ", ".join(f"{ls.remote.node.name} {disk_room.size_text(ls.need)} in {len(ls.todo)} files" for ls in big[:3])
+    disk_room.check_room(dest_root, need, f"collect of run {run_id} ({names}{', ...' if len(big) > 3 else ''})",
+                         "free space there, or collect into a larger filesystem with --dest")
+
+
+def fetch_listed(ls: NodeListing, progress=None) -> NodeCollect:
+    """The second half: the listed files streamed, verified and placed; the manifest kept."""
+    remote, rd, dest, manifest = ls.remote, ls.rd, ls.dest, ls.manifest
+    res = NodeCollect(remote.node.name, files=ls.files, skipped=ls.files - len(ls.todo), dest=str(dest))
+    if not ls.files:
         return res
     dest.mkdir(parents=True, exist_ok=True)
     man_path = dest / MANIFEST
-    manifest: dict[str, dict] = json.loads(man_path.read_text()) if man_path.exists() else {}
-    # Every name was checked by the walk (runner/transport/ssh.py); placing checks where each one resolves.
-    todo = [(rel, st) for rel, st in files if not _unchanged(dest / rel, manifest.get(rel), st)]
-    res.skipped = len(files) - len(todo)
-    task = progress.add_task(remote.node.name, total=sum(st.st_size or 0 for _, st in todo) or 1) if progress else None
+    todo = ls.todo
+    task = progress.add_task(remote.node.name, total=ls.need or 1) if progress else None
     try:
         for i in range(0, len(todo), HASH_BATCH):
             _collect_batch(remote, rd, dest, todo[i:i + HASH_BATCH], manifest, res, progress, task)
@@ -82,6 +116,13 @@ def collect_node(remote: Remote, run_id: str, dest_root: Path, progress=None) ->
         tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
         tmp.replace(man_path)
     return res
+
+
+def collect_node(remote: Remote, run_id: str, dest_root: Path, progress=None) -> NodeCollect:
+    """One node's run dir, listed, checked against the room here, then fetched."""
+    ls = list_node(remote, run_id, dest_root)
+    check_room([ls], dest_root, run_id)
+    return fetch_listed(ls, progress)
 
 
 def _collect_batch(remote: Remote, rd: str, dest: Path, batch: list, manifest: dict, res: NodeCollect,

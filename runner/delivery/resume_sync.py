@@ -30,8 +30,10 @@ import posixpath
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from runner import safe_path
+from runner.delivery import disk_room
 from runner.errors import UserError
 from runner.transport.digest import remote_sha256, sha256_file
 from runner.transport.ssh import Remote
@@ -355,6 +357,11 @@ def _execute(copies: list[Copy], name: str, remotes: dict[str, Remote], roots: d
     by_file: dict[str, list[Copy]] = {}
     for c in copies:
         by_file.setdefault(c.file, []).append(c)
+    if by_file:  # one file at a time passes through this machine's temp folder: the largest must fit
+        f, cs = max(by_file.items(), key=lambda kv: kv[1][0].size)
+        disk_room.check_room(Path(tempfile.gettempdir()), cs[0].size,
+                             f"--resume: relaying {name}/{f} from node {cs[0].src} through this machine",
+                             "free space there, or point TMPDIR at a larger filesystem")
     for dst in sorted({c.dst for c in copies}):
         remotes[dst].makedirs(f"{roots[dst]}/{name}")  # for a node that lacks the checkpoint altogether
     with tempfile.TemporaryDirectory(prefix="runner-resume-") as tmp:

@@ -17,6 +17,7 @@ from pathlib import Path
 from runner import safe_path
 from runner.backends.slurm.jobs import resolve_run, workdir
 from runner.backends.slurm.shell import LocalShell, LoginShell, open_shell
+from runner.delivery import disk_room
 from runner.delivery.collect_files import (
     MANIFEST,
     NodeCollect,
@@ -32,28 +33,29 @@ from runner.transport.ssh import Remote
 DEST_NAME = "slurm"   # artifacts/<run>/slurm/: one shared run dir, not one per node
 
 
-def mirror_local(src: Path, dest: Path, res: NodeCollect) -> None:
+def mirror_local(src: Path, dest: Path, res: NodeCollect, run_id: str = "") -> None:
     man_path = dest / MANIFEST
     manifest: dict[str, dict] = json.loads(man_path.read_text()) if man_path.exists() else {}
     staging = dest / f".collect-staging-{os.getpid()}"
+    listed = []
+    for path in sorted(p for p in src.rglob("*") if p.is_file() and not p.is_symlink()):
+        try:
+            listed.append((path, path.stat()))
+        except OSError:
+            res.vanished += 1
+    todo = [(p, st) for p, st in listed if not _unchanged(manifest.get(str(p.relative_to(src))), dest, src, p, st)]
+    disk_room.check_room(dest, sum(st.st_size for _, st in todo), f"collect of run {run_id or src.name} "
+                         f"({len(todo)} files)", "free space there, or collect into a larger filesystem with --dest")
+    dest.mkdir(parents=True, exist_ok=True)
     try:
-        for path in sorted(p for p in src.rglob("*") if p.is_file() and not p.is_symlink()):
+        res.files = len(listed)
+        res.skipped = len(listed) - len(todo)
+        for path, st in todo:
             rel = str(path.relative_to(src))
-            try:
-                st = path.stat()
-            except OSError:
-                res.vanished += 1
-                continue
-            res.files += 1
             try:  # a link already in dest (or staging) must not carry the file out of it
                 local, staged = safe_path.under(dest, rel), safe_path.under(staging, rel)
             except ValueError as exc:
                 res.errors.append(str(exc))
-                continue
-            m = manifest.get(rel)
-            if m and local.exists() and m.get("size") == st.st_size and m.get("mtime") == int(st.st_mtime) \
-                    and local.stat().st_size == st.st_size:
-                res.skipped += 1
                 continue
             staged.parent.mkdir(parents=True, exist_ok=True)
             try:
@@ -78,6 +80,18 @@ def mirror_local(src: Path, dest: Path, res: NodeCollect) -> None:
         tmp.replace(man_path)
 
 
+def _unchanged(m: dict | None, dest: Path, src: Path, path: Path, st: os.stat_result) -> bool:
+    """Copied before, as the manifest says, and the copy still there at that size (a name that
+    resolves out of dest is not unchanged: placing it names the link)."""
+    if not (m and m.get("size") == st.st_size and m.get("mtime") == int(st.st_mtime)):
+        return False
+    try:
+        local = safe_path.under(dest, str(path.relative_to(src)))
+    except ValueError:
+        return False
+    return local.exists() and local.stat().st_size == st.st_size
+
+
 def cmd_collect(args, inv: SlurmInventory) -> int:
     sh = open_shell(inv, args.accept_new_host_keys)
     try:
@@ -86,8 +100,7 @@ def cmd_collect(args, inv: SlurmInventory) -> int:
         dest = Path(args.dest) / run_id / DEST_NAME
         if isinstance(sh, LocalShell):
             res = NodeCollect(DEST_NAME, dest=str(dest))
-            dest.mkdir(parents=True, exist_ok=True)
-            mirror_local(Path(wd) / "runs" / run_id, dest, res)
+            mirror_local(Path(wd) / "runs" / run_id, dest, res, run_id)
         else:
             assert isinstance(sh, LoginShell)
             node = replace(inv.slurm.login, name=DEST_NAME, workdir=wd)

@@ -17,7 +17,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from runner.delivery.collect_files import NodeCollect, collect_error, collect_node, report
+from runner.delivery.collect_files import (
+    NodeCollect,
+    check_room,
+    collect_error,
+    fetch_listed,
+    list_node,
+    report,
+)
 from runner.errors import EXIT_PARTIAL, UserError
 from runner.inventory_arg import add_inventory_args
 from runner.node_runs import gather, resolve_run
@@ -37,19 +44,31 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def collect(cl: Cluster, run_id: str, dest: Path, quiet: bool = False) -> tuple[list[NodeCollect], list[str]]:
     """Every node that answers, --parallel at a time: (results, one error string per failure). A
-    node's failure never costs another node's files, nor the files this node already delivered."""
+    node's failure never costs another node's files, nor the files this node already delivered.
+    Every node lists first: when what they list would not fit where it goes (keeping its reserve:
+    runner/delivery/disk_room.py), nothing is written and the collect is refused in one line."""
+    out, errors, listings = [], [], {}
+    for r, val, err in cl.map([cl[n.name] for n in cl.reachable()], lambda r: list_node(r, run_id, dest)):
+        if err is not None:
+            errors.append(_failed(r.node.name, err))
+        else:
+            listings[r.node.name] = val
+    check_room(list(listings.values()), dest, run_id)
     with stream.transfer_progress(quiet, eta=False) as progress:
-        res = cl.map([cl[n.name] for n in cl.reachable()], lambda r: collect_node(r, run_id, dest, progress))
-    out, errors = [], []
+        res = cl.map([cl[n] for n in listings], lambda r: fetch_listed(listings[r.node.name], progress))
     for r, val, err in res:
         if err is not None:
-            errors.append(f"{r.node.name}: {str(err).removeprefix(f'node {r.node.name}: ')}")
+            errors.append(_failed(r.node.name, err))
         else:
             out.append(val)
             errors += [f"{val.node}: {e}" for e in val.errors]
     errors += [f"{node}: not reachable, nothing collected from it (rerun collect when it answers)"
                for node in cl.unreachable]
     return out, errors
+
+
+def _failed(node: str, err: BaseException) -> str:
+    return f"{node}: {str(err).removeprefix(f'node {node}: ')}"
 
 
 def main(args) -> int:

@@ -1,0 +1,122 @@
+"""Room on this machine's disk (runner/delivery/disk_room.py): what a node lists is checked against the
+free space where it would go before a byte is written. Real filesystems that fill (a small tmpfs:
+tests/small_fs.py) and a real SSH node (tests/hostile_node.py: honest, or lying about a size)."""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from runner.delivery import disk_room
+from runner.delivery.collect_files import collect_node
+from runner.errors import UserError
+from runner.transport.ssh import Remote
+from tests.hostile_node import HostileNode, entry
+from tests.small_fs import fill, small_fs
+
+pytestmark = [pytest.mark.timeout(120)]
+RUN = "20250101-000000-abcd"
+MiB = 1 << 20
+
+
+def test_keep_free_is_a_gib_or_a_twentieth_of_a_small_filesystem():
+    assert disk_room.keep_free(500 << 30) == 1 << 30
+    assert disk_room.keep_free(20 << 30) == 1 << 30
+    assert disk_room.keep_free(16 * MiB) == int(16 * MiB * 0.05)
+    assert [disk_room.size_text(n) for n in (0, 512, 1536, 3 * MiB, (5 << 30) // 4, 16 << 40)] == \
+        ["0 B", "512 B", "1.5 KiB", "3.0 MiB", "1.25 GiB", "16.00 TiB"]
+
+
+def test_a_missing_destination_is_measured_where_it_would_be_made(tmp_path):
+    assert disk_room.existing(tmp_path / "a" / "b" / "c") == tmp_path
+    disk_room.check_room(tmp_path / "a" / "b", 1, "x", "y")  # fits: no error, nothing made
+    assert not (tmp_path / "a").exists()
+
+
+def _node(tmp: Path, files: dict[str, int], lister=None) -> tuple[HostileNode, Path]:
+    rd = tmp / "node" / "wd" / "runs" / RUN
+    rd.mkdir(parents=True)
+    for name, size in files.items():
+        (rd / name).write_bytes(os.urandom(size))
+    return HostileNode(tmp / "node", lister=lister), rd
+
+
+def test_a_node_that_lists_16_tib_is_refused_before_any_transfer(tmp_path):
+    """The listing is the node's word: 16 TiB claimed for a 2-byte file. Before, collect streamed
+    until the bound the listing itself set (16 TiB) or the disk filled."""
+    def lie(path, real):
+        return [entry("huge.distcp", size=16 << 40), *real] if path.endswith(RUN) else real
+
+    node, rd = _node(tmp_path, {"ok": 2}, lister=lie)
+    dest_root = tmp_path / "art"
+    with node, Remote(node.node(workdir=str(rd.parents[1]))).connect() as r:
+        with pytest.raises(UserError) as exc:
+            collect_node(r, RUN, dest_root)
+    msg = str(exc.value)
+    assert "\n" not in msg and exc.value.exit_code == 2, msg
+    assert re.search(rf"collect of run {RUN} \(evil 16\.00 TiB in 2 files\) needs 16\.00 TiB, and {tmp_path} has "
+                     r"[\d.]+ [KMGT]iB free \([\d.]+ [KMGT]iB of it kept free\); nothing was written: "
+                     r"free space there, or collect into a larger filesystem with --dest$", msg), msg
+    assert not dest_root.exists(), "collect made its destination"
+    assert not any("tar" in c for c in node.commands), node.commands
+
+
+def test_collect_onto_a_small_filesystem_fits_or_writes_nothing(tmp_path):
+    """3 MiB of checkpoint onto a 3 MiB tmpfs (keeping 5%): refused whole; onto 8 MiB: collected."""
+    node, rd = _node(tmp_path, {"__0_0.distcp": 2 * MiB, "__1_0.distcp": MiB, "metrics.jsonl": 100})
+    with small_fs(tmp_path / "small", 3 * MiB) as fs, node, \
+            Remote(node.node(workdir=str(rd.parents[1]))).connect() as r:
+        with pytest.raises(UserError) as exc:
+            collect_node(r, RUN, fs / "artifacts")
+        assert "needs 3.0 MiB" in str(exc.value) and "(153.6 KiB of it kept free)" in str(exc.value), exc.value
+        assert os.listdir(fs) == [] and not any("tar" in c for c in node.commands)
+    with small_fs(tmp_path / "big", 8 * MiB) as fs, node, \
+            Remote(node.node(workdir=str(rd.parents[1]))).connect() as r:
+        res = collect_node(r, RUN, fs / "artifacts")
+        assert (res.copied, res.errors) == (3, [])
+        got = fs / "artifacts" / RUN / "evil"
+        assert all((got / f).read_bytes() == (rd / f).read_bytes() for f in os.listdir(rd))
+
+
+def test_a_recollect_counts_only_what_changed(tmp_path):
+    """Files already collected (manifest, same size and mtime) need no room a second time."""
+    node, rd = _node(tmp_path, {"__0_0.distcp": 3 * MiB})
+    with small_fs(tmp_path / "fs", 5 * MiB) as fs, node, \
+            Remote(node.node(workdir=str(rd.parents[1]))).connect() as r:
+        assert collect_node(r, RUN, fs / "art").copied == 1
+        (rd / "metrics.jsonl").write_bytes(b"{}\n")  # new since; 3 MiB of 5 now used
+        res = collect_node(r, RUN, fs / "art")
+        assert (res.copied, res.skipped) == (1, 1)
+
+
+def test_slurm_local_collect_onto_a_full_filesystem_writes_nothing(tmp_path):
+    from runner.backends.slurm.collect import mirror_local
+    from runner.delivery.collect_files import NodeCollect
+
+    src = tmp_path / "shared" / "runs" / RUN
+    src.mkdir(parents=True)
+    (src / "model.safetensors").write_bytes(os.urandom(2 * MiB))
+    with small_fs(tmp_path / "fs", 2 * MiB) as fs:
+        dest = fs / "art" / RUN / "slurm"
+        with pytest.raises(UserError, match=rf"collect of run {RUN} \(1 files\) needs 2\.0 MiB, .* nothing was written"):
+            mirror_local(src, dest, NodeCollect("slurm"), RUN)
+        assert os.listdir(fs) == []
+
+
+def test_resume_relay_through_a_full_temp_folder_is_refused_before_touching_a_node(tmp_path, monkeypatch):
+    from tests.test_hostile_paths import _resume
+
+    with small_fs(tmp_path / "tmpfs", MiB) as fs:
+        fill(fs, 16 << 10)  # 16 KiB free, under the 51 KiB kept free
+        monkeypatch.setattr(tempfile, "tempdir", str(fs))
+        res, dirs = _resume(tmp_path / "nodes")
+    assert isinstance(res, UserError), res
+    assert re.fullmatch(r"--resume: relaying step-2/[\w.]+ from node n[01] through this machine needs "
+                        rf"1\d\d B, and {fs} has 16\.0 KiB free \(51\.2 KiB of it kept free\); nothing was written: "
+                        r"free space there, or point TMPDIR at a larger filesystem", str(res)), res
+    assert not (dirs["n0"] / "checkpoints" / "step-2" / "__1_0.distcp").exists()
+    assert not (dirs["n1"] / "checkpoints" / "step-2" / "__0_0.distcp").exists()
