@@ -132,7 +132,7 @@ def test_collect_that_would_fill_the_disk_writes_nothing_from_any_node(sandbox, 
     run_id = "hc-room-" + secrets.token_hex(3)
     dirs = {n: node_workdir(sandbox, n) / "runs" / run_id for n in NODES[:2]}
     try:
-        for n, d in dirs.items():
+        for d in dirs.values():
             d.mkdir(parents=True)
             (d / "shard.distcp").write_bytes(os.urandom(10 << 20))
         with small_fs(tmp_path / "fs", 16 << 20) as fs:
