@@ -6,16 +6,21 @@ command's output is capped (runner/transport/ssh.py), a log stream's frames are 
 whatever length their header claims. Before a line reaches the terminal, C0 and C1 control
 characters (except tab) are shown in `cat -v` notation: ESC as `^[`, CR as `^M`, DEL as `^?`, the
 C1 CSI (U+009B) as `M-^[`. So a job cannot write the clipboard (OSC 52), retitle the window, or
-repaint a line as another node's (`\\r` + erase-line). The per-node log file keeps the raw bytes.
+repaint a line as another node's (`\\r` + erase-line). The per-node log file keeps the raw bytes,
+at most 2 x MAX_KEPT_LOG of them (KeptLog: the newest output, the file before it, older dropped).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 MAX_LINE = 64 << 10        # bytes of one line held or printed; a longer one goes on in pieces
 PIECE = 64 << 10           # bytes read at a time from a stream whose frame says how long it is
 CUT_MARK = " [runner: line over 64 KiB, cut here; it goes on in the next line]"
+MAX_KEPT_LOG = 256 << 20   # bytes of one kept log file on this machine; then it becomes <name>.1
 
 # C0 (but tab), DEL and C1: what a terminal acts on instead of showing.
 _SHOW = {c: ("^" + chr(c + 64) if c < 0x20 else "^?" if c == 0x7f else "M-^" + chr(c - 0x80 + 64))
@@ -101,6 +106,54 @@ def cells(*values) -> list:
     from rich.text import Text
 
     return [Text(visible(str(v))[:200]) for v in values]
+
+
+class KeptLog:
+    """A node's raw output kept on this machine as it arrives, bounded: `path` takes the newest
+    bytes until it holds max_bytes, then becomes `path.1` (the one before is dropped) and a new
+    `path` starts, so a node costs this disk at most 2 x max_bytes however much its job writes
+    (docker's json-file `max-size`/`max-file` the same way). Appends to what an earlier watcher of
+    the run kept (an elastic run's next layout). `files(path)` reads them back in order."""
+
+    def __init__(self, path: Path, max_bytes: int | None = None):
+        self.path, self.max_bytes = path, max_bytes or MAX_KEPT_LOG
+        self.fh = open(path, "ab")
+        self.size = self.fh.tell()
+        self.dropped = False
+
+    def write(self, chunk: bytes) -> None:
+        view = memoryview(chunk)
+        while view:
+            if self.size >= self.max_bytes:
+                self._rotate()
+            take = view[:self.max_bytes - self.size]
+            self.fh.write(take)
+            self.size += len(take)
+            view = view[len(take):]
+        self.fh.flush()
+
+    def _rotate(self) -> None:
+        self.fh.close()
+        if not self.dropped and older(self.path).exists():  # once a watcher: what goes is named
+            self.dropped = True
+            logging.getLogger("runner.logs").warning(
+                "%s: over 2 x %d MiB of output kept; the oldest is dropped from here on (the trainer's own "
+                "log, logs/rank<r>.log, is in the node's run dir: `runner collect`)", self.path, self.max_bytes >> 20)
+        os.replace(self.path, older(self.path))
+        self.fh = open(self.path, "wb")
+        self.size = 0
+
+    def close(self) -> None:
+        self.fh.close()
+
+    @staticmethod
+    def files(path: Path) -> list[Path]:
+        """The kept files of one log, oldest first (a line cut at the turn goes on in the next)."""
+        return [p for p in (older(path), path) if p.is_file()]
+
+
+def older(path: Path) -> Path:
+    return path.with_name(path.name + ".1")
 
 
 def read_capped(recv: Callable[[int], bytes], cap: int, piece: int = PIECE) -> tuple[bytearray, bool]:

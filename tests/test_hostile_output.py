@@ -259,12 +259,16 @@ def traced_peak(fn) -> tuple[object, int]:
         tracemalloc.stop()
 
 
-def test_following_a_24_mib_line_holds_kilobytes_not_the_line(sandbox, pushed, tmp_path):
+def test_following_a_24_mib_line_holds_kilobytes_not_the_line(sandbox, pushed, tmp_path, monkeypatch):
     """The watcher `runner up` uses, on a real container writing 24 MiB without a newline. Before:
     one buffer grew to the whole line and was split again on every 16 KiB frame (quadratic; at
     32 MiB the heartbeat starved and the node was declared lost). Bound: 8 MiB, a third of the line
-    (paramiko's channel window alone may hold 2 MiB)."""
+    (paramiko's channel window alone may hold 2 MiB). The kept log turns every 10 MiB here
+    (MAX_KEPT_LOG, 256 MiB by default): it keeps the newest 10-20 MiB, byte for byte."""
+    import runner.node_output
     from runner.backends.ssh.watch import Watcher
+
+    monkeypatch.setattr(runner.node_output, "MAX_KEPT_LOG", 10 << 20)
 
     long = 24 << 20
     r = remotes(sandbox)["node-0"]
@@ -281,8 +285,11 @@ def test_following_a_24_mib_line_holds_kilobytes_not_the_line(sandbox, pushed, t
             c.remove(force=True)
     assert outcome is None, outcome
     sink.check(long)
-    assert hashlib.sha256((tmp_path / "logs" / "node-0" / "container.log").read_bytes()).digest() == \
-        hashlib.sha256(expected_raw(long)).digest()
+    kept = tmp_path / "logs" / "node-0" / "container.log"
+    assert [p.stat().st_size for p in (kept.with_name("container.log.1"), kept)] == \
+        [10 << 20, len(expected_raw(long)) - (20 << 20)]
+    assert hashlib.sha256(kept.with_name("container.log.1").read_bytes() + kept.read_bytes()).digest() == \
+        hashlib.sha256(expected_raw(long)[10 << 20:]).digest()
     assert peak < 8 << 20, f"the watcher held {peak / 2**20:.1f} MiB following a {long >> 20} MiB line"
 
 
@@ -371,3 +378,44 @@ def test_slurm_follower_reads_a_node_file_in_pieces_and_shows_it_visible(tmp_pat
     _, peak = traced_peak(lambda: f.poll(final=True))
     sink.check(long)
     assert peak < 8 << 20, f"{peak / 2**20:.1f} MiB held"
+
+
+def test_the_kept_log_of_a_node_is_bounded_and_rotated(tmp_path, caplog):
+    """A job that writes without end costs this machine at most 2 x MAX_KEPT_LOG a node: the newest
+    bytes in container.log, the ones before in container.log.1, older dropped once, named once."""
+    import os
+    import random
+
+    from runner.node_output import KeptLog
+
+    path = tmp_path / "container.log"
+    path.write_bytes(b"a" * 60)  # what an earlier layout's watcher kept: appended to
+    data = b"a" * 60 + os.urandom(1000)
+    kept = KeptLog(path, max_bytes=100)
+    rng = random.Random(0)
+    at = 60
+    while at < len(data):
+        n = rng.choice([1, 7, 99, 100, 101, 250])
+        kept.write(data[at:at + n])
+        at += n
+        sizes = [p.stat().st_size for p in KeptLog.files(path)]
+        assert sum(sizes) <= 200 and all(s <= 100 for s in sizes), sizes
+    kept.close()
+    files = KeptLog.files(path)
+    assert files == [tmp_path / "container.log.1", path]
+    both = b"".join(p.read_bytes() for p in files)
+    assert len(both) == 160 and both == data[-160:]  # 1060 = 10 x 100 + 60: the newest 1.6 files
+    dropped = [r for r in caplog.records if "the oldest is dropped" in r.getMessage()]
+    assert len(dropped) == 1 and str(path) in dropped[0].getMessage()
+
+
+def test_runner_logs_reads_a_rotated_kept_log_in_order(tmp_path, capsys):
+    """`runner logs` of a finished run: container.log.1 then container.log, a line cut at the turn whole."""
+    from runner.backends.ssh.status import _kept_logs
+
+    d = tmp_path / "logs" / "run-1" / "node-0"
+    d.mkdir(parents=True)
+    (d / "container.log.1").write_bytes(b"one\ntw")
+    (d / "container.log").write_bytes(b"o\nthree\n")
+    assert _kept_logs("run-1", SimpleNamespace(logs_dir=str(tmp_path / "logs"), node=None), {"node-0": 0}) == 0
+    assert capsys.readouterr().out == "[node-0/0] one\n[node-0/0] two\n[node-0/0] three\n"

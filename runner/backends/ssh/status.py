@@ -18,7 +18,7 @@ from contract import metrics
 from runner.elastic import ELASTIC_FILE, EVENTS_MAX, parse_events, render_events
 from runner.errors import UserError
 from runner.inventory_arg import add_inventory_args
-from runner.node_output import LineSplitter, cells, log_chunks, visible
+from runner.node_output import KeptLog, LineSplitter, cells, log_chunks, visible
 from runner.node_runs import gather, node_progress, resolve_run, run_doc
 from runner.paths import node_paths
 from runner.plan import LABEL_RANK, LABEL_ROLE, LABEL_RUN
@@ -251,8 +251,9 @@ def _kept_logs(run_id: str, args, ranks: dict[str, int | None]) -> int:
             rank = doc.get("rank") if isinstance(doc, dict) else None
         prefix = f"[{node}/{rank if isinstance(rank, int) else '?'}]"
         split = LineSplitter()
-        with open(f, "rb") as fh:  # raw bytes as the job wrote them: cut and made visible here
-            while chunk := fh.read(1 << 20):
-                sys.stdout.writelines(f"{prefix} {ln}\n" for ln in split.feed(chunk))
+        for part in KeptLog.files(f):  # container.log.1 (when it rotated), then container.log
+            with open(part, "rb") as fh:  # raw bytes as the job wrote them: cut and made visible here
+                while chunk := fh.read(1 << 20):
+                    sys.stdout.writelines(f"{prefix} {ln}\n" for ln in split.feed(chunk))
         sys.stdout.writelines(f"{prefix} {ln}\n" for ln in split.end())
     return 0

@@ -1,5 +1,5 @@
 """Watch a launched run: stream every container's output prefixed `[node/rank]` (lines cut at 64 KiB,
-control characters made visible: runner/node_output.py; the raw bytes kept per node), and fail fast: the first container exiting non-zero or node becoming unreachable stops
+control characters made visible: runner/node_output.py; the raw bytes kept per node, 512 MiB at most), and fail fast: the first container exiting non-zero or node becoming unreachable stops
 every other container of the run (one shared event, as Horovod's safe_shell_exec does)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TextIO
 
 from runner.fanout import DEFAULT_PARALLEL
-from runner.node_output import LineSplitter, log_chunks, visible
+from runner.node_output import KeptLog, LineSplitter, log_chunks, visible
 from runner.node_runs import stop_run
 from runner.plan import Plan
 from runner.transport.ssh import Remote
@@ -87,14 +87,13 @@ class Watcher:
         if self.log_dir:
             d = self.log_dir / np.node
             d.mkdir(parents=True, exist_ok=True)
-            fh = open(d / "container.log", "ab")  # the bytes as the job wrote them
+            fh = KeptLog(d / "container.log")  # the bytes as the job wrote them, 2 x 256 MiB at most
         try:
             c = self.remotes[np.node].docker().containers.get(np.container)
             split = LineSplitter()
             for chunk in log_chunks(c, follow=True):
                 if fh:
                     fh.write(chunk)
-                    fh.flush()
                 for line in split.feed(chunk):
                     self._emit(prefix, np.node, line)
             for line in split.end():
