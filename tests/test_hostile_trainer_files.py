@@ -268,7 +268,64 @@ def test_a_model_too_large_for_this_machine_is_refused_before_it_is_allocated(mo
     rc = main([*TINY, "--model.path", str(d), "--model.load_weights", "false", "--output-dir", str(tmp_path / "out")])
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert rc == 2 and len(lines) == 1, lines
-    assert "config.json" in lines[0] and "5.1 GB" in lines[0] and "2.1 GB of memory" in lines[0], lines[0]
+    assert "config.json" in lines[0] and "5.1 GB" in lines[0] and "this machine's memory (2.1 GB)" in lines[0], lines[0]
+    assert "check its sizes (vocab_size 10000000" in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("sharding, tp, pp, world, local, rank, want", [
+    ("ddp", 1, 1, 8, 8, 3, 8),        # every rank of the 8-GPU server builds a full copy
+    ("zero3", 1, 1, 8, 8, 5, 1),      # sharded: rank 0 builds, the others build on meta
+    ("zero3", 1, 1, 16, 8, 9, 0),     # the second machine of two: its weights come from rank 0
+    ("zero3", 2, 1, 8, 8, 0, 1),      # tp 2 x dp 4: one stage of 8
+    ("zero3", 2, 2, 8, 8, 7, 2),      # pp 2 x tp 2 x dp 2: stages of 4, ranks 0 and 4 build
+    ("ddp", 1, 2, 8, 4, 6, 4),        # a pipeline without sharding: each of the 4 local ranks builds
+    ("ddp", 1, 1, 1, 1, 0, 1),        # one process
+])
+def test_copies_built_on_one_machine_follow_the_layout(sharding, tp, pp, world, local, rank, want):
+    from trainer.config import ParallelConfig
+    from trainer.parallel.compose import copies_built_here
+    from trainer.parallel.mesh import ParallelDims
+
+    dims = ParallelDims.from_config(ParallelConfig(tp=tp, pp=pp, sharding=sharding), world, local)
+    dims.mesh = object() if world > 1 else None  # what _sharded asks: a mesh exists (no process group here)
+    assert copies_built_here(dims, rank, rank % local, local) == want
+
+
+def test_eight_ranks_of_a_model_that_fits_once_are_refused_naming_the_ranks(model_config, monkeypatch):
+    """8 DDP ranks on one machine each build the fp32 model (5.1 GB here, faked RAM 16 GiB): 41 GB.
+    Before, the check counted one copy and the OOM killer ended the run (exit 137, no message)."""
+    from trainer.config import ModelConfig
+    from trainer.models import build
+
+    monkeypatch.setattr(build, "physical_memory", lambda: 16 << 30)
+    monkeypatch.setattr(build, "CGROUP", Path("/nonexistent"))
+    spec = build.ModelSpec("llama", "lm", None, 1_280_000_000, 2, 64, 64)
+    build.check_fits(spec, ModelConfig(), copies=3)  # 15.4 GB of 17.2: fits
+    with pytest.raises(build.ConfigError) as exc:
+        build.check_fits(spec, ModelConfig(), copies=8)
+    assert str(exc.value) == ("model: 1,280,000,000 parameters are 5.1 GB in fp32, and the 8 ranks on this machine "
+                              "each build one at once (41.0 GB), more than this machine's memory (17.2 GB); fewer "
+                              "ranks per machine, or a sharded layout (parallel.sharding zero3: one rank of each "
+                              "stage builds it)")
+
+
+@pytest.mark.parametrize("files, want", [
+    ({"memory.max": "4294967296\n"}, (4 << 30, "this container's memory limit")),             # cgroup v2
+    ({"memory/memory.limit_in_bytes": "536870912\n"}, (512 << 20, "this container's memory limit")),  # v1
+    ({"memory.max": "max\n"}, (64 << 30, "this machine's memory")),
+    ({"memory/memory.limit_in_bytes": "9223372036854771712\n"}, (64 << 30, "this machine's memory")),
+    ({"memory.max": "-1"}, (64 << 30, "this machine's memory")),
+    ({"memory.max": "0"}, (64 << 30, "this machine's memory")),
+    ({}, (64 << 30, "this machine's memory")),
+])
+def test_memory_limit_is_the_containers_when_below_the_ram(tmp_path, monkeypatch, files, want):
+    from trainer.models import build
+
+    monkeypatch.setattr(build, "physical_memory", lambda: 64 << 30)
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert build.memory_limit(tmp_path) == want
 
 
 def test_pretrained_pytorch_model_bin_runs_no_code(model_config, tmp_path):

@@ -144,3 +144,21 @@ def test_limits_reach_the_job_container(sandbox, pushed, tmp_path):
     assert _cpus(got["node-0"]) == 0.5 and int(got["node-0"]["memory"]) == 256 << 20
     assert _cpus(got["node-1"]) is None and (got["node-1"]["memory"] == "max" or int(got["node-1"]["memory"]) > 1 << 40)
     assert _cpus(got["node-2"]) == 1.25
+
+
+@pytest.mark.docker
+def test_the_trainer_measures_against_its_containers_memory_limit(trainer_image, host_docker):
+    """A node's `memory: 1g` is docker --memory on the job container; inside it sysconf still says the
+    machine's RAM, so the trainer's check before it builds the model must read the cgroup's limit
+    (trainer/models/build.py memory_limit: v1 or v2, whichever this engine gives)."""
+    code = "from trainer.models.build import memory_limit, physical_memory; print(memory_limit(), physical_memory())"
+    got = {}
+    for mem in ("1g", None):
+        res = subprocess.run(["docker", "-H", host_docker, "run", "--rm", "--network", "none",
+                              *(["--memory", mem] if mem else []), trainer_image, "python", "-c", code],
+                             capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-2000:]
+        got[mem] = res.stdout.strip().splitlines()[-1]
+    ram = got[None].rsplit(" ", 1)[1]
+    assert got["1g"] == f"(1073741824, \"this container's memory limit\") {ram}", got
+    assert got[None] == f"({ram}, \"this machine's memory\") {ram}", got

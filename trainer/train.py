@@ -40,7 +40,7 @@ from trainer.metrics import MetricsWriter, StepStats, flops_per_token, format_li
 from trainer.models.build import build_model, model_spec, task_of
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.parallel.compile import blocks_running_eager, compile_report, resolve_compile
-from trainer.parallel.compose import builds_on_meta, parallelize
+from trainer.parallel.compose import builds_on_meta, copies_built_here, parallelize
 from trainer.parallel.mesh import ParallelDims
 from trainer.parallel.ordered_reduce import ordered_mean
 from trainer.parallel.parallelized import Parallelized
@@ -107,7 +107,9 @@ class Trainer:
         meta = builds_on_meta(dims)
         if meta:
             log.info("model built on the meta device: its weights come from the stage's first rank")
-        model = build_model(self.spec, cfg.model, t.seed, meta=meta)
+        model = build_model(self.spec, cfg.model, t.seed, meta=meta,
+                            copies=copies_built_here(dims, self.env.rank, self.env.local_rank,
+                                                     self.env.local_world_size))
         self.par: Parallelized = parallelize(model, self.spec, dims, cfg, device, backend)
         self.optimizer = build_optimizer(self.par.parameters(), cfg, master=self.par.extras.get("master_weights"))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import pickle
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -127,6 +128,25 @@ def physical_memory() -> int | None:
         return None
 
 
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def memory_limit(cgroup: Path | None = None) -> tuple[int | None, str]:
+    """(bytes this process may use, what sets them): a container's memory limit (inventory
+    `memory:` -> docker --memory; cgroup v2 `memory.max`, v1 `memory/memory.limit_in_bytes`) when it
+    is below the machine's RAM, which sysconf reports inside a container too; else the RAM."""
+    ram, cgroup = physical_memory(), cgroup or CGROUP
+    for f in (cgroup / "memory.max", cgroup / "memory" / "memory.limit_in_bytes"):
+        try:
+            text = f.read_text()[:32].strip()
+        except OSError:
+            continue
+        if text.isdigit() and 0 < int(text) and (ram is None or int(text) < ram):
+            return int(text), "this container's memory limit"
+        break  # "max" or v1's unlimited (2^63 rounded down to a page): no limit below the RAM
+    return ram, "this machine's memory"
+
+
 def _family_of(mcfg: ModelConfig) -> str:
     if mcfg.path is not None:
         cfg = pretrained_config(mcfg)
@@ -235,20 +255,16 @@ def model_spec(mcfg: ModelConfig, vocab_size: int | None = None) -> ModelSpec:
                      num_units(family, cfg), int(cfg.hidden_size), attention_width(cfg), flops)
 
 
-def build_model(spec: ModelSpec, mcfg: ModelConfig, seed: int, meta: bool = False) -> nn.Module:
+def build_model(spec: ModelSpec, mcfg: ModelConfig, seed: int, meta: bool = False, copies: int = 1) -> nn.Module:
     """Full model on CPU in fp32, initialised from `seed` (or loaded from model.path); with `meta`,
-    its structure only (no memory, no values: a rank that receives them, parallel/materialize.py)."""
+    its structure only (no memory, no values: a rank that receives them, parallel/materialize.py).
+    `copies`: how many ranks of this machine build it at once (parallel/compose.py
+    `copies_built_here`), all of which must fit in its memory (or its container's limit)."""
     cls = _transformers_attr(FAMILIES[spec.family].model_cls)
     if meta:
         with torch.device("meta"):
             return cls(spec.hf_config).float()
-    ram, need = physical_memory(), 4 * spec.num_params  # the full model, fp32, on this machine's CPU
-    if ram and need > ram:
-        where = f"model.path: {mcfg.path}/config.json" if mcfg.path is not None else "model"
-        raise ConfigError(f"{where}: {spec.num_params:,} parameters are {need / 1e9:.1f} GB in fp32, more than this "
-                          f"machine's {ram / 1e9:.1f} GB of memory; check its sizes (vocab_size "
-                          f"{getattr(spec.hf_config, 'vocab_size', None)}, hidden_size "
-                          f"{getattr(spec.hf_config, 'hidden_size', None)})")
+    check_fits(spec, mcfg, copies)
     torch.manual_seed(seed)
     if mcfg.path is not None and mcfg.load_weights:
         _transformers_attr("utils").logging.disable_progress_bar()  # one bar per rank in the logs otherwise
@@ -272,6 +288,25 @@ def build_model(spec: ModelSpec, mcfg: ModelConfig, seed: int, meta: bool = Fals
     else:
         model = cls(spec.hf_config)
     return model.float()
+
+
+def check_fits(spec: ModelSpec, mcfg: ModelConfig, copies: int = 1) -> None:
+    """One line (ConfigError) before allocating when `copies` full fp32 models exceed the memory this
+    process may use: a corrupt or mistyped size (vocab_size 10**7) or too many ranks on one machine,
+    instead of the OOM killer's exit 137 without a word."""
+    ram, what = memory_limit()
+    one = 4 * spec.num_params  # the full model, fp32, on this machine's CPU
+    if not ram or one * copies <= ram:
+        return
+    where = f"model.path: {mcfg.path}/config.json" if mcfg.path is not None else "model"
+    each = (f", and the {copies} ranks on this machine each build one at once ({one * copies / 1e9:.1f} GB)"
+            if copies > 1 else "")
+    fix = ("fewer ranks per machine, or a sharded layout (parallel.sharding zero3: one rank of each stage builds it)"
+           if copies > 1 and one <= ram else
+           f"check its sizes (vocab_size {getattr(spec.hf_config, 'vocab_size', None)}, hidden_size "
+           f"{getattr(spec.hf_config, 'hidden_size', None)})")
+    raise ConfigError(f"{where}: {spec.num_params:,} parameters are {one / 1e9:.1f} GB in fp32{each}, more than "
+                      f"{what} ({ram / 1e9:.1f} GB); {fix}")
 
 
 BLOCK_PATHS = ("model.layers", "transformer.h", "bert.encoder.layer", "vit.encoder.layer", "vit.layers",

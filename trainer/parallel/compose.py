@@ -130,6 +130,18 @@ def builds_on_meta(dims: ParallelDims) -> bool:
     return _sharded(dims) and not dims.builds_weights
 
 
+def copies_built_here(dims: ParallelDims, rank: int, local_rank: int, local_world_size: int) -> int:
+    """How many ranks of this machine build the full fp32 model on its CPU at once: every one of
+    them, unless the layout is sharded; then only each stage's first rank (its dp and tp
+    coordinates 0: rank % (dp x tp) == 0, as init_device_mesh lays ranks out, tp fastest).
+    A machine's ranks are consecutive (torchrun, Slurm's block distribution)."""
+    first = rank - local_rank
+    here = range(first, first + max(local_world_size, 1))
+    if not _sharded(dims):
+        return len(here)
+    return sum(1 for r in here if r % (dims.dp * dims.tp) == 0)
+
+
 def _apply_tp(module: nn.Module, spec: ModelSpec, dims: ParallelDims, cfg: Config, pipeline: bool,
               announce: bool = True) -> None:
     from trainer.parallel.tensor_parallel import apply_tp, sequence_parallel_applies
