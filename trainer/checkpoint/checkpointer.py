@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from trainer import hold, model_files
-from trainer.checkpoint import safe_read
+from trainer.checkpoint import disk_space, safe_read
 from trainer.checkpoint.on_disk import (
     LATEST,
     PREEMPT_SUFFIX,
@@ -247,27 +247,32 @@ class Checkpointer:
         rank, step = _rank(), trainer.step
         name = self._name(step, preempt)
         tmp, final = self.root / (TMP_PREFIX + name), self.root / name
-        if self.layout().is_leader(rank):  # rank 0, plus the first rank of every unshared disk
-            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
-            tmp.mkdir(parents=True)
+        leader = self.layout().is_leader(rank)  # rank 0, plus the first rank of every unshared disk
+        # Room for it on every disk, measured by the newest checkpoint there (disk_space.py).
+        if problem := disk_space.agree(disk_space.room_problem(self.root, self._newest()) if leader else None):
+            raise disk_space.refusal(step, problem, self._newest_name())
         state = self._train_state(trainer)  # collective (loss_min)
-        _barrier()
-        t0 = time.perf_counter()
-        if self.cfg.async_save and _dist():
-            future = dcp.async_save({"app": self.app}, checkpoint_id=str(tmp), process_group=self.async_pg)
-        else:
-            dcp.save({"app": self.app}, checkpoint_id=str(tmp))
-            future = None
-        torch.save({"rng": rng_state(), "data": trainer.data.state_dict(),
-                    "coords": {k: trainer.dims.coord(k) for k in ("dp", "tp", "pp")}}, tmp / f"rank{rank}.pt")
-        if self.cfg.format == "full":
-            from trainer.checkpoint.full import write_full
+        future, t0 = None, time.perf_counter()
+        with disk_space.catching_full(self.root) as full:  # ends the block on this rank: no collective follows
+            if leader:
+                shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
+                tmp.mkdir(parents=True)
+            _barrier()
+            if self.cfg.async_save and _dist():
+                future = dcp.async_save({"app": self.app}, checkpoint_id=str(tmp), process_group=self.async_pg)
+            else:
+                dcp.save({"app": self.app}, checkpoint_id=str(tmp))  # collective: a failure raises on every rank
+            if self.cfg.format == "full":
+                from trainer.checkpoint.full import write_full
 
-            write_full(trainer, self.model, tmp, state, rank)
-        if rank == 0:
-            (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
-            (tmp / "config.yaml").write_text(trainer.cfg.to_yaml())
-            model_files.copy(trainer.output_dir, tmp)  # config.json, tokenizer: `trainer export` reads them
+                write_full(trainer, self.model, tmp, state, rank)  # its collective first, then rank 0 writes
+            torch.save({"rng": rng_state(), "data": trainer.data.state_dict(),
+                        "coords": {k: trainer.dims.coord(k) for k in ("dp", "tp", "pp")}}, tmp / f"rank{rank}.pt")
+            if rank == 0:
+                (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
+                (tmp / "config.yaml").write_text(trainer.cfg.to_yaml())
+                model_files.copy(trainer.output_dir, tmp)  # config.json, tokenizer: `trainer export` reads them
+        self._settle(full, tmp, step)
         self.saved_step = step
         self.pending = (future, tmp, final, preempt, step, t0)
         if future is None:
@@ -286,12 +291,17 @@ class Checkpointer:
             return
         future, tmp, final, preempt, step, t0 = self.pending
         self.pending = None
-        if future is not None:
-            future.result()
         rank, layout = _rank(), self.layout()
-        share_rank0_files(tmp, layout, rank)  # per-node storage: .metadata etc. on every node
-        self._write_manifest(tmp, rank)
-        self.replicas.copy(tmp, layout, rank, step)  # checkpoint.replicas: other nodes' files kept here too
+        with disk_space.catching_full(self.root) as full:
+            if future is not None:
+                future.result()  # an async save's failure: on every rank
+            share_rank0_files(tmp, layout, rank)  # per-node storage: .metadata etc. on every node
+            self._write_manifest(tmp, rank)
+        self._settle(full, tmp, step)
+        if self.replicas.copies and not layout.shared:
+            with disk_space.catching_full(self.root) as full:
+                self.replicas.copy(tmp, layout, rank, step)  # checkpoint.replicas: other nodes' files kept here too
+            self._settle(full, tmp, step)
         hold.hold("save", step, self.output_dir, rank)  # tests only (trainer/hold.py)
         _barrier()  # every rank's files are on disk, on every node
         if layout.is_leader(rank):
@@ -310,6 +320,24 @@ class Checkpointer:
         if layout.is_leader(rank):
             self._prune(final, preempt)
         log.info("checkpoint step %d -> %s (%.2fs)", step, final, time.perf_counter() - t0)
+
+    def _newest(self) -> Path | None:
+        ckpts = list_checkpoints(self.root)
+        return ckpts[-1][1] if ckpts else None
+
+    def _newest_name(self) -> str | None:
+        newest = self._newest()
+        return newest.name if newest else None
+
+    def _settle(self, full: disk_space.Outcome, tmp: Path, step: int) -> None:
+        """Collective: when any rank's disk was full, the first rank of each disk removes its
+        unfinished `tmp` and every rank raises the same one line; another error is raised again."""
+        problem = disk_space.settle(full)
+        if problem is None:
+            return
+        if self.layout().is_leader(_rank()):
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise disk_space.refusal(step, problem, self._newest_name())
 
     def _prune(self, newest: Path, preempt: bool) -> None:
         ckpts = list_checkpoints(self.root)

@@ -1,0 +1,111 @@
+"""A checkpoint that does not fit on a node's disk (trainer/checkpoint/disk_space.py): refused before
+it is written when the newest checkpoint there says it would not fit, caught as ENOSPC when it is
+the first; either way one line on every rank, exit 2, the previous checkpoint and `latest` intact,
+no unfinished `.tmp-` left. The disk is a real tmpfs that fills (tests/small_fs.py)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import traceback
+
+import pytest
+from torch.distributed.checkpoint import CheckpointException
+
+from tests.small_fs import small_fs
+from tests.trainer_run import run_trainer
+from trainer.checkpoint import disk_space
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(600)]
+MiB = 1 << 20
+# A tiny run's checkpoint is 2.1 MiB; the run's other files ~30 KiB.
+TINY = ("configs/tiny.yaml", "--train.steps", "6", "--checkpoint.interval", "3")
+
+
+def test_a_full_disk_is_found_inside_dcps_exception_and_nothing_else_is():
+    full = OSError(errno.ENOSPC, "No space left on device", "/out/checkpoints/.tmp-step-3/__0_0.distcp")
+    wrapped = CheckpointException("failed", {1: (full, traceback.StackSummary())})
+    assert disk_space.disk_full(wrapped) is full
+    try:
+        try:
+            raise full
+        except OSError as e:
+            raise RuntimeError("write failed") from e
+    except RuntimeError as e:
+        assert disk_space.disk_full(e) is full
+    assert disk_space.disk_full(OSError(errno.EACCES, "Permission denied")) is None
+    assert disk_space.disk_full(CheckpointException("x", {0: (ValueError("bad"), traceback.StackSummary())})) is None
+
+
+def test_settle_in_one_process_says_the_full_disk_or_raises_the_error_again(tmp_path):
+    out = disk_space.Outcome()
+    assert disk_space.settle(out) is None
+    with disk_space.catching_full(tmp_path) as out:
+        raise OSError(errno.ENOSPC, "No space left on device", "x/__0_0.distcp")
+    assert disk_space.settle(out) == "this disk (No space left on device writing x/__0_0.distcp)"
+    with disk_space.catching_full(tmp_path) as out:  # not a full disk: tmp_path has room
+        raise ValueError("a bug")
+    with pytest.raises(ValueError, match="a bug"):
+        disk_space.settle(out)
+    with pytest.raises(KeyboardInterrupt), disk_space.catching_full(tmp_path):
+        raise KeyboardInterrupt
+
+
+def _one_error(proc, nproc: int) -> str:
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
+    assert proc.returncode != 0 and len(lines) == nproc and len(set(lines)) == 1, proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr or nproc > 1, proc.stderr[-4000:]  # torchrun adds its own summary
+    return lines[0]
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_checkpoint_the_disk_cannot_hold_is_refused_before_it_is_written(tmp_path, nproc):
+    """3 MiB: step-3 (2.1 MiB) fits; step-6 would need as much again: refused before writing."""
+    with small_fs(tmp_path / "out", 3 * MiB) as out:
+        proc = run_trainer(out, *TINY, *(("--parallel.sharding", "ddp") if nproc > 1 else ()), nproc=nproc,
+                           check=False)
+        line = _one_error(proc, nproc)
+        disk = "rank 0's disk" if nproc > 1 else "this disk"
+        assert re.match(rf"error: checkpoint step 6 not saved, no room on {re.escape(disk)} \(step-3 took 2\.[12] MiB "
+                        rf"and {out}/checkpoints has \d+\.\d KiB free ", line), line
+        assert line.endswith("free (153.6 KiB of it kept free)); the last complete checkpoint, step-3, is intact: "
+                             "free space there (or lower checkpoint.keep_last), then run again with --resume latest"), line
+        ckpts = out / "checkpoints"
+        assert sorted(os.listdir(ckpts)) == ["latest", "step-3"] and (ckpts / "latest").read_text() == "step-3\n"
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_first_checkpoint_that_meets_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, nproc):
+    """1.5 MiB: the first checkpoint (nothing to measure it by) meets ENOSPC inside DCP's writers.
+    Before: a CheckpointException traceback of every rank's stack, the unfinished .tmp-step-3 left."""
+    with small_fs(tmp_path / "out", 3 * MiB // 2) as out:
+        proc = run_trainer(out, *TINY, *(("--parallel.sharding", "ddp") if nproc > 1 else ()), nproc=nproc,
+                           check=False)
+        line = _one_error(proc, nproc)
+        assert line.startswith("error: checkpoint step 3 not saved, no room on "), line
+        # ENOSPC from a file DCP writes, or torch's zip writer's short write ("unexpected pos") on a full disk
+        assert re.search(r"disk \((No space left on device writing (under )?\S+|full, [\d.]+ [KM]?i?B free, after: .+)\); ",
+                         line) and line.endswith(
+            "no earlier checkpoint exists: free space there, then run again"), line
+        assert os.listdir(out / "checkpoints") == [], os.listdir(out / "checkpoints")
+
+
+def test_per_node_disks_one_of_them_full_stops_every_node_with_the_same_line(tmp_path):
+    """Two "nodes" without shared storage (Pis: each OUTPUT_DIR its own disk), ZeRO-3 so that each
+    holds half the shards (1.1 MiB); node 1's disk is 2 MiB. Step 3 fits on both; step 6 would not
+    fit on node 1 only: both nodes' ranks give the same line
+    naming rank 1's disk, both keep step-3 and `latest`. Before: no check at all; a full node's
+    DCP write failed on every rank as a traceback."""
+    from tests.test_checkpoint_nodes import ARGS, run_nodes
+
+    with small_fs(tmp_path / "node1", 2 * MiB) as node1:
+        outs = [tmp_path / "node0", node1]
+        done = run_nodes(outs, *ARGS, "--parallel.sharding", "zero3", "--checkpoint.interval", "3", check=False)
+        lines = [ln for d in done for ln in d.stderr.splitlines() if ln.startswith("error: ")]
+        assert [d.returncode for d in done] != [0, 0] and len(lines) == 2 and len(set(lines)) == 1, \
+            [d.stderr[-3000:] for d in done]
+        assert lines[0].startswith("error: checkpoint step 6 not saved, no room on rank 1's disk (step-3 took "), lines
+        for out in outs:
+            ckpts = out / "checkpoints"
+            assert sorted(os.listdir(ckpts)) == ["latest", "step-3"] and (ckpts / "latest").read_text() == "step-3\n"
