@@ -130,6 +130,24 @@ def transformer_activation_bytes(tokens: int, hidden: int, ffn: int, layers: int
     return int(tokens * per_token * layers * DTYPE_BYTES[dtype])
 
 
+DISK_KEEP_FREE = 1 << 30       # what a disk keeps free when the runner or the trainer fills it ...
+DISK_KEEP_FREE_SHARE = 0.05    # ... at most this share of it: a small disk keeps 5%
+
+
+def disk_keep_free(total: int) -> int:
+    """Bytes a disk of `total` bytes keeps free of what a run writes (collect here, checkpoints on a
+    node): 1 GiB, or 5% of a disk under 20 GiB (a Pi's SD card keeps room for its logs and engine)."""
+    return min(DISK_KEEP_FREE, int(total * DISK_KEEP_FREE_SHARE))
+
+
+def size_text(n: float) -> str:
+    """A byte count as people read it, binary units: `512 B`, `153.6 KiB`, `3.0 MiB`, `1.25 GiB`."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.{2 if shift >= 30 else 1}f} {unit}"
+    return f"{int(n)} B"
+
+
 def gib(n: float) -> str:
     """`12.30 GiB` / `512.0 MiB` for a byte count."""
     if abs(n) >= 1 << 30:

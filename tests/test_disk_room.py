@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from contract.memory import disk_keep_free, size_text
 from runner.delivery import disk_room
 from runner.delivery.collect_files import collect_node
 from runner.errors import UserError
@@ -24,10 +25,10 @@ MiB = 1 << 20
 
 
 def test_keep_free_is_a_gib_or_a_twentieth_of_a_small_filesystem():
-    assert disk_room.keep_free(500 << 30) == 1 << 30
-    assert disk_room.keep_free(20 << 30) == 1 << 30
-    assert disk_room.keep_free(16 * MiB) == int(16 * MiB * 0.05)
-    assert [disk_room.size_text(n) for n in (0, 512, 1536, 3 * MiB, (5 << 30) // 4, 16 << 40)] == \
+    assert disk_keep_free(500 << 30) == 1 << 30
+    assert disk_keep_free(20 << 30) == 1 << 30
+    assert disk_keep_free(16 * MiB) == int(16 * MiB * 0.05)
+    assert [size_text(n) for n in (0, 512, 1536, 3 * MiB, (5 << 30) // 4, 16 << 40)] == \
         ["0 B", "512 B", "1.5 KiB", "3.0 MiB", "1.25 GiB", "16.00 TiB"]
 
 

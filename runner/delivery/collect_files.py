@@ -19,6 +19,7 @@ from pathlib import Path
 
 import paramiko
 
+from contract.memory import size_text
 from runner import safe_path
 from runner.collect_report import merge_timelines, render_plots, summarize
 from runner.delivery import disk_room
@@ -93,7 +94,7 @@ def check_room(listings: list[NodeListing], dest_root: Path, run_id: str) -> Non
     leave dest_root's filesystem its reserve (the largest nodes named)."""
     need = sum(ls.need for ls in listings)
     big = sorted((ls for ls in listings if ls.need), key=lambda ls: -ls.need)
-    names = ", ".join(f"{ls.remote.node.name} {disk_room.size_text(ls.need)} in {len(ls.todo)} files" for ls in big[:3])
+    names = ", ".join(f"{ls.remote.node.name} {size_text(ls.need)} in {len(ls.todo)} files" for ls in big[:3])
     disk_room.check_room(dest_root, need, f"collect of run {run_id} ({names}{', ...' if len(big) > 3 else ''})",
                          "free space there, or collect into a larger filesystem with --dest")
 

@@ -2,16 +2,16 @@
 
 Before a save, the first rank of each disk (storage.StorageLayout) compares the newest complete
 checkpoint's size there (the next one of the same run and layout is that size) with the disk's free
-space less what is kept free: 1 GiB, or 5% of a disk under 20 GiB (a Pi's SD card must keep room
-for its logs and its engine). A save that still meets a full disk (the first one, with nothing to
-measure; another writer) is caught as ENOSPC or EDQUOT, also inside DCP's CheckpointException.
-Either way every rank learns which rank's disk it was (one small all_gather), the unfinished
-`.tmp-<name>` is removed, the previous checkpoint and `latest` are left as they were, and the run
-ends with CheckpointSpaceError: one line, exit 2. Before: ENOSPC surfaced as a CheckpointException
-traceback of every rank's stack, or, from a rank's own file (rank<r>.pt), on that rank only while
-the others waited at the next barrier for the collective timeout (30 minutes). Any other error in a
-block of writes is settled the same way: its rank raises it, the others CheckpointWriteError naming
-that rank, so none of them waits for the timeout either.
+space less what is kept free: 1 GiB, or 5% of a disk under 20 GiB (contract.memory.disk_keep_free: a
+Pi's SD card must keep room for its logs and its engine). A save that still meets a full disk (the
+first one, with nothing to measure; another writer) is caught as ENOSPC or EDQUOT, also inside DCP's
+CheckpointException. Either way every rank learns which rank's disk it was (one small all_gather),
+the unfinished `.tmp-<name>` is removed, the previous checkpoint and `latest` are left as they were,
+and the run ends with CheckpointSpaceError: one line, exit 2. Before: ENOSPC surfaced as a
+CheckpointException traceback of every rank's stack, or, from a rank's own file (rank<r>.pt), on
+that rank only while the others waited at the next barrier for the collective timeout (30 minutes).
+Any other error in a block of writes is settled the same way: its rank raises it, the others
+CheckpointWriteError naming that rank, so none of them waits for the timeout either.
 """
 
 from __future__ import annotations
@@ -26,10 +26,9 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
+from contract.memory import disk_keep_free, size_text
 from trainer.config import ConfigError
 
-KEEP_FREE = 1 << 30
-KEEP_FREE_SHARE = 0.05
 FULL = (errno.ENOSPC, errno.EDQUOT)
 FULL_BELOW = 1 << 20   # free bytes under which a failed write is taken for a full disk
 
@@ -40,17 +39,6 @@ class CheckpointSpaceError(ConfigError):
 
 class CheckpointWriteError(ConfigError):
     """Another rank failed writing its part of a checkpoint (that rank shows its own traceback)."""
-
-
-def keep_free(total: int) -> int:
-    return min(KEEP_FREE, int(total * KEEP_FREE_SHARE))
-
-
-def size_text(n: float) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
-            return f"{n / (1 << shift):.1f} {unit}"
-    return f"{int(n)} B"
 
 
 def dir_bytes(path: Path) -> int:
@@ -70,7 +58,7 @@ def room_problem(root: Path, newest: Path | None) -> str | None:
     if newest is None:
         return None
     need, du = dir_bytes(newest), shutil.disk_usage(root)
-    keep = keep_free(du.total)
+    keep = disk_keep_free(du.total)
     if need <= du.free - keep:
         return None
     return (f"{newest.name} took {size_text(need)} and {root} has {size_text(du.free)} free "
