@@ -59,7 +59,7 @@ def test_a_node_that_lists_16_tib_is_refused_before_any_transfer(tmp_path):
             collect_node(r, RUN, dest_root)
     msg = str(exc.value)
     assert "\n" not in msg and exc.value.exit_code == 2, msg
-    assert re.search(rf"collect of run {RUN} \(evil 16\.00 TiB in 2 files\) needs 16\.00 TiB, and {tmp_path} has "
+    assert re.search(rf"collect of run {RUN} from evil \(2 new or changed files\) needs 16\.00 TiB, and {tmp_path} has "
                      r"[\d.]+ [KMGT]iB free \([\d.]+ [KMGT]iB of it kept free\); nothing was written: "
                      r"free space there, or collect into a larger filesystem with --dest$", msg), msg
     assert not dest_root.exists(), "collect made its destination"
@@ -103,7 +103,7 @@ def test_slurm_local_collect_onto_a_full_filesystem_writes_nothing(tmp_path):
     (src / "model.safetensors").write_bytes(os.urandom(2 * MiB))
     with small_fs(tmp_path / "fs", 2 * MiB) as fs:
         dest = fs / "art" / RUN / "slurm"
-        with pytest.raises(UserError, match=rf"collect of run {RUN} \(1 files\) needs 2\.0 MiB, .* nothing was written"):
+        with pytest.raises(UserError, match=rf"collect of run {RUN} \(1 new or changed files\) needs 2\.0 MiB, .* nothing was written"):
             mirror_local(src, dest, NodeCollect("slurm"), RUN)
         assert os.listdir(fs) == []
 

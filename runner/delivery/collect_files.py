@@ -41,6 +41,7 @@ UNTAR = [sys.executable, "-I", str(Path(__file__).with_name("untar.py"))]
 # What a batch's stream may carry beyond the listed bytes: files of a live run that grew since the
 # listing (their logs; verification then names them). Past it the node is sending what was not listed.
 GROWTH = 64 << 20
+ROOM_HINT = "free space there, or collect into a larger filesystem with --dest"
 
 @dataclass
 class NodeCollect:
@@ -90,13 +91,30 @@ def list_node(remote: Remote, run_id: str, dest_root: Path) -> NodeListing:
 
 
 def check_room(listings: list[NodeListing], dest_root: Path, run_id: str) -> None:
-    """Refuse the whole collect, before anything is written, when what the nodes list would not
-    leave dest_root's filesystem its reserve (the largest nodes named)."""
-    need = sum(ls.need for ls in listings)
-    big = sorted((ls for ls in listings if ls.need), key=lambda ls: -ls.need)
-    names = ", ".join(f"{ls.remote.node.name} {size_text(ls.need)} in {len(ls.todo)} files" for ls in big[:3])
-    disk_room.check_room(dest_root, need, f"collect of run {run_id} ({names}{', ...' if len(big) > 3 else ''})",
-                         "free space there, or collect into a larger filesystem with --dest")
+    """Refuse one node's collect, before anything is written, when what it lists would not leave
+    dest_root's filesystem its reserve."""
+    for ls in listings:
+        disk_room.check_room(dest_root, ls.need, f"collect of run {run_id} from {ls.remote.node.name} "
+                             f"({len(ls.todo)} new or changed files)", ROOM_HINT)
+
+
+def admit(listings: list[NodeListing], dest_root: Path) -> tuple[list[NodeListing], list[str]]:
+    """The nodes whose listed files fit together under dest_root keeping its reserve, in inventory
+    order, and one error for each node that does not fit (nothing of it is written: a node that
+    lists more than there is room for costs only its own files; the next collect, with room, takes
+    what this one left)."""
+    where, free, keep = disk_room.room(dest_root)
+    left = free - keep
+    admitted, refused = [], []
+    for ls in listings:
+        if ls.need <= left:
+            admitted.append(ls)
+            left -= ls.need
+        else:
+            refused.append(f"{ls.remote.node.name}: nothing collected: its {len(ls.todo)} new or changed files need "
+                           f"{size_text(ls.need)}, and {where} has {size_text(max(left, 0))} of room left "
+                           f"({size_text(free)} free, {size_text(keep)} of it kept free); {ROOM_HINT}")
+    return admitted, refused
 
 
 def fetch_listed(ls: NodeListing, progress=None) -> NodeCollect:

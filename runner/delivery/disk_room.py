@@ -27,12 +27,17 @@ def existing(path: Path) -> Path:
     return path
 
 
+def room(dest: Path) -> tuple[Path, int, int]:
+    """(where it is measured, its free bytes, what it keeps free) for writing under dest."""
+    where = existing(dest)
+    du = shutil.disk_usage(where)
+    return where, du.free, disk_keep_free(du.total)
+
+
 def check_room(dest: Path, need: int, what: str, hint: str) -> None:
     """Refuse (UserError, exit 2) when writing need bytes under dest would leave its filesystem with
     less than disk_keep_free(): `what` names the request, `hint` what the user can do instead."""
-    where = existing(dest)
-    du = shutil.disk_usage(where)
-    keep = disk_keep_free(du.total)
-    if need > du.free - keep:
-        raise UserError(f"{what} needs {size_text(need)}, and {where} has {size_text(du.free)} free "
+    where, free, keep = room(dest)
+    if need > free - keep:
+        raise UserError(f"{what} needs {size_text(need)}, and {where} has {size_text(free)} free "
                         f"({size_text(keep)} of it kept free); nothing was written: {hint}")

@@ -20,6 +20,7 @@ from runner.backends.slurm.shell import LocalShell, LoginShell, open_shell
 from runner.delivery import disk_room
 from runner.delivery.collect_files import (
     MANIFEST,
+    ROOM_HINT,
     NodeCollect,
     collect_error,
     collect_node,
@@ -45,7 +46,7 @@ def mirror_local(src: Path, dest: Path, res: NodeCollect, run_id: str = "") -> N
             res.vanished += 1
     todo = [(p, st) for p, st in listed if not _unchanged(manifest.get(str(p.relative_to(src))), dest, src, p, st)]
     disk_room.check_room(dest, sum(st.st_size for _, st in todo), f"collect of run {run_id or src.name} "
-                         f"({len(todo)} files)", "free space there, or collect into a larger filesystem with --dest")
+                         f"({len(todo)} new or changed files)", ROOM_HINT)
     dest.mkdir(parents=True, exist_ok=True)
     try:
         res.files = len(listed)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from runner.delivery.collect_files import (
     NodeCollect,
-    check_room,
+    admit,
     collect_error,
     fetch_listed,
     list_node,
@@ -45,15 +45,18 @@ def register(sub: argparse._SubParsersAction) -> None:
 def collect(cl: Cluster, run_id: str, dest: Path, quiet: bool = False) -> tuple[list[NodeCollect], list[str]]:
     """Every node that answers, --parallel at a time: (results, one error string per failure). A
     node's failure never costs another node's files, nor the files this node already delivered.
-    Every node lists first: when what they list would not fit where it goes (keeping its reserve:
-    runner/delivery/disk_room.py), nothing is written and the collect is refused in one line."""
-    out, errors, listings = [], [], {}
+    Every node lists first; the nodes whose files fit where they go together (keeping its reserve:
+    runner/delivery/disk_room.py) are collected, and each other node is named with what it needs,
+    nothing of it written."""
+    out, errors, listed = [], [], []
     for r, val, err in cl.map([cl[n.name] for n in cl.reachable()], lambda r: list_node(r, run_id, dest)):
         if err is not None:
             errors.append(_failed(r.node.name, err))
         else:
-            listings[r.node.name] = val
-    check_room(list(listings.values()), dest, run_id)
+            listed.append(val)
+    admitted, refused = admit(listed, dest)
+    errors += refused
+    listings = {ls.remote.node.name: ls for ls in admitted}
     with stream.transfer_progress(quiet, eta=False) as progress:
         res = cl.map([cl[n] for n in listings], lambda r: fetch_listed(listings[r.node.name], progress))
     for r, val, err in res:
