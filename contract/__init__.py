@@ -10,4 +10,5 @@ neither wing: the only code the two share (docs/contract.md).
 - `contract.memory`, `contract.model_size`: a stage's memory before launch (`trainer --dry-run`,
   `runner up --dry-run`).
 - `contract.suggest`, `contract.version`: what both CLIs answer alike (did-you-mean, --version).
+- `contract.bounded_json`: JSON another machine wrote (a node's timelines and metrics), read within bounds.
 """

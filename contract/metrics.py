@@ -15,22 +15,33 @@ FILE = "metrics.jsonl"
 ETA_WINDOW = 10  # recent steps whose mean step time predicts the rest
 
 
+MAX_READ = 64 << 20   # the newest 64 MiB of a metrics.jsonl are read (a real record: ~300 bytes a logged step)
+MAX_LINE = 64 << 10   # a longer line is no record of ours: left out unparsed
+
+
 def parse(text: str) -> list[dict]:
     """Every record that parses (a line being written when read is skipped, and one nested past
     Python's recursion limit: RecursionError is not a ValueError)."""
-    out = []
-    for line in text.splitlines():
-        try:
-            r = json.loads(line)
-        except (ValueError, RecursionError):
-            continue
-        if isinstance(r, dict):
-            out.append(r)
-    return out
+    return [r for line in text.splitlines() if (r := _record(line)) is not None]
 
 
-def read(path: Path) -> list[dict]:
-    return parse(Path(path).read_text(errors="replace"))
+def _record(line: str | bytes) -> dict | None:
+    if len(line) > MAX_LINE:
+        return None
+    try:
+        r = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    return r if isinstance(r, dict) else None
+
+
+def read(path: Path, max_bytes: int = MAX_READ) -> list[dict]:
+    """The records in the newest max_bytes of the file, read a piece at a time (a job's file of any
+    size, or one line of gigabytes without a newline, costs at most max_bytes)."""
+    from contract.bounded_json import tail_lines
+
+    lines, _ = tail_lines(Path(path), max_bytes, MAX_LINE)
+    return [r for line in lines if (r := _record(line)) is not None]
 
 
 def number(x: object) -> bool:

@@ -5,7 +5,6 @@ needed. `trainer plot` and `runner collect` both draw with these.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "backward_input": "#C44E52", "backward_weight": "#8172B3",
@@ -141,7 +140,9 @@ def gantt_title(trace: dict, batch: int, summary: Path | None = None) -> str:
     title = (f"batch {batch}: " + (f"{o['schedule']} " if o.get("schedule") else "")
              + f"pp={o.get('pp', '?')} microbatches={o.get('microbatches', '?')}")
     if summary is not None and summary.is_file():
-        s = json.loads(summary.read_text())
+        from contract.bounded_json import read
+
+        s = read(summary)
         theory = s.get("theoretical_bubble")
         title += f"; bubble {s['measured_bubble']:.2f} measured" + (f", {theory:.2f} theory" if theory is not None else "")
     if o.get("merged_by"):

@@ -15,7 +15,6 @@ offset_ns, error_ns}; events are {action, stage, mb, peer, bytes, start_ns, end_
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -122,7 +121,9 @@ def seed_to_chrome(records: list[dict], nodes: dict[int, str] | None = None, bat
 
 def load_trace(path: Path) -> dict:
     """A Chrome trace, or the seed flat format converted to the same shape."""
-    data = json.loads(Path(path).read_text())
+    from contract.bounded_json import read
+
+    data = read(Path(path))  # a node's file when `runner collect` plots it: bounded, ValueError if not
     if isinstance(data, dict):
         return data
     return seed_to_chrome(data)

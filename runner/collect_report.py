@@ -9,7 +9,7 @@ import logging
 import re
 from pathlib import Path
 
-from contract import metrics
+from contract import bounded_json, metrics
 from contract.timeline import MERGED_RE, PIECE_RE, is_seed, seed_to_chrome, timeline_files, write_atomic
 
 log = logging.getLogger("runner.collect")
@@ -46,10 +46,10 @@ def _read_pieces(ranks: dict[int, Path]) -> tuple[list[dict], dict[int, str]]:
     records, nodes = [], {}
     for rank, p in sorted(ranks.items()):
         try:
-            data = json.loads(p.read_text())
+            data = bounded_json.read(p)  # a node's file: at most 64 MiB and 2,000,000 values
             if not is_seed(data):
                 raise ValueError("not a list of seed-format records")
-        except ValueError as exc:
+        except (OSError, ValueError) as exc:
             log.warning("timeline piece %s not merged: %s", p, exc)
             return [], {}
         nodes[rank] = p.parent.name
@@ -93,7 +93,7 @@ def _render(src: Path, out: Path, fn, *args) -> list[Path | None]:
 
 
 def _gantt(plots, f: Path, d: Path, k: int, out: Path) -> Path:
-    data = json.loads(f.read_text())
+    data = bounded_json.read(f)
     trace = data if isinstance(data, dict) else seed_to_chrome(data, batch=k)
     return plots.gantt(trace, out, plots.gantt_title(trace, k, d / f"timeline_batch{k}_summary.json"))
 

@@ -190,3 +190,60 @@ def test_status_run_doc_of_any_shape_is_empty(text):
     remote = SimpleNamespace(node=Node("node-0", "127.0.0.1", workdir="/wd"), home="/home/u",
                              read_text=lambda path: text)
     assert run_doc(remote, "r1") == {}
+
+
+# --- runner collect's report: the nodes' timeline pieces and metrics.jsonl (contract/bounded_json.py) ---
+
+SEED = [{"rank": 0, "stage_idx": 0, "mb_idx": 0, "action": "FORWARD", "start_ns": 1, "end_ns": 2}]
+
+
+@pytest.mark.parametrize("piece, why", [
+    ("[" * 200_000, "nested deeper than Python reads"),                      # a traceback ended collect
+    ("[" + "{}," * 2_500_000 + "{}]", "holds over 2,000,000 JSON values"),    # 7.5 MB: 3.5M dicts, ~250 MB parsed
+    (None, "over the 64.0 MiB such a file may be"),                           # 100 MiB (sparse)
+])
+def test_collect_report_passes_over_a_hostile_timeline_piece_and_merges_the_rest(tmp_path, caplog, piece, why):
+    from runner.collect_report import merge_timelines, render_plots, summarize
+
+    run = tmp_path / "run"
+    for node, rank in (("n0", 0), ("n1", 1)):
+        (run / node).mkdir(parents=True)
+        (run / node / f"timeline_batch2_rank{rank}.json").write_text(json.dumps([{**SEED[0], "rank": rank}]))
+    bad = run / "n0" / "timeline_batch1_rank0.json"
+    if piece is None:
+        with open(bad, "wb") as fh:
+            fh.truncate(100 << 20)
+    else:
+        bad.write_text(piece)
+    (run / "n1" / "timeline_batch1_rank1.json").write_text(json.dumps([{**SEED[0], "rank": 1}]))
+    merged = merge_timelines(run)
+    assert [p.name for p in merged] == ["timeline_batch2_all.json", "timeline_batch2_all.trace.json"]
+    assert any(why in r.getMessage() and "timeline_batch1_rank0.json" in r.getMessage() for r in caplog.records)
+    render_plots(run)  # each bad input a warning, never an exception
+    summarize(run)
+
+
+def test_metrics_of_any_size_are_read_from_their_newest_64_mib_a_piece_at_a_time(tmp_path):
+    """100 MiB of zeros without a newline, then a 5 MiB line, then records: the records are read,
+    the rest left out, and reading holds about the 64 MiB it reads, never the file or the line whole."""
+    import tracemalloc
+
+    from contract import metrics
+
+    p = tmp_path / "metrics.jsonl"
+    with open(p, "wb") as fh:
+        fh.truncate(100 << 20)
+        fh.seek(0, 2)
+        fh.write(b"\n" + GOOD.encode() + b"\n" + b"x" * (5 << 20) + b"\n" + b'{"step": 3, "loss": 1.5}\n')
+    tracemalloc.start()
+    try:
+        recs = metrics.read(p)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [r["step"] for r in recs] == [2, 3]
+    assert peak < 80 << 20, f"{peak / 2**20:.0f} MiB held reading a 105 MiB file"
+    small = tmp_path / "small.jsonl"
+    small.write_text(GOOD + "\n" + DEEP + "\n" + '{"step": 3, "loss": 1.5}')  # the last line still being written
+    assert [r["step"] for r in metrics.read(small)] == [2, 3]
+    assert [r["step"] for r in metrics.read(small, max_bytes=30)] == [3]  # a tail starts inside a line: skipped
