@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from contract import metrics
+from contract import bounded_json, metrics
 from runner.elastic import ELASTIC_FILE, EVENTS_MAX, parse_events, render_events
 from runner.errors import UserError
 from runner.inventory_arg import add_inventory_args
@@ -244,9 +244,9 @@ def _kept_logs(run_id: str, args, ranks: dict[str, int | None]) -> int:
         node = f.parent.name
         rank = ranks.get(node)
         if rank is None:
-            try:  # the run dir's copy: the job could have written it, any shape
-                doc = json.loads((f.parent / "runner-status.json").read_text(errors="replace"))
-            except (OSError, ValueError, RecursionError):
+            try:  # the run dir's copy: the job could have written it, any shape and size
+                doc = bounded_json.read(f.parent / "runner-status.json", max_bytes=1 << 20)
+            except (OSError, ValueError):
                 doc = None
             rank = doc.get("rank") if isinstance(doc, dict) else None
         prefix = f"[{node}/{rank if isinstance(rank, int) else '?'}]"
