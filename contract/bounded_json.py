@@ -20,6 +20,7 @@ from contract.memory import size_text
 
 MAX_VALUES = 2_000_000          # a real timeline piece: tens of thousands
 MAX_FILE = 64 << 20             # a timeline piece or summary read whole (a real one: KBs to a few MB)
+PIECE = 1 << 20                 # bytes read at a time by tail_lines
 
 
 def loads(data: str | bytes, what: str, max_values: int = MAX_VALUES) -> Any:
@@ -51,31 +52,36 @@ def tail_lines(path: Path, max_bytes: int, max_line: int) -> tuple[list[bytes], 
     """The complete lines in the last max_bytes of a file, each at most max_line bytes (longer ones
     left out), read a piece at a time: (lines, whether anything was left out). Never holds more
     than max_bytes plus one piece, however long a line without a newline runs."""
-    piece = 1 << 20
     lines: list[bytes] = []
-    dropped = False
     with open(path, "rb") as fh:
         size = os.fstat(fh.fileno()).st_size
         start = max(0, size - max_bytes)
         fh.seek(start)
-        pending, skipping = b"", start > 0  # a tail starts inside a line: its rest is not a line
-        dropped = start > 0
-        read = 0
-        while read < max_bytes and (chunk := fh.read(min(piece, max_bytes - read))):
-            read += len(chunk)
+        # A tail that starts inside a line: that line's rest is not a line.
+        pending, skipping, dropped = b"", start > 0, start > 0
+        left = max_bytes
+        while left > 0 and (chunk := fh.read(min(PIECE, left))):
+            left -= len(chunk)
             parts = chunk.split(b"\n")
-            for i, part in enumerate(parts):
-                last = i == len(parts) - 1
-                if skipping:
-                    skipping = last  # the cut line ends at the first newline
-                    continue
-                pending += part
-                if len(pending) > max_line:
-                    dropped, pending, skipping = True, b"", last
-                    continue
-                if not last:
-                    lines.append(pending)
-                    pending = b""
-        if pending:
+            if len(parts) == 1:  # no newline here: the current line goes on
+                if not skipping:
+                    pending += chunk
+                    if len(pending) > max_line:
+                        dropped, pending, skipping = True, b"", True
+                continue
+            if not skipping:  # the first part ends the current line
+                line = pending + parts[0]
+                if len(line) <= max_line:
+                    lines.append(line)
+                else:
+                    dropped = True
+            middle = parts[1:-1]
+            if max(map(len, middle), default=0) > max_line:
+                dropped, middle = True, [m for m in middle if len(m) <= max_line]
+            lines += middle
+            pending, skipping = parts[-1], False
+            if len(pending) > max_line:
+                dropped, pending, skipping = True, b"", True
+        if pending and not skipping:
             lines.append(pending)  # the last line, written without its newline yet
     return lines, dropped

@@ -247,3 +247,29 @@ def test_metrics_of_any_size_are_read_from_their_newest_64_mib_a_piece_at_a_time
     small.write_text(GOOD + "\n" + DEEP + "\n" + '{"step": 3, "loss": 1.5}')  # the last line still being written
     assert [r["step"] for r in metrics.read(small)] == [2, 3]
     assert [r["step"] for r in metrics.read(small, max_bytes=30)] == [3]  # a tail starts inside a line: skipped
+
+
+def test_tail_lines_equals_splitting_the_tail_whole_for_any_pieces(tmp_path, monkeypatch):
+    """tail_lines reads a piece at a time; what it returns must equal the tail split at once (the
+    first, cut line and lines over max_line left out), whatever the piece size: 3,000 random files."""
+    import random
+
+    from contract import bounded_json
+
+    def whole(data: bytes, max_bytes: int, max_line: int) -> list[bytes]:
+        start = max(0, len(data) - max_bytes)
+        seg = data[start:]
+        parts = seg.split(b"\n") if seg else []
+        parts = parts[1:] if start > 0 else parts
+        parts = parts[:-1] if seg.endswith(b"\n") else parts
+        return [p for p in parts if len(p) <= max_line]
+
+    rng = random.Random(1)
+    p = tmp_path / "f"
+    for _ in range(3000):
+        data = bytes(rng.choice(b"ab\n") for _ in range(rng.randint(0, 60)))
+        p.write_bytes(data)
+        max_bytes, max_line = rng.randint(1, 70), rng.randint(1, 10)
+        monkeypatch.setattr(bounded_json, "PIECE", rng.randint(1, 8))
+        assert bounded_json.tail_lines(p, max_bytes, max_line)[0] == whole(data, max_bytes, max_line), \
+            (data, max_bytes, max_line, bounded_json.PIECE)
