@@ -12,9 +12,13 @@ with different OUTPUT_DIRs.
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import socket
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -34,19 +38,47 @@ def _free_port() -> int:
 
 
 def run_nodes(outs: list[Path], *args: str, check: bool = True) -> list[subprocess.CompletedProcess]:
-    """One torchrun per "node", each with its own OUTPUT_DIR, joined by a static rendezvous."""
-    port = _free_port()
-    procs = []
-    for k, out in enumerate(outs):
-        procs.append(start_trainer(out, *args, node=(len(outs), k, port), env={"GLOO_SOCKET_IFNAME": "lo"}))
-    done = []
-    for p in procs:
-        out, err = p.communicate(timeout=600)
-        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    """One torchrun per "node", each with its own OUTPUT_DIR, joined by a static rendezvous. The
+    master's port is picked free, then bound by torchrun a moment later: another test's server can
+    take it in between (CI's second run of 2026-11-29: the master failed and node 1 waited for its
+    store for 600 s). A master that could not bind is started again on another port, and a node
+    left running 120 s after another failed is stopped, so a failure is reported, not waited out."""
+    for _ in range(3):
+        done = _run_nodes_once(outs, args, _free_port())
+        if not any("EADDRINUSE" in d.stderr or "address already in use" in d.stderr for d in done):
+            break
     if check:
         for k, d in enumerate(done):
             assert d.returncode == 0, f"node {k} exited {d.returncode}\n{d.stdout[-3000:]}\n{d.stderr[-5000:]}"
     return done
+
+
+def _run_nodes_once(outs: list[Path], args: tuple[str, ...], port: int) -> list[subprocess.CompletedProcess]:
+    procs = [start_trainer(out, *args, node=(len(outs), k, port), env={"GLOO_SOCKET_IFNAME": "lo"})
+             for k, out in enumerate(outs)]
+    streams = [p.communicate for p in procs]  # read in threads: a full pipe must not stall a node
+    results: list = [None] * len(procs)
+
+    def read(k: int) -> None:
+        results[k] = streams[k]()
+
+    threads = [threading.Thread(target=read, args=(k,), daemon=True) for k in range(len(procs))]
+    for t in threads:
+        t.start()
+    end, failed_at = time.monotonic() + 600, None
+    while any(t.is_alive() for t in threads) and time.monotonic() < end:
+        if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > 120:
+            break
+        time.sleep(0.5)
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    for t in threads:
+        t.join(30)
+    return [subprocess.CompletedProcess(p.args, p.returncode, *(results[k] or ("", "")))
+            for k, p in enumerate(procs)]
 
 
 def _assert_finalized(out: Path, name: str, rank: int) -> None:
