@@ -23,11 +23,17 @@ MAX_FILE = 64 << 20             # a timeline piece or summary read whole (a real
 PIECE = 1 << 20                 # bytes read at a time by tail_lines
 
 
+def value_count(data: str | bytes) -> int:
+    """An upper bound on the values in a JSON text, before parsing it: each value after the first
+    follows a ',' or a ':' (one inside a string counts too: only against the text)."""
+    comma, colon = (",", ":") if isinstance(data, str) else (b",", b":")
+    return data.count(comma) + data.count(colon)
+
+
 def loads(data: str | bytes, what: str, max_values: int = MAX_VALUES) -> Any:
     """json.loads of data, refused (ValueError naming `what`) past max_values values or nested
     past the recursion limit."""
-    comma, colon = (",", ":") if isinstance(data, str) else (b",", b":")
-    if data.count(comma) + data.count(colon) > max_values:
+    if value_count(data) > max_values:
         raise ValueError(f"{what}: holds over {max_values:,} JSON values; not read")
     try:
         return json.loads(data)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import yaml
 
+from contract.bounded_json import tail_lines
+
 FILE = "metrics.jsonl"
 ETA_WINDOW = 10  # recent steps whose mean step time predicts the rest
 
@@ -38,8 +40,6 @@ def _record(line: str | bytes) -> dict | None:
 def read(path: Path, max_bytes: int = MAX_READ) -> list[dict]:
     """The records in the newest max_bytes of the file, read a piece at a time (a job's file of any
     size, or one line of gigabytes without a newline, costs at most max_bytes)."""
-    from contract.bounded_json import tail_lines
-
     lines, _ = tail_lines(Path(path), max_bytes, MAX_LINE)
     return [r for line in lines if (r := _record(line)) is not None]
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from contract import bounded_json
+
 COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "backward_input": "#C44E52", "backward_weight": "#8172B3",
           "send_F": "#9fb8d8", "recv_F": "#9fb8d8", "send_B": "#f2c6a4", "recv_B": "#f2c6a4", "send": "#cccccc",
           "recv": "#cccccc", "dp_reduce": "#1B7837", "grad_norm": "#55A868", "optimizer": "#937860",
@@ -140,9 +142,7 @@ def gantt_title(trace: dict, batch: int, summary: Path | None = None) -> str:
     title = (f"batch {batch}: " + (f"{o['schedule']} " if o.get("schedule") else "")
              + f"pp={o.get('pp', '?')} microbatches={o.get('microbatches', '?')}")
     if summary is not None and summary.is_file():
-        from contract.bounded_json import read
-
-        s = read(summary)
+        s = bounded_json.read(summary)
         theory = s.get("theoretical_bubble")
         title += f"; bubble {s['measured_bubble']:.2f} measured" + (f", {theory:.2f} theory" if theory is not None else "")
     if o.get("merged_by"):

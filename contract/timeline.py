@@ -19,6 +19,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from contract import bounded_json
+
 SEED_ACTIONS = {"forward": "F", "backward": "B", "backward_input": "I", "backward_weight": "W",
                 "send_F": "SEND_F", "recv_F": "RECV_F", "send_B": "SEND_B", "recv_B": "RECV_B",
                 "dp_reduce": "ALL_REDUCE"}
@@ -121,9 +123,7 @@ def seed_to_chrome(records: list[dict], nodes: dict[int, str] | None = None, bat
 
 def load_trace(path: Path) -> dict:
     """A Chrome trace, or the seed flat format converted to the same shape."""
-    from contract.bounded_json import read
-
-    data = read(Path(path))  # a node's file when `runner collect` plots it: bounded, ValueError if not
+    data = bounded_json.read(Path(path))  # a node's file when `runner collect` plots it: bounded, ValueError if not
     if isinstance(data, dict):
         return data
     return seed_to_chrome(data)

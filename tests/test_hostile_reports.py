@@ -203,7 +203,7 @@ SEED = [{"rank": 0, "stage_idx": 0, "mb_idx": 0, "action": "FORWARD", "start_ns"
     (None, "over the 64.0 MiB such a file may be"),                           # 100 MiB (sparse)
 ])
 def test_collect_report_passes_over_a_hostile_timeline_piece_and_merges_the_rest(tmp_path, caplog, piece, why):
-    from runner.collect_report import merge_timelines, render_plots, summarize
+    from runner.collect_report import merge_timelines, render_plots
 
     run = tmp_path / "run"
     for node, rank in (("n0", 0), ("n1", 1)):
@@ -219,8 +219,11 @@ def test_collect_report_passes_over_a_hostile_timeline_piece_and_merges_the_rest
     merged = merge_timelines(run)
     assert [p.name for p in merged] == ["timeline_batch2_all.json", "timeline_batch2_all.trace.json"]
     assert any(why in r.getMessage() and "timeline_batch1_rank0.json" in r.getMessage() for r in caplog.records)
-    render_plots(run)  # each bad input a warning, never an exception
-    summarize(run)
+    caplog.clear()
+    made = render_plots(run)  # the bad piece's own Gantt: a warning naming it, not an exception
+    assert run / "timeline_batch2_gantt.png" in made and not (run / "n0" / "timeline_batch1_gantt.png").exists()
+    assert any("not rendered from" in r.getMessage() and "timeline_batch1_rank0.json" in r.getMessage()
+               and why in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
 
 
 def test_metrics_of_any_size_are_read_from_their_newest_64_mib_a_piece_at_a_time(tmp_path):

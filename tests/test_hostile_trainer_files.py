@@ -298,7 +298,7 @@ def test_eight_ranks_of_a_model_that_fits_once_are_refused_naming_the_ranks(mode
     from trainer.models import build
 
     monkeypatch.setattr(build, "physical_memory", lambda: 16 << 30)
-    monkeypatch.setattr(build, "CGROUP", Path("/nonexistent"))
+    monkeypatch.setattr(build.container_limits, "CGROUP", Path("/nonexistent"))
     spec = build.ModelSpec("llama", "lm", None, 1_280_000_000, 2, 64, 64)
     build.check_fits(spec, ModelConfig(), copies=3)  # 15.4 GB of 17.2: fits
     with pytest.raises(build.ConfigError) as exc:

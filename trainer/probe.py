@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trainer import container_limits
 from trainer.probe_link import LinkServer, measure
 
 VERSION = 2
@@ -93,14 +94,6 @@ def rss_bytes() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
-def _read_int(path: str) -> int | None:
-    try:
-        raw = Path(path).read_text().strip()
-    except OSError:
-        return None
-    return int(raw) if raw.isdigit() else None
-
-
 def memory_available() -> tuple[int, str]:
     """Bytes this process could grow to: the container's memory limit (cgroup v2 or v1) where one
     is set, else what the kernel says is available, plus what the process already holds."""
@@ -108,10 +101,9 @@ def memory_available() -> tuple[int, str]:
     meminfo = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
                if line.split()[1:2] and line.split()[1].isdigit()}
     avail = meminfo.get("MemAvailable", meminfo.get("MemFree", 0)) + own
-    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        limit = _read_int(limit_file)
-        if limit is not None and limit < avail:  # cgroup v1 "unlimited" is a huge number
-            return limit, f"cgroup limit ({limit_file})"
+    found = container_limits.memory_limit()
+    if found is not None and found[0] < avail:  # cgroup v1 "unlimited" is a huge number
+        return found[0], f"cgroup limit ({found[1]})"
     return avail, "MemAvailable"
 
 
@@ -223,7 +215,7 @@ def measure_compute(train_argv: list[str], min_seconds: float) -> dict:
         "model_bytes": full.num_params * 4,  # the full fp32 model every rank builds before cutting
         "runtime_bytes": runtime,
         "memory_available": mem, "memory_source": mem_src,
-        "device": str(device), "threads": torch_threads, "cpus_visible": os.cpu_count(), "cgroup_cpus": cgroup_cpus(),
+        "device": str(device), "threads": torch_threads, "cpus_visible": os.cpu_count(), "cgroup_cpus": container_limits.cpus(),
     }
 
 
@@ -304,13 +296,3 @@ def _optimizer_costs(mods: dict, cfg, window: float, sync, res: dict) -> None:
             q.grad = None
 
 
-def cgroup_cpus() -> float | None:
-    """The container's CPU quota (Docker --cpus) in CPUs, None when unlimited."""
-    v2 = Path("/sys/fs/cgroup/cpu.max")
-    if v2.exists():
-        quota, _, period = v2.read_text().strip().partition(" ")
-        return None if quota == "max" else round(int(quota) / int(period), 3)
-    quota, period = _read_int("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"), _read_int("/sys/fs/cgroup/cpu/cpu.cfs_period_us")
-    if quota is None or period is None:  # "-1" is not all digits: unlimited
-        return None
-    return round(quota / period, 3)

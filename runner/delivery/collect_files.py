@@ -90,12 +90,11 @@ def list_node(remote: Remote, run_id: str, dest_root: Path) -> NodeListing:
     return NodeListing(remote, rd, dest, len(files), todo, manifest)
 
 
-def check_room(listings: list[NodeListing], dest_root: Path, run_id: str) -> None:
+def check_room(ls: NodeListing, dest_root: Path, run_id: str) -> None:
     """Refuse one node's collect, before anything is written, when what it lists would not leave
     dest_root's filesystem its reserve."""
-    for ls in listings:
-        disk_room.check_room(dest_root, ls.need, f"collect of run {run_id} from {ls.remote.node.name} "
-                             f"({len(ls.todo)} new or changed files)", ROOM_HINT)
+    disk_room.check_room(dest_root, ls.need, f"collect of run {run_id} from {ls.remote.node.name} "
+                         f"({len(ls.todo)} new or changed files)", ROOM_HINT)
 
 
 def admit(listings: list[NodeListing], dest_root: Path) -> tuple[list[NodeListing], list[str]]:
@@ -140,7 +139,7 @@ def fetch_listed(ls: NodeListing, progress=None) -> NodeCollect:
 def collect_node(remote: Remote, run_id: str, dest_root: Path, progress=None) -> NodeCollect:
     """One node's run dir, listed, checked against the room here, then fetched."""
     ls = list_node(remote, run_id, dest_root)
-    check_room([ls], dest_root, run_id)
+    check_room(ls, dest_root, run_id)
     return fetch_listed(ls, progress)
 
 

@@ -35,6 +35,7 @@ from docker.models.containers import Container, ContainerCollection
 from docker.models.images import Image, ImageCollection
 
 import docker
+from contract.bounded_json import value_count
 from runner.transport.docker_api import DeadlineFile, EngineAnswerError, NoAnswer, VerifiedSSHAdapter
 
 if TYPE_CHECKING:
@@ -219,8 +220,7 @@ class NodeAPI(docker.APIClient):
     def _countable(self, response) -> None:
         """At most MAX_JSON_VALUES values (each is after a ',' or a ':', or opens a list), counted in
         the bytes before any is parsed: a ',' inside a string only counts against the answer."""
-        body = response.content or b""
-        if body.count(b",") + body.count(b":") > MAX_JSON_VALUES:
+        if value_count(response.content or b"") > MAX_JSON_VALUES:
             raise EngineAnswerError(self.node, f"the engine's answer to {_what(response)} holds over "
                                     f"{MAX_JSON_VALUES:,} values: stopped before reading them")
 

@@ -92,12 +92,17 @@ def _gather(mine: object) -> list:
     return gathered
 
 
+def _first(problems: list[str | None]) -> str | None:
+    """The first rank's problem, naming its disk: `this disk (...)` in one process."""
+    for r, p in enumerate(problems):
+        if p:
+            return f"this disk ({p})" if len(problems) == 1 else f"rank {r}'s disk ({p})"
+    return None
+
+
 def agree(problem: str | None) -> str | None:
     """Every rank's problem (None for none), gathered: the first one, naming its rank, on every rank."""
-    gathered = _gather(problem)
-    if len(gathered) == 1:
-        return problem and f"this disk ({problem})"
-    return next((f"rank {r}'s disk ({p})" for r, p in enumerate(gathered) if p), None)
+    return _first(_gather(problem))
 
 
 def refusal(step: int, problem: str, previous: str | None) -> CheckpointSpaceError:
@@ -155,10 +160,8 @@ def settle(out: Outcome) -> str | None:
         if out.error is not None:
             raise out.error from None
         raise
-    full = [(r, f) for r, (f, _) in enumerate(gathered) if f]
-    if full:
-        r, f = full[0]
-        return f"this disk ({f})" if len(gathered) == 1 else f"rank {r}'s disk ({f})"
+    if full := _first([f for f, _ in gathered]):
+        return full
     if out.error is not None:
         raise out.error
     failed = [(r, e) for r, (_, e) in enumerate(gathered) if e]

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from contract.presets import PRESETS
+from trainer import container_limits
 from trainer.config import ConfigError, ModelConfig
 from trainer.unpickling import why_not_data
 
@@ -128,22 +129,13 @@ def physical_memory() -> int | None:
         return None
 
 
-CGROUP = Path("/sys/fs/cgroup")
-
-
 def memory_limit(cgroup: Path | None = None) -> tuple[int | None, str]:
-    """(bytes this process may use, what sets them): a container's memory limit (inventory
-    `memory:` -> docker --memory; cgroup v2 `memory.max`, v1 `memory/memory.limit_in_bytes`) when it
-    is below the machine's RAM, which sysconf reports inside a container too; else the RAM."""
-    ram, cgroup = physical_memory(), cgroup or CGROUP
-    for f in (cgroup / "memory.max", cgroup / "memory" / "memory.limit_in_bytes"):
-        try:
-            text = f.read_text()[:32].strip()
-        except OSError:
-            continue
-        if text.isdigit() and 0 < int(text) and (ram is None or int(text) < ram):
-            return int(text), "this container's memory limit"
-        break  # "max" or v1's unlimited (2^63 rounded down to a page): no limit below the RAM
+    """(bytes this process may use, what sets them): the container's memory limit
+    (trainer/container_limits.py) when it is below the machine's RAM, which sysconf reports inside
+    a container too; else the RAM."""
+    ram, limit = physical_memory(), container_limits.memory_limit(cgroup)
+    if limit is not None and (ram is None or limit[0] < ram):
+        return limit[0], "this container's memory limit"
     return ram, "this machine's memory"
 
 
