@@ -102,6 +102,20 @@ def test_resume_runs_no_code_from_dcp_metadata(trained, tmp_path):
     _one_error(r, ".metadata")
 
 
+def test_dcp_metadata_larger_than_any_the_trainer_writes_is_refused_unread(trained, tmp_path):
+    """.metadata was unpickled at any size (a sparse file here: no disk used)."""
+    from trainer.checkpoint.safe_read import MAX_METADATA, read_metadata
+    from trainer.config import ConfigError
+
+    out, ckpt = _copy(trained, tmp_path)
+    assert read_metadata(ckpt / ".metadata").storage_data
+    big = tmp_path / ".metadata"
+    with big.open("wb") as f:
+        f.truncate(MAX_METADATA + 1)
+    with pytest.raises(ConfigError, match=rf"\.metadata: {MAX_METADATA + 1} bytes, not DCP checkpoint metadata"):
+        read_metadata(big)
+
+
 def test_resume_runs_no_code_from_a_shard_value(trained, tmp_path):
     """DCP stores a non-tensor value (an optimizer's lr, betas...) as torch.save bytes in a shard
     file, and its default planner loaded them with weights_only=False."""

@@ -37,6 +37,9 @@ from trainer.unpickling import why_not_data
 # numpy 2 moved numpy.core to numpy._core (pyproject allows numpy >= 1.26; a node's image may hold either).
 _multiarray = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray
 MAX_RANK_FILE = 16 << 20  # RNG states (torch, python, numpy, one per GPU) and a data position: a few KB
+# DCP's metadata is ~300 bytes per tensor shard (a 1280-entry ZeRO-3 checkpoint: 398,684 bytes), so a
+# 70B model's optimizer state sharded over 512 ranks is ~300 MB; a larger file is not one the trainer wrote.
+MAX_METADATA = 1 << 30
 RNG_GLOBALS = [_multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
@@ -106,7 +109,12 @@ def _plain_name(name: Any) -> bool:
 
 
 def read_metadata(path: Path) -> Metadata:
-    """DCP's metadata file, unpickled as data, every shard it names a file inside the checkpoint."""
+    """DCP's metadata file, at most MAX_METADATA bytes, unpickled as data, every shard it names a file
+    inside the checkpoint."""
+    size = path.stat().st_size if path.is_file() else 0
+    if size > MAX_METADATA:
+        raise ConfigError(f"{path}: {size} bytes, not DCP checkpoint metadata the trainer wrote (at most "
+                          f"{MAX_METADATA}); the checkpoint is corrupt or was tampered with: resume from another")
     try:
         with path.open("rb") as f:
             md = _MetadataUnpickler(f).load()
