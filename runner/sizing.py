@@ -11,8 +11,9 @@ arithmetic is contract/model_size.py + contract/memory.py, the same `trainer --d
 A node's need: for each rank on it, the trainer process before any model (torch and libraries; what
 `runner profile` measured on the node, else RUNTIME_BYTES) plus the larger of its stage's estimate
 (weights, gradients, AdamW state, the activations of the microbatches in flight, the loss's
-scratch) and the whole fp32 model, which every rank of an unsharded pipeline builds before cutting
-its stage. A node's memory: the inventory's `memory:` (the job container's Docker limit), and what
+scratch) and the whole fp32 model, which every rank of an unsharded layout builds before cutting
+its stage, and in a sharded one (tp > 1, or ZeRO-2/3 over dp > 1) each stage's first rank (rank % (dp x
+tp) == 0), which sends the others their shards: trainer/parallel/compose.py's `copies_built_here`. A node's memory: the inventory's `memory:` (the job container's Docker limit), and what
 `runner profile` measured inside the job's container (cached under ~/.cache/runner/profiles), the
 smaller of the two. A GPU node's stage lives in GPU memory: only a profile's CUDA figure is compared.
 """
@@ -222,14 +223,14 @@ class NodeSize:
     stages: list[int]                    # the pipeline rank of each rank on the node (its stage when one a rank)
     estimate: list[MemoryEstimate]       # per rank
     runtime: int                         # per rank
-    build: int                           # the whole fp32 model a rank builds first (0: built sharded)
+    builds: list[int]                    # per rank: the whole fp32 model it builds first (0: built on meta)
     have: int | None = None
     have_from: str = ""
     gpu: bool = False
 
     @property
     def need(self) -> int:
-        return sum(self.runtime + max(e.total, self.build) for e in self.estimate)
+        return sum(self.runtime + max(e.total, b) for e, b in zip(self.estimate, self.builds, strict=True))
 
     @property
     def fits(self) -> bool | None:
@@ -281,8 +282,12 @@ class Sizing:
 
     @staticmethod
     def _build_note(n: NodeSize) -> str:
-        worst = max(e.total for e in n.estimate)
-        return f", at least the whole model built first, {gib(n.build)}" if n.build > worst else ""
+        over = [b for e, b in zip(n.estimate, n.builds, strict=True) if b > e.total]
+        if not over:
+            return ""
+        who = "" if len(n.estimate) == 1 else f" on {len(over)} of its ranks" if len(over) < len(n.estimate) else \
+            " on each rank"
+        return f", at least the whole model built first{who}, {gib(over[0])}"
 
     def misfit(self) -> NodeSize | None:
         return next((n for n in self.nodes if n.fits is False), None)
@@ -361,7 +366,7 @@ def size_job(inv: Inventory, probed: dict[str, int] | None = None, memory_field:
     sharding = str(s["parallel.sharding"])
     schedule = canonical(str(s["parallel.pp_schedule"])) if pp > 1 else "none"
     sharded = tp > 1 or (sharding.startswith(("zero2", "zero3")) and dp > 1)
-    build = 0 if sharded else 4 * shape.params
+    whole = 4 * shape.params  # the fp32 model a building rank holds before cutting or sharding it
     notes = []
     if s["train.activation_checkpointing"] != "none":
         notes.append(f"train.activation_checkpointing {s['train.activation_checkpointing']}: activations "
@@ -380,6 +385,7 @@ def size_job(inv: Inventory, probed: dict[str, int] | None = None, memory_field:
         dtype = sizing_dtype(str(s["train.dtype"]), gpu=gpu)
         loads = stage_loads(shape, bounds, micro=micro, seq=seq, dtype=dtype, chunks=chunks)
         stages = [(rank + j) // per_rank for j in range(k)]  # each rank's pipeline rank
+        builds = [whole if not sharded or (rank + j) % (dp * tp) == 0 else 0 for j in range(k)]
         rank += k
         est = [combined([stage_memory(loads[st], in_flight=in_flight(schedule, st, num_stages, n_micro), dtype=dtype,
                                       sharding=sharding, dp=dp, tp=tp) for st in sizing.rank_stages.get(r, [r])])
@@ -388,7 +394,7 @@ def size_job(inv: Inventory, probed: dict[str, int] | None = None, memory_field:
         have, src = known_memory(node, gpu, prof, (probed or {}).get(node.name), memory_field)
         runtime = 0 if gpu else int(prof["runtime_bytes"]) if prof and prof.get("runtime_bytes") else RUNTIME_BYTES
         sizing.dtypes[node.name] = dtype
-        sizing.nodes.append(NodeSize(node.name, stages, est, runtime, build, have, src, gpu))
+        sizing.nodes.append(NodeSize(node.name, stages, est, runtime, builds, have, src, gpu))
     split = f", partition {s['parallel.partition']} (layers {','.join(map(str, bounds))})" if pp > 1 else ""
     sizing.line = (f"sizing: {name} ({shape.family}), {shape.params / 1e6:.2f}M parameters; world {world} = "
                    f"pp {pp} x dp {dp} x tp {tp}, {sharding}{split}; {n_micro} microbatches of {micro} x {seq} "

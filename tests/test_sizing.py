@@ -316,3 +316,38 @@ def test_the_estimate_is_within_25_percent_of_the_measured_peak_on_cpu(tmp_path)
         assert measured > 150 << 20, (name, m)  # the model's memory, not noise
         for estimate in (trainer, runner):
             assert abs(estimate - measured) <= 0.25 * measured, (name, measured, estimate)
+
+
+@pytest.mark.parametrize("sharding, tp, pp, nodes, per_node", [
+    ("ddp", 1, 1, 1, 8),      # the 8-GPU server, DDP: eight copies
+    ("zero3", 1, 1, 2, 4),    # ZeRO-3 over two machines: rank 0 only
+    ("zero2", 2, 1, 2, 4),    # tp 2 x dp 4
+    ("zero3", 2, 2, 2, 4),    # pp 2 x tp 2 x dp 2: ranks 0 and 4, one a machine
+    ("ddp", 1, 3, 3, 1),      # the Pis' unsharded pipeline: every rank
+    ("ddp", 2, 2, 2, 2),      # tp alone shards: ranks 0 and 2 of 4
+])
+def test_the_whole_model_is_sized_where_the_trainer_builds_it(sharding, tp, pp, nodes, per_node, tmp_path,
+                                                              monkeypatch):
+    """The runner counted no fp32 build at all for a sharded layout, while the trainer builds the
+    whole model on each stage's first rank (trainer/parallel/compose.py copies_built_here): its node
+    could be passed as fitting and then die of the OOM killer. The ranks that build, per node,
+    equal the trainer's count."""
+    from runner.inventory import Inventory, Job, Node
+    from trainer.config import ParallelConfig
+    from trainer.parallel.compose import copies_built_here
+    from trainer.parallel.mesh import ParallelDims
+
+    monkeypatch.setenv("RUNNER_PROFILE_CACHE", str(tmp_path / "no-profiles"))
+    args = ["--parallel.sharding", sharding, "--parallel.tp", str(tp), "--parallel.pp", str(pp),
+            "--model.num_hidden_layers", "6"]
+    inv = Inventory("inv.yaml", [Node(f"n{i}", f"127.33.9.{i + 1}", role="master" if i == 0 else "worker")
+                                 for i in range(nodes)], Job(args=args, nproc_per_node=per_node))
+    sizing = size_job(inv)
+    whole = 4 * sizing.shape.params
+    world = nodes * per_node
+    dims = ParallelDims.from_config(ParallelConfig(tp=tp, pp=pp, sharding=sharding), world, per_node)
+    dims.mesh = object()
+    for i, node in enumerate(sizing.nodes):
+        assert set(node.builds) <= {0, whole}, node.builds
+        assert node.builds.count(whole) == copies_built_here(dims, i * per_node, 0, per_node), (i, node.builds)
+    assert sum(n.builds.count(whole) for n in sizing.nodes) == (world if tp == 1 and sharding == "ddp" else pp)
