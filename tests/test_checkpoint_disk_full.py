@@ -109,3 +109,40 @@ def test_per_node_disks_one_of_them_full_stops_every_node_with_the_same_line(tmp
         for out in outs:
             ckpts = out / "checkpoints"
             assert sorted(os.listdir(ckpts)) == ["latest", "step-3"] and (ckpts / "latest").read_text() == "step-3\n"
+
+
+def test_a_replica_that_meets_a_full_disk_stops_every_node_with_the_same_line(tmp_path):
+    """checkpoint.replicas 1 without shared storage: node 1's 2 MiB disk holds its own half of step 3
+    (1.1 MiB) but not node 0's half beside it, so the copy meets ENOSPC midway. Before: node 1 left
+    the copy's ring at the failed write and node 0 waited for the next chunk, both until the 30-minute
+    collective timeout. Now node 1 finishes the ring (dropping what it receives) and every rank
+    gives the same line; nothing of step 3 is kept on either node."""
+    from tests.test_checkpoint_nodes import ARGS, run_nodes
+
+    with small_fs(tmp_path / "node1", 2 * MiB) as node1:
+        outs = [tmp_path / "node0", node1]
+        done = run_nodes(outs, *ARGS, "--parallel.sharding", "zero3", "--checkpoint.interval", "3",
+                         "--checkpoint.replicas", "1", check=False)
+        lines = [ln for d in done for ln in d.stderr.splitlines() if ln.startswith("error: ")]
+        assert [d.returncode for d in done] != [0, 0] and len(lines) == 2 and len(set(lines)) == 1, \
+            [d.stderr[-3000:] for d in done]
+        assert re.match(r"error: checkpoint step 3 not saved, no room on rank 1's disk \(No space left on device "
+                        r"writing \S+/\.replica-\S+\); no earlier checkpoint exists", lines[0]), lines
+        for out in outs:
+            assert os.listdir(out / "checkpoints") == [], os.listdir(out / "checkpoints")
+
+
+def test_a_replica_chunk_that_cannot_be_read_still_travels_as_zeros(tmp_path):
+    """The sender's side of the same rule: a file gone or shorter than listed is noted and its chunk
+    sent as zeros of the listed size, so the receiver is not left waiting."""
+    from trainer.checkpoint.replicas import _read_chunk
+
+    f = tmp_path / "__0_0.distcp"
+    f.write_bytes(b"abcdef")
+    failed: list[BaseException] = []
+    assert bytes(_read_chunk(f, 2, 3, failed).numpy()) == b"cde" and not failed
+    assert bytes(_read_chunk(f, 0, 0, failed).numpy()) == b"\0" and not failed  # an empty file: one byte
+    short = _read_chunk(f, 4, 5, failed)
+    assert bytes(short.numpy()) == b"\0" * 5 and "2 bytes at 4, 5 expected" in str(failed[-1])
+    gone = _read_chunk(tmp_path / "gone", 0, 7, failed)
+    assert bytes(gone.numpy()) == b"\0" * 7 and isinstance(failed[-1], FileNotFoundError) and len(failed) == 2

@@ -73,45 +73,77 @@ def _plain_name(name: object) -> str:
 
 def replicate(tmp: Path, layout: StorageLayout, rank: int, copies: int, group=None) -> int:
     """Collective over every rank (only the disks' leaders move bytes): each leader's own files
-    copied into the next `copies` leaders' `tmp`. Returns the bytes this rank received."""
+    copied into the next `copies` leaders' `tmp`. Returns the bytes this rank received.
+
+    A leader whose read or write fails (a full disk) keeps posting every send and receive of the
+    copy, sending zeros and dropping what it receives, and raises the first error only after its
+    peers are through: a rank that left the ring mid-copy left its neighbours waiting on it until
+    the collective timeout, and the save's settling collective (disk_space.settle) with them."""
     leaders = sorted(set(layout.leaders))
     if copies < 1 or len(leaders) < 2 or not layout.is_leader(rank):
         return 0
     me = leaders.index(rank)
     mine = own_files(tmp, [r for r in range(len(layout.leaders)) if layout.leaders[r] == rank])
     received = 0
+    failed: list[BaseException] = []
     for hop in range(1, min(copies, len(leaders) - 1) + 1):
         dst, src = leaders[(me + hop) % len(leaders)], leaders[(me - hop) % len(leaders)]
-        listing = json.dumps([[p.name, p.stat().st_size] for p in mine]).encode()
+        sizes = [(p, p.stat().st_size) for p in mine]
+        listing = json.dumps([[p.name, size] for p, size in sizes]).encode()
         theirs = json.loads(_swap_bytes(listing, dst, src, group) or b"[]")
         incoming = [(_plain_name(n), int(s)) for n, s in theirs]
-        out_chunks = [(p, off, min(CHUNK_BYTES, p.stat().st_size - off)) for p in mine
-                      for off in range(0, max(p.stat().st_size, 1), CHUNK_BYTES)]
+        out_chunks = [(p, off, min(CHUNK_BYTES, size - off)) for p, size in sizes
+                      for off in range(0, max(size, 1), CHUNK_BYTES)]
         in_chunks = [(n, off, min(CHUNK_BYTES, s - off)) for n, s in incoming for off in range(0, max(s, 1), CHUNK_BYTES)]
         handles: dict[str, object] = {}
-        try:
-            for j in range(max(len(out_chunks), len(in_chunks))):
-                t_out = None
-                if j < len(out_chunks):
-                    p, off, n = out_chunks[j]
-                    with open(p, "rb") as f:
-                        f.seek(off)
-                        t_out = torch.frombuffer(bytearray(f.read(n)), dtype=torch.uint8) if n else torch.zeros(1, dtype=torch.uint8)
-                # an empty file still travels as one byte, not written
-                got = torch.empty(in_chunks[j][2] or 1, dtype=torch.uint8) if j < len(in_chunks) else None
-                _swap(t_out, dst, got, src, group)
-                if got is not None:
-                    name, _, n = in_chunks[j]
+        for j in range(max(len(out_chunks), len(in_chunks))):
+            t_out = None
+            if j < len(out_chunks):
+                p, off, n = out_chunks[j]
+                t_out = _read_chunk(p, off, n, failed)
+            # an empty file still travels as one byte, not written
+            got = torch.empty(in_chunks[j][2] or 1, dtype=torch.uint8) if j < len(in_chunks) else None
+            _swap(t_out, dst, got, src, group)
+            if got is not None and not failed:
+                name, _, n = in_chunks[j]
+                try:
                     fh = handles.get(name) or handles.setdefault(name, open(tmp / f".replica-{name}", "wb"))
                     if n:
                         fh.write(got.numpy().tobytes())
                         received += n
-        finally:
-            for fh in handles.values():
+                except OSError as e:
+                    failed.append(_naming(e, tmp / f".replica-{name}"))
+        for name, fh in handles.items():
+            try:
                 fh.close()
-        for name, _ in incoming:  # complete: in place under their own names
-            (tmp / f".replica-{name}").replace(tmp / name)
+            except OSError as e:  # a buffered write's failure shows at close
+                failed.append(_naming(e, tmp / f".replica-{name}"))
+        if not failed:
+            for name, _ in incoming:  # complete: in place under their own names
+                (tmp / f".replica-{name}").replace(tmp / name)
+    if failed:
+        raise failed[0]
     return received
+
+
+def _naming(e: OSError, path: Path) -> OSError:
+    """A write's OSError names no file: the same error, naming the file it was writing."""
+    return e if e.filename else OSError(e.errno, e.strerror, str(path))
+
+
+def _read_chunk(p: Path, off: int, n: int, failed: list[BaseException]) -> torch.Tensor:
+    """n bytes of p from off (one zero byte for an empty file); zeros, the error noted, when it
+    cannot be read: the receiver still gets the chunk it waits for."""
+    try:
+        with open(p, "rb") as f:
+            f.seek(off)
+            data = f.read(n)
+        if len(data) != n:
+            raise OSError(f"{p}: {len(data)} bytes at {off}, {n} expected (the file changed while it was copied)")
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8) if n else torch.zeros(1, dtype=torch.uint8)
+    except OSError as e:
+        failed.append(e)
+        return torch.zeros(max(n, 1), dtype=torch.uint8)
 
 
 class Replicas:
