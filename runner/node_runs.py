@@ -21,6 +21,10 @@ from runner.run_owner import remove_dirs
 from runner.transport.cluster import Cluster
 from runner.transport.ssh import Remote
 
+# The node's own copy of the job's output: Docker's json-file log keeps every byte unless the daemon
+# sets max-size (Debian's and Docker's defaults do not), so a job printing without end filled the
+# node's disk (a Pi's SD card). Where the daemon bounds it, or logs elsewhere, its settings stand.
+NODE_LOG_MAX, NODE_LOG_FILES = "256m", "2"
 METRICS_TAIL = 16384  # bytes read from the end of metrics.jsonl: the last records, for progress and ETA
 STATUS_FILE = "runner-status.json"
 
@@ -39,12 +43,27 @@ def create_container(remote: Remote, np: NodePlan):
         count = -1 if np.gpus == "all" else int(np.gpus)
         kwargs["device_requests"] = [docker.types.DeviceRequest(count=count, capabilities=[["gpu"]])]
     try:
+        c = d.containers.create(np.image, np.command, name=np.container, labels=np.labels, environment=np.env,
+                                network_mode="host", ipc_mode="host", volumes=volumes, **kwargs)
+        if not unbounded_log(c.attrs):
+            return c
+        c.remove(force=True)  # the daemon's json-file without max-size: again, with a bound
+        bound = docker.types.LogConfig(type="json-file", config={"max-size": NODE_LOG_MAX, "max-file": NODE_LOG_FILES})
         return d.containers.create(np.image, np.command, name=np.container, labels=np.labels, environment=np.env,
-                                   network_mode="host", ipc_mode="host", volumes=volumes, **kwargs)
+                                   network_mode="host", ipc_mode="host", volumes=volumes, log_config=bound, **kwargs)
     except docker.errors.ImageNotFound:
         raise UserError(f"node {np.node}: image {np.image} not present; run `runner push`") from None
     except docker.errors.APIError as exc:
         raise UserError(f"node {np.node}: docker refused to start {np.container}: {exc.explanation}") from None
+
+
+def unbounded_log(attrs: object) -> bool:
+    """Whether a created container's log, as its daemon merged it (HostConfig.LogConfig: the daemon's
+    driver and options under the container's), is json-file without max-size: every byte kept."""
+    host = attrs.get("HostConfig") if isinstance(attrs, dict) else None
+    log = host.get("LogConfig") if isinstance(host, dict) else None
+    opts = (log.get("Config") or {}) if isinstance(log, dict) else None
+    return isinstance(opts, dict) and log.get("Type") == "json-file" and "max-size" not in opts
 
 
 def run_containers(remote: Remote, run_id: str | None, all_: bool = True) -> list:

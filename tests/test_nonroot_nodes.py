@@ -158,6 +158,10 @@ def test_a_run_as_the_ssh_user_through_down_resume_restart_and_collect(nonroot_s
     for n in NODES:
         cfg = json.loads(on_node(inv, n, "docker", "inspect", "--format", "{{json .Config}}", container_name(run_id, n)))
         assert cfg["User"] == f"{ids[0]}:{ids[1]}"
+        # the node's engine logs to json-file without max-size: the runner's bound (node_runs.NODE_LOG_MAX)
+        log = json.loads(on_node(inv, n, "docker", "inspect", "--format", "{{json .HostConfig.LogConfig}}",
+                                 container_name(run_id, n)))
+        assert log == {"Type": "json-file", "Config": {"max-size": "256m", "max-file": "2"}}, log
         assert {"HOME=/tmp", f"USER={NONROOT_USER}"} <= set(cfg["Env"])
         assert not_owned_by(out[n], ids) == {}
     assert (out["node-0"] / "checkpoints" / "latest").read_text().strip() == "step-4"
