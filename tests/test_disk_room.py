@@ -121,3 +121,41 @@ def test_resume_relay_through_a_full_temp_folder_is_refused_before_touching_a_no
                         r"free space there, or point TMPDIR at a larger filesystem", str(res)), res
     assert not (dirs["n0"] / "checkpoints" / "step-2" / "__1_0.distcp").exists()
     assert not (dirs["n1"] / "checkpoints" / "step-2" / "__0_0.distcp").exists()
+
+
+def test_resume_onto_a_node_without_room_is_refused_before_touching_a_node(tmp_path):
+    """Node n1's run dir is a full 1 MiB tmpfs (it keeps 51.2 KiB free): it cannot take node n0's
+    files of step-2. Before, the upload to n1 ended in paramiko's `size mismatch in put!  0 != 100`,
+    after whatever had been copied already; now nothing is copied to either node."""
+    from tests.test_hostile_paths import _resume
+
+    nodes = tmp_path / "nodes"
+    with small_fs(nodes / "n1" / "run", MiB) as fs:
+        res, dirs = _resume(nodes, before_sync=lambda run_dirs: fill(fs, 0))
+        assert isinstance(res, UserError) and res.exit_code == 2, res
+        assert re.fullmatch(rf"--resume: completing step-2 on node n1 \(3 files\) needs 269 B, and node n1's {fs}/"
+                            r"checkpoints has 0 B free \(51\.2 KiB of it kept free\); nothing was written: free "
+                            r"space there \(or lower checkpoint.keep_last\), then run again", str(res)), res
+        assert not (dirs["n0"] / "checkpoints" / "step-2" / "__1_0.distcp").exists()
+        assert not (dirs["n1"] / "checkpoints" / "step-2" / "__0_0.distcp").exists()
+
+
+def _answering(out: str):
+    """A node (its `run`) whose `df -Pk` answers `out`."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(node=SimpleNamespace(name="n9"), run=lambda *a, **k: SimpleNamespace(out=out, err="", rc=0))
+
+
+HEAD = "Filesystem 1024-blocks Used Available Capacity Mounted on\n"
+
+
+@pytest.mark.parametrize("out", ["", HEAD, HEAD + "/dev/x 10 5 lots 50% /\n", HEAD + "/dev/x 1 2 " + "9" * 40 + " 50% /\n"])
+def test_a_node_df_answer_that_is_not_sizes_is_one_line(out):
+    """df's answer is the node's word: one that holds no sizes is named, nothing written."""
+    with pytest.raises(UserError, match=r"^node n9: `df -Pk` of /x failed or answered no sizes"):
+        disk_room.node_room(_answering(out), "/x")
+
+
+def test_a_node_df_answer_is_read_as_posix_df_writes_it():
+    assert disk_room.node_room(_answering(HEAD + "/dev/x 2048 1024 1000 50% /mnt/a b\n"), "/x") == (1000 << 10, 2048 << 10)

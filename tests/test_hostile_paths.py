@@ -150,9 +150,10 @@ def _checkpoint(run_dir: Path, rank: int, name: str = "step-2", **override: byte
         (ck / f).write_bytes(b)
 
 
-def _resume(tmp: Path, **override_node1: bytes):  # trainer_state.json: on both nodes (rank 0's files are everywhere)
+def _resume(tmp: Path, before_sync=None, **override_node1: bytes):  # trainer_state.json: on both nodes
     """Two real nodes (no lies in their listings: what the job wrote is hostile enough), the resume
-    sync run for real between them. (result or UserError, run dirs)."""
+    sync run for real between them; before_sync(run_dirs) once their checkpoints are written.
+    (result or UserError, run dirs)."""
     from runner.delivery.resume_sync import sync_checkpoints
 
     nodes = [HostileNode(tmp / f"n{k}", fourth=10 + k) for k in range(2)]
@@ -161,6 +162,8 @@ def _resume(tmp: Path, **override_node1: bytes):  # trainer_state.json: on both 
         run_dirs[f"n{k}"] = tmp / f"n{k}" / "run"
         both = {f: b for f, b in override_node1.items() if f == "trainer_state.json"}
         _checkpoint(run_dirs[f"n{k}"], k, **(override_node1 if k == 1 else both))
+    if before_sync:
+        before_sync(run_dirs)
     for n in nodes:
         n.start()
     remotes = {f"n{k}": Remote(n.node(name=f"n{k}")).connect() for k, n in enumerate(nodes)}

@@ -8,6 +8,10 @@ contract.memory.disk_keep_free, the rule the trainer's checkpoints keep too), no
 one line says how much was asked, how much is free and what to do. Before, a collect larger than the
 free space filled the disk and stopped half-way: on a 16 MiB disk, one node's 10 MiB placed and the
 other's stream ended in `No space left on device`.
+
+The same rule holds for what the runner writes onto a node (`up --resume` completing a checkpoint
+there): `node_room` measures the node's filesystem with `df`, its answer bounded and checked like any
+node's.
 """
 
 from __future__ import annotations
@@ -17,6 +21,10 @@ from pathlib import Path
 
 from contract.memory import disk_keep_free, size_text
 from runner.errors import UserError
+
+# Measured where the path is, or the nearest folder above it that exists; the path is an argument,
+# never part of the script.
+NODE_DF = 'd=$1; while [ ! -e "$d" ]; do d=$(dirname -- "$d"); done; df -Pk -- "$d"'
 
 
 def existing(path: Path) -> Path:
@@ -41,3 +49,26 @@ def check_room(dest: Path, need: int, what: str, hint: str) -> None:
     if need > free - keep:
         raise UserError(f"{what} needs {size_text(need)}, and {where} has {size_text(free)} free "
                         f"({size_text(keep)} of it kept free); nothing was written: {hint}")
+
+
+def node_room(remote, path: str) -> tuple[int, int]:
+    """(free bytes, filesystem bytes) where a node would write under path, from its `df -Pk`."""
+    node = remote.node.name
+    res = remote.run(["sh", "-c", NODE_DF, "room", path], timeout=60, max_output=64 << 10)
+    rows = [ln.split() for ln in res.out.splitlines()[1:] if ln.strip()]
+    # POSIX df -P: filesystem, 1024-blocks, used, available, capacity, mounted on (which may hold spaces)
+    nums = rows[-1][1:4] if rows and len(rows[-1]) >= 6 else []
+    if res.rc != 0 or len(nums) != 3 or not all(x.isdigit() and len(x) <= 15 for x in nums):
+        raise UserError(f"node {node}: `df -Pk` of {path} failed or answered no sizes "
+                        f"({' '.join((res.err or res.out).split())[:200]!r}); nothing was written")
+    return int(nums[2]) * 1024, int(nums[0]) * 1024
+
+
+def check_node_room(remote, path: str, need: int, what: str, hint: str) -> None:
+    """check_room on a node: writing need bytes under path must leave its filesystem
+    disk_keep_free() free."""
+    free, total = node_room(remote, path)
+    keep = disk_keep_free(total)
+    if need > free - keep:
+        raise UserError(f"{what} needs {size_text(need)}, and node {remote.node.name}'s {path} has "
+                        f"{size_text(free)} free ({size_text(keep)} of it kept free); nothing was written: {hint}")

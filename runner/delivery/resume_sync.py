@@ -362,6 +362,11 @@ def _execute(copies: list[Copy], name: str, remotes: dict[str, Remote], roots: d
         disk_room.check_room(Path(tempfile.gettempdir()), cs[0].size,
                              f"--resume: relaying {name}/{f} from node {cs[0].src} through this machine",
                              "free space there, or point TMPDIR at a larger filesystem")
+    for dst in sorted({c.dst for c in copies}):  # every node has room for what it receives, before any is written
+        mine = [c for c in copies if c.dst == dst]
+        disk_room.check_node_room(remotes[dst], roots[dst], sum(c.size for c in mine),
+                                  f"--resume: completing {name} on node {dst} ({len(mine)} files)",
+                                  "free space there (or lower checkpoint.keep_last), then run again")
     for dst in sorted({c.dst for c in copies}):
         remotes[dst].makedirs(f"{roots[dst]}/{name}")  # for a node that lacks the checkpoint altogether
     with tempfile.TemporaryDirectory(prefix="runner-resume-") as tmp:
