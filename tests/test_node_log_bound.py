@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import io
 import os
-import shutil
-import subprocess
 import tarfile
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,7 +16,7 @@ import pytest
 
 from runner.node_runs import NODE_LOG_FILES, NODE_LOG_MAX, create_container, unbounded_log
 from runner.plan import NodePlan
-from tests.conftest import require
+from tests.own_dockerd import own_dockerd
 
 pytestmark = [pytest.mark.docker]
 
@@ -60,40 +57,11 @@ def test_the_runner_bounds_a_json_file_log_the_daemon_leaves_unbounded(host_dock
 
 
 @pytest.fixture
-def bounded_daemon(tmp_path_factory):
-    """A dockerd of its own (data root, exec root, socket; no bridge, no iptables) whose json-file
-    log has max-size 10m and max-file 3."""
-    import docker
-
-    dockerd = shutil.which("dockerd") or "/usr/sbin/dockerd"
-    require("root and dockerd", os.geteuid() == 0 and os.path.exists(dockerd), "a dockerd of the test's own")
-    root = Path(f"/tmp/rt-logd-{os.getpid()}")  # short: the socket path must fit sun_path
-    root.mkdir(exist_ok=True)
-    sock = root / "sock"
-    logf = open(root / "dockerd.log", "wb")
-    proc = subprocess.Popen([dockerd, "--data-root", str(root / "data"), "--exec-root", str(root / "exec"),
-                             "--pidfile", str(root / "pid"), "-H", f"unix://{sock}", "--bridge", "none",
-                             "--iptables=false", "--ip6tables=false", "--log-opt", "max-size=10m",
-                             "--log-opt", "max-file=3"], stdout=logf, stderr=logf)
-    try:
-        end = time.time() + 60
-        while True:
-            try:
-                client = docker.DockerClient(base_url=f"unix://{sock}", version="auto")  # asks the version
-                break
-            except Exception:  # noqa: BLE001 - not listening yet
-                assert proc.poll() is None and time.time() < end, (root / "dockerd.log").read_text()[-2000:]
-                time.sleep(0.2)
+def bounded_daemon():
+    """A dockerd of its own whose json-file log has max-size 10m and max-file 3."""
+    with own_dockerd(Path(f"/tmp/rt-logd-{os.getpid()}"), None, "--log-opt", "max-size=10m",
+                     "--log-opt", "max-file=3") as (client, _):
         yield client
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        logf.close()
-        subprocess.run(["umount", "-R", "-l", str(root / "data")], capture_output=True)
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_a_daemons_own_log_bound_stands(bounded_daemon):

@@ -9,22 +9,34 @@ one line says how much was asked, how much is free and what to do. Before, a col
 free space filled the disk and stopped half-way: on a 16 MiB disk, one node's 10 MiB placed and the
 other's stream ended in `No space left on device`.
 
-The same rule holds for what the runner writes onto a node (`up --resume` completing a checkpoint
-there): `node_room` measures the node's filesystem with `df`, its answer bounded and checked like any
-node's.
+The same rule holds for what the runner writes onto a node: `up --resume` completing a checkpoint
+there, and `push` loading an image into the node's engine (docker load unpacks the whole stream into
+its data root's tmp/ before it registers the layers there: twice the layers' bytes at the peak,
+measured: a 51 MB image failed to load with 80 MiB free and loaded with 100 MiB). `node_room`
+measures the node's filesystem with `df`, its answer bounded and checked like any node's.
 """
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 
 from contract.memory import disk_keep_free, size_text
 from runner.errors import UserError
 
+log = logging.getLogger("runner")
+
 # Measured where the path is, or the nearest folder above it that exists; the path is an argument,
 # never part of the script.
 NODE_DF = 'd=$1; while [ ! -e "$d" ]; do d=$(dirname -- "$d"); done; df -Pk -- "$d"'
+# The node engine's data root, where docker load writes.
+ENGINE_DF = 'd=$(docker info --format "{{.DockerRootDir}}") && [ -n "$d" ] && df -Pk -- "$d"'
+LOAD_FACTOR = 2  # docker load's peak on the data root, per byte of layers loaded
+
+
+class NoRoom(UserError):
+    """A filesystem without room for what would be written: trying again another way will not help."""
 
 
 def existing(path: Path) -> Path:
@@ -47,14 +59,15 @@ def check_room(dest: Path, need: int, what: str, hint: str) -> None:
     less than disk_keep_free(): `what` names the request, `hint` what the user can do instead."""
     where, free, keep = room(dest)
     if need > free - keep:
-        raise UserError(f"{what} needs {size_text(need)}, and {where} has {size_text(free)} free "
+        raise NoRoom(f"{what} needs {size_text(need)}, and {where} has {size_text(free)} free "
                         f"({size_text(keep)} of it kept free); nothing was written: {hint}")
 
 
-def node_room(remote, path: str) -> tuple[int, int]:
-    """(free bytes, filesystem bytes) where a node would write under path, from its `df -Pk`."""
+def node_room(remote, path: str, script: str = NODE_DF) -> tuple[int, int]:
+    """(free bytes, filesystem bytes) where a node would write under path, from its `df -Pk`
+    (ENGINE_DF: where its engine keeps images, path unused)."""
     node = remote.node.name
-    res = remote.run(["sh", "-c", NODE_DF, "room", path], timeout=60, max_output=64 << 10)
+    res = remote.run(["sh", "-c", script, "room", path], timeout=60, max_output=64 << 10)
     rows = [ln.split() for ln in res.out.splitlines()[1:] if ln.strip()]
     # POSIX df -P: filesystem, 1024-blocks, used, available, capacity, mounted on (which may hold spaces)
     nums = rows[-1][1:4] if rows and len(rows[-1]) >= 6 else []
@@ -70,5 +83,38 @@ def check_node_room(remote, path: str, need: int, what: str, hint: str) -> None:
     free, total = node_room(remote, path)
     keep = disk_keep_free(total)
     if need > free - keep:
-        raise UserError(f"{what} needs {size_text(need)}, and node {remote.node.name}'s {path} has "
-                        f"{size_text(free)} free ({size_text(keep)} of it kept free); nothing was written: {hint}")
+        raise NoRoom(f"{what} needs {size_text(need)}, and node {remote.node.name}'s {path} has "
+                     f"{size_text(free)} free ({size_text(keep)} of it kept free); nothing was written: {hint}")
+
+
+def engine_room(remote) -> tuple[int, int] | None:
+    """(free, filesystem bytes) of the node engine's data root, where docker load writes; None for an
+    engine whose data root this shell cannot see (one in a VM: Docker Desktop): not measured, so
+    only a known shortage refuses."""
+    try:
+        return node_room(remote, "its engine's data root", ENGINE_DF)
+    except UserError as exc:
+        log.info("%s (room for the image not checked)", exc)
+        return None
+
+
+def engine_shortage(node: str, room: tuple[int, int] | None, layer_bytes: int, what: str) -> str | None:
+    """Why docker load of layer_bytes (LOAD_FACTOR x at its peak, plus what is kept free) does not
+    fit in a data root of `room`, or None."""
+    if room is None:
+        return None
+    free, total = room
+    keep, need = disk_keep_free(total), LOAD_FACTOR * layer_bytes
+    if need <= free - keep:
+        return None
+    return (f"node {node}: {what} needs {size_text(need)} while docker load unpacks it ({LOAD_FACTOR} x "
+            f"{size_text(layer_bytes)} of layers), and its engine's data root (docker info's DockerRootDir) has "
+            f"{size_text(free)} free ({size_text(keep)} of it kept free); nothing was sent: free space there "
+            "(docker image prune, docker system df), then push again")
+
+
+def check_engine_room(remote, layer_bytes: int, what: str) -> None:
+    """NoRoom when the node's engine cannot load layer_bytes (engine_shortage)."""
+    why = engine_shortage(remote.node.name, engine_room(remote), layer_bytes, what)
+    if why:
+        raise NoRoom(why)

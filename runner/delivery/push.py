@@ -16,6 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from runner.delivery import disk_room
 from runner.delivery.images import (
     Exported,
     build_image,
@@ -55,6 +56,7 @@ class PushPlan:
     exports: dict[str, Exported] = field(default_factory=dict)
     host: dict[str, tuple[str, int, int]] = field(default_factory=dict)  # tag -> host_image_facts
     innocent: set[str] = field(default_factory=set)            # cut off by a failure before them in a chain
+    refused: dict[str, str] = field(default_factory=dict)      # node -> why nothing is sent to it (no room)
 
 
 MAX_CHAIN = 32         # nodes per relay chain: one failure cuts off at most the rest of its chain
@@ -101,7 +103,11 @@ def push_one(remote: Remote, exp: Exported, progress=None, force_full: bool = Fa
     else:
         try:
             _push_layers(remote, exp, res, progress)
+        except disk_room.NoRoom:
+            raise
         except UserError as exc:
+            if "no space left on device" in str(exc).lower():  # the whole image would not fit either
+                raise
             log.warning("node %s: partial load failed (%s); falling back to a full compressed save|load",
                         remote.node.name, exc)
             _push_full(remote, exp, res, progress)
@@ -115,6 +121,7 @@ def push_one(remote: Remote, exp: Exported, progress=None, force_full: bool = Fa
 def _push_layers(remote: Remote, exp: Exported, res: PushResult, progress) -> None:
     missing = missing_layers(exp, node_chains(remote))
     size = sum(exp.sizes[i] for i in missing)
+    disk_room.check_engine_room(remote, size, f"{exp.tag} ({len(missing)} of {len(exp.layers)} layers)")
     task = None
     if progress is not None:
         task = progress.add_task(f"{remote.node.name}: {len(missing)}/{len(exp.layers)} layers", total=size or 1)
@@ -127,6 +134,7 @@ def _push_layers(remote: Remote, exp: Exported, res: PushResult, progress) -> No
 
 
 def _push_full(remote: Remote, exp: Exported, res: PushResult, progress) -> None:
+    disk_room.check_engine_room(remote, exp.total_bytes, f"{exp.tag} (all {len(exp.layers)} layers)")
     task = None
     if progress is not None:  # counts compressed bytes: the bar ends short of the image size
         task = progress.add_task(f"{remote.node.name}: full image (gzip)", total=exp.total_bytes)
@@ -208,13 +216,20 @@ def plan_push(cl: Cluster, tags: dict[str, str], force_full: bool, relay: bool) 
         facts = {r.node.name: (v, e) for r, v, e in cl.map(group, _relay_facts)}
         lacks: dict[str, list[int]] = {}
         for r in group:
-            (have, why), err = facts[r.node.name]
+            v, err = facts[r.node.name]
+            have, why, room = v if err is None else (set(), None, None)  # a node that could not be asked: direct
             if err is not None or why:
                 log.warning("node %s: not in the relay (%s); it gets its own stream from this host",
                             r.node.name, why or err)
                 plan.direct.append(r.node.name)
             else:
-                lacks[r.node.name] = missing_layers(exp, have)
+                missing = missing_layers(exp, have)
+                short = disk_room.engine_shortage(r.node.name, room, sum(exp.sizes[i] for i in missing),
+                                                  f"{tag} ({len(missing)} of {len(exp.layers)} layers)")
+                if short:
+                    plan.refused[r.node.name] = short
+                    continue
+                lacks[r.node.name] = missing
         if len(lacks) >= 2:
             # Who lacks most first: the stream thins as it goes (each node passes on only what
             # the nodes after it lack), so a node that has most layers sits where it is thinnest.
@@ -230,10 +245,10 @@ def plan_push(cl: Cluster, tags: dict[str, str], force_full: bool, relay: bool) 
     return plan
 
 
-def _relay_facts(r: Remote) -> tuple[set[str], str | None]:
-    """(the chain ids the node holds, why it cannot relay or None)."""
+def _relay_facts(r: Remote) -> tuple[set[str], str | None, tuple[int, int] | None]:
+    """(the chain ids the node holds, why it cannot relay or None, its engine's room)."""
     res = r.run(["sh", "-c", "command -v python3"], timeout=30)
-    return node_chains(r), None if res.rc == 0 else "no python3 for the relay agent"
+    return node_chains(r), None if res.rc == 0 else "no python3 for the relay agent", disk_room.engine_room(r)
 
 
 def transfer(cl: Cluster, plan: PushPlan, progress, force_full: bool
@@ -245,6 +260,8 @@ def transfer(cl: Cluster, plan: PushPlan, progress, force_full: bool
         tag = plan.tags[name]
         image_id, n_layers, size = plan.host[tag]
         results[name] = PushResult(name, tag, image_id, "skipped", layers_total=n_layers, image_bytes=size)
+    for name, why in plan.refused.items():
+        results[name] = UserError(why)
     failed: dict[str, str] = {}
     chains_at_once = threading.BoundedSemaphore(CHAINS_AT_ONCE)
 
