@@ -42,15 +42,17 @@ def create_container(remote: Remote, np: NodePlan):
     if np.gpus:
         count = -1 if np.gpus == "all" else int(np.gpus)
         kwargs["device_requests"] = [docker.types.DeviceRequest(count=count, capabilities=[["gpu"]])]
+    def create(**more):
+        return d.containers.create(np.image, np.command, name=np.container, labels=np.labels, environment=np.env,
+                                   network_mode="host", ipc_mode="host", volumes=volumes, **kwargs, **more)
+
     try:
-        c = d.containers.create(np.image, np.command, name=np.container, labels=np.labels, environment=np.env,
-                                network_mode="host", ipc_mode="host", volumes=volumes, **kwargs)
+        c = create()
         if not unbounded_log(c.attrs):
             return c
         c.remove(force=True)  # the daemon's json-file without max-size: again, with a bound
-        bound = docker.types.LogConfig(type="json-file", config={"max-size": NODE_LOG_MAX, "max-file": NODE_LOG_FILES})
-        return d.containers.create(np.image, np.command, name=np.container, labels=np.labels, environment=np.env,
-                                   network_mode="host", ipc_mode="host", volumes=volumes, log_config=bound, **kwargs)
+        return create(log_config=docker.types.LogConfig(
+            type="json-file", config={"max-size": NODE_LOG_MAX, "max-file": NODE_LOG_FILES}))
     except docker.errors.ImageNotFound:
         raise UserError(f"node {np.node}: image {np.image} not present; run `runner push`") from None
     except docker.errors.APIError as exc:

@@ -12,8 +12,9 @@ A node's need: for each rank on it, the trainer process before any model (torch 
 `runner profile` measured on the node, else RUNTIME_BYTES) plus the larger of its stage's estimate
 (weights, gradients, AdamW state, the activations of the microbatches in flight, the loss's
 scratch) and the whole fp32 model, which every rank of an unsharded layout builds before cutting
-its stage, and in a sharded one (tp > 1, or ZeRO-2/3 over dp > 1) each stage's first rank (rank % (dp x
-tp) == 0), which sends the others their shards: trainer/parallel/compose.py's `copies_built_here`. A node's memory: the inventory's `memory:` (the job container's Docker limit), and what
+its stage, and in a sharded one (tp > 1, or ZeRO-2/3 over dp > 1) each stage's first rank
+(rank % (dp x tp) == 0), which sends the others their shards (trainer/parallel/compose.py's
+`copies_built_here`). A node's memory: the inventory's `memory:` (the job container's Docker limit), and what
 `runner profile` measured inside the job's container (cached under ~/.cache/runner/profiles), the
 smaller of the two. A GPU node's stage lives in GPU memory: only a profile's CUDA figure is compared.
 """

@@ -60,7 +60,7 @@ def check_room(dest: Path, need: int, what: str, hint: str) -> None:
     where, free, keep = room(dest)
     if need > free - keep:
         raise NoRoom(f"{what} needs {size_text(need)}, and {where} has {size_text(free)} free "
-                        f"({size_text(keep)} of it kept free); nothing was written: {hint}")
+                     f"({size_text(keep)} of it kept free); nothing was written: {hint}")
 
 
 def node_room(remote, path: str, script: str = NODE_DF) -> tuple[int, int]:

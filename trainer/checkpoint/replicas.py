@@ -96,28 +96,30 @@ def replicate(tmp: Path, layout: StorageLayout, rank: int, copies: int, group=No
                       for off in range(0, max(size, 1), CHUNK_BYTES)]
         in_chunks = [(n, off, min(CHUNK_BYTES, s - off)) for n, s in incoming for off in range(0, max(s, 1), CHUNK_BYTES)]
         handles: dict[str, object] = {}
-        for j in range(max(len(out_chunks), len(in_chunks))):
-            t_out = None
-            if j < len(out_chunks):
-                p, off, n = out_chunks[j]
-                t_out = _read_chunk(p, off, n, failed)
-            # an empty file still travels as one byte, not written
-            got = torch.empty(in_chunks[j][2] or 1, dtype=torch.uint8) if j < len(in_chunks) else None
-            _swap(t_out, dst, got, src, group)
-            if got is not None and not failed:
-                name, _, n = in_chunks[j]
+        try:
+            for j in range(max(len(out_chunks), len(in_chunks))):
+                t_out = None
+                if j < len(out_chunks):
+                    p, off, n = out_chunks[j]
+                    t_out = _read_chunk(p, off, n, failed)
+                # an empty file still travels as one byte, not written
+                got = torch.empty(in_chunks[j][2] or 1, dtype=torch.uint8) if j < len(in_chunks) else None
+                _swap(t_out, dst, got, src, group)
+                if got is not None and not failed:
+                    name, _, n = in_chunks[j]
+                    try:
+                        fh = handles.get(name) or handles.setdefault(name, open(tmp / f".replica-{name}", "wb"))
+                        if n:
+                            fh.write(got.numpy().tobytes())
+                            received += n
+                    except OSError as e:
+                        failed.append(_naming(e, tmp / f".replica-{name}"))
+        finally:
+            for name, fh in handles.items():
                 try:
-                    fh = handles.get(name) or handles.setdefault(name, open(tmp / f".replica-{name}", "wb"))
-                    if n:
-                        fh.write(got.numpy().tobytes())
-                        received += n
-                except OSError as e:
+                    fh.close()
+                except OSError as e:  # a buffered write's failure shows at close
                     failed.append(_naming(e, tmp / f".replica-{name}"))
-        for name, fh in handles.items():
-            try:
-                fh.close()
-            except OSError as e:  # a buffered write's failure shows at close
-                failed.append(_naming(e, tmp / f".replica-{name}"))
         if not failed:
             for name, _ in incoming:  # complete: in place under their own names
                 (tmp / f".replica-{name}").replace(tmp / name)
