@@ -146,3 +146,17 @@ def test_a_replica_chunk_that_cannot_be_read_still_travels_as_zeros(tmp_path):
     assert bytes(short.numpy()) == b"\0" * 5 and "2 bytes at 4, 5 expected" in str(failed[-1])
     gone = _read_chunk(tmp_path / "gone", 0, 7, failed)
     assert bytes(gone.numpy()) == b"\0" * 7 and isinstance(failed[-1], FileNotFoundError) and len(failed) == 2
+
+
+def test_a_full_disk_under_the_runs_other_files_is_one_line(tmp_path):
+    """No checkpoints: the disk fills with metrics.jsonl (200 KiB, 400 steps logged every step).
+    Before: `OSError: [Errno 28] No space left on device` from metrics.py, a traceback, exit 1,
+    naming no file."""
+    with small_fs(tmp_path / "out", 200 << 10) as out:
+        proc = run_trainer(out, "configs/tiny.yaml", "--train.steps", "400", "--checkpoint.interval", "0",
+                           "--logging.log_interval", "1", check=False)
+        line = _one_error(proc, 1)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert line == (f"error: no room left on the disk writing {out}/metrics.jsonl (No space left on device): "
+                        "free space there, then run again (with --resume latest, from the last checkpoint if there "
+                        "is one)"), line

@@ -120,3 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         _error(str(e))
         return 2
+    except OSError as e:
+        from trainer.full_disk import full_disk_line
+
+        if line := full_disk_line(e):
+            _error(line)
+            return 2
+        raise

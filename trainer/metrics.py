@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from trainer.full_disk import naming
+
 log = logging.getLogger("trainer")
 
 # name fragment -> (bf16 dense, tf32 dense) peak FLOP/s per device
@@ -163,8 +165,11 @@ class MetricsWriter:
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        try:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as e:  # a full disk at write or close names no file
+            raise naming(e, self.path) from None
         if self.trackers is not None:
             self.trackers.write(record)
 

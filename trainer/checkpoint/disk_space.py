@@ -17,7 +17,6 @@ CheckpointWriteError naming that rank, so none of them waits for the timeout eit
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import shutil
 from collections.abc import Iterator
@@ -28,8 +27,8 @@ from torch.distributed.checkpoint import CheckpointException
 
 from contract.memory import disk_keep_free, size_text
 from trainer.config import ConfigError
+from trainer.full_disk import FULL
 
-FULL = (errno.ENOSPC, errno.EDQUOT)
 FULL_BELOW = 1 << 20   # free bytes under which a failed write is taken for a full disk
 
 

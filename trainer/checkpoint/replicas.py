@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.checkpoint.storage import RANK0_FILES, StorageLayout
+from trainer.full_disk import naming
 
 log = logging.getLogger("trainer")
 CHUNK_BYTES = 64 << 20
@@ -113,24 +114,19 @@ def replicate(tmp: Path, layout: StorageLayout, rank: int, copies: int, group=No
                             fh.write(got.numpy().tobytes())
                             received += n
                     except OSError as e:
-                        failed.append(_naming(e, tmp / f".replica-{name}"))
+                        failed.append(naming(e, tmp / f".replica-{name}"))
         finally:
             for name, fh in handles.items():
                 try:
                     fh.close()
                 except OSError as e:  # a buffered write's failure shows at close
-                    failed.append(_naming(e, tmp / f".replica-{name}"))
+                    failed.append(naming(e, tmp / f".replica-{name}"))
         if not failed:
             for name, _ in incoming:  # complete: in place under their own names
                 (tmp / f".replica-{name}").replace(tmp / name)
     if failed:
         raise failed[0]
     return received
-
-
-def _naming(e: OSError, path: Path) -> OSError:
-    """A write's OSError names no file: the same error, naming the file it was writing."""
-    return e if e.filename else OSError(e.errno, e.strerror, str(path))
 
 
 def _read_chunk(p: Path, off: int, n: int, failed: list[BaseException]) -> torch.Tensor:
