@@ -160,3 +160,56 @@ def test_a_full_disk_under_the_runs_other_files_is_one_line(tmp_path):
         assert line == (f"error: no room left on the disk writing {out}/metrics.jsonl (No space left on device): "
                         "free space there, then run again (with --resume latest, from the last checkpoint if there "
                         "is one)"), line
+
+
+def _share_rank0(rank: int, store: str, root: str, out) -> None:
+    """One rank of share_rank0_files over two "nodes"; rank 0 cannot read its .metadata (EIO)."""
+    import time
+    from datetime import timedelta
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from trainer.checkpoint.storage import StorageLayout, share_rank0_files
+
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
+                            timeout=timedelta(seconds=20))
+    tmp = Path(root) / f"node{rank}"
+    tmp.mkdir()
+    if rank == 0:
+        (tmp / ".metadata").write_bytes(b"meta")
+        real = Path.read_bytes
+
+        def failing(self):
+            if self.name == ".metadata":
+                raise OSError(errno.EIO, "Input/output error", str(self))
+            return real(self)
+        Path.read_bytes = failing
+    t0 = time.monotonic()
+    try:
+        share_rank0_files(tmp, StorageLayout((0, 1)), rank)
+        got = "returned"
+    except Exception as e:  # noqa: BLE001 - what each rank ends with is the result
+        got = f"{type(e).__name__}: {e}"
+    out.put((rank, got, time.monotonic() - t0))
+
+
+def test_rank0_failing_to_read_its_shared_files_still_completes_the_broadcast(tmp_path):
+    """Before: rank 0 raised before the broadcast the other nodes' leaders wait in; in a run it then
+    entered the save's settling all_gather while they were still in the broadcast (mismatched
+    collectives). Here, where rank 0's process ends, rank 1's broadcast failed with gloo's
+    connection error. Now rank 0 broadcasts nothing and raises after: the others return at once,
+    and the save's settle names rank 0 on every rank."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_share_rank0, args=(r, str(tmp_path / "store"), str(tmp_path), out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    got = dict((r, (what, secs)) for r, what, secs in (out.get(timeout=120) for _ in procs))
+    for p in procs:
+        p.join(30)
+    assert got[0][0].startswith("OSError: [Errno 5] Input/output error"), got
+    assert got[1][0] == "returned" and got[1][1] < 10, got
+    assert not (tmp_path / "node1" / ".metadata").exists()

@@ -99,9 +99,16 @@ def share_rank0_files(tmp: Path, layout: StorageLayout, rank: int) -> None:
     """Collective: copy rank 0's RANK0_FILES into every other leader's temporary directory."""
     if layout.shared or not _distributed():
         return
-    payload = {n: (tmp / n).read_bytes() for n in RANK0_FILES if (tmp / n).is_file()} if rank == 0 else None
+    payload, failed = None, None
+    if rank == 0:
+        try:
+            payload = {n: (tmp / n).read_bytes() for n in RANK0_FILES if (tmp / n).is_file()}
+        except OSError as e:  # still broadcast (nothing): the other ranks wait in it, then settle learns why
+            payload, failed = {}, e
     box = [payload]
     dist.broadcast_object_list(box, src=0)
+    if failed is not None:
+        raise failed
     if rank != 0 and layout.is_leader(rank):
         for name, data in (box[0] or {}).items():
             (tmp / name).write_bytes(data)
