@@ -23,6 +23,7 @@ import pytest
 
 from runner.delivery import push as push_mod
 from runner.delivery.images import export
+from runner.errors import UserError
 from runner.inventory import load_inventory
 from runner.transport.ssh import Remote
 from tests import IMAGE
@@ -678,3 +679,31 @@ def test_push_of_a_tag_the_host_lacks_is_one_line(sandbox, pushed, tmp_path):
     for r in remotes(sandbox).values():  # nothing was sent: no node has the tag
         with r:
             assert r.run(["docker", "images", "-q", "runner-test-absent:404"]).out.strip() == ""
+
+
+def test_relay_push_names_a_node_without_room_and_relays_the_others(sandbox, tmp_path, monkeypatch):
+    """The relay path of push's room check (the direct path, on a real small disk:
+    tests/test_push_room.py). node-1's `df` answer is the one fake here: the sandbox engines' data
+    roots share this machine's disk, and a running engine's root cannot be shrunk. node-1 is named
+    with its figures and gets nothing; node-0 and node-2 form the chain and load the image."""
+    from runner.delivery import disk_room
+    from runner.delivery.push import push_to_nodes
+    from runner.transport.cluster import Cluster
+
+    tag = f"runner-test-relay-room:{os.getpid()}"
+    want = scratch(tag, [os.urandom(4 << 20)])
+    real = disk_room.engine_room
+
+    def room(remote):
+        return (1 << 20, 100 << 20) if remote.node.name == "node-1" else real(remote)  # 1 MiB free of 100
+
+    monkeypatch.setattr(disk_room, "engine_room", room)
+    inv = load_inventory(sandbox, job_path=str(write_job(tmp_path, image=tag)))
+    assert inv.job.push == "relay"
+    with Cluster(inv) as cl, pytest.raises(UserError) as err:
+        push_to_nodes(cl, {}, quiet=True)
+    assert re.fullmatch(rf"push failed: node-1: {re.escape(tag)} \(1 of 1 layers\) needs 8\.0 MiB while docker load "
+                        r"unpacks it \(2 x 4\.0 MiB of layers\), and its engine's data root \(docker info's "
+                        r"DockerRootDir\) has 1\.0 MiB free \(5\.0 MiB of it kept free\); nothing was sent: free space "
+                        r"there \(docker image prune, docker system df\), then push again", str(err.value)), err.value
+    assert {n: node_image_id(sandbox, n, tag) for n in NODES} == {"node-0": want, "node-1": None, "node-2": want}
