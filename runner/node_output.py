@@ -120,17 +120,29 @@ class KeptLog:
         self.fh = open(path, "ab")
         self.size = self.fh.tell()
         self.dropped = False
+        self.failed = False
 
     def write(self, chunk: bytes) -> None:
-        view = memoryview(chunk)
-        while view:
-            if self.size >= self.max_bytes:
-                self._rotate()
-            take = view[:self.max_bytes - self.size]
-            self.fh.write(take)
-            self.size += len(take)
-            view = view[len(take):]
-        self.fh.flush()
+        """Keep chunk. A write this disk refuses (full, a quota) stops the keeping with one warning:
+        the job, its streaming to the terminal and the node's own copy go on (before, the watcher
+        took the error for a lost node and stopped the run)."""
+        if self.failed:
+            return
+        try:
+            view = memoryview(chunk)
+            while view:
+                if self.size >= self.max_bytes:
+                    self._rotate()
+                take = view[:self.max_bytes - self.size]
+                self.fh.write(take)
+                self.size += len(take)
+                view = view[len(take):]
+            self.fh.flush()
+        except OSError as exc:
+            self.failed = True
+            logging.getLogger("runner.logs").warning(
+                "%s: not kept from here on (%s); the run goes on, and its output is still shown here and kept on "
+                "the node (`runner logs`)", self.path, exc.strerror or exc)
 
     def _rotate(self) -> None:
         self.fh.close()
@@ -144,7 +156,10 @@ class KeptLog:
         self.size = 0
 
     def close(self) -> None:
-        self.fh.close()
+        try:
+            self.fh.close()
+        except OSError:  # the buffered rest met the same full disk: already warned, or nothing was left
+            pass
 
     @staticmethod
     def files(path: Path) -> list[Path]:

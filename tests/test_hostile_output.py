@@ -293,6 +293,30 @@ def test_following_a_24_mib_line_holds_kilobytes_not_the_line(sandbox, pushed, t
     assert peak < 8 << 20, f"the watcher held {peak / 2**20:.1f} MiB following a {long >> 20} MiB line"
 
 
+def test_a_full_disk_here_does_not_stop_the_run(sandbox, pushed, tmp_path):
+    """The watcher `up` uses, its kept logs on a 1 MiB tmpfs, a real container printing 4 MiB: the
+    container's exit 0 is the outcome and every line reaches the terminal. Before: `lost contact
+    with the engine: [Errno 28] No space left on device`, the node counted as lost."""
+    from runner.backends.ssh.watch import Watcher
+    from tests.small_fs import small_fs
+
+    r = remotes(sandbox)["node-0"]
+    name = f"hostile-full-{tmp_path.name[-20:]}".replace("_", "-")
+    code = "import sys\nfor i in range(40000): print('x' * 99)\nprint('end')"
+    with small_fs(tmp_path / "logs", 1 << 20) as logs, r:
+        c = r.docker().containers.run(pushed_image(sandbox), ["python", "-c", code], name=name, detach=True)
+        try:
+            plan = SimpleNamespace(run_id="hostile-full", nodes=[SimpleNamespace(node="node-0", rank=0, container=name)])
+            sink = Lines("[node-0/0]")
+            outcome = Watcher({"node-0": r}, plan, logs, out=sink).run()
+        finally:
+            c.remove(force=True)
+        kept = (logs / "node-0" / "container.log").stat().st_size
+    assert outcome is None, outcome
+    assert sink.got == [(99, False)] * 40000 + ["end"]
+    assert 0 < kept <= 1 << 20
+
+
 def test_a_command_that_never_stops_writing_is_cut_at_the_cap(sandbox, pushed):
     """Remote.run read stdout and stderr whole: 48 MiB from `head` was 48 MiB held (and again
     decoded). Now: one line naming the node, the command failed, a few MiB held at most."""
@@ -407,6 +431,27 @@ def test_the_kept_log_of_a_node_is_bounded_and_rotated(tmp_path, caplog):
     assert len(both) == 160 and both == data[-160:]  # 1060 = 10 x 100 + 60: the newest 1.6 files
     dropped = [r for r in caplog.records if "the oldest is dropped" in r.getMessage()]
     assert len(dropped) == 1 and str(path) in dropped[0].getMessage()
+
+
+def test_a_kept_log_on_a_full_disk_stops_keeping_and_says_so_once(tmp_path, caplog):
+    """This machine's disk (a 64 KiB tmpfs here) fills under a kept log: the bytes that fit are kept
+    as they came, then one warning, and no error to the watcher. Before, the OSError reached the
+    watcher, which took it for a lost node and stopped the run on every node."""
+    import os
+
+    from runner.node_output import KeptLog
+    from tests.small_fs import small_fs
+
+    with small_fs(tmp_path / "art", 64 << 10) as art:
+        kept = KeptLog(art / "container.log")
+        data = os.urandom(256 << 10)
+        for at in range(0, len(data), 5000):
+            kept.write(data[at:at + 5000])
+        kept.close()
+        got = (art / "container.log").read_bytes()
+    assert 0 < len(got) <= 64 << 10 and got == data[:len(got)]
+    warned = [r.getMessage() for r in caplog.records if "not kept from here on" in r.getMessage()]
+    assert len(warned) == 1 and "No space left on device" in warned[0] and "the run goes on" in warned[0], warned
 
 
 def test_runner_logs_reads_a_rotated_kept_log_in_order(tmp_path, capsys):
