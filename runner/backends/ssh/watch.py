@@ -85,9 +85,15 @@ class Watcher:
         prefix = f"[{np.node}/{np.rank}]"
         fh = None
         if self.log_dir:
-            d = self.log_dir / np.node
-            d.mkdir(parents=True, exist_ok=True)
-            fh = KeptLog(d / "container.log")  # the bytes as the job wrote them, 2 x 256 MiB at most
+            kept = self.log_dir / np.node / "container.log"
+            try:
+                kept.parent.mkdir(parents=True, exist_ok=True)
+                fh = KeptLog(kept)  # the bytes as the job wrote them, 2 x 256 MiB at most
+            except OSError as exc:
+                # This disk is full: the run goes on, its output shown. Before, the thread ended
+                # here without an outcome and `up` waited on the node for ever.
+                log.warning("%s: not kept (%s); the run goes on, and its output is still shown here and "
+                            "kept on the node (`runner logs`)", kept, exc.strerror or exc)
         try:
             c = self.remotes[np.node].docker().containers.get(np.container)
             split = LineSplitter()
