@@ -6,6 +6,7 @@ containers stopped, old run dirs pruned.
 from __future__ import annotations
 
 import json
+import logging
 import posixpath
 import stat
 import sys
@@ -25,6 +26,7 @@ from runner.transport.ssh import Remote
 # sets max-size (Debian's and Docker's defaults do not), so a job printing without end filled the
 # node's disk (a Pi's SD card). Where the daemon bounds it, or logs elsewhere, its settings stand.
 NODE_LOG_MAX, NODE_LOG_FILES = "256m", "2"
+log = logging.getLogger("runner")
 METRICS_TAIL = 16384  # bytes read from the end of metrics.jsonl: the last records, for progress and ETA
 STATUS_FILE = "runner-status.json"
 
@@ -42,21 +44,44 @@ def create_container(remote: Remote, np: NodePlan):
     if np.gpus:
         count = -1 if np.gpus == "all" else int(np.gpus)
         kwargs["device_requests"] = [docker.types.DeviceRequest(count=count, capabilities=[["gpu"]])]
-    def create(**more):
-        return d.containers.create(np.image, np.command, name=np.container, labels=np.labels, environment=np.env,
-                                   network_mode="host", ipc_mode="host", volumes=volumes, **kwargs, **more)
-
     try:
-        c = create()
-        if not unbounded_log(c.attrs):
-            return c
-        c.remove(force=True)  # the daemon's json-file without max-size: again, with a bound
-        return create(log_config=docker.types.LogConfig(
-            type="json-file", config={"max-size": NODE_LOG_MAX, "max-file": NODE_LOG_FILES}))
+        bound = log_bound(d, np.image, remote)
+        if bound is not None:
+            kwargs["log_config"] = bound
+        return d.containers.create(np.image, np.command, name=np.container, labels=np.labels, environment=np.env,
+                                   network_mode="host", ipc_mode="host", volumes=volumes, **kwargs)
     except docker.errors.ImageNotFound:
         raise UserError(f"node {np.node}: image {np.image} not present; run `runner push`") from None
     except docker.errors.APIError as exc:
         raise UserError(f"node {np.node}: docker refused to start {np.container}: {exc.explanation}") from None
+
+
+_LOG_BOUNDS: dict[tuple[str, int], object] = {}  # (host, port) -> the LogConfig its engine's job containers get
+
+
+def log_bound(d, image: str, remote: Remote):
+    """The LogConfig bounding the job container's log on this node's engine, or None where its
+    daemon's settings bound it already (or log elsewhere). Asked once per engine and process: a
+    container of the job's image is created (never started), its merged HostConfig.LogConfig read
+    (the daemon's driver and options, which `docker info` does not show), and removed, so that the
+    job's own container is created once, with or without the bound."""
+    import docker
+
+    key = (remote.node.host, remote.node.port)
+    if key not in _LOG_BOUNDS:
+        bound = None
+        try:
+            probe = d.containers.create(image, ["true"], network_mode="none", labels={"io.runner.probe": "log-config"})
+            try:
+                if unbounded_log(probe.attrs):
+                    bound = docker.types.LogConfig(type="json-file",
+                                                   config={"max-size": NODE_LOG_MAX, "max-file": NODE_LOG_FILES})
+            finally:
+                probe.remove(force=True)
+        except docker.errors.DockerException as exc:  # the job's own create says what is wrong, if anything
+            log.debug("node %s: log settings not asked (%s)", remote.node.name, exc)
+        _LOG_BOUNDS[key] = bound
+    return _LOG_BOUNDS[key]
 
 
 def unbounded_log(attrs: object) -> bool:

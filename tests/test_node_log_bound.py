@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import os
 import tarfile
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -35,10 +36,17 @@ def _plan(image: str, name: str) -> NodePlan:
                     workdir="/tmp", run_dir="/tmp", secrets_file=None, config_file=None, writable=frozenset())
 
 
-def _log_config(client, plan: NodePlan) -> dict:
-    c = create_container(SimpleNamespace(docker=lambda: client), plan)
+def _log_config(client, plan: NodePlan, port: int) -> dict:
+    """The job container's merged LogConfig, created as `up` creates it; the engine's events show it
+    created once and the settings' probe container removed."""
+    since = time.time() - 1
+    node = SimpleNamespace(name="node-0", host="127.0.0.1", port=port)
+    c = create_container(SimpleNamespace(docker=lambda: client, node=node), plan)
     try:
-        assert client.containers.list(all=True, filters={"name": plan.container}) != [], plan.container
+        created = [e["Actor"]["Attributes"].get("name") for e in client.events(
+            since=since, until=time.time() + 1, decode=True, filters={"type": "container", "event": "create", "image": plan.image})]
+        assert created.count(plan.container) == 1 and len(created) == 2, created  # the probe, then the job's
+        assert client.containers.list(all=True, filters={"label": "io.runner.probe"}) == []
         return c.attrs["HostConfig"]["LogConfig"]
     finally:
         c.remove(force=True)
@@ -50,7 +58,7 @@ def test_the_runner_bounds_a_json_file_log_the_daemon_leaves_unbounded(host_dock
     client = docker.DockerClient(base_url=host_docker, version="auto")
     tag = _empty_image(client, f"runner-test-empty:{os.getpid()}")
     try:
-        got = _log_config(client, _plan(tag, f"runner-test-log-{os.getpid()}"))
+        got = _log_config(client, _plan(tag, f"runner-test-log-{os.getpid()}"), port=1)
     finally:
         client.images.remove(tag, force=True)
     assert got == {"Type": "json-file", "Config": {"max-size": NODE_LOG_MAX, "max-file": NODE_LOG_FILES}}, got
@@ -66,7 +74,7 @@ def bounded_daemon():
 
 def test_a_daemons_own_log_bound_stands(bounded_daemon):
     tag = _empty_image(bounded_daemon, "runner-test-empty:1")
-    got = _log_config(bounded_daemon, _plan(tag, "runner-test-log"))
+    got = _log_config(bounded_daemon, _plan(tag, "runner-test-log"), port=2)
     assert got == {"Type": "json-file", "Config": {"max-size": "10m", "max-file": "3"}}, got
 
 
