@@ -61,9 +61,10 @@ def _go_files(sandbox, run_id: str) -> dict[str, list[os.DirEntry]]:
     return out
 
 
-def _containers(sandbox, node: str, flt: str) -> list[tuple[str, str]]:
-    """[(run id label, state)] of the containers on a node's engine matching a docker ps filter."""
-    res = node_docker(sandbox, node, "ps", "-a", "--filter", flt, "--format", f'{{{{.Label "{LABEL_RUN}"}}}} {{{{.State}}}}')
+def _containers(sandbox, node: str, *flts: str) -> list[tuple[str, str]]:
+    """[(run id label, state)] of the containers on a node's engine matching every docker ps filter."""
+    args = [x for f in flts for x in ("--filter", f)]
+    res = node_docker(sandbox, node, "ps", "-a", *args, "--format", f'{{{{.Label "{LABEL_RUN}"}}}} {{{{.State}}}}')
     assert res.returncode == 0, res.stderr
     return [tuple(line.split()) for line in res.stdout.splitlines() if line.strip()]
 
@@ -79,7 +80,9 @@ def test_no_worker_torchrun_before_the_master_listens(sandbox, pushed, tmp_path,
                                            str(tmp_path / "logs")), stdout=o, stderr=e, text=True, cwd=REPO)
     try:
         # `up` says "started" only once the master listens: find the run by its held master instead.
-        run_id = wait_for(lambda: (_containers(sandbox, "node-0", f"ancestor={tag}") or [[None]])[0][0], 600)
+        # (a run's container: `up` also creates and removes one of the image to read the engine's log settings)
+        run_id = wait_for(lambda: (_containers(sandbox, "node-0", f"ancestor={tag}", f"label={LABEL_RUN}")
+                                   or [[None]])[0][0], 600)
         want = "running" if gated else "created"
         wait_for(lambda: all(_containers(sandbox, n, f"label={LABEL_RUN}={run_id}") == [(run_id, want)]
                              for n in WORKERS), 120)
