@@ -88,9 +88,9 @@ def unbounded_log(attrs: object) -> bool:
     """Whether a created container's log, as its daemon merged it (HostConfig.LogConfig: the daemon's
     driver and options under the container's), is json-file without max-size: every byte kept."""
     host = attrs.get("HostConfig") if isinstance(attrs, dict) else None
-    log = host.get("LogConfig") if isinstance(host, dict) else None
-    opts = (log.get("Config") or {}) if isinstance(log, dict) else None
-    return isinstance(opts, dict) and log.get("Type") == "json-file" and "max-size" not in opts
+    cfg = host.get("LogConfig") if isinstance(host, dict) else None
+    opts = (cfg.get("Config") or {}) if isinstance(cfg, dict) else None
+    return isinstance(opts, dict) and cfg.get("Type") == "json-file" and "max-size" not in opts
 
 
 def run_containers(remote: Remote, run_id: str | None, all_: bool = True) -> list:
