@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 MAX_LINE = 64 << 10        # bytes of one line held or printed; a longer one goes on in pieces
@@ -180,46 +180,3 @@ def read_capped(recv: Callable[[int], bytes], cap: int, piece: int = PIECE) -> t
             return buf, True
         buf += chunk
     return buf, False
-
-
-def log_chunks(container, *, follow: bool, tail: int | str = "all") -> Iterator[bytes]:
-    """A container's output (stdout and stderr as they interleave) as the engine streams it, in
-    pieces of at most PIECE bytes. docker's own reader trusts each frame's 4-byte length and reads
-    that much at once (up to 4 GiB held from one header); this one never holds more than a piece."""
-    api = container.client.api
-    params = {"stdout": 1, "stderr": 1, "timestamps": 0, "follow": int(follow), "tail": tail}
-    res = api._get(api._url("/containers/{0}/logs", container.id), params=params, stream=True)
-    try:
-        api._raise_for_status(res)
-        if follow:  # a quiet rank must not time the stream out (docker's reader does the same)
-            api._disable_socket_timeout(api._get_raw_response_socket(res))
-        raw = res.raw
-        config = container.attrs.get("Config") if isinstance(container.attrs, dict) else None  # the node's word
-        if isinstance(config, dict) and config.get("Tty"):  # no frames (the runner makes no such container)
-            read = getattr(raw, "read1", raw.read)  # urllib3 1.x has no read1: whole pieces then
-            while data := read(PIECE):
-                yield data
-            return
-        while len(header := raw.read(8)) == 8:
-            left = int.from_bytes(header[4:8], "big")
-            while left > 0:
-                data = raw.read(min(left, PIECE))
-                if not data:
-                    return
-                left -= len(data)
-                yield data
-    finally:
-        res.close()
-
-
-def log_tail(container, lines: int) -> list[str]:
-    """The last `lines` lines of a container's output, shown (cut, made visible), for an error
-    message: never more than lines x MAX_LINE held."""
-    from collections import deque
-
-    keep: deque[str] = deque(maxlen=lines)
-    split = LineSplitter()
-    for chunk in log_chunks(container, follow=False, tail=lines):
-        keep.extend(split.feed(chunk))
-    keep.extend(split.end())
-    return list(keep)

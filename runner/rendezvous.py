@@ -11,8 +11,8 @@ import logging
 import re
 import time
 
+from runner.container_logs import log_tail
 from runner.errors import JobFailed, UserError
-from runner.node_output import log_tail
 from runner.plan import NodePlan
 from runner.transport.ssh import Remote
 

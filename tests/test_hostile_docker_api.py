@@ -287,7 +287,7 @@ def test_runner_status_on_a_malformed_listing_is_one_line(tmp_path, capsys, answ
 def test_logs_of_a_container_whose_config_is_not_a_mapping(tmp_path, config):
     """`runner logs` / `up` read Config.Tty to choose how to read the stream: a string Config was an
     AttributeError ('str' object has no attribute 'get')."""
-    from runner.node_output import log_chunks
+    from runner.container_logs import log_chunks
 
     frame = "\x01\x00\x00\x00\x00\x00\x00\x03hi\n"
     answers = {"/containers/[^/]+/json": {"body": {**CONTAINER, "Config": config}},
@@ -340,7 +340,7 @@ def test_an_error_answer_of_any_shape_is_the_engine_error_it_says(tmp_path, stat
 def test_a_stream_is_read_past_the_bound(tmp_path, monkeypatch):
     """Logs (and pulls, saves, loads) are streams: read as they come, never held whole, so never
     bounded by MAX_ANSWER (here 1 MiB against 3 MiB of log frames)."""
-    from runner.node_output import log_chunks
+    from runner.container_logs import log_chunks
 
     monkeypatch.setattr(docker_answers, "MAX_ANSWER", 1 << 20)
     line = "x" * 1023 + "\n"

@@ -153,7 +153,7 @@ RUNNER_LAYERS = {
         "runner.elastic", "runner.check", "runner.kube_export"],
     "inventory, jobspec, runs": ["runner.inventory", "runner.inventory_arg", "runner.jobspec", "runner.runs",
                                  "runner.redact"],
-    "base": ["runner.errors", "runner.fanout", "runner.node_output", "runner.safe_path", "runner.hostkeys",
+    "base": ["runner.errors", "runner.fanout", "runner.node_output", "runner.container_logs", "runner.safe_path", "runner.hostkeys",
              "runner.perseus_server", "runner.agents", "runner"],
 }
 

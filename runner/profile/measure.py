@@ -17,9 +17,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from runner.container_logs import log_tail
 from runner.errors import UserError
 from runner.inventory import Inventory, Node
-from runner.node_output import log_tail
 from runner.paths import node_paths
 from runner.plan import LABEL_NODE, LABEL_PREFIX, OUT, docker_limits, user_env
 from runner.profile import cache as profile_cache

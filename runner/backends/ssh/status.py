@@ -15,10 +15,11 @@ from rich.table import Table
 from rich.text import Text
 
 from contract import bounded_json, metrics
+from runner.container_logs import FollowedLog, log_chunks
 from runner.elastic import ELASTIC_FILE, EVENTS_MAX, parse_events, render_events
 from runner.errors import UserError
 from runner.inventory_arg import add_inventory_args
-from runner.node_output import KeptLog, LineSplitter, cells, log_chunks, visible
+from runner.node_output import KeptLog, LineSplitter, cells, visible
 from runner.node_runs import gather, node_progress, resolve_run, run_doc
 from runner.paths import node_paths
 from runner.plan import LABEL_RANK, LABEL_ROLE, LABEL_RUN
@@ -205,12 +206,21 @@ def cmd_logs(args) -> int:
 
         def _show(prefix: str, c) -> None:
             split = LineSplitter()
-            for chunk in log_chunks(c, follow=args.follow, tail=tail):
-                lines = split.feed(chunk)
-                if lines:
-                    with lock:
-                        sys.stdout.writelines(f"{prefix} {ln}\n" for ln in lines)
-                        sys.stdout.flush()
+
+            def show_chunks(chunks) -> None:
+                for chunk in chunks:
+                    lines = split.feed(chunk)
+                    if lines:
+                        with lock:
+                            sys.stdout.writelines(f"{prefix} {ln}\n" for ln in lines)
+                            sys.stdout.flush()
+
+            if args.follow:  # to the container's exit, then what the engine's follow left out there
+                output = FollowedLog(c, tail=tail)
+                show_chunks(output.follow())
+                show_chunks(output.rest())
+            else:
+                show_chunks(log_chunks(c, follow=False, tail=tail))
             with lock:
                 sys.stdout.writelines(f"{prefix} {ln}\n" for ln in split.end())
 

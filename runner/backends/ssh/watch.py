@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from runner.container_logs import FollowedLog
 from runner.fanout import DEFAULT_PARALLEL
-from runner.node_output import KeptLog, LineSplitter, log_chunks, visible
+from runner.node_output import KeptLog, LineSplitter, visible
 from runner.node_runs import stop_run
 from runner.plan import Plan
 from runner.transport.ssh import Remote
@@ -97,14 +98,24 @@ class Watcher:
         try:
             c = self.remotes[np.node].docker().containers.get(np.container)
             split = LineSplitter()
-            for chunk in log_chunks(c, follow=True):
-                if fh:
-                    fh.write(chunk)
-                for line in split.feed(chunk):
-                    self._emit(prefix, np.node, line)
+            output = FollowedLog(c)
+
+            def show(chunks) -> None:
+                for chunk in chunks:
+                    if fh:
+                        fh.write(chunk)
+                    for line in split.feed(chunk):
+                        self._emit(prefix, np.node, line)
+
+            show(output.follow())
+            res = c.wait(timeout=None)  # at once: the stream ends when the container does
+            try:  # what the engine's follow left out at the exit (docker 20.10: runner/container_logs.py)
+                show(output.rest())
+            except Exception as exc:  # noqa: BLE001 - the exit code is the outcome; the output may be short
+                log.warning("[%s/%d] the end of its output may be missing here (%s); the node keeps all of it "
+                            "(`runner logs`)", np.node, np.rank, visible(str(exc).strip())[:300])
             for line in split.end():
                 self._emit(prefix, np.node, line)
-            res = c.wait(timeout=None)  # at once: the stream ends when the container does
             self.events.put(Outcome(np.node, np.rank, exit_code=int(res.get("StatusCode", 1))))
         except Exception as exc:  # noqa: BLE001
             if not self.stop.is_set():
