@@ -26,8 +26,6 @@ import calendar
 import re
 from collections.abc import Iterator
 
-import docker.errors
-
 from runner.node_output import MAX_KEPT_LOG, PIECE, LineSplitter
 
 # RFC 3339 with nanoseconds, as the engine writes each frame's time (Docker: always 9 digits, UTC),
@@ -154,6 +152,8 @@ class FollowedLog:
             since = f"{newest // 1_000_000_000}.{newest % 1_000_000_000:09d}"
         frames = _frames(self.container, _params(follow=False, tail="all" if since else self.tail, timestamps=True,
                                                  since=since))
+        import docker.errors  # here, not at import: urllib3 opens a socket as it loads (dry runs open none)
+
         try:
             yield from self._after(frames, newest, seen, max_bytes)
         except docker.errors.NotFound:  # removed since it exited (`runner down`): nothing left to read

@@ -188,3 +188,36 @@ def test_logs_follow_prints_the_lines_after_the_cut(sandbox, pushed, tmp_path, m
         finally:
             c.remove(force=True)
     assert capsys.readouterr().out.splitlines() == [f"[node-1/1] step {i}" for i in range(2000)]
+
+
+def test_a_failed_reading_again_is_one_warning_and_the_exit_code_stands(sandbox, pushed, tmp_path, monkeypatch,
+                                                                        caplog):
+    """The engine answering the second read with an error (here a 500 from the node's engine): the
+    container's exit 0 is still the outcome, the node is not called lost, and one warning says the
+    output may be short."""
+    import docker.errors
+
+    from runner.backends.ssh.watch import Watcher
+
+    def refused(self, max_bytes=0):
+        raise docker.errors.APIError("500 Server Error: engine busy")
+        yield b""  # a generator, as rest() is
+
+    follow_cut_at(monkeypatch, 10)
+    monkeypatch.setattr(FollowedLog, "rest", refused)
+    r = remotes(sandbox)["node-0"]
+    name = f"logs-refused-{tmp_path.name[-20:]}".replace("_", "-")
+    shown: list[str] = []
+    sink = SimpleNamespace(write=lambda s: shown.extend(s.splitlines()), flush=lambda: None)
+    with r:
+        c = r.docker().containers.run(image_of(sandbox), ["python", "-c", "for i in range(100): print(i)"],
+                                      name=name, detach=True)
+        try:
+            plan = SimpleNamespace(run_id="logs-refused", nodes=[SimpleNamespace(node="node-0", rank=0, container=name)])
+            outcome = Watcher({"node-0": r}, plan, None, out=sink).run()
+        finally:
+            c.remove(force=True)
+    assert outcome is None  # every node exited 0
+    assert shown == [f"[node-0/0] {i}" for i in range(10)]
+    warned = [m.getMessage() for m in caplog.records if "may be missing" in m.getMessage()]
+    assert len(warned) == 1 and "engine busy" in warned[0] and warned[0].startswith("[node-0/0] "), warned

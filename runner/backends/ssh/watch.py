@@ -112,8 +112,9 @@ class Watcher:
             try:  # what the engine's follow left out at the exit (docker 20.10: runner/container_logs.py)
                 show(output.rest())
             except Exception as exc:  # noqa: BLE001 - the exit code is the outcome; the output may be short
-                log.warning("[%s/%d] the end of its output may be missing here (%s); the node keeps all of it "
-                            "(`runner logs`)", np.node, np.rank, visible(str(exc).strip())[:300])
+                log.warning("[%s/%d] the end of its output may be missing here (%s); the trainer's own log, "
+                            "logs/rank<r>.log, is in the node's run dir: `runner collect`", np.node, np.rank,
+                            visible(str(exc).strip())[:300])
             for line in split.end():
                 self._emit(prefix, np.node, line)
             self.events.put(Outcome(np.node, np.rank, exit_code=int(res.get("StatusCode", 1))))
