@@ -129,12 +129,15 @@ class FollowedLog:
         if got is None:  # the engine did not stamp its frames: pass them on whole, read nothing again
             self.timed = False
             return piece
-        ns, cut = got
+        self._note(got[0])
+        return piece[got[1]:]
+
+    def _note(self, ns: int) -> None:
+        """A frame stamped ns was passed on."""
         if ns == self.newest:
             self.at_newest += 1
         elif self.newest is None or ns > self.newest:
             self.newest, self.at_newest = ns, 1
-        return piece[cut:]
 
     def follow(self) -> Iterator[bytes]:
         for first, piece in _frames(self.container, _params(follow=True, tail=self.tail, timestamps=self.timed)):
@@ -145,6 +148,8 @@ class FollowedLog:
         """After the container exited: the frames after those follow() gave (all of them where it
         gave none, from the same tail), at most max_bytes of them (what this machine keeps of a
         node's output; an engine that sends more is not read further)."""
+        import docker.errors  # here, not at import: urllib3 opens a socket as it loads (dry runs open none)
+
         if not self.timed:
             return
         newest, seen, since = self.newest, self.at_newest, None
@@ -152,8 +157,6 @@ class FollowedLog:
             since = f"{newest // 1_000_000_000}.{newest % 1_000_000_000:09d}"
         frames = _frames(self.container, _params(follow=False, tail="all" if since else self.tail, timestamps=True,
                                                  since=since))
-        import docker.errors  # here, not at import: urllib3 opens a socket as it loads (dry runs open none)
-
         try:
             yield from self._after(frames, newest, seen, max_bytes)
         except docker.errors.NotFound:  # removed since it exited (`runner down`): nothing left to read
@@ -168,13 +171,14 @@ class FollowedLog:
                 got = stamp_ns(piece)
                 if got is None:  # not stamped as the follow's frames were: not the same log, read no further
                     return
-                ns = got[0]
+                ns, cut = got
                 skip = newest is not None and (ns < newest or (ns == newest and seen > 0))
                 if skip:
                     seen -= ns == newest
                     continue
                 self.caught_up += 1
-                piece = self._take(True, piece)
+                self._note(ns)
+                piece = piece[cut:]
             elif skip:
                 continue
             if len(piece) > left:

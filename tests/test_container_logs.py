@@ -61,11 +61,14 @@ def follow_cut_at(monkeypatch, frames: int) -> None:
     monkeypatch.setattr(container_logs, "_frames", cut)
 
 
-@pytest.fixture
-def exited(sandbox, pushed, tmp_path):
-    """A container on node-0 that ran JOB and exited, through the node's engine over SSH."""
+@pytest.fixture(scope="module")
+def exited(sandbox, pushed):
+    """A container on node-0 that ran JOB and exited, through the node's engine over SSH: one for
+    every cut (each reads it afresh)."""
+    import secrets
+
     r = remotes(sandbox)["node-0"]
-    name = f"logs-cut-{tmp_path.name[-20:]}".replace("_", "-")
+    name = f"logs-cut-{secrets.token_hex(4)}"
     with r:
         c = r.docker().containers.run(image_of(sandbox), ["python", "-c", JOB], name=name, detach=True)
         try:
