@@ -15,6 +15,7 @@ ENV VIRTUAL_ENV=/opt/venv \
     OUTPUT_DIR=/out
 
 COPY docker/certs/ /tmp/certs/
+COPY docker/slim.sh /tmp/slim.sh
 RUN python3 -m venv /opt/venv
 
 # torch pinned. TORCH_FIND_LINKS points at a local wheel server (scripts/build-image.sh serves
@@ -24,11 +25,13 @@ ARG TORCH_FIND_LINKS=
 RUN set -e; [ -f /tmp/certs/ca.crt ] && export PIP_CERT=/tmp/certs/ca.crt; \
     if [ -n "$TORCH_FIND_LINKS" ]; then \
       pip install --no-deps --no-index --find-links "$TORCH_FIND_LINKS" torch==2.13.0; fi; \
-    pip install torch==2.13.0
+    pip install torch==2.13.0; \
+    sh /tmp/slim.sh torch
 
 COPY docker/requirements-trainer.txt /tmp/requirements-trainer.txt
 RUN set -e; [ -f /tmp/certs/ca.crt ] && export PIP_CERT=/tmp/certs/ca.crt; \
-    pip install -r /tmp/requirements-trainer.txt
+    pip install -r /tmp/requirements-trainer.txt; \
+    sh /tmp/slim.sh packages
 
 # The Perseus server's own environment (job.perseus, runner/perseus.py): Zeus's pipeline frequency
 # optimizer needs pydantic<2, so its packages go to /opt/perseus, put on PYTHONPATH only in the

@@ -7,6 +7,9 @@ speed, not numbers).
 
 The quotas separate the nodes' speeds only while the machine has CPU to spare: on a machine
 saturated by other work every process gets less than the slow node's quota and all measure alike.
+So the one speed-sensitive step, measuring the nodes (`runner profile`, the module's profile
+cache), runs with the other test worker idle (`machine_alone`); the runs that split from those
+profiles (a split changes speed, not numbers) run beside it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import yaml
 from tests import IMAGE, REPO
 from tests.runner_helpers import node_workdir, runner
 from tests.trainer_run import losses, run_trainer
+from tests.worker_share import machine_alone
 
 # Under a third of the others: their quotas separate the speeds while the machine has spare time.
 # Not less: every start on the slow node (its profile, the first launch) imports torch and
@@ -33,12 +37,9 @@ LAYERS = 12
 ARGS = ["--batch_size", "16", "--microbatch_num", "4", "--model.num_hidden_layers", str(LAYERS),
         "--profile_batch", "none", "--train_steps", "4"]
 CONFIG = "configs/pi-qwen3-3stage-tiny.yaml"
-# The quotas separate the nodes' speeds only with CPU to spare: not beside the other test worker.
-pytestmark = pytest.mark.alone
 
 
-@pytest.fixture
-def unequal(sandbox, tmp_path) -> Path:
+def unequal_inventory(sandbox: Path, tmp: Path) -> Path:
     """A copy of the session sandbox's inventory with per-node cpus and an auto-partitioned job."""
     doc = yaml.safe_load(Path(sandbox).read_text())
     for node, cpus in zip(doc["nodes"], [1.0, SLOW_CPUS, 1.0], strict=True):
@@ -46,15 +47,29 @@ def unequal(sandbox, tmp_path) -> Path:
     doc["job"] = {"image": IMAGE, "config": CONFIG, "master_port": "auto",
                   "args": [*ARGS, "--parallel.partition", "auto", "--train.exit_interval", "2"],
                   "env": {"OMP_NUM_THREADS": "1"}}
-    p = tmp_path / "unequal.yaml"
+    p = tmp / "unequal.yaml"
     p.write_text(yaml.safe_dump(doc, sort_keys=False))
     return p
 
 
+@pytest.fixture
+def unequal(sandbox, tmp_path) -> Path:
+    return unequal_inventory(sandbox, tmp_path)
+
+
 @pytest.fixture(scope="module")
-def profiles(tmp_path_factory) -> dict[str, str]:
-    """One profile cache for this module's runs: the nodes are measured once (by whichever test runs first)."""
-    return {"RUNNER_PROFILE_CACHE": str(tmp_path_factory.mktemp("profile-cache"))}
+def profiles(sandbox, pushed, tmp_path_factory) -> dict[str, str]:
+    """One profile cache for this module's runs, filled here: the unequal nodes measured by
+    `runner profile` in the job's image under their limits, with the other test worker idle (the
+    quotas separate the speeds only with CPU to spare). The node-1 layer time it recorded is checked
+    by the first test (from the run's partition.json)."""
+    env = {"RUNNER_PROFILE_CACHE": str(tmp_path_factory.mktemp("profile-cache"))}
+    inv = unequal_inventory(sandbox, tmp_path_factory.mktemp("profile-inventory"))
+    with machine_alone():
+        proc = runner("profile", "-i", str(inv), "--no-push", env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "measured" in proc.stdout, proc.stdout[-3000:]
+    return env
 
 
 @pytest.mark.sandbox
@@ -64,6 +79,8 @@ def test_auto_gives_the_slow_node_fewer_layers_and_the_same_losses(unequal, push
     env = profiles
     proc = runner("up", "-i", str(unequal), "--logs-dir", str(tmp_path / "logs"), timeout=1200, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # planned from the profiles measured alone (the fixture), not measured again beside other work
+    assert "profile: measuring" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
     run_id = re.search(r"run (\S+) started", proc.stdout)[1]
     spec = re.search(r"^parallel\.partition auto: (custom:[\d,]+)", proc.stdout, re.M)[1]
     bounds = [int(x) for x in spec[len("custom:"):].split(",")]
@@ -81,7 +98,8 @@ def test_auto_gives_the_slow_node_fewer_layers_and_the_same_losses(unequal, push
     assert layer[1] > 1.5 * max(layer[0], layer[2]), layer
     assert record["profile"]["links"][0]["bandwidth_Bps"] > 0
 
-    # `runner profile` answers from the cache `up` filled: the same numbers, the same split, no probe.
+    # `runner profile` answers from the cache `up` planned from: the same numbers, the same split,
+    # no probe.
     prof = runner("profile", "-i", str(unequal), "--json", "--no-push", env=env, timeout=300)
     assert prof.returncode == 0, prof.stderr[-2000:]
     doc = json.loads(prof.stdout)
@@ -185,9 +203,9 @@ def test_an_elastic_run_losing_a_fast_node_splits_again_giving_the_slow_node_few
             proc.communicate()
     err, out = "".join(seen) + err, out_file.read_text()
     assert proc.returncode == 0, out[-3000:] + err[-3000:]
-    # At most the first launch measures (nothing is cached when this test runs alone); the splits
-    # after the loss and after the rejoin come from the cache.
-    assert (out + err).count("profile: measuring") <= 1, err[-3000:]
+    # Nothing is measured again: every split (the start, after the loss, after the rejoin) comes
+    # from the profiles the module measured alone.
+    assert "profile: measuring" not in out + err, err[-3000:]
     splits = re.findall(r"^parallel\.partition auto: (custom:[\d,]+)", out, re.M)
     assert len(splits) == 3 and splits[2] == splits[0], (splits, out[-3000:])  # 3 nodes, 2, 3 again
     assert f"run {run_id}: node-2 back: going on with pp 3 x dp 1 x tp 1 on 3 node(s)" in err, err[-3000:]

@@ -58,3 +58,66 @@ def test_the_suites_clusters_each_on_one_worker_and_slurm_apart_from_the_sandbox
     assert {g for n, g in got.items() if n.startswith("tests/test_slurm_cluster.py::")} == {"nodes-slurm"}
     assert got["tests/test_runner_sandbox.py::test_pipeline_trainer_job_three_nodes"] == "nodes-sandbox"
     assert all(g == n.split("::")[0] for n, g in got.items() if not g.startswith("nodes-"))
+
+
+_SHARER = """
+import sys, time
+from pathlib import Path
+from tests.worker_share import machine_share
+d = Path(sys.argv[1])
+with machine_share(alone=False):
+    (d / sys.argv[2]).write_text("in")
+    while not (d / "go").exists():
+        time.sleep(0.01)
+(d / (sys.argv[2] + ".out")).write_text("out")
+"""
+
+
+def test_one_step_alone_waits_for_the_other_workers_test_then_shares_again(tmp_path, monkeypatch):
+    """machine_alone() inside a test holding the shared lock: it gives that up, takes the machine
+    once the other worker's test (here another process holding the lock shared) has ended, keeps new
+    sharers out meanwhile (the turnstile), and shares again after."""
+    import fcntl
+    import threading
+
+    from tests import worker_share
+
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
+    monkeypatch.setenv(worker_share.GROUPS_ENV, str(tmp_path / "groups.json"))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+
+    def sharer(name: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", _SHARER, str(tmp_path), name], cwd=REPO, env=env)
+
+    def turnstile_taken() -> bool:
+        with open(worker_share._lock_path("turnstile"), "a") as fh:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(fh, fcntl.LOCK_UN)
+            return False
+
+    from tests.runner_helpers import wait_for
+
+    with worker_share.machine_share(alone=False):
+        other = sharer("first")
+        wait_for(lambda: (tmp_path / "first").exists(), 60, interval=0.01)  # both share the machine
+        seen: dict[str, bool] = {}
+
+        def step() -> None:
+            with worker_share.machine_alone():
+                seen["other ended first"] = (tmp_path / "first.out").exists()
+
+        t = threading.Thread(target=step)
+        t.start()
+        wait_for(turnstile_taken, 60, interval=0.01)  # waiting for the other's test, new sharers kept out
+        assert not seen
+        (tmp_path / "go").write_text("")
+        t.join(60)
+        assert seen == {"other ended first": True}
+        assert other.wait(60) == 0
+        again = sharer("second")  # shared again: another worker's test runs beside the rest of this one
+        wait_for(lambda: (tmp_path / "second").exists(), 60, interval=0.01)
+        assert again.wait(60) == 0
+    assert worker_share._held == []

@@ -9,9 +9,10 @@ What keeps them apart:
   non-root one, the namespaced one, Slurm) goes to the one worker that holds that cluster, tests
   sharing a cluster together; every other test goes with its module (module fixtures are computed
   once); the longest groups go out first (`cluster_groups_first`).
-- `alone`: a test marked `alone` runs with the other worker between tests (speed-sensitive: the
-  unequal-node quotas separate speeds only while the machine has CPU to spare). A shared/exclusive
-  lock on one file, with a turnstile so that a waiting `alone` test is not starved.
+- `alone`: a test marked `alone` runs with the other worker between tests; `machine_alone()` does
+  the same for one step of a test (measuring the unequal nodes: their CPU quotas separate speeds
+  only while the machine has CPU to spare). A shared/exclusive lock on one file, with a turnstile
+  so that a waiting exclusive holder is not starved.
 - `serialized`: one worker at a time through a step (the image build's fixed wheel-server port).
 
 xdist's own `--dist loadgroup` cannot do the grouping with pytest 9: it renames each test's nodeid
@@ -63,6 +64,14 @@ def _flock(name: str, mode: int) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+_held: list = []  # (the machine lock's file, its mode) while this worker runs a test (machine_share)
+
+
+def _take(fh, mode: int) -> None:
+    with _flock("turnstile", fcntl.LOCK_EX):  # a waiting exclusive holder keeps new sharers out
+        fcntl.flock(fh, mode)
+
+
 @contextlib.contextmanager
 def machine_share(alone: bool) -> Iterator[None]:
     """Held for a whole test (setup, call, teardown): exclusive for an `alone` test, shared for the rest."""
@@ -70,12 +79,33 @@ def machine_share(alone: bool) -> Iterator[None]:
         yield
         return
     with open(_lock_path("machine"), "a") as main:
-        with _flock("turnstile", fcntl.LOCK_EX):  # a waiting exclusive holder keeps new sharers out
-            fcntl.flock(main, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        mode = fcntl.LOCK_EX if alone else fcntl.LOCK_SH
+        _take(main, mode)
+        _held.append((main, mode))
         try:
             yield
         finally:
+            _held.pop()
             fcntl.flock(main, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def machine_alone() -> Iterator[None]:
+    """One step of a test (or of its fixture) with the other worker idle: the step's own shared
+    hold is given up, the exclusive one taken (once the other worker's current test has ended),
+    and shared again after it. For the one part of a test that is speed-sensitive (measuring nodes
+    made unequal by CPU quotas), so that the rest of it runs beside the other worker."""
+    if not under_xdist() or not _held or _held[-1][1] == fcntl.LOCK_EX:
+        yield
+        return
+    fh = _held[-1][0]
+    fcntl.flock(fh, fcntl.LOCK_UN)
+    _take(fh, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        fcntl.flock(fh, fcntl.LOCK_UN)
+        _take(fh, fcntl.LOCK_SH)
 
 
 @contextlib.contextmanager
