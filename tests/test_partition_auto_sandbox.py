@@ -1,7 +1,8 @@
 """parallel.partition auto end to end on the session sandbox, its nodes made unequal by the new
 inventory field `cpus` (Docker --cpus on the job's container): the middle node gets SLOW_CPUS, the
-others a whole CPU. `runner up` profiles the nodes in the job's image under those limits, picks the
-split (printed, written to partition.json, passed as custom:...), the trainer runs it and records it
+others a whole CPU. The nodes are profiled in the job's image under those limits (`runner profile`,
+the same measuring `up` does on a cache miss), `runner up` picks the split from those profiles
+(printed, written to partition.json, passed as custom:...), the trainer runs it and records it
 in config.yaml, `up --resume` keeps it, and the losses equal the uniform split's (a split changes
 speed, not numbers).
 
