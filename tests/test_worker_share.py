@@ -69,7 +69,7 @@ with machine_share(alone=False):
     (d / sys.argv[2]).write_text("in")
     while not (d / "go").exists():
         time.sleep(0.01)
-(d / (sys.argv[2] + ".out")).write_text("out")
+    (d / (sys.argv[2] + ".out")).write_text("out")  # its test's last step, before it lets go
 """
 
 
