@@ -1,6 +1,6 @@
 #!/bin/sh
 # What the trainer never runs, left out of the image's layers (every node is pushed them):
-# torch's C++ test binaries and every package's own test suite, ~260 MB of a 1.72 GB CPU image.
+# torch's C++ test binaries and every package's own test suite: 208 MB of a 1.72 GB CPU image.
 #   slim.sh torch      in torch's layer: torch/test and torch/bin, torch_shm_manager kept (the
 #                      DataLoader's file_system sharing starts it)
 #   slim.sh packages   in the dependencies' layer: each package's `tests` directories (torch's
