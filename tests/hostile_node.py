@@ -257,7 +257,7 @@ class HostileNode:
                 while data := chan.recv(1 << 16):
                     proc.stdin.write(data)
                     proc.stdin.flush()
-            except (OSError, ValueError):
+            except (OSError, ValueError, EOFError):  # EOFError: the runner's ssh went away mid-stream
                 pass
             finally:
                 try:

@@ -48,13 +48,13 @@ def netns_cluster(tmp_path_factory):
         assert push.returncode == 0, push.stderr
         rows = parse_push(push.stdout)
         # The first push is one relay chain; what crossed the bridge from this machine is one copy
-        # of the image at most (ssh compression may make it less), not three.
+        # of the image (plus tar, SSH and TCP framing; less where the link probe chose ssh -C), not three.
         assert {n: (r["action"], r["source"]) for n, r in rows.items()} == {
             "node-0": ("relay", "host"), "node-1": ("relay", "node-0"), "node-2": ("relay", "node-1")}, rows
         image = rows["node-0"]["image_mb"] * 1e6
         print(f"\n[figure] relay push of the trainer image to 3 namespaced nodes: this host sent {sent / 1e6:.0f} MB "
               f"for a {image / 1e6:.0f} MB image")
-        assert sent < 1.05 * image, (sent, image)
+        assert sent < 1.1 * image, (sent, image)
         yield {"state": state, "inv": inv, "net": net}
     finally:
         down = sandbox_cmd(state, "down", "--purge")  # the nodes' image copies (GBs) go too

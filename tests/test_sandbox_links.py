@@ -179,6 +179,75 @@ def _scratch_push(netns_sandbox, tmp_path, name: str, *extra: str) -> tuple[subp
     return proc, sent, sum(len(x) for x in layers), want
 
 
+LINK_RE = re.compile(r"node node-0: link up ([0-9.]+) MB/s, zlib here ([0-9.]+) MB/s: (compressed \(ssh -C\)|uncompressed)")
+
+
+def _zeros_push(netns_sandbox, tmp_path, name: str) -> tuple[subprocess.CompletedProcess, int, int]:
+    """Push a new image of 72 MiB of zeros (over link_rate.WORTH: worth a probe) and 64 KiB of
+    random bytes to the chain; (the push, bytes this host sent into the sandbox network, the
+    layers' bytes)."""
+    inv, net = netns_sandbox["inv"], netns_sandbox["net"]
+    tag = unique_tag(name)
+    layers = [bytes(72 << 20), os.urandom(64 << 10)]
+    build_scratch_image(tag, layers)
+    try:
+        before = uplink_bytes(net)
+        proc = runner("push", "-i", str(inv), "--job", str(write_job(tmp_path, image=tag)), timeout=600)
+        sent = uplink_bytes(net) - before
+    finally:
+        remove_host_image(tag)
+        for n in NODES:
+            node_docker(inv, n, "rmi", "-f", tag)
+    assert proc.returncode == 0, proc.stderr
+    return proc, sent, sum(len(x) for x in layers)
+
+
+def test_push_compresses_only_where_the_link_is_slower_than_this_hosts_zlib(netns_sandbox, tmp_path):
+    """`compress: auto` (runner/transport/link_rate.py): the probe measures the shaped rate both
+    ways, a push over that link is compressed (far fewer bytes cross it than the layers hold), and
+    unshaped the probe sees a faster link and the push does what the measured rates say."""
+    from runner.transport.link_rate import PROBE_BYTES, measure_link
+
+    state, inv = netns_sandbox["state"], netns_sandbox["inv"]
+    rate = 40e6 / 8  # --link 40mbit, in bytes/s: far under any core's zlib level 6 (18-25 MB/s)
+
+    def probes() -> tuple[float, float]:
+        with remotes(inv)["node-0"] as r:
+            return measure_link(r, upload=True, aes=True), measure_link(r, upload=False, aes=True)
+
+    shaped = sandbox_cmd(state, "up", "--nodes", "3", "--link", "40mbit", "--inventory", str(tmp_path / "x.yaml"))
+    assert shaped.returncode == 0, shaped.stderr
+    try:
+        slow_up, slow_down = probes()
+        slow, slow_sent, size = _zeros_push(netns_sandbox, tmp_path, "zslow")
+    finally:
+        plain = sandbox_cmd(state, "up", "--nodes", "3", "--netns", "--inventory", str(tmp_path / "x.yaml"))
+        assert plain.returncode == 0, plain.stderr
+    fast_up, fast_down = probes()
+    fast, fast_sent, _ = _zeros_push(netns_sandbox, tmp_path, "zfast")
+    print(f"\n[figure] link probe at --link 40mbit ({rate / 1e6:.1f} MB/s): up {slow_up / 1e6:.2f}, down "
+          f"{slow_down / 1e6:.2f} MB/s; unshaped: up {fast_up / 1e6:.1f}, down {fast_down / 1e6:.1f} MB/s; "
+          f"a 72 MiB push sent {slow_sent / 1e6:.2f} MB shaped, {fast_sent / 1e6:.2f} MB unshaped")
+    # The probe measures the link, within the tbf burst and ssh's window steps over one second.
+    for got in (slow_up, slow_down):
+        assert 0.6 * rate < got < 1.2 * rate, (got, rate)
+    assert min(fast_up, fast_down) > 2 * rate, (fast_up, fast_down)
+    m = LINK_RE.search(slow.stderr)
+    assert m and m[3].startswith("compressed"), slow.stderr
+    assert 0.6 * rate / 1e6 < float(m[1]) < 1.2 * rate / 1e6, m[0]
+    # ssh -C took the zeros (the rule is on, not only reported); the probe's 32 MiB crossed too.
+    assert slow_sent < PROBE_BYTES + 0.1 * size, (slow_sent, size)
+    m = LINK_RE.search(fast.stderr)
+    assert m, fast.stderr
+    link, z, how = float(m[1]), float(m[2]), m[3]
+    assert link > 2 * rate / 1e6, m[0]
+    assert how == ("compressed (ssh -C)" if link < z else "uncompressed"), m[0]
+    if how == "uncompressed":  # every byte of the layers crossed the link as it is
+        assert fast_sent > size, (fast_sent, size)
+    else:
+        assert fast_sent < PROBE_BYTES + 0.1 * size, (fast_sent, size)
+
+
 def test_relay_push_sends_each_layer_once(netns_sandbox, tmp_path):
     proc, sent, size, _ = _scratch_push(netns_sandbox, tmp_path, "relay")
     rows = parse_push(proc.stdout)

@@ -151,7 +151,8 @@ def _collect_batch(remote: Remote, rd: str, dest: Path, batch: list, manifest: d
     pool = ThreadPoolExecutor(1)
     try:
         hashing = pool.submit(remote_sha256, remote, rd, [r for r, _ in batch], sum(st.st_size or 0 for _, st in batch))
-        stream_tar(remote, rd, [r for r, _ in batch], staging, progress, task, max_bytes=tar_bound(batch))
+        stream_tar(remote, rd, [r for r, _ in batch], staging, progress, task, max_bytes=tar_bound(batch),
+                   size=sum(st.st_size or 0 for _, st in batch))
         sums, failed = hashing.result()
         _place_batch(remote, rd, dest, staging, batch, sums, failed, manifest, res)
     finally:
@@ -193,7 +194,7 @@ def tar_bound(batch: list) -> int:
 
 
 def stream_tar(remote: Remote, rd: str, rels: list[str], staging: Path, progress=None, task=None,
-               max_bytes: int | None = None) -> None:
+               max_bytes: int | None = None, size: int | None = None) -> None:
     """The node tars the files (names NUL-separated on stdin), OpenSSH carries the stream, and
     runner/delivery/untar.py unpacks those names, and no others, into staging. Files the node did not send are absent from
     staging; the caller verifies every file. A stream over max_bytes (tar_bound of what was listed)
@@ -206,7 +207,8 @@ def stream_tar(remote: Remote, rd: str, rels: list[str], staging: Path, progress
         listed.flush()
         res = stream.ssh_stream(remote, f"cd {shlex.quote(rd)} && tar --null -T - -cf -",
                                 [[*UNTAR, str(staging), listed.name]],
-                                upload=False, stdin_data=names, on_chunk=on_chunk, max_bytes=max_bytes)
+                                upload=False, stdin_data=names, on_chunk=on_chunk, max_bytes=max_bytes,
+                                size=size)
     if res.over:
         raise UserError(f"node {remote.node.name}: the stream of files from {rd} went past {max_bytes >> 20} MiB, "
                         f"the {len(rels)} listed files' size plus {GROWTH >> 20} MiB; stopped it (the node sends what "

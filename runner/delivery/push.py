@@ -76,7 +76,7 @@ def stream_to_load(remote: Remote, exp: Exported, layers: list[int], progress=No
     local = [exp.archive_cmd(layers)] + ([["gzip", "-1", "-c"]] if gzip_ else [])
     on_chunk = (lambda n: progress.update(task, advance=n)) if progress is not None else None
     res = ssh_stream(remote, "docker load -q", local, upload=True, on_chunk=on_chunk, stall_s=stall_s,
-                     aes=exp.arch == "amd64", finish_s=LOAD_WAIT_S)
+                     aes=exp.arch == "amd64", finish_s=LOAD_WAIT_S, size=sum(exp.sizes[i] for i in layers))
     if res.unfinished:
         raise UserError(f"node {name}: docker load still running {LOAD_WAIT_S:.0f}s after the last byte; gave up")
     if not res.broken and res.ssh_rc == 0 and None in res.local_rcs:

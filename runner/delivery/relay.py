@@ -42,7 +42,8 @@ from runner.agents import relay_agent
 from runner.agents.relay_agent import BLOCK, END, LINE_MAX, NAME, SIZE_MAX, SMALL_MAX, Tail, member_header
 from runner.delivery.images import Exported
 from runner.node_output import visible
-from runner.transport.ssh import Remote, is_loopback
+from runner.transport.link_rate import compress_stream
+from runner.transport.ssh import Remote
 from runner.transport.stream import CHUNK
 
 log = logging.getLogger("runner.relay")
@@ -164,7 +165,8 @@ def relay_chain(chain: list[Remote], exp: Exported, missing: list[list[int]], pr
         # whose agent did not start is passed over).
         tokens = [secrets.token_hex(32) for _ in chain]
         for k, (r, hop) in enumerate(zip(chain, hops, strict=True)):
-            _spawn(r, hop, head_line(exp, layers, missing[k], tokens[k] if k else None), bulk=k == 0)
+            _spawn(r, hop, head_line(exp, layers, missing[k], tokens[k] if k else None), bulk=k == 0,
+                   size=sum(exp.sizes[i] for i in layers))
         ports = _await_ports(hops[1:])
         started = [k for k, h in enumerate(hops) if h.error is None]
         sent, routes = chain_plan(missing, started)
@@ -196,10 +198,11 @@ def relay_chain(chain: list[Remote], exp: Exported, missing: list[list[int]], pr
             progress.remove_task(t)
 
 
-def _spawn(r: Remote, hop: RelayHop, header: dict, bulk: bool) -> None:
+def _spawn(r: Remote, hop: RelayHop, header: dict, bulk: bool, size: int | None = None) -> None:
     """Start the node's agent over OpenSSH and hand it the first line. Only the first node's
-    stream is bulk over SSH (compressed off loopback, AES where the node is amd64)."""
-    compress = bulk and not is_loopback(r.node.host)
+    stream is bulk over SSH (AES; compressed where the link is slower than this host's zlib:
+    runner/transport/link_rate.py)."""
+    compress = bulk and compress_stream(r, upload=True, aes=True, size=size)
     argv = [*r.openssh_argv(compress=compress, aes=bulk), agent_command()]
     hop.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     hop.err = Tail(hop.proc.stderr)

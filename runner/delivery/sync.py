@@ -296,7 +296,7 @@ def _send(remote: Remote, blobs: str, entries: list[Entry], spec: SyncSpec, prog
         on_chunk = (lambda n: progress.update(task, advance=n)) if progress else None
         try:
             res = ssh_stream(remote, shlex.join(["sh", "-c", _receive_script(blobs, secrets.token_hex(6))]), local,
-                             upload=True, on_chunk=on_chunk, stall_s=STALL_S)
+                             upload=True, on_chunk=on_chunk, stall_s=STALL_S, size=size)
         finally:
             if task is not None:
                 progress.remove_task(task)

@@ -205,6 +205,11 @@ def node_fields(c: Checker, v: Val, where: str, allowed: set[str], base: Path,
             if size is None or size < MIN_MEMORY:
                 c.fail(x.line, w, f"must be a size like 512m or 4g (Docker --memory, at least 6m), got {show(x.value)}")
             out[key] = raw.strip().lower()
+        elif key == "compress":
+            if not isinstance(x.value, bool) and x.value != "auto":
+                c.fail(x.line, w, f"must be true, false or auto (the default: compress where the link is slower "
+                       f"than this machine's zlib), got {show(x.value)}")
+            out[key] = None if x.value == "auto" else x.value
         elif key == "gpus":
             if x.value == "all" or x.value is None:
                 out[key] = x.value

@@ -71,7 +71,7 @@ def workdir_error(wd: str) -> str | None:
     return None
 
 NODE_FIELDS = {"name", "host", "addr", "port", "user", "identity_file", "known_hosts", "host_key", "arch",
-               "slots", "role", "workdir", "gpus", "env", "cpus", "memory",
+               "slots", "role", "workdir", "gpus", "env", "cpus", "memory", "compress",
                "ssh_config", "proxy_jump", "proxy_jump_host_key"}  # the last three: runner/inventory/ssh_config.py
 # Node limits, applied as Docker limits on the job's container (--cpus, --memory): a node that
 # shares its machine, or sandbox nodes of unequal speed. Docker's own size syntax, its minimum 6m.
@@ -128,6 +128,7 @@ class Node:
     gpus: int | str | None = None    # None/0: CPU; "all" or a count
     cpus: float | None = None        # Docker --cpus of the job's container (None: no limit)
     memory: str | None = None        # Docker --memory of the job's container, e.g. "4g"
+    compress: bool | None = None     # ssh -C on bulk streams; None (auto): runner/transport/link_rate.py
     env: dict[str, str] = field(default_factory=dict)
     ssh_config: str | None = None    # the ssh_config file that filled fields the inventory left out
     proxy_jump: Jump | None = None   # the bastion SSH goes through (inventory or ssh_config ProxyJump)

@@ -20,7 +20,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from runner.transport.ssh import Remote, is_loopback
+from runner.transport.link_rate import compress_stream
+from runner.transport.ssh import Remote
 
 CHUNK = 1 << 20
 STALL_S = 120.0  # collect: under STALL_BYTES from a node in this long and it is given up (push sets its own)
@@ -153,19 +154,20 @@ class StreamResult:
 def ssh_stream(remote: Remote, remote_cmd: str, local: list[list[str]], *, upload: bool,
                stdin_data: bytes | None = None, on_chunk: Callable[[int], None] | None = None,
                stall_s: float | None = None, aes: bool = False, finish_s: float = 600.0,
-               max_bytes: int | None = None) -> StreamResult:
+               max_bytes: int | None = None, size: int | None = None) -> StreamResult:
     """upload=True: the chain `local[0] | local[1] ...` feeds `remote_cmd` on the node.
     upload=False: `remote_cmd`'s output feeds local[0]; stdin_data (e.g. file names) goes to
     remote_cmd's stdin meanwhile. finish_s: how long the receiver may take after the last byte
     (a `docker load` still unpacking). max_bytes: a download that brings more is stopped there
-    (`over`) and its processes killed. Returns what happened; the caller words the error."""
+    (`over`) and its processes killed. size: the bytes it is expected to carry, when known (a small
+    stream is not worth a link probe). Returns what happened; the caller words the error."""
     stall = STALL_S if stall_s is None else stall_s
     res = StreamResult()
     ssh_err, local_err = StderrTail(), StderrTail()
     procs: list[subprocess.Popen] = []
-    # Compression only pays off on real links (on loopback it burns the cores both ends share),
-    # and never on what gzip already packed.
-    compress = not is_loopback(remote.node.host) and not any(cmd[:1] == ["gzip"] for cmd in local)
+    # Compression only where it pays (runner/transport/link_rate.py: never on loopback, and off a
+    # link faster than this host's zlib), and never on what gzip already packed.
+    compress = not any(cmd[:1] == ["gzip"] for cmd in local) and compress_stream(remote, upload, aes, size)
     argv = [*remote.openssh_argv(compress=compress, aes=aes), remote_cmd]
     src = dst = ssh = feeder = None
     try:
