@@ -10,7 +10,10 @@ sp=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 case "${1:-}" in
   torch)
     rm -rf "$sp/torch/test"
-    find "$sp/torch/bin" -mindepth 1 -maxdepth 1 ! -name torch_shm_manager -exec rm -rf {} + ;;
+    # A wheel without torch/bin (another platform's build) has nothing to leave out there.
+    if [ -d "$sp/torch/bin" ]; then
+      find "$sp/torch/bin" -mindepth 1 -maxdepth 1 ! -name torch_shm_manager -exec rm -rf {} +
+    fi ;;
   packages)
     find "$sp" -path "$sp/torch" -prune -o -type d -name tests -prune -exec rm -rf {} + ;;
   *) echo "usage: slim.sh torch|packages" >&2; exit 2 ;;
