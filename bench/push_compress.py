@@ -25,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-from bench.sandbox_bench import REPO, runner, ssh_argv
+from bench.sandbox_bench import REPO, runner, uplink_bytes, wipe
 
 STATE = Path("/tmp/runner-bench-push-compress")
 IMAGE = "runner-trainer:latest"
@@ -50,25 +50,13 @@ def with_mode(inv: Path, mode: str) -> Path:
     return p
 
 
-def wipe(inv: Path) -> None:
-    doc = yaml.safe_load(inv.read_text())
-    for n in doc["nodes"]:
-        subprocess.run([*ssh_argv(doc, n), "docker rmi -f $(docker images -aq) >/dev/null 2>&1; "
-                        "docker image prune -af >/dev/null; true"], check=True)
-
-
-def uplink_bytes() -> int:
-    from runner.sandbox.net import SandboxNet
-
-    return int(Path(f"/sys/class/net/{SandboxNet.for_state_dir(STATE / 's').bridge}/statistics/tx_bytes").read_text())
-
 
 def push(inv: Path) -> dict:
     wipe(inv)
-    b0, t0 = uplink_bytes(), time.perf_counter()
+    b0, t0 = uplink_bytes(STATE / "s"), time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "runner", "push", "-i", str(inv)], cwd=REPO, capture_output=True,
                           text=True)
-    s, sent = time.perf_counter() - t0, uplink_bytes() - b0
+    s, sent = time.perf_counter() - t0, uplink_bytes(STATE / "s") - b0
     if proc.returncode != 0:
         raise SystemExit(f"push failed: {proc.stderr[-2000:]}")
     m = DECISION.search(proc.stderr)

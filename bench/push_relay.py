@@ -25,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-from bench.sandbox_bench import REPO, runner, ssh_argv
+from bench.sandbox_bench import REPO, runner, ssh_argv, uplink_bytes, wipe
 
 STATE = Path("/tmp/runner-bench-push-relay")
 IMAGE = "runner-trainer:latest"
@@ -50,25 +50,12 @@ def subset(inv: Path, n: int) -> Path:
     return p
 
 
-def wipe(inv: Path) -> None:
-    """Every image and layer off every node: the next push is a first push."""
-    doc = yaml.safe_load(inv.read_text())
-    for n in doc["nodes"]:
-        subprocess.run([*ssh_argv(doc, n), "docker rmi -f $(docker images -aq) >/dev/null 2>&1; "
-                        "docker image prune -af >/dev/null; true"], check=True)
-
-
-def uplink_bytes() -> int:
-    from runner.sandbox.net import SandboxNet
-
-    return int(Path(f"/sys/class/net/{SandboxNet.for_state_dir(STATE / 's').bridge}/statistics/tx_bytes").read_text())
-
 
 def timed(inv: Path, fn) -> dict:
     wipe(inv)
-    b0, t0 = uplink_bytes(), time.perf_counter()
+    b0, t0 = uplink_bytes(STATE / "s"), time.perf_counter()
     out = fn()
-    s, sent = time.perf_counter() - t0, uplink_bytes() - b0
+    s, sent = time.perf_counter() - t0, uplink_bytes(STATE / "s") - b0
     return {"s": round(s, 1), "uplink_mb": round(sent / 1e6, 1), **(out or {})}
 
 

@@ -65,3 +65,18 @@ def ssh_argv(doc: dict, node: dict) -> list[str]:
     return ["ssh", "-p", str(d["port"]), "-i", d["identity_file"], "-o", f"UserKnownHostsFile={d['known_hosts']}",
             "-o", "StrictHostKeyChecking=yes", "-o", "BatchMode=yes", f"{d['user']}@{node['host']}"]
 
+
+
+def wipe(inv: Path) -> None:
+    """Every image and layer off every node of `inv`: the next push is a first push."""
+    doc = yaml.safe_load(inv.read_text())
+    for n in doc["nodes"]:
+        subprocess.run([*ssh_argv(doc, n), "docker rmi -f $(docker images -aq) >/dev/null 2>&1; "
+                        "docker image prune -af >/dev/null; true"], check=True)
+
+
+def uplink_bytes(state: Path) -> int:
+    """Bytes this host has sent into the namespaced sandbox under `state` (its bridge's own counter)."""
+    from runner.sandbox.net import SandboxNet
+
+    return int(Path(f"/sys/class/net/{SandboxNet.for_state_dir(state).bridge}/statistics/tx_bytes").read_text())
