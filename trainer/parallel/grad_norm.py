@@ -22,18 +22,14 @@ def _group_key(g: torch.Tensor) -> tuple:
     return ("plain",) if mesh is None else ("dtensor", id(mesh))
 
 
-def _mesh_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm of gradients on one mesh (or plain tensors), whole across its shards, in fp32."""
-    norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
-    return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).float()
-
-
 def fp32_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm of plain (local) gradients of any float dtype, summed and returned in fp32: bf16
-    gradients are not rounded to a bf16 norm per tensor as get_total_norm would."""
+    """The 2-norm of gradients on one mesh (DTensors, whole across their shards) or of plain local
+    ones, of any float dtype, accumulated and returned in fp32: bf16 gradients are not rounded to a
+    bf16 norm per tensor as torch.nn.utils.get_total_norm would."""
     if not grads:
         return torch.zeros((), dtype=torch.float32)
-    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
+    norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 def total_grad_norm(params: list[torch.Tensor], pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -42,10 +38,10 @@ def total_grad_norm(params: list[torch.Tensor], pp_group: dist.ProcessGroup | No
     for g in grads:
         groups[_group_key(g)].append(g)
     if len(groups) == 1 and pp_group is None:  # one mesh (or none): its norm as is, no square and root
-        return _mesh_norm(grads)
+        return fp32_norm(grads)
     sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
     for gs in groups.values():
-        sq = sq + _mesh_norm(gs) ** 2
+        sq = sq + fp32_norm(gs) ** 2
     if pp_group is not None:
         sq = ordered_sum(sq, pp_group)  # rank order: the norm decides the clip, and it is logged
     return sq.sqrt()
