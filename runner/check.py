@@ -1,12 +1,16 @@
 """What `runner check` asks of every node, in parallel: SSH + verified host key, docker engine,
-arch, CPUs, memory, free disk, GPUs, clock offset, route to the master, master port, image; each
-node's answers and problems as a NodeCheck (the table and the exit are runner/check_cli.py's)."""
+arch, CPUs, memory, free disk, GPUs, clock offset, route to the master, master port, image, and
+for a node that lacks the image, whether its engine's data root has room for what push would
+load there (runner/delivery/layer_sizes.py); each node's answers and problems as a NodeCheck (the
+table and the exit are runner/check_cli.py's)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from runner.delivery.images import host_image_ids, node_image_id
+from runner.delivery import disk_room
+from runner.delivery.images import node_chains, node_image_id, on_host_engine
+from runner.delivery.layer_sizes import HostLayers, host_layers
 from runner.errors import UserError
 from runner.fanout import DEFAULT_PARALLEL, parallel
 from runner.inventory import Inventory, Node
@@ -32,11 +36,13 @@ class NodeCheck:
     host_image_id: str | None = None    # on this host's engine, what push would bring
     master_port: str = "-"               # "<port> free", "<port> IN USE" or "auto"
     master_port_detail: str | None = None  # auto: where `up` will look and what is taken there
+    engine_free: int | None = None       # bytes free in the node engine's data root (measured when push has work)
+    image_lacking: int | None = None     # bytes of the host image's layers the node lacks (push's estimate)
     problems: list[str] = field(default_factory=list)
 
 
 def check_node(inv: Inventory, node: Node, accept_new: bool, port: int | None,
-               host_ids: dict[str, str | None] | None = None) -> NodeCheck:
+               host: dict[str, HostLayers | None] | None = None) -> NodeCheck:
     nc = NodeCheck(node.name, f"{node.host}:{node.port}")
     try:
         remote = Remote(node, accept_new).connect()
@@ -57,10 +63,30 @@ def check_node(inv: Inventory, node: Node, accept_new: bool, port: int | None,
         nc.image = inv.job.image_for(node.arch or p.arch)
         if nc.image and not p.docker_error:
             nc.image_id = node_image_id(remote, nc.image)
-            nc.host_image_id = (host_ids or {}).get(nc.image)
+            hl = (host or {}).get(nc.image)
+            nc.host_image_id = hl.image_id if hl else None
             nc.image_state = image_state(nc.image_id, nc.host_image_id)
             nc.image_present = nc.image_state in ("present", "unverified")
+            if hl is not None and nc.image_state in ("absent", "stale"):
+                _push_room(nc, remote, hl, "the pull" if inv.job.registry else "push")
     return nc
+
+
+def _push_room(nc: NodeCheck, remote: Remote, hl: HostLayers, by: str) -> None:
+    """What push (or the registry pull) would load into the node's engine, against its data root's
+    room: the rule push applies before sending a byte, with the layers' sizes estimated
+    (layer_sizes.py). A node whose images cannot be listed is left to push to report."""
+    try:
+        layers, nc.image_lacking = hl.lacking(node_chains(remote))
+    except UserError:
+        return
+    room = disk_room.engine_room(remote)
+    nc.engine_free = room[0] if room else None
+    short = disk_room.engine_shortage(None, room, nc.image_lacking, f"{nc.image} ({layers} of {len(hl.chains)} "
+                                      f"layers)", about=not hl.exact, then=f"{by} would stop there before "
+                                      "sending: free space there (docker image prune, docker system df)")
+    if short:
+        nc.problems.append(short)
 
 
 def _node_problems(nc: NodeCheck, node: Node, p: Probe, master_host: str) -> None:
@@ -113,11 +139,12 @@ def image_state(node_id: str | None, host_id: str | None) -> str:
 def run_checks(inv: Inventory, accept_new: bool, workers: int = DEFAULT_PARALLEL) -> list[NodeCheck]:
     port = inv.job.master_port if isinstance(inv.job.master_port, int) else None
     tags = {inv.job.image_for(n.arch or a) for n in inv.nodes for a in ("amd64", "arm64")} - {None}
-    host_ids = host_image_ids(sorted(tags))
-    res = parallel(inv.ordered(), lambda n: check_node(inv, n, accept_new, port, host_ids), workers)
+    host = on_host_engine(sorted(tags), host_layers)
+    res = parallel(inv.ordered(), lambda n: check_node(inv, n, accept_new, port, host), workers)
     out = []
     for n, val, err in res:
         if err is not None:
             val = NodeCheck(n.name, f"{n.host}:{n.port}", ssh="?", problems=[str(err)])
         out.append(val)
     return out
+

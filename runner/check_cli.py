@@ -10,6 +10,7 @@ from dataclasses import asdict
 from rich.console import Console
 from rich.table import Table
 
+from contract.memory import size_text
 from runner.check import NodeCheck, run_checks
 from runner.errors import EXIT_NOT_READY, UserError
 from runner.inventory_arg import add_inventory_args, load
@@ -21,8 +22,13 @@ def _image_cell(c: NodeCheck) -> str:
     if c.image_state is None:
         return "-"
     if c.image_state == "stale":
-        return f"{c.image} stale (node {c.image_id[7:19]}, host {c.host_image_id[7:19]})"
-    return f"{c.image} {c.image_state}"
+        cell = f"{c.image} stale (node {c.image_id[7:19]}, host {c.host_image_id[7:19]})"
+    else:
+        cell = f"{c.image} {c.image_state}"
+    if c.image_lacking is not None:  # what push would load, beside the room the engine has
+        free = f", engine {size_text(c.engine_free)} free" if c.engine_free is not None else ""
+        cell += f"; lacks {size_text(c.image_lacking)}{free}"
+    return cell
 
 
 def register(sub: argparse._SubParsersAction) -> None:

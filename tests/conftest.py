@@ -13,7 +13,15 @@ import pytest
 
 from runner.delivery.host_engine import host_engine
 from tests import IMAGE, REPO
-from tests.worker_share import groups, groups_file, machine_share, make_scheduler, remove_files, serialized
+from tests.worker_share import (
+    groups,
+    groups_file,
+    machine_share,
+    make_scheduler,
+    record_time,
+    remove_files,
+    serialized,
+)
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 # First two octets of every loopback address the tests give sandbox nodes. Two pytest sessions on
@@ -43,7 +51,7 @@ def pytest_xdist_make_scheduler(config, log):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    with machine_share(alone=item.get_closest_marker("alone") is not None):
+    with machine_share(alone=item.get_closest_marker("alone") is not None), record_time(item):
         yield
 
 

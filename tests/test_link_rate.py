@@ -97,6 +97,7 @@ def test_auto_measures_each_direction_once_and_follows_the_rule(monkeypatch):
 
     monkeypatch.setattr(link_rate, "measure_link", probe)
     monkeypatch.setattr(link_rate, "_zlib_rate", 20e6)
+    monkeypatch.setattr(link_rate, "node_zlib_rate", lambda remote: None)  # as fast as this host
     r = _remote("10.9.0.1", None)
     assert [link_rate.compress_stream(r, upload=u, aes=True) for u in (True, False, True, False)] == [
         True, False, True, False]
@@ -181,3 +182,67 @@ def test_a_node_that_sends_without_end_is_cut_at_the_probes_span(node, monkeypat
         r.close()
     assert rate > 1e5, rate
     assert took < 30, took  # it stops reading at PROBE_BYTES or WARM_S + LINK_S, whatever the node sends
+
+
+def test_the_nodes_own_deflate_is_timed_on_its_engine_binary(node, monkeypatch):
+    r = _connected(node, monkeypatch)
+    try:
+        rate = link_rate.node_zlib_rate(r)
+    finally:
+        r.close()
+    # This machine's gzip -6 behind a real shell: a plausible deflate rate (as zlib_rate's bounds).
+    assert rate is not None and 1e6 < rate < 2e9, rate
+    assert any("gzip -6" in c and str(link_rate.NODE_SAMPLE_BYTES) in c for c in node.commands), node.commands
+
+
+def test_a_download_follows_the_nodes_deflate_and_an_upload_this_hosts(node, monkeypatch, caplog):
+    """A node whose deflate is slower than its link sends uncompressed, though this host's zlib is
+    faster than that link (the rule before compressed it); the upload over the same link is
+    compressed. Its gzip is slowed by 2 s here: at most 8 MiB / 2 s, 4.2 MB/s."""
+    node.rewrite = lambda cmd: cmd.replace("gzip -6", "gzip -6 | (sleep 2; cat)")
+    monkeypatch.setattr(link_rate, "measure_link", lambda remote, upload, aes: 10e6)
+    monkeypatch.setattr(link_rate, "_zlib_rate", 20e6)
+    r = _connected(node, monkeypatch)
+    try:
+        with caplog.at_level(logging.INFO, logger="runner.link"):
+            assert link_rate.compress_stream(r, upload=False, aes=True) is False
+            assert link_rate.compress_stream(r, upload=True, aes=True) is True
+    finally:
+        r.close()
+    down = next(m for m in caplog.messages if "link down" in m)
+    got = float(down.split("zlib on the node ")[1].split(" MB/s")[0])
+    assert 0.5 < got <= 4.2 and down.endswith(": uncompressed"), down
+    assert any(m.endswith("link up 10.0 MB/s, zlib here 20.0 MB/s: compressed (ssh -C)") for m in caplog.messages)
+
+
+@pytest.mark.parametrize("answer, why", [
+    ("exit 3", "no answer: no gzip or engine binary there, or not in time"),
+    ("echo a; echo hello", "answered 'hello'"),
+    ("echo a; echo 4096; echo b; echo 10; echo c", "4096 bytes read, 10 deflated"),       # a sample too small
+    ("echo a; echo 9000000; echo b; echo 99000000; echo c", "9000000 bytes read, 99000000 deflated"),
+])
+def test_a_node_that_cannot_say_its_deflate_is_taken_as_fast_as_this_host(node, monkeypatch, caplog, answer, why):
+    node.rewrite = lambda cmd: answer if "gzip -6" in cmd else cmd
+    monkeypatch.setattr(link_rate, "measure_link", lambda remote, upload, aes: 10e6)
+    monkeypatch.setattr(link_rate, "_zlib_rate", 20e6)
+    r = _connected(node, monkeypatch)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="runner.link"):
+            assert link_rate.compress_stream(r, upload=False, aes=True) is True  # 10 MB/s under this host's 20
+    finally:
+        r.close()
+    assert f"its zlib rate is not known ({why}); this host's is used" in caplog.text, caplog.text
+    assert "link down 10.0 MB/s, zlib here 20.0 MB/s: compressed (ssh -C)" in caplog.text
+
+
+def test_a_node_that_trickles_its_deflate_answer_is_cut_at_its_bound(node, monkeypatch):
+    node.rewrite = lambda cmd: "echo a; sleep 60" if "gzip -6" in cmd else cmd
+    monkeypatch.setattr(link_rate, "NODE_ZLIB_S", 2.0)
+    r = _connected(node, monkeypatch)
+    try:
+        t0 = time.monotonic()
+        assert link_rate.node_zlib_rate(r) is None
+        took = time.monotonic() - t0
+    finally:
+        r.close()
+    assert took < 15, took

@@ -14,10 +14,15 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
+from runner.check import check_node
 from runner.delivery import push as push_mod
 from runner.delivery.disk_room import NoRoom, engine_shortage
-from runner.delivery.images import export
+from runner.delivery.images import export, host_client
+from runner.delivery.layer_sizes import host_layers
+from runner.delivery.registry import pull_one
+from runner.inventory import load_inventory
 from runner.transport.ssh import Remote
 from tests.hostile_node import HostileNode
 from tests.own_dockerd import own_dockerd
@@ -59,6 +64,48 @@ def test_push_into_an_engine_without_room_sends_nothing_and_with_room_loads(imag
                 assert client.images.get(image).id == exp.image_id
     finally:
         exp.release()
+
+
+def test_check_and_a_registry_pull_see_an_engine_without_room_before_any_byte(image, tmp_path, monkeypatch):
+    """`runner check` reports what push would refuse (the same rule, the layers' sizes from this
+    host's engine: exactly the 20 MiB file here), and a registry pull of a tag this host has is
+    refused before `docker pull` runs; with room, check has no problem with the node."""
+    client = host_client()
+    hl = host_layers(client, image, cache=tmp_path / "no-cache")  # before DOCKER_HOST moves
+    client.close()
+    assert (hl.sizes, hl.exact) == ([20 * MiB], False)
+    root = Path(f"/tmp/rt-room-{os.getpid()}")
+    with small_fs(root / "data", 32 * MiB) as data, own_dockerd(root, data) as (_, url):
+        monkeypatch.setenv("DOCKER_HOST", url)
+        with HostileNode(tmp_path / "node") as node:
+            n = node.node(name="pi-1")
+            inv_file = tmp_path / "inv.yaml"
+            inv_file.write_text(yaml.safe_dump({"nodes": [{"name": "pi-1", "host": n.host, "port": n.port, "user": n.user,
+                                                           "identity_file": n.identity_file,
+                                                           "known_hosts": n.known_hosts, "workdir": n.workdir}],
+                                                "job": {"image": image}}))
+            inv = load_inventory(inv_file)
+            nc = check_node(inv, inv.nodes[0], False, None, {image: hl})
+            assert (nc.image_state, nc.image_lacking) == ("absent", 20 * MiB)
+            assert 25 * MiB < nc.engine_free < 32 * MiB
+            assert len(nc.problems) == 1 and re.fullmatch(
+                rf"{re.escape(image)} \(1 of 1 layers\) needs about 40\.0 MiB while docker load unpacks it \(2 x "
+                r"20\.0 MiB of layers\), and its engine's data root \(docker info's DockerRootDir\) has \d\d\.\d MiB "
+                r"free \(1\.6 MiB of it kept free\); push would stop there before sending: free space there "
+                r"\(docker image prune, docker system df\)", nc.problems[0]), nc.problems
+
+            with Remote(n).connect() as r, pytest.raises(NoRoom) as err:
+                pull_one(r, "127.0.0.1:1", image, None, str(tmp_path), host=hl)
+            assert str(err.value).startswith(f"node pi-1: job.registry 127.0.0.1:1: 127.0.0.1:1/{image} (1 of 1 "
+                                             "layers) needs about 40.0 MiB while docker pull unpacks it"), err.value
+            assert str(err.value).endswith("nothing was pulled: free space there (docker image prune, docker system "
+                                           "df), then run again")
+            assert not any("docker pull" in c for c in node.commands), node.commands
+
+            subprocess.run(["mount", "-o", "remount,size=96m", str(data)], check=True)
+            nc = check_node(inv, inv.nodes[0], False, None, {image: hl})
+            assert (nc.image_state, nc.image_lacking, nc.problems) == ("absent", 20 * MiB, [])
+            assert nc.engine_free > 80 * MiB
 
 
 @pytest.mark.parametrize("room, layer_bytes, short", [

@@ -485,6 +485,7 @@ def test_check_image_present_stale_absent_and_master_port(sandbox, pushed, tmp_p
 
     rows = json.loads(check("--json").stdout)
     assert [(r["image_state"], r["image_id"], r["host_image_id"]) for r in rows] == [("present", a, a)] * 3
+    assert [(r["image_lacking"], r["engine_free"]) for r in rows] == [(None, None)] * 3  # nothing to push
     # The host's tag now names another image: every node's copy is stale (push would replace it).
     b = scratch(tag, [os.urandom(1 << 16)])
     with remotes(sandbox)["node-1"] as r:
@@ -492,6 +493,10 @@ def test_check_image_present_stale_absent_and_master_port(sandbox, pushed, tmp_p
     rows = json.loads(check("--json").stdout)
     assert [(r["node"], r["image_state"], r["image_id"], r["host_image_id"], r["image_present"]) for r in rows] == [
         ("node-0", "stale", a, b, False), ("node-1", "absent", None, b, False), ("node-2", "stale", a, b, False)]
+    # What push would load there (the new 64 KiB layer, from the host engine's history), beside the
+    # room in each node engine's data root.
+    assert [r["image_lacking"] for r in rows] == [1 << 16] * 3
+    assert all(r["engine_free"] > 1 << 30 and r["problems"] == [] for r in rows), rows
     # Master port: auto shows where up looks and what is taken there; a fixed port in use fails.
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -508,6 +513,7 @@ def test_check_image_present_stale_absent_and_master_port(sandbox, pushed, tmp_p
         assert table.returncode == 0, table.stderr
         cells = lambda node: next(ln for ln in table.stdout.splitlines() if f"│ {node} " in ln)  # noqa: E731
         assert " stale" in cells("node-0") and " absent" in cells("node-1")  # (cells wrap: first line)
+        assert table.stdout.count("lacks 64.0 KiB") == 3, table.stdout
         fixed = write_job(tmp_path, "fixed.yaml", image=tag, extra={"master_port": 29500})
         proc = runner("check", "-i", str(sandbox), "--job", str(fixed))
     assert proc.returncode == 1

@@ -9,7 +9,15 @@ import subprocess
 import sys
 
 from tests import REPO
-from tests.worker_share import CLUSTERS, cluster_groups_first, groups
+from tests.worker_share import (
+    CLUSTERS,
+    DURATIONS,
+    groups,
+    load_durations,
+    longest_first,
+    record_time,
+    write_durations,
+)
 
 
 class _Item:
@@ -36,11 +44,53 @@ def test_tests_sharing_a_cluster_share_a_group_and_the_rest_go_by_module(monkeyp
                                         "nodes-nonroot_sandbox-slurm", "nodes-nonroot_sandbox-slurm", "tests/c.py"]
 
 
-def test_the_longest_work_goes_out_first():
+def test_the_longest_work_goes_out_first_by_recorded_seconds_and_the_rest_at_the_mean_per_test():
     queue = {"tests/a.py": dict.fromkeys("abc"), "nodes-slurm": dict.fromkeys("ab"), "tests/b.py": dict.fromkeys("a"),
              "nodes-sandbox": dict.fromkeys("abcd"), "tests/c.py": dict.fromkeys("abcde")}
-    assert [k for k, _ in cluster_groups_first(queue)] == ["nodes-sandbox", "nodes-slurm", "tests/c.py", "tests/a.py",
-                                                           "tests/b.py"]
+    # Nothing recorded: the cluster groups first, then by number of tests.
+    assert [k for k, _ in longest_first(queue, {})] == ["nodes-sandbox", "nodes-slurm", "tests/c.py", "tests/a.py",
+                                                        "tests/b.py"]
+    # Recorded: by seconds. b.py's one test outlasts c.py's five; a.py, unrecorded, counts at the mean
+    # per recorded test, (100 + 40 + 10 + 400) / (1 + 5 + 2 + 4) = 45.8 s a test: 137.5 s.
+    durations = {"tests/b.py": 100.0, "tests/c.py": 40.0, "nodes-slurm": 10.0, "nodes-sandbox": 400.0}
+    assert [k for k, _ in longest_first(queue, durations)] == ["nodes-sandbox", "tests/a.py", "tests/b.py", "tests/c.py",
+                                                               "nodes-slurm"]
+
+
+def test_recorded_times_fold_into_seconds_per_group_and_each_workers_span(tmp_path, monkeypatch):
+    times = tmp_path / "times.jsonl"
+    monkeypatch.setenv("TEST_TIMES", str(times))
+
+    class _Timed(_Item):
+        def iter_markers(self, name):
+            return iter(self.markers)
+
+    for worker, nodeid in [("gw0", "tests/a.py::t1"), ("gw1", "tests/b.py::t1"), ("gw0", "tests/a.py::t2")]:
+        item = _Timed(nodeid)
+        groups([item])
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        with record_time(item):
+            pass
+    rows = [json.loads(line) for line in times.read_text().splitlines()]
+    assert [(r["test"], r["group"], r["worker"]) for r in rows] == [
+        ("tests/a.py::t1", "tests/a.py", "gw0"), ("tests/b.py::t1", "tests/b.py", "gw1"), ("tests/a.py::t2", "tests/a.py", "gw0")]
+    # Made-up spans: a.py 3 s + 2 s on gw0, b.py 4 s on gw1 from t=1.
+    for r, (start, end) in zip(rows, [(100.0, 103.0), (101.0, 105.0), (103.0, 105.0)], strict=True):
+        r["start"], r["end"] = start, end
+    times.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    doc = write_durations(times, tmp_path / "durations.json")
+    assert doc["groups"] == {"tests/a.py": 5.0, "tests/b.py": 4.0}
+    assert doc["workers"] == {"gw0": {"busy_s": 5.0, "ended_at_s": 5.0}, "gw1": {"busy_s": 4.0, "ended_at_s": 5.0}}
+    assert load_durations(tmp_path / "durations.json") == {"tests/a.py": 5.0, "tests/b.py": 4.0}
+    assert load_durations(tmp_path / "none.json") == {}
+
+
+def test_the_committed_durations_name_the_suites_cluster_groups():
+    """tests/durations.json is read by the scheduler (a group it lacks, such as a new module, counts
+    at the mean per test; one it names that is gone is never looked up)."""
+    rec = load_durations(DURATIONS)
+    assert len(rec) > 50 and all(v >= 0 for v in rec.values())
+    assert {"nodes-sandbox", "nodes-netns_sandbox", "nodes-nonroot_sandbox", "nodes-slurm"} <= rec.keys()
 
 
 def test_the_suites_clusters_each_on_one_worker_and_slurm_apart_from_the_sandbox(tmp_path):

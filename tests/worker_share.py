@@ -8,7 +8,7 @@ What keeps them apart:
 - `groups` and `GroupScheduling`: every test that uses a cluster (the session sandbox, the
   non-root one, the namespaced one, Slurm) goes to the one worker that holds that cluster, tests
   sharing a cluster together; every other test goes with its module (module fixtures are computed
-  once); the longest groups go out first (`cluster_groups_first`).
+  once); the longest groups go out first, by their time in tests/durations.json (`longest_first`).
 - `alone`: a test marked `alone` runs with the other worker between tests; `machine_alone()` does
   the same for one step of a test (measuring the unequal nodes: their CPU quotas separate speeds
   only while the machine has CPU to spare). A shared/exclusive lock on one file, with a turnstile
@@ -29,7 +29,9 @@ import contextlib
 import fcntl
 import json
 import os
+import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -174,9 +176,9 @@ def make_scheduler(config, log):
             return self._groups.get(nodeid, nodeid)
 
         def _assign_work_unit(self, node) -> None:
-            if not self._ordered:  # once, before the first unit goes out: see cluster_groups_first
+            if not self._ordered:  # once, before the first unit goes out: see longest_first
                 self._ordered = True
-                queue = cluster_groups_first(self.workqueue)
+                queue = longest_first(self.workqueue, load_durations())
                 self.workqueue.clear()
                 self.workqueue.update(queue)
             super()._assign_work_unit(node)
@@ -186,8 +188,76 @@ def make_scheduler(config, log):
     return GroupScheduling(config, log)
 
 
-def cluster_groups_first(queue: dict[str, dict]) -> list[tuple[str, dict]]:
-    """The longest work first: the cluster groups (their tests start node runs), then the modules,
-    each by its number of tests. A worker takes the next group when its own is nearly done, so a long
-    group taken last would leave the other worker idle at the end (the Slurm module did: ~15 min)."""
-    return sorted(queue.items(), key=lambda kv: (not kv[0].startswith("nodes-"), -len(kv[1])))
+# Seconds each group took (setup, call and teardown of its tests) in a two-worker run of the whole
+# suite on a CI-like machine (2 cores): `TEST_TIMES=FILE scripts/test.sh`, then
+# `python -m tests.worker_share FILE` rewrites it. A group it does not name (a new module) is
+# counted at the mean seconds per test of those it does.
+DURATIONS = Path(__file__).with_name("durations.json")
+TIMES_ENV = "TEST_TIMES"
+
+
+def load_durations(path: Path = DURATIONS) -> dict[str, float]:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    groups = doc.get("groups") if isinstance(doc, dict) else None
+    return {k: float(v) for k, v in (groups or {}).items() if isinstance(v, (int, float))}
+
+
+def longest_first(queue: dict[str, dict], durations: dict[str, float],
+                  tests_per_group: dict[str, int] | None = None) -> list[tuple[str, dict]]:
+    """The work queue's groups, longest first (LPT: a worker takes the next group when its own is
+    nearly done, so a long group taken last leaves the other worker idle at the end; the Slurm
+    module once did, for ~15 min). A group's length is its recorded seconds; one without a record
+    is its number of tests times the recorded mean per test (the cluster groups, whose tests start
+    node runs, first among those when nothing is recorded at all)."""
+    counts = tests_per_group or {k: len(v) for k, v in queue.items()}
+    known = [k for k in queue if k in durations]
+    per_test = (sum(durations[k] for k in known) / max(1, sum(counts[k] for k in known))) if known else None
+
+    def length(kv: tuple[str, dict]) -> tuple:
+        k = kv[0]
+        if k in durations:
+            return (0, -durations[k])
+        if per_test is not None:
+            return (0, -counts[k] * per_test)
+        return (1, not k.startswith("nodes-"), -counts[k])
+
+    return sorted(queue.items(), key=length)
+
+
+@contextlib.contextmanager
+def record_time(item: pytest.Item) -> Iterator[None]:
+    """With TEST_TIMES set: one JSON line per test (its group, worker, start and end) appended there."""
+    path = os.environ.get(TIMES_ENV)
+    t0 = time.time()
+    try:
+        yield
+    finally:
+        if path:
+            line = json.dumps({"test": item.nodeid, "group": _group(item), "worker": os.environ.get("PYTEST_XDIST_WORKER", "-"),
+                               "start": t0, "end": time.time()})
+            with open(path, "a") as fh:  # one short write per line: lines of two workers do not interleave
+                fh.write(line + "\n")
+
+
+def write_durations(times: Path, out: Path = DURATIONS) -> dict:
+    """Fold a TEST_TIMES file into durations.json: seconds per group, and each worker's busy span."""
+    groups: dict[str, float] = {}
+    workers: dict[str, list[float]] = {}
+    for line in times.read_text().splitlines():
+        r = json.loads(line)
+        groups[r["group"]] = groups.get(r["group"], 0.0) + r["end"] - r["start"]
+        w = workers.setdefault(r["worker"], [r["start"], r["end"], 0.0])
+        w[0], w[1], w[2] = min(w[0], r["start"]), max(w[1], r["end"]), w[2] + r["end"] - r["start"]
+    t0 = min(w[0] for w in workers.values())
+    doc = {"note": "seconds per test group in one two-worker run (tests/worker_share.py DURATIONS)",
+           "groups": {k: round(v, 1) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])},
+           "workers": {k: {"busy_s": round(w[2], 1), "ended_at_s": round(w[1] - t0, 1)} for k, w in sorted(workers.items())}}
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    return doc
+
+
+if __name__ == "__main__":
+    print(json.dumps(write_durations(Path(sys.argv[1]))["workers"]))

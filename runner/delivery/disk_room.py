@@ -98,19 +98,25 @@ def engine_room(remote) -> tuple[int, int] | None:
         return None
 
 
-def engine_shortage(node: str, room: tuple[int, int] | None, layer_bytes: int, what: str) -> str | None:
+PUSH_AGAIN = "nothing was sent: free space there (docker image prune, docker system df), then push again"
+
+
+def engine_shortage(node: str | None, room: tuple[int, int] | None, layer_bytes: int, what: str,
+                    then: str = PUSH_AGAIN, about: bool = False, how: str = "docker load") -> str | None:
     """Why docker load of layer_bytes (LOAD_FACTOR x at its peak, plus what is kept free) does not
-    fit in a data root of `room`, or None."""
+    fit in a data root of `room`, or None (docker pull's peak is the same bound: each layer's
+    download beside its unpacked copy). The line names the node (None: the caller does), what needs
+    the room (`about`: an estimate, layer_sizes.py) and ends with `then`, what to do."""
     if room is None:
         return None
     free, total = room
     keep, need = disk_keep_free(total), LOAD_FACTOR * layer_bytes
     if need <= free - keep:
         return None
-    return (f"node {node}: {what} needs {size_text(need)} while docker load unpacks it ({LOAD_FACTOR} x "
-            f"{size_text(layer_bytes)} of layers), and its engine's data root (docker info's DockerRootDir) has "
-            f"{size_text(free)} free ({size_text(keep)} of it kept free); nothing was sent: free space there "
-            "(docker image prune, docker system df), then push again")
+    head = f"node {node}: " if node else ""
+    return (f"{head}{what} needs {'about ' if about else ''}{size_text(need)} while {how} unpacks it "
+            f"({LOAD_FACTOR} x {size_text(layer_bytes)} of layers), and its engine's data root (docker info's "
+            f"DockerRootDir) has {size_text(free)} free ({size_text(keep)} of it kept free); {then}")
 
 
 def check_engine_room(remote, layer_bytes: int, what: str) -> None:

@@ -107,23 +107,32 @@ def build_image(tag: str, spec: BuildSpec) -> str:
 
 
 def host_image_ids(tags: list[str]) -> dict[str, str | None]:
-    """{tag: image id on this host's engine, or None}; all None when the engine does not answer
-    (check still reports what the nodes have, just not whether it is current)."""
+    """{tag: image id on this host's engine, or None} (on_host_engine)."""
+    return on_host_engine(tags, _image_id)
+
+
+def _image_id(client, tag: str) -> str | None:
     import docker
 
+    try:
+        return client.images.get(tag).id
+    except docker.errors.ImageNotFound:
+        return None
+
+
+def on_host_engine(tags: list[str], read) -> dict:
+    """{tag: read(client, tag)} on this host's engine (read gives None for a tag it lacks); all None
+    when the engine does not answer (check still reports what the nodes have, just not whether it is
+    current; a registry pull is then not compared with this host's build)."""
     try:
         client = host_client()
     except UserError as exc:
         log.warning("%s; image ids not compared", exc)
         return dict.fromkeys(tags)
-    out: dict[str, str | None] = {}
-    for t in tags:
-        try:
-            out[t] = client.images.get(t).id
-        except docker.errors.ImageNotFound:
-            out[t] = None
-    client.close()
-    return out
+    try:
+        return {t: read(client, t) for t in tags}
+    finally:
+        client.close()
 
 
 def host_image(client, tag: str):
@@ -195,6 +204,18 @@ def _intact(d: Path) -> bool:
         return all((d / p).is_file() for p in [m["Config"], *m["Layers"]])
     except (OSError, ValueError, KeyError, IndexError):
         return False
+
+
+def cached_layer_sizes(image_id: str, cache: Path = CACHE) -> list[int] | None:
+    """The layer tars' bytes, in diff_id order, of image_id's complete export in cache, or None (not
+    exported, or pruned meanwhile). Read without taking the entry: sizes only."""
+    d = cache / image_id.split(":", 1)[-1]
+    try:
+        if not (d / ".complete").is_file() or not _intact(d):
+            return None
+        return [(d / p).stat().st_size for p in json.loads((d / "manifest.json").read_text())[0]["Layers"]]
+    except (OSError, ValueError, KeyError, IndexError):
+        return None
 
 
 def _load_export(tag: str, image_id: str, d: Path) -> Exported:

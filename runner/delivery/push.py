@@ -27,7 +27,9 @@ from runner.delivery.images import (
     missing_layers,
     node_chains,
     node_image_id,
+    on_host_engine,
 )
+from runner.delivery.layer_sizes import host_layers
 from runner.delivery.push_result import PushResult
 from runner.delivery.registry import pull_to_nodes
 from runner.errors import UserError
@@ -154,7 +156,7 @@ def push_to_nodes(cl: Cluster, arches: dict[str, str | None], quiet: bool = Fals
     relay: None follows job.push; False gives every node its own stream."""
     tags = node_tags(cl.inv, arches)
     if cl.inv.job.registry:  # the nodes pull instead (runner/delivery/registry.py)
-        return pull_to_nodes(cl, tags, host_image_ids(sorted(set(tags.values()))))
+        return pull_to_nodes(cl, tags, on_host_engine(sorted(set(tags.values())), host_layers))
     specs = build_specs(cl.inv, tags, arches)
     if build and not any(specs.values()):
         raise UserError(f"{cl.inv.path}: push --build: the job has no build section saying how to build "

@@ -10,7 +10,10 @@ node's shell removes when the pull ends, or when the runner's connection does (P
 in an argv, a log line, or the job's containers, and not left behind by a dropped connection.
 
 A node whose registry does not answer or lacks the tag: one line naming the node, job.registry
-and docker's own reason, before any container starts.
+and docker's own reason, before any container starts. A node whose engine has no room for what it
+lacks of the image (where this machine has the tag: its layers' sizes, layer_sizes.py) is refused
+before it pulls a byte, by the rule push follows (disk_room.py): a pull that fills the data root
+stops half-way with `no space left on device` and leaves the node's disk full.
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ import logging
 import shlex
 import time
 
+from runner.delivery import disk_room
+from runner.delivery.images import node_chains
+from runner.delivery.layer_sizes import HostLayers
 from runner.delivery.push_result import PushResult
 from runner.errors import UserError
 from runner.inventory.job_data import registry_ref
@@ -55,14 +61,17 @@ wait "$pull"
 """
 
 
-def pull_one(remote: Remote, registry: str, tag: str, auth: tuple[str, str] | None, home: str
-             ) -> tuple[dict, float]:
-    """Pull and tag on one node; (the node's image attrs for tag, seconds)."""
+def pull_one(remote: Remote, registry: str, tag: str, auth: tuple[str, str] | None, home: str,
+             host: HostLayers | None = None) -> tuple[dict, float]:
+    """Pull and tag on one node; (the node's image attrs for tag, seconds). With `host` (this
+    machine's build of tag), the node's engine must have room for what it lacks of it first."""
     import docker
 
     name = remote.node.name
     ref = registry_ref(registry, tag)
     t0 = time.time()
+    if host is not None:
+        check_pull_room(remote, host, f"job.registry {registry}: {ref}")
     if auth is None:
         res = remote.run(["docker", "pull", "-q", ref], timeout=PULL_TIMEOUT_S)
     else:
@@ -83,7 +92,20 @@ def pull_one(remote: Remote, registry: str, tag: str, auth: tuple[str, str] | No
     return attrs, time.time() - t0
 
 
-def pull_to_nodes(cl, tags: dict[str, str], host_ids: dict[str, str | None]) -> list:
+def check_pull_room(remote: Remote, host: HostLayers, what: str) -> None:
+    """NoRoom when the node's engine cannot take what it lacks of `host` (disk_room.engine_shortage)."""
+    layers, need = host.lacking(node_chains(remote))
+    if layers == 0:
+        return
+    why = disk_room.engine_shortage(remote.node.name, disk_room.engine_room(remote), need,
+                                    f"{what} ({layers} of {len(host.chains)} layers)", about=not host.exact,
+                                    how="docker pull", then="nothing was pulled: free space there (docker image "
+                                    "prune, docker system df), then run again")
+    if why:
+        raise disk_room.NoRoom(why)
+
+
+def pull_to_nodes(cl, tags: dict[str, str], host: dict[str, HostLayers | None]) -> list:
     """Every node pulls its tag; where this machine has the tag too, the node must end with the
     same image id (a registry holding another build of the tag is an error, not a surprise)."""
     job = cl.inv.job
@@ -93,8 +115,8 @@ def pull_to_nodes(cl, tags: dict[str, str], host_ids: dict[str, str | None]) -> 
 
     def one(r: Remote) -> PushResult:
         tag = tags[r.node.name]
-        attrs, seconds = pull_one(r, job.registry, tag, auth, r.home)
-        got, want = attrs["Id"], host_ids.get(tag)
+        attrs, seconds = pull_one(r, job.registry, tag, auth, r.home, host.get(tag))
+        got, want = attrs["Id"], host[tag].image_id if host.get(tag) else None
         if want is not None and got != want:
             raise UserError(f"node {r.node.name}: {registry_ref(job.registry, tag)} is image {got[7:19]}, but this "
                             f"machine's {tag} is {want[7:19]}: push the current build to the registry "

@@ -17,8 +17,12 @@ an image).
 
 The stream is then compressed only when the link is slower than the compressor. Then, at any ratio
 above 1, the compressed stream is the faster one: it moves min(compressor, link x ratio) bytes of
-data per second, against the link's own rate. A download is compressed by the node; its core is
-taken to be no faster than this host's. Loopback is never compressed: both ends share the cores.
+data per second, against the link's own rate. A download is compressed by the node, so for it the
+compressor is the node's: its `gzip -6` (the same deflate at the same level) timed on
+NODE_SAMPLE_BYTES of its own engine's binary (machine code again), in the same session as a plain
+read of the same bytes, whose time is taken off; a Pi's core deflates at about half this host's
+rate. A node without gzip or such a binary, or whose answer is not that, is taken to be as fast as
+this host (one debug line). Loopback is never compressed: both ends share the cores.
 A probe that fails (a node that answers no shell, a timeout) leaves the stream compressed, as it
 was before this rule, and says so at debug level.
 
@@ -33,6 +37,7 @@ from __future__ import annotations
 import logging
 import os
 import select
+import shlex
 import subprocess
 import threading
 import time
@@ -52,6 +57,18 @@ SAMPLE_BYTES = 8 << 20
 PIECE = 256 << 10
 FALLBACK_ZLIB = 20e6   # bytes/s, should the sample library be missing
 ANSWER_S = CONNECT_TIMEOUT + 5  # the probe's session must be up (its first byte in) by then
+NODE_SAMPLE_BYTES = 8 << 20
+NODE_ZLIB_S = 60.0     # the node's whole answer: 8 MiB deflated at 0.2 MB/s would be 40 s
+# The node's deflate: the first readable engine binary; a plain read of the sample, then the same
+# bytes through gzip -6, each pass's output counted by wc; "a", "b", "c" mark the passes' ends as
+# they happen (echo is a builtin: written at once), timed on arrival here.
+NODE_ZLIB_SH = r"""
+for f in "$(command -v dockerd)" "$(command -v containerd)" "$(command -v docker)"; do
+  [ -n "$f" ] && [ -r "$f" ] && break
+done
+[ -n "$f" ] && [ -r "$f" ] && command -v gzip >/dev/null 2>&1 || exit 3
+echo a; head -c "$1" "$f" | wc -c; echo b; head -c "$1" "$f" | gzip -6 | wc -c; echo c
+"""
 
 
 def decide(link: float, zlib_rate: float) -> bool:
@@ -110,12 +127,56 @@ def compress_stream(remote: Remote, upload: bool, aes: bool, size: int | None = 
         log.debug("node %s: link probe (%s) failed (%s): stream compressed", n.name, way, exc)
         cache[key] = True
         return True
-    z = zlib_rate()
+    z, where = zlib_rate(), "here"
+    if not upload:  # the node compresses what it sends
+        nz = node_zlib_rate(remote)
+        if nz is not None:
+            z, where = nz, "on the node"
     remote.__dict__.setdefault("link_rates", {})[way] = link
     cache[key] = decide(link, z)
-    log.info("node %s: link %s %.1f MB/s, zlib here %.1f MB/s: %s", n.name, way, link / 1e6, z / 1e6,
+    log.info("node %s: link %s %.1f MB/s, zlib %s %.1f MB/s: %s", n.name, way, link / 1e6, where, z / 1e6,
              "compressed (ssh -C)" if cache[key] else "uncompressed")
     return cache[key]
+
+
+def node_zlib_rate(remote: Remote) -> float | None:
+    """The node's deflate level 6 (gzip -6) in input bytes/s (NODE_ZLIB_SH), or None when it cannot
+    say (no gzip, no engine binary, an answer that is not the script's, NODE_ZLIB_S passed)."""
+    name = remote.node.name
+    try:
+        marks = _node_zlib_marks(remote)
+    except (OSError, TimeoutError, EOFError) as exc:
+        log.debug("node %s: its zlib rate is not known (%s); this host's is used", name, exc)
+        return None
+    (ta, tb, tc), (plain, packed) = marks
+    if plain < (1 << 20) or not 0 < packed <= plain + (plain >> 6) + 4096:
+        log.debug("node %s: its zlib rate is not known (%d bytes read, %d deflated); this host's is used",
+                  name, plain, packed)
+        return None
+    return plain / max((tc - tb) - (tb - ta), 1e-3)
+
+
+def _node_zlib_marks(remote: Remote) -> tuple[tuple[float, float, float], tuple[int, int]]:
+    """((arrival times of a, b, c), (bytes read, bytes deflated)) of NODE_ZLIB_SH on the node."""
+    chan = remote.open_exec(shlex.join(["sh", "-c", NODE_ZLIB_SH, "zlib", str(NODE_SAMPLE_BYTES)]))
+    timer = threading.Timer(NODE_ZLIB_S, chan.close)  # the whole answer's bound, however it trickles
+    timer.start()
+    try:
+        chan.settimeout(NODE_ZLIB_S)
+        out = chan.makefile("rb")
+        lines, times = [], []
+        for want in ("a", None, "b", None, "c"):
+            line = out.readline(64).decode(errors="replace").strip()
+            if not line:
+                raise OSError("no answer: no gzip or engine binary there, or not in time")
+            if (want is not None and line != want) or (want is None and not (line.isdigit() and len(line) <= 15)):
+                raise OSError(f"answered {line[:40]!r}")
+            lines.append(line)
+            times.append(time.monotonic())
+        return (times[0], times[2], times[4]), (int(lines[1]), int(lines[3]))
+    finally:
+        timer.cancel()
+        chan.close()
 
 
 def measure_link(remote: Remote, upload: bool, aes: bool) -> float:
