@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from runner.delivery import disk_room
-from runner.delivery.images import node_chains, node_image_id, on_host_engine
-from runner.delivery.layer_sizes import HostLayers, host_layers
+from runner.delivery.images import node_image_id, on_host_engine
+from runner.delivery.layer_sizes import HostLayers, engine_room_for, host_layers
 from runner.errors import UserError
 from runner.fanout import DEFAULT_PARALLEL, parallel
 from runner.inventory import Inventory, Node
@@ -77,14 +76,12 @@ def _push_room(nc: NodeCheck, remote: Remote, hl: HostLayers, by: str) -> None:
     room: the rule push applies before sending a byte, with the layers' sizes estimated
     (layer_sizes.py). A node whose images cannot be listed is left to push to report."""
     try:
-        layers, nc.image_lacking = hl.lacking(node_chains(remote))
+        _, nc.image_lacking, room, short = engine_room_for(
+            remote, hl, nc.image, then=f"{by} would stop there before sending: free space there (docker image "
+                                       "prune, docker system df)")
     except UserError:
         return
-    room = disk_room.engine_room(remote)
     nc.engine_free = room[0] if room else None
-    short = disk_room.engine_shortage(None, room, nc.image_lacking, f"{nc.image} ({layers} of {len(hl.chains)} "
-                                      f"layers)", about=not hl.exact, then=f"{by} would stop there before "
-                                      "sending: free space there (docker image prune, docker system df)")
     if short:
         nc.problems.append(short)
 
@@ -147,4 +144,3 @@ def run_checks(inv: Inventory, accept_new: bool, workers: int = DEFAULT_PARALLEL
             val = NodeCheck(n.name, f"{n.host}:{n.port}", ssh="?", problems=[str(err)])
         out.append(val)
     return out
-

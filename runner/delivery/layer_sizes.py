@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runner.delivery.images import CACHE, cached_layer_sizes, chain_ids
+from runner.delivery import disk_room
+from runner.delivery.images import CACHE, cached_layer_sizes, chain_ids, node_chains
 
 
 @dataclass(frozen=True)
@@ -65,3 +66,17 @@ def host_layers(client, tag: str, cache=CACHE) -> HostLayers | None:
         return HostLayers(img.id, chains, exact, True)
     sizes = sizes_from_history(img.history(), len(chains), int(img.attrs.get("Size") or 0))
     return HostLayers(img.id, chains, sizes, False)
+
+
+def engine_room_for(remote, host: HostLayers, what: str, then: str, how: str = "docker load"
+                    ) -> tuple[int, int, tuple[int, int] | None, str | None]:
+    """(layers the node lacks of `host`, their bytes, its engine's room, why they do not fit or None):
+    push's rule (disk_room.engine_shortage) on this module's sizes, for check and registry pulls.
+    Raises UserError when the node's images cannot be listed."""
+    layers, need = host.lacking(node_chains(remote))
+    if layers == 0:
+        return 0, 0, None, None
+    room = disk_room.engine_room(remote)
+    why = disk_room.engine_shortage(None, room, need, f"{what} ({layers} of {len(host.chains)} layers)",
+                                    then=then, about=not host.exact, how=how)
+    return layers, need, room, why

@@ -25,8 +25,7 @@ import shlex
 import time
 
 from runner.delivery import disk_room
-from runner.delivery.images import node_chains
-from runner.delivery.layer_sizes import HostLayers
+from runner.delivery.layer_sizes import HostLayers, engine_room_for
 from runner.delivery.push_result import PushResult
 from runner.errors import UserError
 from runner.inventory.job_data import registry_ref
@@ -94,15 +93,10 @@ def pull_one(remote: Remote, registry: str, tag: str, auth: tuple[str, str] | No
 
 def check_pull_room(remote: Remote, host: HostLayers, what: str) -> None:
     """NoRoom when the node's engine cannot take what it lacks of `host` (disk_room.engine_shortage)."""
-    layers, need = host.lacking(node_chains(remote))
-    if layers == 0:
-        return
-    why = disk_room.engine_shortage(remote.node.name, disk_room.engine_room(remote), need,
-                                    f"{what} ({layers} of {len(host.chains)} layers)", about=not host.exact,
-                                    how="docker pull", then="nothing was pulled: free space there (docker image "
-                                    "prune, docker system df), then run again")
+    why = engine_room_for(remote, host, what, how="docker pull", then="nothing was pulled: free space there (docker "
+                          "image prune, docker system df), then run again")[3]
     if why:
-        raise disk_room.NoRoom(why)
+        raise disk_room.NoRoom(f"node {remote.node.name}: {why}")
 
 
 def pull_to_nodes(cl, tags: dict[str, str], host: dict[str, HostLayers | None]) -> list:
