@@ -54,9 +54,10 @@ ENV PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
 
 # `runner up` may start this image's workers together with the master: runner/agents/gate.py holds
 # their torchrun until the master's rendezvous port listens (metadata only, set before the
-# code so that the project install stays the newest layer). "2": the gate is runner.agents.gate
-# (runner/plan.py GATE_MODULES; "1" was runner.gate).
-LABEL io.runner.gate="2"
+# code so that the project install stays the newest layer). "3": the gate is runner.agents.gate
+# and the master runs runner.agents.torchrun, torchrun with its exit barrier mended (runner/plan.py
+# GATE_MODULES, TORCHRUN_MODULES; "2" had only the gate, "1" was runner.gate).
+LABEL io.runner.gate="3"
 
 WORKDIR /workspace
 COPY pyproject.toml README.md ./

@@ -10,5 +10,5 @@ imports only its own and those below; tests/test_layers.py checks it):
   kube_export)
 - inventory/ (the YAML and its checks), jobspec (the launch contract), runs (run ids)
 - base: errors, fanout, node_output, safe_path, hostkeys, perseus_server; and agents/, the code
-  that runs on nodes and in containers (gate, relay_agent: standard library only)
+  that runs on nodes and in containers (gate, torchrun, relay_agent: standard library only)
 """

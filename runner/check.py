@@ -67,18 +67,19 @@ def check_node(inv: Inventory, node: Node, accept_new: bool, port: int | None,
             nc.image_state = image_state(nc.image_id, nc.host_image_id)
             nc.image_present = nc.image_state in ("present", "unverified")
             if hl is not None and nc.image_state in ("absent", "stale"):
-                _push_room(nc, remote, hl, "the pull" if inv.job.registry else "push")
+                _push_room(nc, remote, hl, pull=bool(inv.job.registry))
     return nc
 
 
-def _push_room(nc: NodeCheck, remote: Remote, hl: HostLayers, by: str) -> None:
-    """What push (or the registry pull) would load into the node's engine, against its data root's
-    room: the rule push applies before sending a byte, with the layers' sizes estimated
-    (layer_sizes.py). A node whose images cannot be listed is left to push to report."""
+def _push_room(nc: NodeCheck, remote: Remote, hl: HostLayers, pull: bool) -> None:
+    """What push (or the registry pull, `pull`) would load into the node's engine, against its data
+    root's room: the rule push and the pull apply before a byte moves, with the layers' sizes
+    estimated (layer_sizes.py). A node whose images cannot be listed is left to push to report."""
+    then = ("the pull would stop there before docker pull runs" if pull else "push would stop there before sending")
     try:
         _, nc.image_lacking, room, short = engine_room_for(
-            remote, hl, nc.image, then=f"{by} would stop there before sending: free space there (docker image "
-                                       "prune, docker system df)")
+            remote, hl, nc.image, how="docker pull" if pull else "docker load",
+            then=f"{then}: free space there (docker image prune, docker system df)")
     except UserError:
         return
     nc.engine_free = room[0] if room else None

@@ -25,6 +25,14 @@ def entry_argv(job, config: str | None) -> list[str]:
     return ["-m", "trainer", *(["--config", config] if config else [])]
 
 
+# torchrun with its exit barrier mended (runner/agents/torchrun.py) where the environment that runs
+# it (this project's image, or a virtualenv with this project) has it, else the torchrun on PATH:
+# for the schedulers whose script runs in an environment the runner does not inspect (Slurm's task,
+# a Kubernetes pod; the SSH runner reads the image's label instead: runner/plan.py). `$launch`.
+MENDED_TORCHRUN = "runner.agents.torchrun"
+CHOOSE_TORCHRUN = f"launch=torchrun; python -c 'import {MENDED_TORCHRUN}' 2>/dev/null && launch='python -m {MENDED_TORCHRUN}'"
+
+
 def torchrun_argv(job, nnodes: int | str, node_rank: int | str, nproc: int, master_addr: str,
                   master_port: int | str, config: str | None, args: list[str]) -> list[str]:
     """One node's torchrun: static rendezvous at the master, no restarts of its own (the runner

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import yaml
 
 from runner.inventory import Job
-from runner.jobspec import entry_argv, signal_env
+from runner.jobspec import CHOOSE_TORCHRUN, entry_argv, signal_env
 from runner.plan import OUT
 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
@@ -30,7 +30,7 @@ CONFIG_DIR = "/run/runner/config"
 DEFAULT_PORT = 29500
 # Node rank from the group's first rank + the pod's index in its Indexed Job (a downward-API value).
 RANK_SH = ('export PET_NODE_RANK=$((RUNNER_RANK_OFFSET + RUNNER_POD_INDEX)); export NODE_RANK=$PET_NODE_RANK; '
-           'exec torchrun "$@"')
+           f'{CHOOSE_TORCHRUN}; exec $launch "$@"')
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 
 

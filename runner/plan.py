@@ -26,9 +26,12 @@ LABEL_RUN_DIR = f"{LABEL_PREFIX}.run-dir"
 LABEL_MASTER = f"{LABEL_PREFIX}.master"
 LABEL_GRACE = f"{LABEL_PREFIX}.grace-period"
 # On an image: it carries the worker's gate, so workers can start early and wait for the go-file.
-# The label's value says where: images built before runner/agents/ existed carry "1".
+# The label's value says where: images built before runner/agents/ existed carry "1"; from "3" on
+# the image also carries torchrun with its exit barrier mended (runner/agents/torchrun.py), which
+# the master runs (and the gate, for the workers).
 LABEL_GATE = f"{LABEL_PREFIX}.gate"
-GATE_MODULES = {"1": "runner.gate", "2": "runner.agents.gate"}
+GATE_MODULES = {"1": "runner.gate", "2": "runner.agents.gate", "3": "runner.agents.gate"}
+TORCHRUN_MODULES = {"3": "runner.agents.torchrun"}
 
 OUT = "/out"
 SECRETS_IN_CONTAINER = "/run/runner/secrets.env"
@@ -44,6 +47,7 @@ class Facts:
     ifname: str | None = None   # interface whose route reaches the master address
     home: str | None = None     # to resolve `~` in workdir (docker mounts need absolute paths)
     gate: str | None = None     # the module of the gate the node's image carries (GATE_MODULES), if any
+    torchrun: str | None = None  # the module of the mended torchrun it carries (TORCHRUN_MODULES), if any
     uid: int | None = None      # the SSH user's (`id -u`, `id -g`, `id -un`): containers run as uid:gid
     gid: int | None = None
     user: str | None = None
@@ -166,6 +170,16 @@ def torchrun_command(inv: Inventory, nnodes: int, rank: int, nproc: int, master_
                          f"{OUT}/config.yaml" if has_config else None, list(inv.job.args))
 
 
+def launch_command(f: Facts, torchrun: list[str], go_file: str | None, gate_timeout: float) -> list[str]:
+    """A rank's command: the gate in front of torchrun's arguments for a worker that waits for
+    its go-file, else the image's mended torchrun where it has one, else `torchrun` as given."""
+    if go_file:
+        return ["python", "-m", f.gate, go_file, str(int(gate_timeout)), "--", *torchrun[1:]]
+    if f.torchrun:
+        return ["python", "-m", f.torchrun, *torchrun[1:]]
+    return torchrun
+
+
 def make_plan(inv: Inventory, run_id: str, facts: dict[str, Facts] | None = None,
               master_port: int | None = None, secret_keys: list[str] | None = None,
               strict: bool = False, launch_token: str | None = None, gate_timeout: float = 300,
@@ -225,8 +239,7 @@ def make_plan(inv: Inventory, run_id: str, facts: dict[str, Facts] | None = None
             gate_dir = paths.gates(run_id)
             go_file = f"{gate_dir}/go-{launch_token}"
             mounts[GATE_IN_CONTAINER] = gate_dir
-            tr = ["python", "-m", f.gate, f"{GATE_IN_CONTAINER}/go-{launch_token}", str(int(gate_timeout)),
-                  "--", *tr[1:]]
+        tr = launch_command(f, tr, go_file and f"{GATE_IN_CONTAINER}/go-{launch_token}", gate_timeout)
         if secrets_file:
             mounts[SECRETS_IN_CONTAINER] = secrets_file
             # Sourced inside the container: secrets never appear in argv, `docker inspect` or logs.

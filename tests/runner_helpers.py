@@ -307,9 +307,10 @@ def build_scratch_image(tag: str, layers: list[bytes]) -> str:
 
 def torchrun_image(tag: str, torchrun: bytes, gate: bool = True) -> str:
     """This session's trainer image with `torchrun` replaced by the given script (a master that
-    never listens, one held at a file, one deaf to signals, one that exits 2); gate=False labels it
-    as an image without runner.agents.gate. Its id."""
-    label = "" if gate else "LABEL io.runner.gate=0\n"
+    never listens, one held at a file, one deaf to signals, one that exits 2). Labelled gate "2"
+    (runner.agents.gate, and the master under the `torchrun` on PATH: this script, not
+    runner.agents.torchrun); gate=False labels it as an image without runner.agents.gate. Its id."""
+    label = "LABEL io.runner.gate=2\n" if gate else "LABEL io.runner.gate=0\n"
     return build_image(tag, {"Dockerfile": f"FROM {IMAGE}\n{label}COPY torchrun /opt/venv/bin/torchrun\n".encode(),
                              "torchrun": (torchrun, 0o755)})
 

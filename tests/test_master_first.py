@@ -2,7 +2,7 @@
 held (a test image whose torchrun waits for a release file on node rank 0), so its rendezvous
 port provably does not listen before the release. No worker's torchrun may start before then:
 
-- with the gate (this project's image, label io.runner.gate=2): the workers' containers run at
+- with the gate (this project's image, labelled io.runner.gate=2 here): the workers' containers run at
   once, but no go-file exists while the master is held, and each is written after the release;
 - without it (an image of the user's own): the workers' containers are created but do not run
   while the master is held, and their PID 1 starts after the release.

@@ -310,6 +310,29 @@ def test_gated_workers_wait_for_the_go_file_and_the_master_does_not(tmp_path):
     assert w1.command == ["python", "-m", "runner.agents.gate", "/run/runner/gate/go-t0k3n", "180", "--", *torchrun[1:]]
 
 
+
+def test_an_image_with_the_mended_torchrun_runs_it_on_the_master(tmp_path):
+    """Label io.runner.gate "3" (this project's image): the master runs runner.agents.torchrun with
+    torchrun's own arguments, the workers the gate (which runs it too); "2" (an older image of this
+    project) keeps the torchrun on PATH, and an image without the label is left as it was."""
+    from runner.plan import GATE_MODULES, TORCHRUN_MODULES
+
+    inv = load_inventory(inventory(tmp_path, NODES3, "  master_port: 29555\n"))
+
+    def facts(label):
+        return Facts(ifname="eth0", gate=GATE_MODULES.get(label), torchrun=TORCHRUN_MODULES.get(label))
+
+    plain = make_plan(inv, "r1", {n: Facts(ifname="eth0") for n in ("m", "w1", "w2")}, strict=True).nodes
+    m, w1, w2 = make_plan(inv, "r1", {"m": facts("3"), "w1": facts("3"), "w2": facts("2")}, strict=True,
+                          launch_token="t0k3n", gate_timeout=180).nodes
+    torchrun = plain[0].command
+    assert torchrun[0] == "torchrun"
+    assert m.command == ["python", "-m", "runner.agents.torchrun", *torchrun[1:]]
+    assert w1.command == ["python", "-m", "runner.agents.gate", "/run/runner/gate/go-t0k3n", "180", "--",
+                          *plain[1].command[1:]]
+    assert w2.command == w1.command[:3] + ["/run/runner/gate/go-t0k3n", "180", "--", *plain[2].command[1:]]
+    assert GATE_MODULES.get("0") is None and TORCHRUN_MODULES.get("2") is None
+
 def test_containers_run_as_the_ssh_users_uid_gid(tmp_path, no_network):
     """A non-root SSH user's containers run as its uid:gid with a writable HOME (the image has no
     passwd entry for it) and USER (getpass); root keeps the image's own user and env. The

@@ -102,6 +102,13 @@ def test_check_and_a_registry_pull_see_an_engine_without_room_before_any_byte(im
                                            "df), then run again")
             assert not any("docker pull" in c for c in node.commands), node.commands
 
+            inv.job.registry = "127.0.0.1:1"  # check for a job that pulls: the pull's verb and what it spares
+            (line,) = check_node(inv, inv.nodes[0], False, None, {image: hl}).problems
+            assert "needs about 40.0 MiB while docker pull unpacks it (2 x 20.0 MiB of layers)" in line, line
+            assert line.endswith("; the pull would stop there before docker pull runs: free space there (docker "
+                                 "image prune, docker system df)"), line
+            inv.job.registry = None
+
             subprocess.run(["mount", "-o", "remount,size=96m", str(data)], check=True)
             nc = check_node(inv, inv.nodes[0], False, None, {image: hl})
             assert (nc.image_state, nc.image_lacking, nc.problems) == ("absent", 20 * MiB, [])

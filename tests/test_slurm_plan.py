@@ -72,10 +72,11 @@ def test_sbatch_directives_env_and_task_field_by_field(tmp_path):
                              "--rdzv-backend", "static", "--max-restarts", "0",
                              "-m", "trainer", "--config", f"{rd}/config.yaml", "--train_steps", "5"]
     task = heredoc(plan.script, "RUNNER_TASK")
-    assert task.split("torchrun ", 1)[0].splitlines()[-2:] == [
+    assert task.split("launch=torchrun", 1)[0].splitlines()[-2:] == [
         "got=", "trap 'got=1; cut=1' USR1 TERM  # set first: a signal from now on counts (the end)"]
-    assert [ln for ln in task.splitlines() if ln.startswith("torchrun ")] == [
-        'torchrun --nnodes 3 --node-rank "$rank" --nproc-per-node 2 --master-addr "$MASTER_ADDR" '
+    assert [ln for ln in task.splitlines() if ln.startswith(("launch=", "$launch "))] == [
+        "launch=torchrun; python -c 'import runner.agents.torchrun' 2>/dev/null && launch='python -m runner.agents.torchrun'",
+        '$launch --nnodes 3 --node-rank "$rank" --nproc-per-node 2 --master-addr "$MASTER_ADDR" '
         '--master-port "$MASTER_PORT" --rdzv-backend static --max-restarts 0 -m trainer '
         f'--config {rd}/config.yaml --train_steps 5 "$@" &']
     assert task.endswith(SIGNALLED_143.rstrip("\n"))
@@ -342,12 +343,37 @@ def test_a_users_argument_spelled_like_a_placeholder_stays_literal(tmp_path):
     value) but literally over SSH. Only torchrun's own --node-rank/--master-addr/--master-port values
     are shell variables; the user's arguments are quoted whatever they say."""
     inv, plan = plan_for(tmp_path, job={"args": ["--tag", "$rank", "--host", "$MASTER_ADDR", "$MASTER_PORT"]})
-    (line,) = [ln for ln in heredoc(plan.script, "RUNNER_TASK").splitlines() if ln.startswith("torchrun ")]
-    assert line.startswith('torchrun --nnodes 3 --node-rank "$rank" --nproc-per-node 1 --master-addr "$MASTER_ADDR" '
+    (line,) = [ln for ln in heredoc(plan.script, "RUNNER_TASK").splitlines() if ln.startswith("$launch ")]
+    assert line.startswith('$launch --nnodes 3 --node-rank "$rank" --nproc-per-node 1 --master-addr "$MASTER_ADDR" '
                            '--master-port "$MASTER_PORT" '), line
     assert line.endswith(" --tag '$rank' --host '$MASTER_ADDR' '$MASTER_PORT' \"$@\" &"), line
     argv = subprocess.run(["sh", "-c", "rank=7 MASTER_ADDR=m MASTER_PORT=9; set -- ; printf '%s\\n' "
-                           + line.removeprefix("torchrun ").removesuffix(" &")], capture_output=True, text=True)
+                           + line.removeprefix("$launch ").removesuffix(" &")], capture_output=True, text=True)
     got = argv.stdout.splitlines()
     assert got[got.index("--node-rank") + 1] == "7" and got[-5:] == ["--tag", "$rank", "--host", "$MASTER_ADDR",
                                                                       "$MASTER_PORT"], got
+
+
+def test_the_task_runs_the_mended_torchrun_where_its_environment_has_it(tmp_path):
+    """The task's chooser, in a real shell: a python that imports runner.agents.torchrun (this
+    project's image, or a virtualenv with this project) launches it; one without it (the
+    interpreter this virtualenv was made from), or no python at all, the torchrun on PATH."""
+    import sys
+
+    from runner.jobspec import CHOOSE_TORCHRUN
+
+    def launch(python: str | None) -> str:
+        bin_dir = tmp_path / f"bin-{abs(hash(python))}"
+        bin_dir.mkdir()
+        if python:
+            (bin_dir / "python").write_text(f'#!/bin/sh\nexec {shlex.quote(python)} "$@"\n')
+            (bin_dir / "python").chmod(0o755)
+        out = subprocess.run(["/bin/sh", "-c", f'set -eu; {CHOOSE_TORCHRUN}; printf "%s|" $launch'],
+                             capture_output=True, text=True, env={"PATH": str(bin_dir)}, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    base = Path(sys.base_prefix) / "bin" / "python3"
+    assert launch(sys.executable) == "python|-m|runner.agents.torchrun|"
+    assert launch(str(base)) == "torchrun|"  # a python without this project
+    assert launch(None) == "torchrun|"       # none at all

@@ -2,7 +2,9 @@
 
 - gate: in a worker's container, imports torchrun while the master comes up and starts it the
   moment the runner writes the go-file (`python -m runner.agents.gate`; the image's label
-  io.runner.gate="2" says it is here)
+  io.runner.gate="2" or later says it is here)
+- torchrun: torchrun with its exit barrier mended (`python -m runner.agents.torchrun`, the
+  master's command, and the gate's torchrun; label io.runner.gate="3")
 - relay_agent: the node's half of the relay push, sent as source over SSH and run by the node's
   python3
 

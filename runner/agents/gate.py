@@ -30,7 +30,9 @@ def main(argv: list[str]) -> int:
         sys.stderr.write("usage: python -m runner.agents.gate GO_FILE TIMEOUT_S -- torchrun-args...\n")
         return 2
     go_file, timeout, torchrun_args = argv[0], float(argv[1]), argv[3:]
-    from torch.distributed import run as torchrun  # the slow import, overlapped with the master's
+    from torch.distributed import run  # noqa: F401 - the slow import, overlapped with the master's
+
+    from . import torchrun  # its sibling in the image (runner/agents/torchrun.py)
 
     deadline = time.monotonic() + timeout
     while not os.path.exists(go_file):
@@ -39,9 +41,7 @@ def main(argv: list[str]) -> int:
                              "listened, or the runner stopped); not starting torchrun\n")
             return EXIT_NO_GO
         time.sleep(POLL_S)
-    sys.argv = ["torchrun", *torchrun_args]
-    torchrun.main(torchrun_args)
-    return 0
+    return torchrun.main(torchrun_args)  # torchrun, its exit barrier mended (runner/agents/torchrun.py)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from runner import jobspec
 from runner.inventory.slurm import SlurmInventory
+from runner.jobspec import CHOOSE_TORCHRUN
 from runner.node_output import visible
 from runner.plan import OUT, SECRETS_IN_CONTAINER
 from runner.rendezvous import AUTO_PORT_BASE, AUTO_PORT_SPAN, port_offset
@@ -143,13 +144,13 @@ def torchrun_argv(inv: SlurmInventory, nproc: int, config: str | None, args: lis
 SHELL_VARS = {"--node-rank": "$rank", "--master-addr": "$MASTER_ADDR", "--master-port": "$MASTER_PORT"}
 
 
-def _shell_join(argv: list[str]) -> str:
+def _shell_words(argv: list[str]) -> list[str]:
     """Quoted, except the $variables torchrun_argv put in on purpose, told by position (torchrun's own
     flags come before the entry point): a user's argument that reads `$rank` stays literal, as over SSH."""
     own = argv.index("--max-restarts") + 2  # torchrun's own flags end there (jobspec.torchrun_argv)
     live = {i + 1 for i in range(own - 1) if SHELL_VARS.get(argv[i]) == argv[i + 1]}
     assert len(live) == len(SHELL_VARS), argv  # torchrun_argv changed: mark its variables again
-    return " ".join(f'"{a}"' if i in live else shlex.quote(a) for i, a in enumerate(argv))
+    return [f'"{a}"' if i in live else shlex.quote(a) for i, a in enumerate(argv)]
 
 
 def sbatch_directives(inv: SlurmInventory, plan: SlurmPlan, requeue: bool) -> list[str]:
@@ -206,7 +207,7 @@ def task_script(inv: SlurmInventory, plan: SlurmPlan, facts: SlurmFacts) -> str:
     if plan.secrets_file:
         lines.append('set -a; . "$RUNNER_SECRETS"; set +a   # the env_file: never in argv or in this script')
     lines += ["got=", "trap 'got=1; cut=1' USR1 TERM  # set first: a signal from now on counts (the end)",
-              f'{_shell_join(plan.torchrun)} "$@" &']
+              CHOOSE_TORCHRUN, " ".join(["$launch", *_shell_words(plan.torchrun)[1:], '"$@" &'])]
     return "\n".join(lines) + "\n" + SIGNALLED_143
 
 

@@ -43,7 +43,16 @@ from runner.inventory import Inventory
 from runner.inventory_arg import add_inventory_args, load, remember_inventory
 from runner.node_runs import create_container, run_containers, stop_node, stop_run
 from runner.paths import node_paths
-from runner.plan import GATE_MODULES, LABEL_GATE, OUT, NodePlan, Plan, make_plan, render_secrets_file
+from runner.plan import (
+    GATE_MODULES,
+    LABEL_GATE,
+    OUT,
+    TORCHRUN_MODULES,
+    NodePlan,
+    Plan,
+    make_plan,
+    render_secrets_file,
+)
 from runner.profile.auto import pin_auto_partition
 from runner.redact import printable
 from runner.rendezvous import choose_port, wait_listening
@@ -120,7 +129,7 @@ class Launcher:
         self.outcome = outcome                # runner/notify.py Outcome: what a notification says
         self.lost: str | None = None          # node lost during the last attempt
         self.lost_reclaimed = False           # ... and reached again, its container removed
-        self.gates: dict[str, str | None] = {}  # node -> the gate module its image carries
+        self.gates: dict[str, str | None] = {}  # node -> its image's io.runner.gate label (GATE_MODULES)
         self.trees: list = []                 # job.sync's sources, scanned (runner/delivery/sync.py)
         self.perseus_port: int | None = None  # job.perseus: the server's port on the master
         self.el: ElasticRun | None = None     # job.elastic / --elastic: the layout over the nodes there now
@@ -219,8 +228,9 @@ class Launcher:
         return resume_run(cl[self.inv.master.name], self.args.resume)
 
     def image_gates(self, cl: Cluster, probes: dict[str, Probe]) -> dict[str, str | None]:
-        """The gate module each node's image carries (label io.runner.gate): their workers can start
-        with the master. Others (an image of the user's own) start once it listens. Without a
+        """Each node's image's label io.runner.gate: the gate its workers start behind (with the
+        master) and the mended torchrun it runs (plan.GATE_MODULES, TORCHRUN_MODULES). Others (an
+        image of the user's own) start once the master listens, under plain torchrun. Without a
         push (--no-push) a node that lacks its image is refused here, before anything is made."""
         from runner.delivery.images import node_image_labels
 
@@ -233,7 +243,7 @@ class Launcher:
             shown = ", ".join(f"{n} ({tag_of(cl[n])})" for n in lacking[:5]) + (" ..." if len(lacking) > 5 else "")
             raise UserError(f"--no-push: {len(lacking)} node(s) lack the job's image: {shown}; "
                             "run `runner push` first, or `runner up` without --no-push")
-        return {n: GATE_MODULES.get((lb or {}).get(LABEL_GATE, "")) for n, lb in labels.items()}
+        return {n: (lb or {}).get(LABEL_GATE) for n, lb in labels.items()}
 
     def preflight(self, cl: Cluster) -> dict[str, Probe]:
         def one(r: Remote) -> Probe:
@@ -263,7 +273,8 @@ class Launcher:
         if resume and not any(a == "--resume" for a in job.args):
             job.args = saved + resume_args
         try:
-            facts = {n: replace(p.facts(), gate=self.gates.get(n)) for n, p in probes.items()}
+            facts = {n: replace(p.facts(), gate=GATE_MODULES.get(self.gates.get(n) or ""),
+                                torchrun=TORCHRUN_MODULES.get(self.gates.get(n) or "")) for n, p in probes.items()}
             plan = make_plan(self.inv, run_id, facts, master_port=port, secret_keys=list(self.secret_vals),
                              strict=True, launch_token=secrets.token_hex(4),
                              gate_timeout=self.args.rendezvous_timeout + 60, trees=self.trees)

@@ -1,0 +1,84 @@
+"""Inside a node's container: torchrun, whose closing barrier does not race its own store.
+
+    python -m runner.agents.torchrun torchrun-args...
+
+torchrun's agents meet once more when their workers are done (`_exit_barrier`): each adds itself
+to a counter in the master agent's TCPStore, the last one sets a key, and all wait for that key.
+The master agent hosts the store and leaves as soon as its own wait returns, so a worker node
+whose wait reached the store a moment later (typically the last one in, which sets the key and
+then waits) reads a closed connection: 40 lines of a C++ stack trace and "Error waiting on exit
+barrier" at the end of a run that went well (pytorch/pytorch#69520; 4 of 20 runs of 3 agents here).
+
+Mended: after that barrier every agent adds itself to a second counter, and the master agent
+(group rank 0, the store's host under the static rendezvous every backend here uses) waits,
+at most ACK_TIMEOUT_S, until all have: by then no agent has a request left at the store. A
+node that does not answer in time only costs that wait (the old race, never a hang), and an
+agent whose store is already gone stays as quiet as it was.
+
+Standard library only until torchrun starts (runs in the trainer image; see runner/agents/__init__.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+ACK_KEY = "runner/exit-acks"
+ACK_TIMEOUT_S = 30.0
+POLL_S = 0.01
+log = logging.getLogger("runner.agents.torchrun")
+
+
+def acknowledge(store, rank: int, world: int, timeout: float = ACK_TIMEOUT_S) -> bool:
+    """This agent's part after the exit barrier: count itself in; the store's host (rank 0) waits
+    for every agent's count. True when all were counted (always, for the others)."""
+    try:
+        count = store.add(ACK_KEY, 1)
+        deadline = time.monotonic() + timeout
+        while rank == 0 and count < world:
+            if time.monotonic() > deadline:
+                log.warning("runner: %d of %d agents closed the exit barrier within %.0f s; leaving",
+                            count, world, timeout)
+                return False
+            time.sleep(POLL_S)
+            count = store.add(ACK_KEY, 0)
+    except Exception as e:  # noqa: BLE001 - the store's host left (it was not ours to keep)
+        log.debug("runner: exit acknowledgement: %s", e)
+        return rank != 0
+    return True
+
+
+def mend_exit_barrier() -> bool:
+    """Wrap torchrun's agent's exit barrier with `acknowledge`. False where this torch has no such
+    barrier (nothing changed)."""
+    from torch.distributed.elastic.agent.server import api
+
+    agent = getattr(api, "SimpleElasticAgent", None)
+    original = getattr(agent, "_exit_barrier", None)
+    if original is None:
+        return False
+    if getattr(original, "mended_by_runner", False):
+        return True
+
+    def _exit_barrier(self) -> None:
+        original(self)
+        group = self._worker_group
+        acknowledge(self._store, group.group_rank, group.group_world_size)
+
+    _exit_barrier.mended_by_runner = True
+    agent._exit_barrier = _exit_barrier
+    return True
+
+
+def main(argv: list[str]) -> int:
+    from torch.distributed import run as torchrun
+
+    mend_exit_barrier()
+    sys.argv = ["torchrun", *argv]
+    torchrun.main(argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

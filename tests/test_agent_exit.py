@@ -1,0 +1,112 @@
+"""runner.agents.torchrun: three torchrun agents (real processes, static rendezvous on loopback)
+whose last agent reaches the store late at the exit barrier (tests/late_agent.py makes the race of
+pytorch/pytorch#69520 happen every time). Plain torchrun's master leaves with its store and that
+agent logs "Error waiting on exit barrier"; the mended one waits for every agent first."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.trainer_run import REPO, trainer_env
+
+LATE_NODE = 1
+# Node 1's worker ends last (so its agent checks in last, sets the barrier's key, then waits).
+WORKER = ["--no-python", "sh", "-c", f'[ "$GROUP_RANK" != {LATE_NODE} ] || sleep 1; echo "worker $GROUP_RANK done"']
+ERROR = "Error waiting on exit barrier"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def three_agents(way: str, late_s: float) -> list[subprocess.CompletedProcess]:
+    """Each agent's exit and output. A master port another test took between picking and binding
+    is picked again."""
+    for _ in range(3):
+        port = _free_port()
+        procs = []
+        for node in range(3):
+            env = trainer_env({"LATE_AGENT_S": str(late_s) if node == LATE_NODE else "", "PYTHONPATH": str(REPO)})
+            argv = [sys.executable, str(Path(__file__).with_name("late_agent.py")), way,
+                    "--nnodes", "3", "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+                    "--master-port", str(port), "--rdzv-backend", "static", "--max-restarts", "0", *WORKER]
+            procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                          cwd=REPO, env=env))
+        done = []
+        for p in procs:
+            out, _ = p.communicate(timeout=240)
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, out))
+        if "EADDRINUSE" not in done[0].stdout and "address already in use" not in done[0].stdout:
+            return done
+    pytest.fail(f"no free master port in 3 tries: {done[0].stdout[-2000:]}")
+
+
+def test_plain_torchrun_loses_its_store_under_a_late_agent():
+    """The control: the race is real with the stock agent (so the test below can fail)."""
+    runs = three_agents("plain", 0.5)
+    assert [r.returncode for r in runs] == [0, 0, 0], [r.stdout[-2000:] for r in runs]
+    assert [ERROR in r.stdout for r in runs] == [False, True, False], [r.stdout[-2000:] for r in runs]
+
+
+def test_mended_torchrun_waits_for_every_agent_before_its_store_goes():
+    runs = three_agents("mended", 0.5)
+    for node, r in enumerate(runs):
+        assert r.returncode == 0, r.stdout[-2000:]
+        assert f"worker {node} done" in r.stdout
+        assert ERROR not in r.stdout, r.stdout[-2000:]
+        assert "Failed to recv" not in r.stdout, r.stdout[-2000:]
+
+
+class _Store:
+    """A TCPStore's add, as acknowledge uses it; `fail` raises as a store whose host left does."""
+
+    def __init__(self, start: int = 0, fail: bool = False):
+        self.value, self.fail, self.adds = start, fail, 0
+
+    def add(self, key: str, n: int) -> int:
+        if self.fail:
+            raise RuntimeError("Failed to recv, got 0 bytes")
+        self.adds += 1
+        self.value += n
+        return self.value
+
+
+def test_acknowledge_counts_in_and_only_the_host_waits():
+    from runner.agents.torchrun import acknowledge
+
+    worker = _Store(start=0)
+    assert acknowledge(worker, rank=2, world=3, timeout=0.2) is True
+    assert (worker.value, worker.adds) == (1, 1)  # counted in once, no waiting
+
+    host = _Store(start=2)  # both others already in
+    assert acknowledge(host, rank=0, world=3, timeout=5) is True
+    assert (host.value, host.adds) == (3, 1)
+
+    alone = _Store(start=0)  # one agent never comes: the host leaves after its timeout, no hang
+    assert acknowledge(alone, rank=0, world=3, timeout=0.1) is False
+    assert alone.value == 1 and alone.adds > 2
+
+    assert acknowledge(_Store(fail=True), rank=1, world=3) is True   # the host had gone: quiet
+    assert acknowledge(_Store(fail=True), rank=0, world=3) is False
+
+
+def test_the_mend_wraps_this_torch_once():
+    """This torch has the barrier the mend wraps (else the mend would do nothing, silently), and a
+    second call leaves the one wrapper in place."""
+    code = ("from runner.agents.torchrun import mend_exit_barrier as mend\n"
+            "from torch.distributed.elastic.agent.server import api\n"
+            "stock = api.SimpleElasticAgent._exit_barrier\n"
+            "assert mend(); once = api.SimpleElasticAgent._exit_barrier\n"
+            "assert mend(); twice = api.SimpleElasticAgent._exit_barrier\n"
+            "assert once is twice and once is not stock and once.mended_by_runner\n"
+            "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                         env=trainer_env({"PYTHONPATH": str(REPO)}), timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr
