@@ -67,12 +67,12 @@ def test_mended_torchrun_waits_for_every_agent_before_its_store_goes():
 class _Store:
     """A TCPStore's add, as acknowledge uses it; `fail` raises as a store whose host left does."""
 
-    def __init__(self, start: int = 0, fail: bool = False):
+    def __init__(self, start: int = 0, fail: BaseException | None = None):
         self.value, self.fail, self.adds = start, fail, 0
 
     def add(self, key: str, n: int) -> int:
         if self.fail:
-            raise RuntimeError("Failed to recv, got 0 bytes")
+            raise self.fail
         self.adds += 1
         self.value += n
         return self.value
@@ -93,8 +93,15 @@ def test_acknowledge_counts_in_and_only_the_host_waits():
     assert acknowledge(alone, rank=0, world=3, timeout=0.1) is False
     assert alone.value == 1 and alone.adds > 2
 
-    assert acknowledge(_Store(fail=True), rank=1, world=3) is True   # the host had gone: quiet
-    assert acknowledge(_Store(fail=True), rank=0, world=3) is False
+    gone = RuntimeError("Failed to recv, got 0 bytes")
+    assert acknowledge(_Store(fail=gone), rank=1, world=3) is True   # the host had gone: quiet
+    assert acknowledge(_Store(fail=gone), rank=0, world=3) is False
+
+    class Signal(Exception):  # torchrun's SignalException: a signal during the wait stops the agent
+        pass
+
+    with pytest.raises(Signal):
+        acknowledge(_Store(fail=Signal("SIGTERM")), rank=0, world=3, passthrough=(Signal,))
 
 
 def test_the_mend_wraps_this_torch_once():

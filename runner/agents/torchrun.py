@@ -30,9 +30,12 @@ POLL_S = 0.01
 log = logging.getLogger("runner.agents.torchrun")
 
 
-def acknowledge(store, rank: int, world: int, timeout: float = ACK_TIMEOUT_S) -> bool:
+def acknowledge(store, rank: int, world: int, timeout: float = ACK_TIMEOUT_S,
+                passthrough: tuple[type[BaseException], ...] = ()) -> bool:
     """This agent's part after the exit barrier: count itself in; the store's host (rank 0) waits
-    for every agent's count. True when all were counted (always, for the others)."""
+    for every agent's count. True when all were counted (always, for the others). `passthrough`:
+    what is raised on (torchrun's SignalException: `runner down` during the wait stops the agent as
+    it would have stopped it in the barrier)."""
     try:
         count = store.add(ACK_KEY, 1)
         deadline = time.monotonic() + timeout
@@ -43,6 +46,8 @@ def acknowledge(store, rank: int, world: int, timeout: float = ACK_TIMEOUT_S) ->
                 return False
             time.sleep(POLL_S)
             count = store.add(ACK_KEY, 0)
+    except passthrough:
+        raise
     except Exception as e:  # noqa: BLE001 - the store's host left (it was not ours to keep)
         log.debug("runner: exit acknowledgement: %s", e)
         return rank != 0
@@ -53,6 +58,7 @@ def mend_exit_barrier() -> bool:
     """Wrap torchrun's agent's exit barrier with `acknowledge`. False where this torch has no such
     barrier (nothing changed)."""
     from torch.distributed.elastic.agent.server import api
+    from torch.distributed.elastic.multiprocessing import SignalException
 
     agent = getattr(api, "SimpleElasticAgent", None)
     original = getattr(agent, "_exit_barrier", None)
@@ -64,7 +70,7 @@ def mend_exit_barrier() -> bool:
     def _exit_barrier(self) -> None:
         original(self)
         group = self._worker_group
-        acknowledge(self._store, group.group_rank, group.group_world_size)
+        acknowledge(self._store, group.group_rank, group.group_world_size, passthrough=(SignalException,))
 
     _exit_barrier.mended_by_runner = True
     agent._exit_barrier = _exit_barrier
