@@ -26,15 +26,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def three_agents(way: str, late_s: float) -> list[subprocess.CompletedProcess]:
-    """Each agent's exit and output. A master port another test took between picking and binding
-    is picked again."""
+def three_agents(way: str | list[str], late_s: float) -> list[subprocess.CompletedProcess]:
+    """Each agent's exit and output; `way` per node, or one for all. A master port another test
+    took between picking and binding is picked again."""
+    ways = [way] * 3 if isinstance(way, str) else way
     for _ in range(3):
         port = _free_port()
         procs = []
         for node in range(3):
             env = trainer_env({"LATE_AGENT_S": str(late_s) if node == LATE_NODE else "", "PYTHONPATH": str(REPO)})
-            argv = [sys.executable, str(Path(__file__).with_name("late_agent.py")), way,
+            argv = [sys.executable, str(Path(__file__).with_name("late_agent.py")), ways[node],
                     "--nnodes", "3", "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
                     "--master-port", str(port), "--rdzv-backend", "static", "--max-restarts", "0", *WORKER]
             procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -64,44 +65,59 @@ def test_mended_torchrun_waits_for_every_agent_before_its_store_goes():
         assert "Failed to recv" not in r.stdout, r.stdout[-2000:]
 
 
-class _Store:
-    """A TCPStore's add, as acknowledge uses it; `fail` raises as a store whose host left does."""
+def test_an_agent_of_plain_torchrun_beside_them_is_not_waited_for():
+    """One node on an older image (plain torchrun, here the late one): the mended master waits only
+    for the agents that announced themselves, so it does not sit out ACK_TIMEOUT_S for it."""
+    runs = three_agents(["mended", "plain", "mended"], 0.0)
+    assert [r.returncode for r in runs] == [0, 0, 0], [r.stdout[-2000:] for r in runs]
+    assert "agents closed the exit barrier within" not in runs[0].stdout, runs[0].stdout[-2000:]
 
-    def __init__(self, start: int = 0, fail: BaseException | None = None):
-        self.value, self.fail, self.adds = start, fail, 0
+
+class _Store:
+    """A TCPStore's add, as announce and acknowledge use it; `fail` raises as a store whose host left does."""
+
+    def __init__(self, fail: BaseException | None = None, **values: int):
+        self.values, self.fail, self.adds = {f"runner/exit-{k}": v for k, v in values.items()}, fail, 0
 
     def add(self, key: str, n: int) -> int:
         if self.fail:
             raise self.fail
         self.adds += 1
-        self.value += n
-        return self.value
+        self.values[key] = self.values.get(key, 0) + n
+        return self.values[key]
 
 
-def test_acknowledge_counts_in_and_only_the_host_waits():
-    from runner.agents.torchrun import acknowledge
+def test_acknowledge_counts_in_and_only_the_host_waits_for_those_that_announced():
+    from runner.agents.torchrun import acknowledge, announce
 
-    worker = _Store(start=0)
-    assert acknowledge(worker, rank=2, world=3, timeout=0.2) is True
-    assert (worker.value, worker.adds) == (1, 1)  # counted in once, no waiting
+    worker = _Store(mended=3)
+    assert acknowledge(worker, rank=2, timeout=0.2) is True
+    assert (worker.values["runner/exit-acks"], worker.adds) == (1, 1)  # counted in once, no waiting
 
-    host = _Store(start=2)  # both others already in
-    assert acknowledge(host, rank=0, world=3, timeout=5) is True
-    assert (host.value, host.adds) == (3, 1)
+    host = _Store(mended=3, acks=2)  # both others already in
+    assert acknowledge(host, rank=0, timeout=5) is True
+    assert host.values["runner/exit-acks"] == 3 and host.adds == 2
 
-    alone = _Store(start=0)  # one agent never comes: the host leaves after its timeout, no hang
-    assert acknowledge(alone, rank=0, world=3, timeout=0.1) is False
-    assert alone.value == 1 and alone.adds > 2
+    beside_plain = _Store(mended=2, acks=1)  # a third agent of plain torchrun never announced
+    assert acknowledge(beside_plain, rank=0, timeout=5) is True
 
+    alone = _Store(mended=3)  # one that announced never comes: the host leaves after its timeout, no hang
+    assert acknowledge(alone, rank=0, timeout=0.1) is False
+    assert alone.values["runner/exit-acks"] == 1 and alone.adds > 3
+
+    fresh = _Store()
+    announce(fresh)
+    assert fresh.values == {"runner/exit-mended": 1}
     gone = RuntimeError("Failed to recv, got 0 bytes")
-    assert acknowledge(_Store(fail=gone), rank=1, world=3) is True   # the host had gone: quiet
-    assert acknowledge(_Store(fail=gone), rank=0, world=3) is False
+    announce(_Store(fail=gone))                               # quiet: the barrier reports a lost store
+    assert acknowledge(_Store(fail=gone), rank=1) is True     # the host had gone: quiet
+    assert acknowledge(_Store(fail=gone), rank=0) is False
 
     class Signal(Exception):  # torchrun's SignalException: a signal during the wait stops the agent
         pass
 
     with pytest.raises(Signal):
-        acknowledge(_Store(fail=Signal("SIGTERM")), rank=0, world=3, passthrough=(Signal,))
+        acknowledge(_Store(fail=Signal("SIGTERM")), rank=0, passthrough=(Signal,))
 
 
 def test_the_mend_wraps_this_torch_once():

@@ -9,11 +9,13 @@ whose wait reached the store a moment later (typically the last one in, which se
 then waits) reads a closed connection: 40 lines of a C++ stack trace and "Error waiting on exit
 barrier" at the end of a run that went well (pytorch/pytorch#69520; 4 of 20 runs of 3 agents here).
 
-Mended: after that barrier every agent adds itself to a second counter, and the master agent
-(group rank 0, the store's host under the static rendezvous every backend here uses) waits,
-at most ACK_TIMEOUT_S, until all have: by then no agent has a request left at the store. A
-node that does not answer in time only costs that wait (the old race, never a hang), and an
-agent whose store is already gone stays as quiet as it was.
+Mended: every agent says so in the store before it checks in at that barrier, and adds itself
+to a second counter after it; the master agent (group rank 0, the store's host under the static
+rendezvous every backend here uses) waits, at most ACK_TIMEOUT_S, until every agent that said so
+has: by then none has a request left at the store. The barrier's end orders it: all who said so
+did before the barrier let anyone through, so an agent of plain torchrun beside them (an older
+image on one node) is not waited for. One that does not answer in time only costs that wait (the
+old race, never a hang), and an agent whose store is already gone stays as quiet as it was.
 
 Standard library only until torchrun starts (runs in the trainer image; see runner/agents/__init__.py).
 """
@@ -24,25 +26,35 @@ import logging
 import sys
 import time
 
-ACK_KEY = "runner/exit-acks"
+MENDED_KEY = "runner/exit-mended"  # agents that will acknowledge (added before the barrier)
+ACK_KEY = "runner/exit-acks"       # agents that have (added after it)
 ACK_TIMEOUT_S = 30.0
 POLL_S = 0.01
 log = logging.getLogger("runner.agents.torchrun")
 
 
-def acknowledge(store, rank: int, world: int, timeout: float = ACK_TIMEOUT_S,
+def announce(store) -> None:
+    """Before the exit barrier: this agent will acknowledge after it."""
+    try:
+        store.add(MENDED_KEY, 1)
+    except Exception as e:  # noqa: BLE001 - no store, no barrier: the barrier reports it
+        log.debug("runner: exit announcement: %s", e)
+
+
+def acknowledge(store, rank: int, timeout: float = ACK_TIMEOUT_S,
                 passthrough: tuple[type[BaseException], ...] = ()) -> bool:
-    """This agent's part after the exit barrier: count itself in; the store's host (rank 0) waits
-    for every agent's count. True when all were counted (always, for the others). `passthrough`:
-    what is raised on (torchrun's SignalException: `runner down` during the wait stops the agent as
-    it would have stopped it in the barrier)."""
+    """After the exit barrier: count this agent in; the store's host (rank 0) waits for every agent
+    that announced. True when all were counted (always, for the others). `passthrough`: what is
+    raised on (torchrun's SignalException: `runner down` during the wait stops the agent as it
+    would have stopped it in the barrier)."""
     try:
         count = store.add(ACK_KEY, 1)
+        expected = store.add(MENDED_KEY, 0) if rank == 0 else 0
         deadline = time.monotonic() + timeout
-        while rank == 0 and count < world:
+        while count < expected:
             if time.monotonic() > deadline:
                 log.warning("runner: %d of %d agents closed the exit barrier within %.0f s; leaving",
-                            count, world, timeout)
+                            count, expected, timeout)
                 return False
             time.sleep(POLL_S)
             count = store.add(ACK_KEY, 0)
@@ -68,9 +80,9 @@ def mend_exit_barrier() -> bool:
         return True
 
     def _exit_barrier(self) -> None:
+        announce(self._store)
         original(self)
-        group = self._worker_group
-        acknowledge(self._store, group.group_rank, group.group_world_size, passthrough=(SignalException,))
+        acknowledge(self._store, self._worker_group.group_rank, passthrough=(SignalException,))
 
     _exit_barrier.mended_by_runner = True
     agent._exit_barrier = _exit_barrier
