@@ -5,14 +5,13 @@ agent logs "Error waiting on exit barrier"; the mended one waits for every agent
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.trainer_run import REPO, trainer_env
+from tests.trainer_run import REPO, free_port, trainer_env
 
 LATE_NODE = 1
 # Node 1's worker ends last (so its agent checks in last, sets the barrier's key, then waits).
@@ -20,18 +19,12 @@ WORKER = ["--no-python", "sh", "-c", f'[ "$GROUP_RANK" != {LATE_NODE} ] || sleep
 ERROR = "Error waiting on exit barrier"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def three_agents(way: str | list[str], late_s: float) -> list[subprocess.CompletedProcess]:
     """Each agent's exit and output; `way` per node, or one for all. A master port another test
     took between picking and binding is picked again."""
     ways = [way] * 3 if isinstance(way, str) else way
     for _ in range(3):
-        port = _free_port()
+        port = free_port()
         procs = []
         for node in range(3):
             env = trainer_env({"LATE_AGENT_S": str(late_s) if node == LATE_NODE else "", "PYTHONPATH": str(REPO)})

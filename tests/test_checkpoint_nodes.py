@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -23,18 +22,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainer_run import losses, start_trainer
+from tests.trainer_run import free_port, losses, start_trainer
 
 pytestmark = pytest.mark.multiproc
 
 ARGS = ("--config", "configs/tiny.yaml", "--parallel.sharding", "ddp", "--train.steps", "6")
 HINT = "run `runner up --resume`, which syncs checkpoints across nodes"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_nodes(outs: list[Path], *args: str, check: bool = True) -> list[subprocess.CompletedProcess]:
@@ -44,7 +37,7 @@ def run_nodes(outs: list[Path], *args: str, check: bool = True) -> list[subproce
     store for 600 s). A master that could not bind is started again on another port, and a node
     left running 120 s after another failed is stopped, so a failure is reported, not waited out."""
     for _ in range(3):
-        done = _run_nodes_once(outs, args, _free_port())
+        done = _run_nodes_once(outs, args, free_port())
         if not any("EADDRINUSE" in d.stderr or "address already in use" in d.stderr for d in done):
             break
     if check:

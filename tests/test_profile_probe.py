@@ -14,15 +14,10 @@ import pytest
 from runner.inventory import Job, Node
 from runner.profile.cache import node_key, shape_args
 from tests.runner_helpers import REPO
+from tests.trainer_run import free_port
 
 TRAIN = ["--", "--config", "configs/pi-qwen3-3stage-tiny.yaml", "--batch_size", "16", "--microbatch_num", "4",
          "--model.num_hidden_layers", "5"]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _probe(*args: str) -> subprocess.Popen:
@@ -32,7 +27,7 @@ def _probe(*args: str) -> subprocess.Popen:
 
 
 def test_probe_measures_kinds_memory_and_link(tmp_path):
-    port = _port()
+    port = free_port()
     out = tmp_path / "profile.json"
     server = _probe("--out", str(out), "--serve", str(port), "--min-seconds", "0.4", "--timeout", "120", *TRAIN)
     client = _probe("--peer", f"127.0.0.1:{port}", "--no-compute", "--link-bytes", str(1 << 20), "--timeout", "120")
@@ -69,14 +64,14 @@ def test_probe_measures_kinds_memory_and_link(tmp_path):
 
 
 def test_probe_failures_are_one_line(tmp_path):
-    bad = _probe("--no-compute", "--serve", str(_port()), "--timeout", "1")
+    bad = _probe("--no-compute", "--serve", str(free_port()), "--timeout", "1")
     out, err = bad.communicate(timeout=60)
     assert bad.returncode == 1 and "the previous neighbour never finished on port" in err
     bad = _probe("--out", str(tmp_path / "x.json"), "--", "--config", "configs/pi-qwen3-3stage-tiny.yaml",
                  "--parallel.partition", "custom:3,1")
     out, err = bad.communicate(timeout=120)
     assert bad.returncode == 2 and err.strip().count("\n") == 0 and "parallel.partition" in err
-    bad = _probe("--peer", f"127.0.0.1:{_port()}", "--no-compute", "--timeout", "1")
+    bad = _probe("--peer", f"127.0.0.1:{free_port()}", "--no-compute", "--timeout", "1")
     out, err = bad.communicate(timeout=60)
     assert bad.returncode == 1 and err.startswith("error: link probe: no link probe answered on 127.0.0.1"), err
     assert err.strip().count("\n") == 0, err  # was a traceback ending in that line
@@ -85,7 +80,6 @@ def test_probe_failures_are_one_line(tmp_path):
 def test_a_peer_port_that_accepts_but_never_answers_is_one_line():
     """CI: the free port the test picked was taken by another test's server before the probe
     connected, so the connection was accepted and the probe's first read timed out: a traceback."""
-    import socket
 
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))

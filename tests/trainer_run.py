@@ -8,6 +8,7 @@ from __future__ import annotations
 import getpass
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -15,6 +16,13 @@ from pathlib import Path
 
 from tests import REPO
 from tests.trainer_zygote import torchrun_argv, zygote_for
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now (another process may take it before it is bound)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def trainer_env(extra: dict[str, str] | None = None) -> dict[str, str]:

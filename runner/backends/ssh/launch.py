@@ -273,8 +273,9 @@ class Launcher:
         if resume and not any(a == "--resume" for a in job.args):
             job.args = saved + resume_args
         try:
-            facts = {n: replace(p.facts(), gate=GATE_MODULES.get(self.gates.get(n) or ""),
-                                torchrun=TORCHRUN_MODULES.get(self.gates.get(n) or "")) for n, p in probes.items()}
+            labels = {n: self.gates.get(n) or "" for n in probes}
+            facts = {n: replace(p.facts(), gate=GATE_MODULES.get(labels[n]), torchrun=TORCHRUN_MODULES.get(labels[n]))
+                     for n, p in probes.items()}
             plan = make_plan(self.inv, run_id, facts, master_port=port, secret_keys=list(self.secret_vals),
                              strict=True, launch_token=secrets.token_hex(4),
                              gate_timeout=self.args.rendezvous_timeout + 60, trees=self.trees)
