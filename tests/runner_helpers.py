@@ -183,6 +183,47 @@ def traced_cmd(log: Path, argv: list[str]) -> list[str]:
 
 
 @contextlib.contextmanager
+def light_sessions(inventory: Path):
+    """The sandbox's nodes, full ones included, start their SSH sessions light while in this block
+    (runner.sandbox.cluster.LIGHT_ENV: bash does not read root's ~/.bashrc), put back on leaving.
+    For execs_of_sessions: ptrace multiplies the bashrc's cost (here `pyenv init`, ~200 execs) about
+    five times, and every sandbox node, both CI workers' included, shares its one rehash lock, so
+    under CI load one traced session spent over 60 s in the bashrc (the API call's read timeout).
+    What a session execs for the runner, and the environment it execs it with, are the same."""
+    from runner.sandbox.cluster import LIGHT_ENV
+
+    nodes = [sandbox_node(inventory, n.name) for n in load_inventory(inventory, with_job=False).nodes]
+    configs = {nd.name: nd.sshd_config.read_text() for nd in nodes}
+
+    def reload(text_of) -> None:
+        """Each node's sshd re-reads its config (SIGHUP: it re-executes itself under the same pid);
+        returns once each logged a listen after the signal."""
+        marks = {}
+        for nd in nodes:
+            text = text_of(configs[nd.name])
+            if text == nd.sshd_config.read_text():
+                continue
+            nd.sshd_config.write_text(text)
+            marks[nd.name] = (nd.root / "sshd.log").read_text().count("Server listening on")
+            os.kill(int(nd.sshd_pid.read_text()), signal.SIGHUP)
+        def listening(nd) -> bool:
+            return (nd.root / "sshd.log").read_text().count("Server listening on") > marks[nd.name]
+
+        for nd in nodes:
+            if nd.name in marks:
+                wait_for(lambda nd=nd: listening(nd), 30, 0.05)
+
+    def light(text: str) -> str:
+        return re.sub(r"(?m)^(SetEnv .*)$", lambda m: m[1] if m[1].endswith(LIGHT_ENV) else m[1] + LIGHT_ENV, text)
+
+    reload(light)
+    try:
+        yield
+    finally:
+        reload(lambda text: text)
+
+
+@contextlib.contextmanager
 def execs_of_sessions(inventory: Path, log: Path):
     """Every execve of every SSH session the sandbox's nodes accept while in this block (strace
     attached to each node's sshd listener, following what it forks), written to `log`. Entered once

@@ -22,6 +22,7 @@ from tests.runner_helpers import (
     containers_created,
     execs_of_sessions,
     finish_run,
+    light_sessions,
     node_docker,
     node_workdir,
     parse_push,
@@ -114,13 +115,15 @@ def test_nodes_pull_with_env_file_credentials_never_in_argv(sandbox, pushed, reg
     job = write_job(tmp_path, image=tag, env_file=env_file(tmp_path), extra={"registry": registry})
     require("strace", bool(shutil.which("strace")), "strace is not installed")
     # Every process the push runs, here and in the nodes' SSH sessions, with its argv and
-    # environment as it was exec'd (however short it lived).
+    # environment as it was exec'd (however short it lived); the nodes' sessions light meanwhile
+    # (runner_helpers.light_sessions: traced, root's bashrc held one over 60 s under CI load).
     here, nodes = tmp_path / "execs-host.log", tmp_path / "execs-nodes.log"
-    with execs_of_sessions(sandbox, nodes):
+    with light_sessions(sandbox), execs_of_sessions(sandbox, nodes):
         proc = subprocess.run(traced_cmd(here, runner_cmd("-v", "push", "-i", str(sandbox), "--job", str(job))),
                               capture_output=True, text=True, cwd=REPO, timeout=600)
     execs = [ln for f in (here, nodes) for ln in f.read_text().splitlines() if " execve(" in ln]
     assert any('"docker", "pull", "-q", ' in ln for ln in execs), "the nodes' pulls are not in the record"
+    assert not [ln for ln in execs if "pyenv-rehash" in ln], "the traced sessions read root's bashrc"
     assert [ln for ln in execs if PASSWORD in ln or "dHJhaW5lci1ib3Q6" in ln] == []  # nor base64("trainer-bot:")
     assert proc.returncode == 0, proc.stderr
     rows = parse_push(proc.stdout)
