@@ -119,6 +119,10 @@ class Plan:
             lines.append(f"  config {self.config_src} -> <run dir>/config.yaml on every node")
         if self.env_file_src:
             lines.append(f"  env_file {self.env_file_src} -> 0600 file on every node (values masked)")
+        if any("torchrun" in n.command for n in self.nodes):  # the image's label is read at launch
+            lines.append(f"  launch images labelled {LABEL_GATE}=3 (this project's) run `torchrun` as `python -m "
+                         f"{TORCHRUN_MODULES['3']}` (exit barrier mended), workers behind `python -m "
+                         f"{GATE_MODULES['3']}` until the master listens")
         for n in self.nodes:
             lines.append(f"[{n.node}/{n.rank}] {n.host}  arch={n.arch or UNPROBED}  image={n.image or UNPROBED}")
             lines.append(f"    container {n.container}  network=host  user={n.user or 'image default'}  "

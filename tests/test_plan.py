@@ -16,6 +16,12 @@ from tests.runner_helpers import opened_files, run_cli, shipped
 SECRET = "hf_SUPERSECRET_123"
 
 
+# What a dry-run adds under its first line for the image labels it cannot read (runner/plan.py).
+DRY_LAUNCH = ("  launch images labelled io.runner.gate=3 (this project's) run `torchrun` as `python -m "
+              "runner.agents.torchrun` (exit barrier mended), workers behind `python -m runner.agents.gate` "
+              "until the master listens")
+
+
 def inventory(tmp_path: Path, nodes: str, job: str = "") -> Path:
     envf = tmp_path / ".env"
     envf.write_text(f"HF_TOKEN={SECRET}\n")
@@ -134,7 +140,7 @@ def test_dry_run_of_10000_nodes_plans_every_node_with_its_rank_and_env(tmp_path,
     rc, out = run_cli("up", "-i", str(generated_inventory(tmp_path, n)), "--dry-run")
     assert rc == 0
     head, *blocks = out.split("\n[")
-    assert head == f"run <new run id>: {n} node(s), master n0 (10.0.0.0:<auto>), static rendezvous"
+    assert head == f"run <new run id>: {n} node(s), master n0 (10.0.0.0:<auto>), static rendezvous\n{DRY_LAUNCH}"
     assert len(blocks) == n
     env_same = {"GLOO_SOCKET_IFNAME": "<probed at launch>", "NCCL_SOCKET_IFNAME": "<probed at launch>",
                 "MASTER_ADDR": "10.0.0.0", "MASTER_PORT": "<auto>", "NNODES": str(n), "OMP_NUM_THREADS": "1",
@@ -332,6 +338,13 @@ def test_an_image_with_the_mended_torchrun_runs_it_on_the_master(tmp_path):
                           *plain[1].command[1:]]
     assert w2.command == w1.command[:3] + ["/run/runner/gate/go-t0k3n", "180", "--", *plain[2].command[1:]]
     assert GATE_MODULES.get("0") is None and TORCHRUN_MODULES.get("2") is None
+    # The dry-run, which reads no label, says what such an image runs in place of the `torchrun`
+    # it shows; a plan whose every node was probed shows what runs and no such line.
+    launch = [ln for ln in make_plan(inv, "r1", {n: Facts(ifname="eth0") for n in ("m", "w1", "w2")}).render()
+              .splitlines() if ln.startswith("  launch ")]
+    assert launch == [DRY_LAUNCH]
+    probed = make_plan(inv, "r1", {n: facts("3") for n in ("m", "w1", "w2")}, launch_token="t0k3n").render()
+    assert "  launch " not in probed and "    command   python -m runner.agents.torchrun --nnodes 3 " in probed
 
 def test_containers_run_as_the_ssh_users_uid_gid(tmp_path, no_network):
     """A non-root SSH user's containers run as its uid:gid with a writable HOME (the image has no
