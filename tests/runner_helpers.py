@@ -216,8 +216,8 @@ def light_sessions(inventory: Path):
     def light(text: str) -> str:
         return re.sub(r"(?m)^(SetEnv .*)$", lambda m: m[1] if m[1].endswith(LIGHT_ENV) else m[1] + LIGHT_ENV, text)
 
-    reload(light)
     try:
+        reload(light)
         yield
     finally:
         reload(lambda text: text)

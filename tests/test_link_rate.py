@@ -246,3 +246,29 @@ def test_a_node_that_trickles_its_deflate_answer_is_cut_at_its_bound(node, monke
     finally:
         r.close()
     assert took < 15, took
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+def test_the_bound_closing_a_channel_whose_connection_went_is_no_traceback(node, monkeypatch):
+    """The bound on the deflate answer closes its channel from a timer's thread: where the
+    connection went meanwhile (paramiko's close then raises EOFError, seen in CI) that is no
+    thread's traceback on the user's terminal, and the rate is simply not known."""
+    import paramiko
+
+    # A byte every 0.3 s and no newline: the reads never time out, so the bound is what ends it.
+    node.rewrite = lambda cmd: "echo a; while :; do printf 1; sleep 0.3; done" if "gzip -6" in cmd else cmd
+    monkeypatch.setattr(link_rate, "NODE_ZLIB_S", 1.0)
+    r = _connected(node, monkeypatch)
+    close = paramiko.Channel.close
+
+    def close_on_a_gone_connection(chan):
+        close(chan)
+        raise EOFError()
+
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(paramiko.Channel, "close", close_on_a_gone_connection)
+            assert link_rate.node_zlib_rate(r) is None
+            time.sleep(0.2)  # the timer's thread has ended
+    finally:
+        r.close()

@@ -43,6 +43,7 @@ import threading
 import time
 import zlib
 
+from runner.transport.sftp import close_quietly
 from runner.transport.ssh import CONNECT_TIMEOUT, Remote, is_loopback
 
 log = logging.getLogger("runner.link")
@@ -159,7 +160,9 @@ def node_zlib_rate(remote: Remote) -> float | None:
 def _node_zlib_marks(remote: Remote) -> tuple[tuple[float, float, float], tuple[int, int]]:
     """((arrival times of a, b, c), (bytes read, bytes deflated)) of NODE_ZLIB_SH on the node."""
     chan = remote.open_exec(shlex.join(["sh", "-c", NODE_ZLIB_SH, "zlib", str(NODE_SAMPLE_BYTES)]))
-    timer = threading.Timer(NODE_ZLIB_S, chan.close)  # the whole answer's bound, however it trickles
+    # The whole answer's bound, however it trickles; from the timer's thread, so quietly: the
+    # connection may have gone meanwhile (paramiko's close then raises EOFError).
+    timer = threading.Timer(NODE_ZLIB_S, close_quietly, (chan,))
     timer.start()
     try:
         chan.settimeout(NODE_ZLIB_S)
@@ -176,7 +179,7 @@ def _node_zlib_marks(remote: Remote) -> tuple[tuple[float, float, float], tuple[
         return (times[0], times[2], times[4]), (int(lines[1]), int(lines[3]))
     finally:
         timer.cancel()
-        chan.close()
+        close_quietly(chan)
 
 
 def measure_link(remote: Remote, upload: bool, aes: bool) -> float:
