@@ -198,20 +198,20 @@ def light_sessions(inventory: Path):
     def reload(text_of) -> None:
         """Each node's sshd re-reads its config (SIGHUP: it re-executes itself under the same pid);
         returns once each logged a listen after the signal."""
+        def listens(nd) -> int:
+            return (nd.root / "sshd.log").read_text().count("Server listening on")
+
         marks = {}
         for nd in nodes:
             text = text_of(configs[nd.name])
             if text == nd.sshd_config.read_text():
                 continue
             nd.sshd_config.write_text(text)
-            marks[nd.name] = (nd.root / "sshd.log").read_text().count("Server listening on")
+            marks[nd.name] = listens(nd)
             os.kill(int(nd.sshd_pid.read_text()), signal.SIGHUP)
-        def listening(nd) -> bool:
-            return (nd.root / "sshd.log").read_text().count("Server listening on") > marks[nd.name]
-
         for nd in nodes:
             if nd.name in marks:
-                wait_for(lambda nd=nd: listening(nd), 30, 0.05)
+                wait_for(lambda nd=nd: listens(nd) > marks[nd.name], 30, 0.05)
 
     def light(text: str) -> str:
         return re.sub(r"(?m)^(SetEnv .*)$", lambda m: m[1] if m[1].endswith(LIGHT_ENV) else m[1] + LIGHT_ENV, text)
