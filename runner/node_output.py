@@ -34,6 +34,11 @@ def visible(text: str) -> str:
     return text.translate(_SHOW)
 
 
+def visible_lines(text: str) -> str:
+    """text's lines each made visible(): a multi-line report (a script shown) keeps its lines."""
+    return "\n".join(visible(ln) for ln in text.split("\n"))
+
+
 class LineSplitter:
     """Bytes in as they arrive, the lines they complete out as shown() makes them, each at most
     max_line bytes (a longer line comes out in pieces, each but the last marked cut). Linear: each

@@ -1,16 +1,18 @@
-"""`runner up --notify CMD|URL` (or `job.notify:`): told on this machine when a run ends.
+"""`runner up --notify CMD|URL` (or RUNNER_NOTIFY=CMD|URL in your environment, or a webhook in
+`job.notify:`): told on this machine when a run ends.
 
 - CMD, a string: your own command line, run as `sh -c CMD` on this machine (as you would type it;
-  `--notify 'notify-send "run $RUNNER_RUN_ID: $RUNNER_STATE"'`). In job.notify, a list is an argv run
-  without a shell. Nothing of the run is ever pasted into it: the run's facts are in its
-  environment (ENV below), where no shell reads them unless the command asks it to.
+  `--notify 'notify-send "run $RUNNER_RUN_ID: $RUNNER_STATE"'`). Only from you: an inventory or
+  job file may be anyone's, so a command in its job.notify is refused when it loads. Nothing of
+  the run is ever pasted into it: the run's facts are in its environment (ENV below), where no
+  shell reads them unless the command asks it to.
 - URL, `http://` or `https://`: a POST of the same facts as a JSON object (ENV's names, lower case,
   without RUNNER_; exit_code and duration_s numbers, nodes a list, last_metrics an object or null).
 
 Either is bounded by NOTIFY_TIMEOUT_S; whatever goes wrong is one warning line and the run's exit
 code stays the run's. It runs when `up` ends however it ends (finished, failed, interrupted,
 refused); a detached run (`--detach`) has nothing following it on this machine, so `--notify`
-is refused with it and job.notify is skipped with a note.
+is refused with it and RUNNER_NOTIFY or job.notify is skipped with a note.
 
 A webhook URL often holds its token in its path (Slack, Discord): only its scheme and host are ever
 printed.
@@ -38,6 +40,8 @@ from runner.errors import (
 )
 from runner.inventory.notify_spec import NotifySpec, parse, url_error  # noqa: F401 - the command's own API
 from runner.redact import printable
+
+ENV_NAME = "RUNNER_NOTIFY"  # the user's standing --notify, from their own environment
 
 NOTIFY_TIMEOUT_S = 30.0
 SUMMARY_MAX = 1000        # characters of the summary line in the environment / JSON
@@ -81,9 +85,12 @@ class Outcome:
 
 
 def from_args(args, job, inventory_path: str) -> NotifySpec | None:
-    """--notify wins over job.notify; --notify with --detach is refused (nothing would follow the run)."""
+    """--notify wins over RUNNER_NOTIFY (the user's standing choice), which wins over job.notify (a
+    webhook); --notify with --detach is refused (nothing would follow the run), the other two are
+    skipped for it with a note."""
     given = getattr(args, "notify", None)
-    if given is not None and getattr(args, "detach", False):
+    detach = getattr(args, "detach", False)
+    if given is not None and detach:
         raise UserError("--notify needs `runner up` to follow the run; drop --detach (nothing on this machine "
                         "follows a detached run)")
     if given is not None:
@@ -91,10 +98,15 @@ def from_args(args, job, inventory_path: str) -> NotifySpec | None:
             return parse(given)
         except ValueError as exc:
             raise UserError(f"--notify: {exc}") from None
-    spec = getattr(job, "notify", None)
-    if spec is not None and getattr(args, "detach", False):
-        sys.stderr.write(f"runner: note: {inventory_path}: job.notify is not run for a detached run "
-                         "(nothing on this machine follows it)\n")
+    standing = os.environ.get(ENV_NAME, "")
+    spec, where = getattr(job, "notify", None), f"{inventory_path}: job.notify"
+    if standing.strip():
+        try:
+            spec, where = parse(standing), ENV_NAME
+        except ValueError as exc:
+            raise UserError(f"{ENV_NAME} (in your environment): {exc}") from None
+    if spec is not None and detach:
+        sys.stderr.write(f"runner: note: {where} is not run for a detached run (nothing on this machine follows it)\n")
         return None
     return spec
 
@@ -170,4 +182,4 @@ def add_notify_option(p) -> None:
     """`--notify` on `up` (every backend reads it through from_args)."""
     p.add_argument("--notify", metavar="CMD|URL",
                    help="when the run ends: run CMD here with `sh -c` (RUNNER_RUN_ID, RUNNER_STATE, RUNNER_EXIT, "
-                        "RUNNER_SUMMARY ... in its env), or POST JSON to an http(s):// URL (default: job.notify)")
+                        "RUNNER_SUMMARY ... in its env), or POST JSON to an http(s):// URL (default: $RUNNER_NOTIFY, then job.notify, a URL)")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from runner.errors import UserError
 from runner.inventory import Inventory, Node, looks_secret
 from runner.jobspec import signal_env, torchrun_argv
+from runner.node_output import visible
 from runner.paths import node_paths
 from runner.redact import MASK
 
@@ -112,7 +113,8 @@ class Plan:
         return next(n for n in self.nodes if n.node == name)
 
     def render(self) -> str:
-        """Human-readable plan; secret values never appear (only their names, masked)."""
+        """Human-readable plan; secret values never appear (only their names, masked). Each line as
+        `cat -v` shows it: an inventory value's escape or newline is seen, not acted on or split."""
         lines = [f"run {self.run_id}: {self.nnodes} node(s), master {self.master} "
                  f"({self.master_addr}:{self.master_port}), static rendezvous"]
         if self.config_src:
@@ -136,7 +138,7 @@ class Plan:
                 lines.append(f"    env       {k}={v}" + ("  (looks like a secret: use env_file)" if v == MASK else ""))
             for k in n.secret_keys:
                 lines.append(f"    env       {k}={MASK}  (from env_file)")
-        return "\n".join(lines)
+        return "\n".join(visible(ln) for ln in lines)
 
     def as_dict(self) -> dict:
         """For display (JSON): secret-looking values masked as in render()."""

@@ -154,14 +154,15 @@ def test_malformed_notify_is_one_line_nothing_started(tmp_path, capsys, bad, why
         load_inventory(inv)
 
 
-def test_job_notify_forms_and_detach(tmp_path, capsys):
+def test_job_notify_forms_and_detach(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("RUNNER_NOTIFY", raising=False)
     inv = tmp_path / "inv.yaml"
     inv.write_text("nodes:\n  - {name: n0, host: 192.0.2.1, arch: amd64, role: master}\n"
-                   "job: {image: 'x:1', notify: [notify-send, 'run ended']}\n")
+                   "job: {image: 'x:1', notify: 'https://h.example/x?a=1'}\n")
     job = load_inventory(inv).job
-    assert job.notify == NotifySpec(argv=("notify-send", "run ended"))  # an argv: no shell
-    assert notify.parse("https://h.example/x?a=1") == NotifySpec(url="https://h.example/x?a=1")
+    assert job.notify == NotifySpec(url="https://h.example/x?a=1")
     assert notify.parse("echo $RUNNER_RUN_ID") == NotifySpec(argv=("sh", "-c", "echo $RUNNER_RUN_ID"))
+    assert notify.parse(["notify-send", "run ended"]) == NotifySpec(argv=("notify-send", "run ended"))  # no shell
 
     class Args:
         notify, detach = None, True
@@ -170,3 +171,48 @@ def test_job_notify_forms_and_detach(tmp_path, capsys):
                                        "(nothing on this machine follows it)\n")
     rc, _ = run_cli("up", "-i", str(inv), "--detach", "--notify", "true")
     assert rc == 2 and capsys.readouterr().err.startswith("runner: error: --notify needs `runner up` to follow the run")
+
+
+@pytest.mark.parametrize("value", ["touch /tmp/notify-owned", "[sh, -c, 'touch /tmp/notify-owned']"])
+def test_a_command_in_a_files_notify_is_refused_and_yours_is_taken_from_the_flag_or_environment(
+        tmp_path, capsys, monkeypatch, value):
+    """Found by an audit: job.notify's command ran on this machine (`sh -c`) when the run ended, so an
+    inventory or job file someone handed you ran their command here, as ssh_config's Match exec would
+    (refused for that reason). A file's notify may be a webhook; a command is the user's own, from
+    --notify or RUNNER_NOTIFY, and --notify wins."""
+    monkeypatch.delenv("RUNNER_NOTIFY", raising=False)
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(f"nodes:\n  - {{name: n0, host: 192.0.2.1, arch: amd64, role: master}}\njob:\n  image: 'x:1'\n"
+                   f"  notify: {value}\n")
+    with pytest.raises(UserError, match=rf"^{re.escape(str(inv))}:5: job\.notify: a command here would run on "
+                                        r"this machine .* `runner up --notify CMD`, or RUNNER_NOTIFY=CMD"):
+        load_inventory(inv)
+    rc, out = run_cli("up", "-i", str(inv), "--dry-run")
+    err = capsys.readouterr().err
+    assert rc == 2 and out == "" and len(err.splitlines()) == 1 and ":5: job.notify: a command here" in err, err
+    job = write_job(tmp_path, extra={"notify": "touch /tmp/notify-owned"})  # a --job file: the same rule
+    with pytest.raises(UserError, match=r"job\.notify: a command here would run on this machine"):
+        load_inventory(_plain(tmp_path), job_path=str(job))
+
+    class Args:
+        notify, detach = None, False
+    plain = load_inventory(_plain(tmp_path)).job
+    assert notify.from_args(Args, plain, "inv.yaml") is None
+    monkeypatch.setenv("RUNNER_NOTIFY", "notify-send done")
+    assert notify.from_args(Args, plain, "inv.yaml") == NotifySpec(argv=("sh", "-c", "notify-send done"))
+    Args.notify = "https://h.example/x"
+    assert notify.from_args(Args, plain, "inv.yaml") == NotifySpec(url="https://h.example/x")  # the flag wins
+    Args.notify, Args.detach = None, True
+    assert notify.from_args(Args, plain, "inv.yaml") is None
+    assert capsys.readouterr().err == ("runner: note: RUNNER_NOTIFY is not run for a detached run (nothing on "
+                                       "this machine follows it)\n")
+    monkeypatch.setenv("RUNNER_NOTIFY", "ftp://x.example/y")
+    Args.detach = False
+    with pytest.raises(UserError, match=r"^RUNNER_NOTIFY \(in your environment\): ftp://x.example\.\.\.: only http"):
+        notify.from_args(Args, plain, "inv.yaml")
+
+
+def _plain(tmp: Path) -> Path:
+    p = tmp / "plain.yaml"
+    p.write_text("nodes:\n  - {name: n0, host: 192.0.2.1, arch: amd64, role: master}\njob: {image: 'x:1'}\n")
+    return p

@@ -130,6 +130,20 @@ def test_dry_run_masks_secrets_and_opens_nothing(tmp_path, no_network, capsys):
     assert "GLOO_SOCKET_IFNAME=<probed at launch>" in out
 
 
+def test_dry_run_shows_an_inventorys_escapes_and_newlines_instead_of_sending_them(tmp_path, no_network):
+    """Found by an audit: the plan went to the terminal raw, so a job.env value could retitle the
+    window (OSC 0), clear the screen, or start a line of its own that reads like the plan's."""
+    job = "  args: [\"\\e[31mred\"]\n"
+    p = inventory(tmp_path, NODES3, job)
+    p.write_text(p.read_text().replace("OMP_NUM_THREADS: '2'", 'MSG: "ok\\e]0;owned\\a\\e[2J\\nFAKE LINE"'))
+    rc, out = run_cli("up", "--inventory", str(p), "--dry-run")
+    assert rc == 0
+    assert "\x1b" not in out and "\x07" not in out
+    assert not any(ln.startswith("FAKE LINE") for ln in out.splitlines())
+    assert "    env       MSG=ok^[]0;owned^G^[[2J^JFAKE LINE" in out.splitlines()
+    assert "'^[[31mred'" in out
+
+
 def test_dry_run_of_10000_nodes_plans_every_node_with_its_rank_and_env(tmp_path, no_network):
     """The README's 10,000-node dry-run (bench/fanout.py's generated inventory, whose timing is the
     benchmark's): every node planned once, in inventory order, with its rank, its torchrun and its

@@ -60,9 +60,12 @@ def test_sbatch_directives_env_and_task_field_by_field(tmp_path):
         f"--output={rd}/slurm/%j.out", "--open-mode=append", f"--chdir={rd}",
         "--signal=USR1@80",              # grace 20 s + 60 before the time limit
         "--no-requeue", "--constraint=a100", "--exclusive"]
-    # The contract env (docs/contract.md), exported by the batch script; per-node values come later.
+    # The contract env (docs/contract.md) and job.env, exported by the task script where the job runs;
+    # per-node values come after. The batch step exports only the master's address.
     batch_part = plan.script.split("cat > ")[0]
-    exports = dict(re.findall(r"^export ([A-Z_]+)=(.*)$", batch_part, re.M))
+    assert re.findall(r"^export .*$", batch_part, re.M) == ["export MASTER_ADDR MASTER_PORT"]
+    task = heredoc(plan.script, "RUNNER_TASK")
+    exports = dict(re.findall(r"^export ([A-Z_]+)=(.*)$", task.split("set -a;")[0], re.M))
     assert exports == {"NNODES": "3", "OMP_NUM_THREADS": "1", "OUTPUT_DIR": rd, "PET_SHUTDOWN_TIMEOUT": "18",
                        "PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "PYTHONUNBUFFERED": "1",
                        "RUN_ID": "20260101-000000-abcd"}
@@ -137,6 +140,16 @@ def test_secrets_only_by_file_never_in_the_script(tmp_path):
     assert "export A=1" in shown
 
 
+def test_the_shown_plan_makes_an_inventorys_escapes_visible(tmp_path):
+    """`--dry-run` printed the script raw: a job.env value's escape sequences reached the terminal."""
+    inv, plan = plan_for(tmp_path, job={"env": {"MSG": "ok\x1b]0;owned\x07\x1b[2J"}, "args": ["\x1b[31mred"]})
+    assert "export MSG='ok\x1b]0;owned\x07\x1b[2J'" in plan.script  # the job gets its value as written
+    shown = plan.render(inv, "this machine")
+    assert "\x1b" not in shown and "\x07" not in shown
+    assert "export MSG='ok^[]0;owned^G^[[2J'" in shown and "'^[[31mred'" in shown
+    assert shown.count("\n") == plan.script.count("\n") + shown.split("#!/bin/bash")[0].count("\n")
+
+
 def test_pyxis_flags(tmp_path):
     inv, plan = plan_for(tmp_path, {"container": "pyxis", "image": "registry.example.org#team/trainer:1"},
                          {"env_file": str(_env_file(tmp_path))}, secret_keys=["HF_TOKEN"])
@@ -146,8 +159,7 @@ def test_pyxis_flags(tmp_path):
     assert flags == ["--container-image=registry.example.org#team/trainer:1",
                      f"--container-mounts={rd}:/out,/shared/runner/secrets/20260101-000000-abcd.env:/run/runner/secrets.env:ro",
                      "--no-container-mount-home",
-                     "--container-env=MASTER_ADDR,MASTER_PORT,NNODES,OMP_NUM_THREADS,OUTPUT_DIR,PET_SHUTDOWN_TIMEOUT,"
-                     "PET_SIGNALS_TO_HANDLE,PYTHONUNBUFFERED,RUNNER_SECRETS,RUN_ID"]
+                     "--container-env=MASTER_ADDR,MASTER_PORT"]  # the rest: set by the task, in the container
     assert "export OUTPUT_DIR=/out" in plan.script and "export RUNNER_SECRETS=/run/runner/secrets.env" in plan.script
     # Inside the container the task reads the job dir under /out; the config too.
     assert 'echo "* /bin/sh /out/slurm/$SLURM_JOB_ID/task.sh %t /out/slurm/$SLURM_JOB_ID $RESUME"' in plan.script
@@ -377,3 +389,67 @@ def test_the_task_runs_the_mended_torchrun_where_its_environment_has_it(tmp_path
     assert launch(sys.executable) == "python|-m|runner.agents.torchrun|"
     assert launch(str(base)) == "torchrun|"  # a python without this project
     assert launch(None) == "torchrun|"       # none at all
+
+
+STUB_SRUN = '#!/bin/sh\nprintf "%s\\n" "$*" >> "$STUB_CALLS"\n'
+STUB_SCONTROL = """#!/bin/sh
+case "$1 $2" in
+  "show hostnames") printf 'n0\\nn1\\n' ;;
+  "show node") echo "NodeName=$3 NodeAddr=127.0.0.1 State=IDLE" ;;
+  *) printf 'scontrol %s\\n' "$*" >> "$STUB_CALLS" ;;
+esac
+"""
+MARKED = '#!/bin/sh\ntouch "$(dirname "$0")/../RAN-$(basename "$0")"\n'
+FAKE_ARGV = '#!/usr/bin/env python3\nimport json, os, sys\njson.dump({"argv": sys.argv[1:], "env": dict(os.environ)}, open(os.environ["ARGV_OUT"], "w"))\n'
+
+
+def test_the_batch_step_runs_none_of_the_jobs_values(tmp_path):
+    """Found by an audit: (1) a job.args value holding a newline and RUNNER_TASK on a line of its own
+    ended task.sh's here-document early (quoting keeps a newline in the word; bash ends the document
+    at the line anyway), and the lines after it ran in the batch step, outside any container; (2)
+    job.env was exported in the batch step, so its PATH chose the `cat` the step ran and its JOB_DIR
+    moved the step's files. The batch script here runs in bash with srun/scontrol/ss stubbed; the task
+    it wrote then runs, as srun would run it, with a fake torchrun that records its argv and env."""
+    jobbin = tmp_path / "jobbin"
+    jobbin.mkdir()
+    for name in ("cat", "mkdir", "head", "sed", "echo"):
+        (jobbin / name).write_text(MARKED)
+    (jobbin / "torchrun").write_text(FAKE_ARGV)
+    stubs = tmp_path / "stubs"
+    stubs.mkdir()
+    (stubs / "srun").write_text(STUB_SRUN)
+    (stubs / "scontrol").write_text(STUB_SCONTROL)
+    (stubs / "ss").write_text("#!/bin/sh\n")
+    for f in [*jobbin.iterdir(), *stubs.iterdir()]:
+        f.chmod(0o755)
+    evil = "0.1\nRUNNER_TASK\ntouch PWNED\n: <<\\RUNNER_TASK\n"
+    workdir = tmp_path / "wd"
+    inv, plan = plan_for(tmp_path, {"workdir": str(workdir)},
+                         {"args": ["--lr", evil], "env": {"PATH": f"{jobbin}:/usr/bin:/bin",
+                                                          "JOB_DIR": str(tmp_path / "elsewhere")}}, requeue=True)
+    script = tmp_path / "s.sbatch"
+    script.write_text(plan.script)
+    calls = tmp_path / "calls"
+    env = {"PATH": f"{stubs}:/usr/bin:/bin", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[0-1]",
+           "STUB_CALLS": str(calls)}
+    res = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert not (tmp_path / "PWNED").exists() and not list(tmp_path.glob("RAN-*"))
+    assert not (tmp_path / "elsewhere").exists()
+    job_dir = Path(plan.run_dir) / "slurm" / "7"
+    # The task script arrives whole: its here-document's end line is one no line of it reads.
+    assert "<<'RUNNER_TASK_'\n" in plan.script
+    assert (job_dir / "task.sh").read_text() == heredoc(plan.script, "RUNNER_TASK_") + "\n"
+    assert calls.read_text().splitlines()[0] == f"--ntasks-per-node=1 --kill-on-bad-exit=1 /bin/sh {job_dir}/probe.sh {job_dir}"
+    # srun runs the task: the job's env and argument reach torchrun as written.
+    (job_dir / "node0.env").write_text("NODE_NAME=n0\n")
+    out = tmp_path / "argv.json"
+    task = subprocess.run(["sh", str(job_dir / "task.sh"), "0", str(job_dir)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60, env={"PATH": "/usr/bin:/bin", "MASTER_ADDR": "127.0.0.1",
+                                                      "MASTER_PORT": "29500", "ARGV_OUT": str(out)})
+    assert task.returncode == 0, task.stdout + task.stderr
+    got = json.loads(out.read_text())
+    assert got["argv"][-2:] == ["--lr", evil] and got["argv"][got["argv"].index("--node-rank") + 1] == "0"
+    assert got["env"]["PATH"] == f"{jobbin}:/usr/bin:/bin" and got["env"]["JOB_DIR"] == str(tmp_path / "elsewhere")
+    assert got["env"]["NODE_NAME"] == "n0" and got["env"]["OUTPUT_DIR"] == plan.run_dir
+    assert not (tmp_path / "PWNED").exists()

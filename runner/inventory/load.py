@@ -42,6 +42,7 @@ from runner.inventory.model import (
     read_env_file,
     workdir_error,
 )
+from runner.inventory.notify_spec import COMMAND_FROM_A_FILE
 from runner.inventory.notify_spec import parse as parse_notify
 from runner.inventory.perseus_spec import check_world, parse_perseus
 from runner.inventory.schema import (
@@ -292,6 +293,8 @@ def parse_job(c: Checker, v: Val, base: Path) -> Job:
                 job.notify = parse_notify([a.value for a in x.value] if isinstance(x.value, list) else x.value)
             except ValueError as exc:
                 c.fail(x.line, w, str(exc))
+            if job.notify.argv:  # as ssh_config's Match exec: a file named here never runs a command here
+                c.fail(x.line, w, COMMAND_FROM_A_FILE)
         elif key == "push":
             job.push = c.str_(x, w)
             if job.push not in PUSH_MODES:

@@ -1,5 +1,7 @@
-"""`job.notify` / `--notify` as written: a command (string or argv) or an http(s) webhook,
-checked when the inventory loads. Running it when a run ends is runner/notify.py's."""
+"""`--notify` / RUNNER_NOTIFY / `job.notify` as written: a command (string or argv) or an http(s)
+webhook, checked when the inventory loads. A command comes only from the user (the flag or the
+environment): an inventory or job file may be anyone's, so its `notify` may only be a webhook.
+Running it when a run ends is runner/notify.py's."""
 
 from __future__ import annotations
 
@@ -8,6 +10,9 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 URL_LIKE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:/")
+COMMAND_FROM_A_FILE = ("a command here would run on this machine when the run ends, from a file anyone can hand "
+                       "you; give it yourself: `runner up --notify CMD`, or RUNNER_NOTIFY=CMD in your environment "
+                       "(a file's notify may be an http(s):// webhook)")
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from runner import jobspec
 from runner.inventory.slurm import SlurmInventory
 from runner.jobspec import CHOOSE_TORCHRUN
-from runner.node_output import visible
+from runner.node_output import visible, visible_lines
 from runner.plan import OUT, SECRETS_IN_CONTAINER
 from runner.rendezvous import AUTO_PORT_BASE, AUTO_PORT_SPAN, port_offset
 
@@ -81,7 +81,8 @@ class SlurmPlan:
                          + ", ".join(f"{k}=******" for k in self.secret_keys) + ")")
         if self.oci_config is not None:
             lines.append(f"  oci       bundle {self.bundle} (config.json, rootfs/)")
-        return "\n".join(lines) + "\n" + masked_script(self.script)
+        # Each line as `cat -v` shows it: the script's own lines stay lines, a value's escapes are seen.
+        return visible_lines("\n".join(lines) + "\n" + masked_script(self.script))
 
 
 def masked_script(script: str) -> str:
@@ -192,6 +193,9 @@ def task_script(inv: SlurmInventory, plan: SlurmPlan, facts: SlurmFacts) -> str:
     lines = ["# Per node: $1 = node rank (task id = node index: one task per node), $2 = the job dir as",
              "# seen here (inside a container: under /out). Extra arguments go to the trainer.",
              "set -eu", 'rank=$1; dir=$2; shift 2',
+             "# The job's env (job.env and the contract's), set here where the job runs: never in the batch",
+             "# step, whose own commands (cat, srun, scontrol) and variables a job.env PATH or JOB_DIR would change.",
+             *(f"export {k}={shlex.quote(v)}" for k, v in sorted(plan.env.items())),
              'set -a; . "$dir/node$rank.env"; set +a', 'export NODE_RANK="$rank"']
     if s.container == "none" and s.venv:
         venv = resolve(s.venv, facts.home)
@@ -234,13 +238,24 @@ def container_flags(inv: SlurmInventory, plan: SlurmPlan) -> list[str]:
         mounts = [f"{plan.run_dir}:{OUT}"]
         if plan.secrets_file:
             mounts.append(f"{plan.secrets_file}:{SECRETS_IN_CONTAINER}:ro")
-        # Image env wins over the job's under pyxis unless named here: ours must win (OUTPUT_DIR...).
-        names = sorted(set(plan.env) | {"MASTER_ADDR", "MASTER_PORT"})
+        # Image env wins over the step's under pyxis unless named here: the master's must win (the
+        # task script sets the job's env itself, inside the container).
         return [f"--container-image={image}", f"--container-mounts={','.join(mounts)}", "--no-container-mount-home",
-                f"--container-env={','.join(names)}"]
+                "--container-env=MASTER_ADDR,MASTER_PORT"]
     if s.container == "oci":
         return [f"--container={plan.bundle}"]
     return []
+
+
+def heredoc(dest: str, body: str, tag: str) -> str:
+    """`cat > dest` of body, verbatim: a quoted here-document whose end line is tag, lengthened until
+    no line of body reads the same (a job.args value with a newline and the tag on a line of its own
+    ended the document early under a fixed tag, and its next lines ran in the batch step)."""
+    assert body.endswith("\n"), tag
+    lines = set(body.splitlines())
+    while tag in lines:
+        tag += "_"
+    return f"cat > {dest} <<'{tag}'\n{body}{tag}"
 
 
 def sbatch_script(inv: SlurmInventory, plan: SlurmPlan, facts: SlurmFacts, requeue: bool) -> str:
@@ -260,7 +275,6 @@ def sbatch_script(inv: SlurmInventory, plan: SlurmPlan, facts: SlurmFacts, reque
                 f"  case \"$used\" in *\" $p \"*) ;; *) MASTER_PORT=$p; break ;; esac\n"
                 f"done\n"
                 f"[ -n \"$MASTER_PORT\" ] || {{ echo \"runner: no free master port in {lo}..{lo + AUTO_PORT_SPAN - 1}\" >&2; exit 1; }}")
-    exports = "\n".join(f"export {k}={q(v)}" for k, v in sorted(plan.env.items()))
     flags = " ".join(q(f) for f in container_flags(inv, plan))
     resume = ('RESUME=""\n[ "${SLURM_RESTART_COUNT:-0}" -gt 0 ] && RESUME="--resume latest"  '
               '# requeued: continue from the latest checkpoint' if requeue and "--resume" not in plan.torchrun else 'RESUME=""')
@@ -291,12 +305,9 @@ MASTER_ADDR=$(scontrol show node "$MASTER_NODE" | sed -n 's/.*NodeAddr=\\([^ ]*\
 {port}
 export MASTER_ADDR MASTER_PORT
 echo "runner: master $MASTER_NODE at $MASTER_ADDR:$MASTER_PORT"
-{exports}
 {resume}
-cat > "$JOB_DIR/probe.sh" <<'RUNNER_PROBE'
-{PROBE}RUNNER_PROBE
-cat > "$JOB_DIR/task.sh" <<'RUNNER_TASK'
-{task_script(inv, plan, facts)}RUNNER_TASK
+{heredoc('"$JOB_DIR/probe.sh"', PROBE, "RUNNER_PROBE")}
+{heredoc('"$JOB_DIR/task.sh"', task_script(inv, plan, facts), "RUNNER_TASK")}
 # Per-task command lines: the task id (%t) is the node rank, also inside an OCI container, where
 # Slurm 22.05 passes no SLURM_NODEID.
 echo "* /bin/sh {task_dir}/task.sh %t {task_dir} $RESUME" > "$JOB_DIR/multi-prog.conf"

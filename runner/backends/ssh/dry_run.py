@@ -13,6 +13,7 @@ from runner.elastic import render as render_elastic
 from runner.elastic import replicas_args
 from runner.errors import UserError
 from runner.inventory import ARCH_ALIASES, Inventory
+from runner.node_output import visible_lines
 from runner.plan import Facts, make_plan
 from runner.sizing import check_sizing
 
@@ -48,8 +49,8 @@ def main(args) -> int:
         perseus.attach(plan, None)
     print(plan.render())
     if inv.job.perseus is not None:
-        print(perseus.render(plan, inv.job.perseus))
+        print(visible_lines(perseus.render(plan, inv.job.perseus)))
     check_sizing(inv, show=True, ignore=args.ignore_sizing)
     if elastic_lines:
-        print(elastic_lines)
+        print(visible_lines(elastic_lines))
     return 0
