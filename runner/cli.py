@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         resolve_inventory(args)
     except UserError as exc:
-        sys.stderr.write(f"runner: error: {exc}\n")
+        sys.stderr.write(f"runner: error: {printable(str(exc))}\n")
         return exc.exit_code
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(Formatter("%(message)s"))  # secrets masked, a node's control characters visible

@@ -87,6 +87,43 @@ def test_only_the_asked_for_regular_files_are_written(tmp_path, fmt):
     assert not (tmp_path / "up").exists() and not Path("/tmp/abs").exists()
 
 
+def _gnu_sparse_header(name: bytes, real_size: int) -> bytes:
+    """A GNU sparse member (type S) with no data blocks: one map entry at the end, the rest a hole
+    of real_size (base-256 in the header, so it can be anything)."""
+    h = bytearray(512)
+    h[0:len(name)] = name
+    h[100:108], h[108:116], h[116:124] = b"0000600\0", b"0000000\0", b"0000000\0"
+    h[124:136] = h[136:148] = b"00000000000\0"  # size stored in the stream: 0
+    h[156:157], h[257:265] = b"S", b"ustar  \0"
+    h[483:495] = b"\x80" + real_size.to_bytes(11, "big")
+    h[148:156] = b"        "
+    h[148:156] = b"%06o\0 " % sum(h)
+    return bytes(h)
+
+
+def _pax_sparse(name: str, real_size: int) -> bytes:
+    def build(tf):
+        ti = tarfile.TarInfo(name)
+        ti.pax_headers = {"GNU.sparse.map": f"{real_size},0", "GNU.sparse.size": str(real_size)}
+        tf.addfile(ti, io.BytesIO(b""))
+        _member(tf, "b.txt", b"bee")
+    return _tar(build, tarfile.PAX_FORMAT)
+
+
+@pytest.mark.parametrize("form", ["gnu", "pax"])
+def test_a_sparse_member_writes_nothing(tmp_path, form):
+    """Found by an audit: tarfile takes a sparse member as a regular file and gives its holes as
+    zeros up to the size its header claims, so a 1.5 KB stream wrote 200 MB here (and any size it
+    liked, within collect's stream bounds: they count stream bytes). Refused: the name is absent."""
+    big = 200 << 20
+    stream = (_gnu_sparse_header(b"a.txt", big) + _tar(lambda tf: _member(tf, "b.txt", b"bee")) if form == "gnu"
+              else _pax_sparse("a.txt", big))
+    assert len(stream) < 20_000
+    p, staging = _untar(tmp_path, stream, ["a.txt", "b.txt"])
+    assert p.returncode == 0, p.stderr
+    assert _tree(staging) == {"b.txt": b"bee"}
+
+
 @pytest.mark.parametrize("damage", ["cut", "not-a-tar", "empty"])
 def test_a_stream_that_is_not_a_whole_tar_is_one_line_and_exit_1(tmp_path, damage):
     whole = _tar(lambda tf: (_member(tf, "a.txt", b"a" * 4000), _member(tf, "b.txt", b"b" * 4000)))

@@ -3,6 +3,7 @@ owned by the caller, and a node that freezes in the middle of its stream costs o
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -157,3 +158,33 @@ def test_collect_takes_the_nodes_that_fit_and_names_the_others_writing_nothing_o
     finally:
         for d in dirs.values():
             shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_node_file_under_collects_own_names_is_not_taken_and_the_next_collect_works(sandbox, tmp_path):
+    """Found by an audit: a node listing `.collect-manifest.json/x` had it placed, so the manifest's
+    path became a directory: that collect's manifest write failed, and every later collect of the
+    node too, until the user removed it by hand. Names collect keeps for itself (`.collect-*`) are
+    not taken from a node, one error each; the rest is collected and the next collect works."""
+    run_id = "hc-own-" + secrets.token_hex(3)
+    d = node_workdir(sandbox, "node-0") / "runs" / run_id
+    try:
+        (d / ".collect-manifest.json").mkdir(parents=True)
+        (d / ".collect-manifest.json" / "x").write_text("x")
+        (d / ".collect-staging-1").mkdir()
+        (d / ".collect-staging-1" / "y").write_text("y")
+        (d / "ok.txt").write_text("fine")
+        dest = tmp_path / "dest"
+        for attempt in (1, 2):
+            proc = runner("collect", run_id, "-i", str(sandbox), "--dest", str(dest), "--quiet", "--no-plots")
+            assert proc.returncode == 3, (attempt, proc.stdout + proc.stderr)
+            errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("runner: error:")]
+            assert len(errors) == 1, proc.stderr
+            assert (".collect-manifest.json/x: not collected: names that begin .collect- are collect's own here"
+                    in errors[0]) and ".collect-staging-1/y: not collected" in errors[0], errors
+            node = dest / run_id / "node-0"
+            assert (node / "ok.txt").read_text() == "fine"
+            assert list(json.loads((node / ".collect-manifest.json").read_text())) == ["ok.txt"]
+            assert not (node / ".collect-staging-1").exists()
+        assert re.search(r"node-0 +1 files: 0 copied .*1 unchanged", proc.stdout), proc.stdout
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

@@ -32,6 +32,10 @@ from runner.transport.ssh import Remote
 
 log = logging.getLogger("runner.collect")
 MANIFEST = ".collect-manifest.json"
+# Names collect keeps for itself in a node's dest dir (the manifest, its .tmp, the staging dir): a
+# node file under such a name is not taken (a `.collect-manifest.json/x` made the manifest's path a
+# directory, and every later collect of the node failed).
+OWN_PREFIX = ".collect-"
 MAX_ERRORS_SHOWN = 5
 # The stream is unpacked by runner/delivery/untar.py (Python's tarfile, whatever this machine's tar
 # is): only the names asked for, only as regular files, bytes and names only (owner, mode, time and
@@ -73,6 +77,7 @@ class NodeListing:
     files: int
     todo: list
     manifest: dict
+    refused: list[str] = field(default_factory=list)  # names collect keeps for itself, one error each
 
     @property
     def need(self) -> int:
@@ -83,11 +88,15 @@ def list_node(remote: Remote, run_id: str, dest_root: Path) -> NodeListing:
     rd = node_paths(remote.node, remote.home).run(run_id)
     dest = dest_root / run_id / remote.node.name
     files = remote.walk(rd)
+    own = [rel for rel, _ in files if rel.split("/", 1)[0].startswith(OWN_PREFIX)]
+    if own:
+        files = [(rel, st) for rel, st in files if not rel.split("/", 1)[0].startswith(OWN_PREFIX)]
     man_path = dest / MANIFEST
     manifest: dict[str, dict] = json.loads(man_path.read_text()) if files and man_path.exists() else {}
     # Every name was checked by the walk (runner/transport/ssh.py); placing checks where each one resolves.
     todo = [(rel, st) for rel, st in files if not _unchanged(dest / rel, manifest.get(rel), st)]
-    return NodeListing(remote, rd, dest, len(files), todo, manifest)
+    refused = [f"{visible(rel)}: not collected: names that begin {OWN_PREFIX} are collect's own here" for rel in own]
+    return NodeListing(remote, rd, dest, len(files), todo, manifest, refused)
 
 
 def check_room(ls: NodeListing, dest_root: Path, run_id: str) -> None:
@@ -119,7 +128,8 @@ def admit(listings: list[NodeListing], dest_root: Path) -> tuple[list[NodeListin
 def fetch_listed(ls: NodeListing, progress=None) -> NodeCollect:
     """The second half: the listed files streamed, verified and placed; the manifest kept."""
     remote, rd, dest, manifest = ls.remote, ls.rd, ls.dest, ls.manifest
-    res = NodeCollect(remote.node.name, files=ls.files, skipped=ls.files - len(ls.todo), dest=str(dest))
+    res = NodeCollect(remote.node.name, files=ls.files, skipped=ls.files - len(ls.todo), dest=str(dest),
+                      errors=list(ls.refused))
     if not ls.files:
         return res
     dest.mkdir(parents=True, exist_ok=True)

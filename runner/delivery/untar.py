@@ -2,7 +2,7 @@
 `tar -cf -` on stdin: each regular file whose name is in NAMES (a file of NUL-separated names, the
 ones collect listed and asked for) is written to STAGING/<name>, and nothing else is. The stream
 gives bytes and names only: no link, directory, device, owner, mode or time of its own is made
-here, no name not asked for, none twice. Python's tarfile reads it, so the laptop's own tar (GNU,
+here, no name not asked for, none twice, and no byte the stream did not carry (no sparse member). Python's tarfile reads it, so the laptop's own tar (GNU,
 or macOS's bsdtar, which lacks GNU's extraction flags) plays no part. Standard library only.
 
 Exit 0 when the stream was a whole tar, read to its end: a name it lacked (a file deleted on the
@@ -55,7 +55,10 @@ def unpack(stream, staging: Path, wanted: set[str]) -> None:
     tarfile.TarError or EOFError when the stream is not a whole tar."""
     with tarfile.open(fileobj=stream, mode="r|", bufsize=CHUNK, encoding="utf-8", errors="surrogateescape") as tf:
         for member in tf:
-            if member.name not in wanted or not member.isreg():
+            # A sparse member (GNU type S, or pax GNU.sparse.*) is refused: tarfile gives its holes
+            # as zeros up to a size the header claims, so 1.5 KB of stream could fill this disk. The
+            # node's `tar -cf -` never writes one (no --sparse); the file is then missing, and said so.
+            if member.name not in wanted or not member.isreg() or member.issparse():
                 continue  # tarfile skips its data as it reads on
             wanted.discard(member.name)
             path = _target(staging, member.name)

@@ -81,7 +81,8 @@ echo "docker=$V"
     p = Probe()
     p.arch = UNAME_ARCH.get(kv.get("arch", ""), kv.get("arch") or None)
     p.home = kv.get("home") or None
-    p.uid, p.gid, p.user = _int(kv.get("uid")), _int(kv.get("gid")), kv.get("user") or None
+    user = kv.get("user") or None  # the node's words, printed in messages: none with a control character
+    p.uid, p.gid, p.user = _int(kv.get("uid")), _int(kv.get("gid")), user if user and user.isprintable() else None
     p.master_ip = kv.get("master_ip")
     route = kv.get("route", "").split()
     if "dev" in route:

@@ -214,7 +214,7 @@ class Launcher:
                         log.warning("run %s: restart %d/%d from the latest checkpoint", run_id, attempt,
                                     self.args.max_restarts)
                 except UserError as exc:
-                    sys.stderr.write(f"runner: error: {exc}\n")
+                    sys.stderr.write(f"runner: error: {printable(str(exc))}\n")
                     el.stop_retrying()
                     for node in list(el.lost):  # as without elastic: not orphaned while it can be helped
                         self.reclaim_lost(cl, node, run_id)  # says itself what it could not do

@@ -42,5 +42,6 @@ def hand_back_runs(cl: Cluster, plan: Plan, probes: dict[str, Probe]) -> None:
         if err:
             raise err if isinstance(err, UserError) else UserError(f"node {np_.node}: {err}")
         if first:
-            print(f"run {plan.run_id}: {np_.node}: files not owned by {probes[np_.node].user or probes[np_.node].uid} "
-                  f"handed back to it (first: {printable(first[:300])})", flush=True)
+            who = printable(probes[np_.node].user or str(probes[np_.node].uid))  # the node's `id -un`: its words
+            print(f"run {plan.run_id}: {np_.node}: files not owned by {who} handed back to it "
+                  f"(first: {printable(first[:300])})", flush=True)

@@ -23,6 +23,7 @@ from runner.node_output import KeptLog, LineSplitter, cells, visible
 from runner.node_runs import gather, node_progress, resolve_run, run_doc
 from runner.paths import node_paths
 from runner.plan import LABEL_RANK, LABEL_ROLE, LABEL_RUN
+from runner.redact import printable
 from runner.transport.cluster import Cluster, open_nodes
 
 
@@ -140,7 +141,7 @@ def elastic_history(cl: Cluster, data, run_id: str) -> list[dict]:
         try:
             text = cl[n.name].read_text(f"{node_paths(n, cl[n.name].home).run(run_id)}/{ELASTIC_FILE}", limit=EVENTS_MAX)
         except UserError as exc:  # a node's oversized file: its history is not read, the status is still shown
-            sys.stderr.write(f"runner: warning: {exc}\n")
+            sys.stderr.write(f"runner: warning: {printable(str(exc))}\n")  # its path holds the node's home
             continue
         events = parse_events(text or "")
         if len(events) > len(best):
