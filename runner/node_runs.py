@@ -5,13 +5,12 @@ containers stopped, old run dirs pruned.
 
 from __future__ import annotations
 
-import json
 import logging
 import posixpath
 import stat
 import sys
 
-from contract import metrics
+from contract import bounded_json, metrics
 from runner import runs
 from runner.errors import UserError
 from runner.fanout import DEFAULT_PARALLEL, parallel
@@ -20,6 +19,7 @@ from runner.paths import node_paths
 from runner.plan import LABEL_GRACE, LABEL_NODE, LABEL_RUN, NodePlan, docker_limits
 from runner.run_owner import remove_dirs
 from runner.transport.cluster import Cluster
+from runner.transport.sftp import listdir_within
 from runner.transport.ssh import Remote
 
 # The node's own copy of the job's output: Docker's json-file log keeps every byte unless the daemon
@@ -29,6 +29,16 @@ NODE_LOG_MAX, NODE_LOG_FILES = "256m", "2"
 log = logging.getLogger("runner")
 METRICS_TAIL = 16384  # bytes read from the end of metrics.jsonl: the last records, for progress and ETA
 STATUS_FILE = "runner-status.json"
+# Entries of one workdir's runs/ listed before it is refused: a run a day for 270 years. A node that
+# lists without end (never EOF) is stopped here, not when the runner's memory is gone.
+RUN_DIRS_MAX = 100_000
+# What of a runner-status.json is parsed and kept. Ours (runner/backends/ssh/run_end.py) holds ten
+# values, a few more for each ',' or ':' in its command line; the job can rewrite it with any
+# number (20 files of `{"a":[{},{},...]}` held 3.9 GB parsed). Kept per run dir: only the fields
+# `status`, `ls`, `logs` and `down` read, each a number, null or a short string.
+STATUS_MAX_VALUES = 10_000
+STATUS_FIELDS = ("rank", "exit_code", "result", "image")
+STATUS_TEXT_MAX = 1024  # characters of a string field kept (an image reference: at most a few hundred)
 
 
 def create_container(remote: Remote, np: NodePlan):
@@ -189,23 +199,37 @@ def node_runs(remote: Remote, docs: bool = False) -> tuple[list, dict[str, dict 
 
 def node_run_dirs(remote: Remote, docs: bool = False) -> dict[str, dict | None]:
     """{run id: None} for the run dirs on one node, over SFTP (no shell: an exec costs the node a
-    login); docs=True reads each one's runner-status.json ({} when it has none)."""
+    login); docs=True reads each one's runner-status.json ({} when it has none). A runs/ of more
+    than RUN_DIRS_MAX entries is the node's error, named in one UserError."""
+    runs_dir = node_paths(remote.node, remote.home).runs
     try:
-        entries = remote.sftp.listdir_attr(node_paths(remote.node, remote.home).runs)
+        entries = listdir_within(remote.sftp, runs_dir, RUN_DIRS_MAX)
     except OSError:
         return {}
+    if entries is None:
+        raise UserError(f"node {remote.node.name}: {runs_dir}: more than {RUN_DIRS_MAX:,} entries listed; "
+                        "nothing taken from it")
     ids = sorted(e.filename for e in entries if stat.S_ISDIR(e.st_mode or 0) and runs.is_run_name(e.filename))
     return {rid: run_doc(remote, rid) if docs else None for rid in ids}
 
 
 def run_doc(remote: Remote, run_id: str) -> dict:
-    """The run's runner-status.json on the node ({} when it has none, or it does not parse)."""
+    """The fields (STATUS_FIELDS) of the run's runner-status.json on the node that the verbs read
+    ({} when it has none, or it does not parse within STATUS_MAX_VALUES values)."""
     text = remote.read_text(posixpath.join(node_paths(remote.node, remote.home).run(run_id), STATUS_FILE))
     try:
-        doc = json.loads(text) if text else {}
-    except (ValueError, RecursionError):  # a job's file: nested past Python's limit is no ValueError
+        doc = bounded_json.loads(text, STATUS_FILE, STATUS_MAX_VALUES) if text else {}
+    except ValueError:  # the job's file: too many values, nested too deep, not JSON
         return {}
-    return doc if isinstance(doc, dict) else {}
+    return {k: doc[k] for k in STATUS_FIELDS if k in doc and _kept(doc[k])} if isinstance(doc, dict) else {}
+
+
+def _kept(value: object) -> bool:
+    """Whether a status field's value is kept: a number, null or a short string (the job's word:
+    a field of megabytes, times every run dir, is not)."""
+    if isinstance(value, str):
+        return len(value) <= STATUS_TEXT_MAX
+    return value is None or isinstance(value, (bool, int, float))
 
 
 def gather(cl: Cluster, containers: bool = True, docs: bool = False) -> dict[str, tuple[list, dict[str, dict | None]]]:

@@ -19,6 +19,8 @@ MAX_OUTPUT = 8 << 20
 PROC_NET_LIMIT = 64 << 20  # /proc/net/tcp{,6}: 150 bytes a socket, a busy server has 100k of them
 # A listing bigger than this is not a run dir (a node answering with a tree that never ends).
 WALK_MAX_FILES = 1_000_000
+# `.` and `..`: listed besides a directory's own entries, and not kept (a node may repeat them too).
+DOT_ENTRIES = 2
 
 
 SFTP_SILENCE_S = 120.0
@@ -69,6 +71,54 @@ class WatchedSFTP(paramiko.SFTPClient):
             raise
         finally:
             self._since = None
+
+
+def _close_unheard(sftp: paramiko.SFTPClient, handle: bytes) -> None:
+    """Close a directory handle left before its EOF without waiting for the answer: the node that
+    listed without end may never give one. paramiko drops the answer, when it comes, as one no
+    request waits for; a session already gone has nothing left to close."""
+    try:
+        sftp._async_request(type(None), paramiko.sftp.CMD_CLOSE, handle)
+    except (EOFError, OSError, paramiko.SSHException):
+        pass
+
+
+def listdir_within(sftp: paramiko.SFTPClient, path: str, limit: int) -> list[paramiko.SFTPAttributes] | None:
+    """A directory's entries on the node (without `.` and `..`), or None when it holds more than
+    limit. Counted entry by entry as each READDIR answer is parsed: paramiko's listdir_attr keeps
+    every entry until the node says EOF, which a hostile node never does (3M entries held 2.4 GB),
+    and its listdir_iter reads 50 answers ahead and leaves the handle open when left early. So a
+    listing costs at most limit entries and one answer (16 MiB), whatever count the answer claims;
+    the handle is closed however the listing ends."""
+    t, msg = sftp._request(paramiko.sftp.CMD_OPENDIR, sftp._adjust_cwd(path))
+    if t != paramiko.sftp.CMD_HANDLE:
+        raise paramiko.SFTPError("Expected handle")
+    handle = msg.get_binary()
+    out: list[paramiko.SFTPAttributes] = []
+    seen = 0  # every entry parsed, the dots too: a node repeating `.` without end is bounded as well
+    ended = False
+    try:
+        while True:
+            try:
+                t, msg = sftp._request(paramiko.sftp.CMD_READDIR, handle)
+            except EOFError:  # the end of the directory
+                ended = True
+                break
+            if t != paramiko.sftp.CMD_NAME:
+                raise paramiko.SFTPError("Expected name response")
+            for _ in range(msg.get_int()):  # the node's count: past the packet's end, empty entries
+                filename, longname = msg.get_text(), msg.get_text()
+                attr = paramiko.SFTPAttributes._from_msg(msg, filename, longname)
+                seen += 1
+                if filename not in (".", ".."):
+                    out.append(attr)
+                if len(out) > limit or seen > limit + DOT_ENTRIES:
+                    return None
+    finally:
+        if not ended:  # over limit, a name not UTF-8, a late answer: the handle is not left open
+            _close_unheard(sftp, handle)
+    sftp._request(paramiko.sftp.CMD_CLOSE, handle)  # as listdir_attr: the directory ended, its node answers
+    return out
 
 
 class NodeFiles:
@@ -164,28 +214,29 @@ class NodeFiles:
             return None
 
     def walk(self, root: str) -> list[tuple[str, paramiko.SFTPAttributes]]:
-        """All regular files under root as (relative path, attrs), via SFTP listdir_attr.
+        """All regular files under root as (relative path, attrs), listed over SFTP (listdir_within).
 
         The listing is the node's word, so every name in it is checked before it becomes a path
         (runner/safe_path.py: no '/', `..`, NUL or control character in a name, at most
-        PATH_MAX bytes a path) and the whole walk is bounded (WALK_MAX_FILES entries): a node
-        that answers otherwise is named in one UserError and nothing of its listing is used."""
+        PATH_MAX bytes a path) and the whole walk is bounded (WALK_MAX_FILES entries, counted as
+        they arrive, not once a directory is whole): a node that answers otherwise is named in one
+        UserError and nothing of its listing is used."""
         out: list[tuple[str, paramiko.SFTPAttributes]] = []
         stack = [""]
         seen = 0
         while stack:
             rel = stack.pop()
             try:
-                entries = self.sftp.listdir_attr(f"{root}/{rel}" if rel else root)
+                entries = listdir_within(self.sftp, f"{root}/{rel}" if rel else root, WALK_MAX_FILES - seen)
             except FileNotFoundError:
                 continue
             except UnicodeDecodeError:
                 raise UserError(f"node {self.node.name}: {root}/{rel}: the node listed a name that is not UTF-8; "
                                 "nothing taken from it (rename the file on the node)") from None
-            seen += len(entries)
-            if seen > WALK_MAX_FILES:
+            if entries is None:  # more than the entries the walk has left
                 raise UserError(f"node {self.node.name}: {root}: more than {WALK_MAX_FILES:,} entries listed; "
                                 "nothing taken from it")
+            seen += len(entries)
             for e in entries:
                 r = f"{rel}/{e.filename}" if rel else e.filename
                 why = safe_path.name_error(e.filename) or safe_path.rel_error(r)
