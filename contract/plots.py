@@ -5,6 +5,7 @@ needed. `trainer plot` and `runner collect` both draw with these.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from contract import bounded_json
@@ -18,6 +19,15 @@ LEGEND = {"forward": "forward", "backward": "backward", "backward_input": "backw
           "backward_weight": "backward (weight)", "recv_F": "wait: activation send/recv",
           "recv_B": "wait: gradient send/recv", "dp_reduce": "DP gradient reduction", "grad_norm": "grad norm",
           "optimizer": "optimizer step", "batch_input": "batch input"}
+# A Gantt chart's bounds. Its timeline is a file a job wrote, plotted on the user's machine by
+# `runner collect` and `trainer plot`: the figure is 0.8 inch (88 pixels) tall per row, and before
+# these bounds 4,000 distinct pids in a 0.24 MiB trace took 48 s and 3.9 GB to draw.
+MAX_ROWS = 512        # one row per rank; a real pipeline has at most a few hundred. 512 rows: 45,000 px tall
+                      # (~240 MB of image); past ~740 Agg refuses the figure anyway (65,536 px at most)
+MAX_BARS = 50_000     # "X" slices drawn: a real batch has ranks x microbatches x ~6 (256 x 32 x 6 = 49,152 at
+                      # most; a few thousand usually). Drawing is ~2 ms and ~20 KB a slice: 50,000 took 105 s, 1 GB
+MAX_NAME = 100        # characters of a row's name kept (a real one: node/rankR/stageS, tens)
+MAX_TITLE = 200       # characters of the title kept (a real one: ~100); both fit the figure's 12 inches
 
 
 def keep_font_cache(environ=None) -> None:
@@ -63,23 +73,87 @@ def _pyplot():
     return plt
 
 
+def _finite(v) -> bool:
+    """A JSON number (not a bool) that is finite as a float."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int past a float's range
+        return False
+
+
+def _scalar(v) -> bool:
+    return v is None or (isinstance(v, (int, float, str)) and not isinstance(v, bool))
+
+
+def _short(text: str, most: int) -> str:
+    return text if len(text) <= most else text[:most - 1] + "\u2026"
+
+
+def _gantt_rows(trace: dict) -> tuple[dict, dict]:
+    """({pid: row name}, {pid: [its "X" events, in trace order]}) of a Chrome trace, checked: a
+    ValueError (what a caller reports for a bad file) for a malformed event, or past MAX_ROWS
+    rows or MAX_BARS slices, before anything is drawn."""
+    events = trace.get("traceEvents") if isinstance(trace, dict) else None
+    if not isinstance(events, list):
+        raise ValueError("timeline: no traceEvents list; not drawn")
+    names: dict[int, str] = {}
+    by_pid: dict[int, list] = {}
+    rows: set[int] = set()
+    bars = 0
+    for i, e in enumerate(events):
+        if not isinstance(e, dict):
+            raise ValueError(f"timeline: event {i} is not an object; not drawn")
+        pid = e.get("pid")
+        is_pid = isinstance(pid, int) and not isinstance(pid, bool)
+        if e.get("ph") == "X":
+            args = e.get("args")
+            if not (is_pid and _finite(e.get("ts")) and _finite(e.get("dur")) and _finite(e["ts"] + e["dur"])
+                    and isinstance(e.get("name"), str) and isinstance(args, dict)
+                    and _scalar(args.get("stage")) and _scalar(args.get("microbatch"))):
+                raise ValueError(f"timeline: event {i} is not a slice with an integer pid, numeric ts and dur, "
+                                 "a name and args; not drawn")
+            bars += 1
+            if bars > MAX_BARS:
+                raise ValueError(f"timeline: over {MAX_BARS:,} slices, more than a Gantt chart draws; not drawn")
+            by_pid.setdefault(pid, []).append(e)
+            rows.add(pid)
+        if e.get("name") == "process_name":
+            args = e.get("args")
+            if not (is_pid and isinstance(args, dict) and isinstance(args.get("name"), str)):
+                raise ValueError(f"timeline: event {i} is a process_name without an integer pid and a name; not drawn")
+            names[pid] = _short(args["name"], MAX_NAME)
+            rows.add(pid)
+        if len(rows) > MAX_ROWS:
+            raise ValueError(f"timeline: over {MAX_ROWS:,} ranks (pids), more rows than a Gantt chart draws; not drawn")
+    if not by_pid and not names:
+        raise ValueError("timeline: no ranks (pids) to draw; not drawn")
+    return names, by_pid
+
+
 def gantt(trace: dict, path: Path, title: str) -> Path:
-    """Ranks as rows (rank 0 on top), one bar per action; gaps are idle time (white)."""
+    """Ranks as rows (rank 0 on top), one bar per action; gaps are idle time (white). A malformed
+    trace, or one past MAX_ROWS ranks or MAX_BARS slices, is a ValueError and nothing is drawn."""
+    names, by_pid = _gantt_rows(trace)
     plt = _pyplot()
-    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
-    xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
-    pids = sorted({e["pid"] for e in xs} | set(names))
+    pids = sorted(by_pid.keys() | names.keys())
     fig, ax = plt.subplots(figsize=(12, 1.0 + 0.8 * len(pids)), dpi=110)
     seen: set[str] = set()
     stages: dict[int, set] = {}
-    for e in xs:
-        if e["args"].get("stage") is not None:
-            stages.setdefault(e["pid"], set()).add(e["args"]["stage"])
+    for pid, es in by_pid.items():
+        for e in es:
+            if e["args"].get("stage") is not None:
+                stages.setdefault(pid, set()).add(e["args"]["stage"])
     multi = {pid: len(s) > 1 for pid, s in stages.items()}
-    span = max((e["ts"] + e["dur"] for e in xs), default=1.0) / 1e3
+    span = max((e["ts"] + e["dur"] for es in by_pid.values() for e in es), default=1.0) / 1e3
+    # While autoscaling is on, matplotlib rescales the view over every artist at each bar added (time
+    # quadratic in the bars): off while adding them. Each bar still marks the view for a rescale, made
+    # once at the next use of the view, as before.
+    ax.set_autoscale_on(False)
     for row, pid in enumerate(pids):
         y = len(pids) - 1 - row
-        for e in (e for e in xs if e["pid"] == pid):
+        for e in by_pid.get(pid, ()):
             act = e["name"].split(" ")[0]
             ms0, ms = e["ts"] / 1e3, e["dur"] / 1e3
             compute = act in COMPUTE
@@ -99,10 +173,11 @@ def gantt(trace: dict, path: Path, title: str) -> Path:
                 if ms < span * 0.0055 * len(text):  # too narrow for its label at this width
                     continue
                 ax.text(ms0 + ms / 2, y, text, ha="center", va="center", fontsize=7, color="white", clip_on=True)
+    ax.set_autoscale_on(True)
     ax.set_yticks(range(len(pids)))
     ax.set_yticklabels([names.get(pid, f"rank{pid}") for pid in reversed(pids)], fontsize=8)
     ax.set_xlabel("time since the batch's first action (ms, rank 0's clock)")
-    ax.set_title(title, fontsize=10)
+    ax.set_title(_short(title, MAX_TITLE), fontsize=10)
     ax.grid(axis="x", alpha=0.3)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18 - 0.3 / len(pids)), ncol=5, fontsize=7, frameon=False)
     fig.tight_layout()

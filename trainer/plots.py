@@ -24,10 +24,13 @@ def plot_dir(out_dir: Path) -> list[Path]:
         raise ConfigError(f"plot: '{out_dir}' is not a directory (give the run's OUTPUT_DIR)")
     made = []
     for f in timeline_files(out_dir):
-        trace = load_trace(f)
         k = int(re.match(r"timeline_batch(\d+)", f.name).group(1))
-        made.append(gantt(trace, out_dir / f"timeline_batch{k}_gantt.png",
-                          gantt_title(trace, k, out_dir / f"timeline_batch{k}_summary.json")))
+        try:  # the job's file: over the bounds or malformed is one warning, the other plots are made
+            trace = load_trace(f)
+            made.append(gantt(trace, out_dir / f"timeline_batch{k}_gantt.png",
+                              gantt_title(trace, k, out_dir / f"timeline_batch{k}_summary.json")))
+        except ValueError as exc:
+            print(f"trainer: warning: {f.name} not plotted: {exc}", file=sys.stderr)
     mpath = out_dir / metrics_file.FILE
     if mpath.is_file():
         records = metrics_file.loss_records(metrics_file.read(mpath))
