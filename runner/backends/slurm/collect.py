@@ -8,9 +8,12 @@ in the manifest) are skipped, a copy is placed only once its sha256 equals the s
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import shutil
+import stat
 from dataclasses import replace
 from pathlib import Path
 
@@ -41,16 +44,23 @@ def mirror_local(src: Path, dest: Path, res: NodeCollect, run_id: str = "") -> N
     listed = []
     for path in sorted(p for p in src.rglob("*") if p.is_file() and not p.is_symlink()):
         try:
-            listed.append((path, path.stat()))
+            listed.append((path, path.lstat()))
         except OSError:
             res.vanished += 1
     todo = [(p, st) for p, st in listed if not _unchanged(manifest.get(str(p.relative_to(src))), dest, src, p, st)]
     disk_room.check_room(dest, sum(st.st_size for _, st in todo), f"collect of run {run_id or src.name} "
                          f"({len(todo)} new or changed files)", ROOM_HINT)
     dest.mkdir(parents=True, exist_ok=True)
+    root_fd = None
     try:
         res.files = len(listed)
         res.skipped = len(listed) - len(todo)
+        if todo:  # each file is opened from here, one component at a time, never through a link
+            try:
+                root_fd = os.open(src, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except OSError as exc:
+                res.errors.append(f"{src}: {exc.strerror}")
+                return
         for path, st in todo:
             rel = str(path.relative_to(src))
             try:  # a link already in dest (or staging) must not carry the file out of it
@@ -60,8 +70,10 @@ def mirror_local(src: Path, dest: Path, res: NodeCollect, run_id: str = "") -> N
                 continue
             staged.parent.mkdir(parents=True, exist_ok=True)
             try:
-                shutil.copy2(path, staged)
-                want = sha256_file(path)
+                want = _copy_listed(root_fd, path.relative_to(src).parts, st, staged)
+            except _Replaced as exc:
+                res.errors.append(f"{rel}: {exc}")
+                continue
             except OSError as exc:
                 res.errors.append(f"{rel}: {exc.strerror}")
                 continue
@@ -75,10 +87,85 @@ def mirror_local(src: Path, dest: Path, res: NodeCollect, run_id: str = "") -> N
             res.copied += 1
             res.bytes_copied += st.st_size
     finally:
+        if root_fd is not None:
+            os.close(root_fd)
         shutil.rmtree(staging, ignore_errors=True)
         tmp = man_path.with_name(man_path.name + ".tmp")
         tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
         tmp.replace(man_path)
+
+
+class _Replaced(Exception):
+    """A listed file whose path, when it came to be copied, no longer led to the regular file the
+    listing saw: the run dir is shared with the job, which may have swapped it for a link."""
+
+
+_DIR = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC   # NONBLOCK: a FIFO put there cannot hang the open
+_LINK_ERRNOS = (errno.ELOOP, errno.ENOTDIR, errno.EMLINK)            # what a link refused by O_NOFOLLOW gives
+_CHUNK = 1 << 22
+
+
+def _open_listed(root_fd: int, parts: tuple[str, ...], st: os.stat_result) -> int:
+    """A read descriptor on root/parts, opened one component at a time relative to the one before,
+    no component followed if it is a link, and only if it is still the regular file (same device
+    and inode) the listing saw; _Replaced otherwise, OSError (e.g. vanished) as it comes."""
+    dir_fd = root_fd
+    try:
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            try:
+                fd = os.open(part, _FILE if last else _DIR, dir_fd=dir_fd)
+            except OSError as exc:
+                if exc.errno not in _LINK_ERRNOS:
+                    raise
+                where = "it" if last else f"{'/'.join(parts[:i + 1])!r} on its path"
+                try:
+                    link = stat.S_ISLNK(os.lstat(part, dir_fd=dir_fd).st_mode)
+                except OSError:
+                    link = False
+                now = "a symlink" if link else ("not a regular file" if last else "not a directory")
+                raise _Replaced(f"{where} is now {now} (replaced since it was listed); not followed, "
+                                "not collected; collect again") from None
+            if dir_fd != root_fd:
+                os.close(dir_fd)
+            dir_fd = fd
+        fst = os.fstat(dir_fd)
+        if not stat.S_ISREG(fst.st_mode) or (fst.st_dev, fst.st_ino) != (st.st_dev, st.st_ino):
+            raise _Replaced("no longer the regular file that was listed (replaced since the listing); "
+                            "not collected; collect again")
+    except BaseException:
+        if dir_fd != root_fd:
+            os.close(dir_fd)
+        raise
+    return dir_fd
+
+
+def _copy_listed(root_fd: int, parts: tuple[str, ...], st: os.stat_result, staged: Path) -> str:
+    """Copy the listed file to staged from one descriptor (_open_listed): its bytes, times and
+    permission bits (no setuid, setgid or sticky bit, as collect over SSH places files; no extended
+    attributes: the job's), reading at most its listed size plus one byte: a file
+    that grew since the listing comes out longer than listed, and is named by the size check, but
+    no more of it is read. The source's sha256, from a second read of the same descriptor."""
+    limit = st.st_size + 1
+    fd = _open_listed(root_fd, parts, st)
+    try:
+        with open(staged, "wb") as out:
+            n = 0
+            while n < limit and (chunk := os.read(fd, min(_CHUNK, limit - n))):
+                out.write(chunk)
+                n += len(chunk)
+            out.flush()
+            now = os.fstat(fd)
+            os.utime(out.fileno(), ns=(now.st_atime_ns, now.st_mtime_ns))
+            os.chmod(out.fileno(), stat.S_IMODE(now.st_mode) & 0o777)
+        h, off = hashlib.sha256(), 0
+        while off < limit and (chunk := os.pread(fd, min(_CHUNK, limit - off), off)):
+            h.update(chunk)
+            off += len(chunk)
+        return h.hexdigest()
+    finally:
+        os.close(fd)
 
 
 def _unchanged(m: dict | None, dest: Path, src: Path, path: Path, st: os.stat_result) -> bool:
