@@ -212,14 +212,25 @@ def metrics_plot(metrics: list[dict], path: Path) -> Path:
 
 
 def gantt_title(trace: dict, batch: int, summary: Path | None = None) -> str:
-    """`batch k: <schedule> pp=P microbatches=M[; bubble measured, theory][ (merged by ...)]`."""
-    o = trace.get("otherData", {})
-    title = (f"batch {batch}: " + (f"{o['schedule']} " if o.get("schedule") else "")
-             + f"pp={o.get('pp', '?')} microbatches={o.get('microbatches', '?')}")
+    """`batch k: <schedule> pp=P microbatches=M[; bubble measured, theory][ (merged by ...)]`. The
+    job's files: a field of the wrong shape, or a summary that does not read, is left out."""
+    o = trace.get("otherData") if isinstance(trace, dict) else None
+    o = o if isinstance(o, dict) else {}
+
+    def word(key: str, default: str = "") -> str:
+        v = o.get(key)
+        return str(v) if _scalar(v) and v not in (None, "") else default
+
+    title = (f"batch {batch}: " + (f"{word('schedule')} " if word("schedule") else "")
+             + f"pp={word('pp', '?')} microbatches={word('microbatches', '?')}")
     if summary is not None and summary.is_file():
-        s = bounded_json.read(summary)
-        theory = s.get("theoretical_bubble")
-        title += f"; bubble {s['measured_bubble']:.2f} measured" + (f", {theory:.2f} theory" if theory is not None else "")
-    if o.get("merged_by"):
-        title += f" (merged by {o['merged_by']})"
+        try:
+            s = bounded_json.read(summary)
+        except ValueError:
+            s = None
+        if isinstance(s, dict) and _finite(s.get("measured_bubble")):
+            theory = s.get("theoretical_bubble")
+            title += f"; bubble {s['measured_bubble']:.2f} measured" + (f", {theory:.2f} theory" if _finite(theory) else "")
+    if word("merged_by"):
+        title += f" (merged by {word('merged_by')})"
     return title

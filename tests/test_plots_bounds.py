@@ -135,3 +135,26 @@ def test_trainer_plot_warns_for_a_refused_trace_and_draws_the_rest(tmp_path, cap
     assert err == (f"trainer: warning: timeline_batch1_all.json not plotted: timeline: over {plots.MAX_ROWS:,} "
                    "ranks (pids), more rows than a Gantt chart draws; not drawn\n")
     assert not (tmp_path / "timeline_batch1_gantt.png").exists()
+
+
+@pytest.mark.parametrize("other, summary", [
+    ("not a dict", None),
+    ({"schedule": ["1f1b"], "pp": {"a": 1}, "merged_by": 3}, '{"theoretical_bubble": 0.2}'),
+    ({"pp": 2}, '{"measured_bubble": "high", "theoretical_bubble": null}'),
+    ({"pp": 2}, "[1, 2"),
+    ({"pp": 2}, '{"measured_bubble": 0.25, "theoretical_bubble": "x"}'),
+])
+def test_a_malformed_title_source_leaves_its_field_out(tmp_path, other, summary):
+    """gantt_title read the job's otherData and summary as they should be: a list for `schedule`
+    drew as a list, a summary without measured_bubble was a KeyError, one that did not parse a
+    ValueError, so `trainer plot` ended in a traceback and collect left the chart out."""
+    path = None
+    if summary is not None:
+        path = tmp_path / "timeline_batch1_summary.json"
+        path.write_text(summary)
+    title = plots.gantt_title({"otherData": other}, 1, path)
+    assert title.startswith("batch 1: ") and "[" not in title and "{" not in title, title
+    if other == {"pp": 2} and summary.startswith('{"measured_bubble": 0.25'):
+        assert title == "batch 1: pp=2 microbatches=?; bubble 0.25 measured"
+    else:
+        assert "bubble" not in title, title
