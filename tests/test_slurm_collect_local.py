@@ -185,3 +185,18 @@ def test_normal_files_are_copied_with_their_mode_and_times_then_skipped_when_unc
     assert man["decoy.txt"]["size"] == 60 and man["decoy.txt"]["mtime"] == 1_600_000_001
     again = _collect(src, dest, [])
     assert again == {"errors": [], "copied": 0, "files": 4}
+
+
+def test_a_job_file_under_collects_own_names_is_not_taken_and_the_next_collect_works(tmp_path):
+    """As for SSH nodes (collect_files.own_name): a job's `.collect-manifest.json/x` made the
+    manifest's path a directory here too, and every later collect of the run failed."""
+    src, dest = _run_dir(tmp_path), tmp_path / "art" / RUN / "slurm"
+    (src / ".collect-manifest.json").mkdir()
+    (src / ".collect-manifest.json" / "x").write_bytes(b"x")
+    for copied in (3, 0):
+        got = _collect(src, dest, [])
+        assert got["errors"] == [".collect-manifest.json/x: not collected: names that begin .collect- are "
+                                 "collect's own here"], got
+        assert got["copied"] == copied and got["files"] == 3
+        assert _dest_bytes(dest) == {r: (src / r).read_bytes() for r in ("metrics.jsonl", "sub/rank0.log", "decoy.txt")}
+        assert (dest / ".collect-manifest.json").is_file()

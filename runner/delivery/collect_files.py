@@ -36,6 +36,13 @@ MANIFEST = ".collect-manifest.json"
 # node file under such a name is not taken (a `.collect-manifest.json/x` made the manifest's path a
 # directory, and every later collect of the node failed).
 OWN_PREFIX = ".collect-"
+
+
+def own_name(rel: str) -> str | None:
+    """The error for a listed name under one collect keeps for itself (OWN_PREFIX), else None."""
+    if rel.split("/", 1)[0].startswith(OWN_PREFIX):
+        return f"{visible(rel)}: not collected: names that begin {OWN_PREFIX} are collect's own here"
+    return None
 MAX_ERRORS_SHOWN = 5
 # The stream is unpacked by runner/delivery/untar.py (Python's tarfile, whatever this machine's tar
 # is): only the names asked for, only as regular files, bytes and names only (owner, mode, time and
@@ -88,14 +95,13 @@ def list_node(remote: Remote, run_id: str, dest_root: Path) -> NodeListing:
     rd = node_paths(remote.node, remote.home).run(run_id)
     dest = dest_root / run_id / remote.node.name
     files = remote.walk(rd)
-    own = [rel for rel, _ in files if rel.split("/", 1)[0].startswith(OWN_PREFIX)]
-    if own:
-        files = [(rel, st) for rel, st in files if not rel.split("/", 1)[0].startswith(OWN_PREFIX)]
+    refused = [why for rel, _ in files if (why := own_name(rel))]
+    if refused:
+        files = [(rel, st) for rel, st in files if not own_name(rel)]
     man_path = dest / MANIFEST
     manifest: dict[str, dict] = json.loads(man_path.read_text()) if files and man_path.exists() else {}
     # Every name was checked by the walk (runner/transport/ssh.py); placing checks where each one resolves.
     todo = [(rel, st) for rel, st in files if not _unchanged(dest / rel, manifest.get(rel), st)]
-    refused = [f"{visible(rel)}: not collected: names that begin {OWN_PREFIX} are collect's own here" for rel in own]
     return NodeListing(remote, rd, dest, len(files), todo, manifest, refused)
 
 

@@ -27,6 +27,7 @@ from runner.delivery.collect_files import (
     NodeCollect,
     collect_error,
     collect_node,
+    own_name,
     report,
 )
 from runner.errors import EXIT_PARTIAL, UserError
@@ -43,6 +44,9 @@ def mirror_local(src: Path, dest: Path, res: NodeCollect, run_id: str = "") -> N
     staging = dest / f".collect-staging-{os.getpid()}"
     listed = []
     for path in sorted(p for p in src.rglob("*") if p.is_file() and not p.is_symlink()):
+        if why := own_name(str(path.relative_to(src))):  # the job's file under collect's own names
+            res.errors.append(why)
+            continue
         try:
             listed.append((path, path.lstat()))
         except OSError:
