@@ -55,7 +55,7 @@ ENV PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
 # `runner up` may start this image's workers together with the master: runner/agents/gate.py holds
 # their torchrun until the master's rendezvous port listens (metadata only, set before the
 # code so that the project install stays the newest layer). "3": the gate is runner.agents.gate
-# and the master runs runner.agents.torchrun, torchrun with its exit barrier mended (runner/plan.py
+# and the master runs runner.agents.torchrun, torchrun with its exit barrier mended (runner/planning/plan.py
 # GATE_MODULES, TORCHRUN_MODULES; "2" had only the gate, "1" was runner.gate).
 LABEL io.runner.gate="3"
 

@@ -70,9 +70,9 @@ def _config(job: dict, out_dir: str):
 def measure(job: dict) -> dict:
     import torch
 
-    from trainer.dist_env import DistEnv
-    from trainer.dry_run import make_plan
     from trainer.parallel.mesh import ParallelDims
+    from trainer.runtime.dist_env import DistEnv
+    from trainer.tools.dry_run import make_plan
     from trainer.train import Trainer, setup_logging
 
     device = torch.device(job["device"])

@@ -68,7 +68,7 @@ def profile_loop(loop: str, preset: str, batch: int, steps: int) -> str:
 
     device = torch.device("cuda", 0)
     if loop == "trainer":
-        from trainer.dist_env import configure_allocator
+        from trainer.runtime.dist_env import configure_allocator
 
         configure_allocator()
     overrides = dict(next(o for n, (lp, o) in LOOPS.items() if lp == loop))

@@ -152,7 +152,7 @@ def _config(job: dict, out_dir: str):
 def _plain_step(cfg, job: dict, device):
     import torch
 
-    from trainer.data import build_data
+    from trainer.data.loader import build_data
     from trainer.models import build_model, model_spec
 
     spec = model_spec(cfg.model)
@@ -185,8 +185,8 @@ def _plain_step(cfg, job: dict, device):
 
 
 def _trainer_step(cfg, device):
-    from trainer.dist_env import DistEnv
     from trainer.parallel.mesh import ParallelDims
+    from trainer.runtime.dist_env import DistEnv
     from trainer.train import Trainer, setup_logging
 
     setup_logging(0, Path(cfg.output_dir), console=False)
@@ -256,7 +256,7 @@ def measure(job: dict) -> dict:
     device = torch.device(job["device"])
     cuda = device.type == "cuda"
     if cuda and job["loop"] == "trainer":
-        from trainer.dist_env import configure_allocator
+        from trainer.runtime.dist_env import configure_allocator
 
         configure_allocator()  # what `trainer` itself sets before touching the GPU
     sync = torch.cuda.synchronize if cuda else (lambda: None)

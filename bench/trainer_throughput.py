@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 
 from trainer.config import Config, resolve
-from trainer.data import build_data
-from trainer.dist_env import DistEnv
+from trainer.data.loader import build_data
 from trainer.metrics import flops_per_token, measure_cpu_peak
 from trainer.models import build_model, model_spec
+from trainer.runtime.dist_env import DistEnv
 
 
 def _config(args: argparse.Namespace, out_dir: str) -> Config:

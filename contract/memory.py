@@ -105,7 +105,7 @@ def loss_scratch_bytes(tokens: int, vocab: int, dtype: str, chunks: int) -> int:
 
 def sizing_dtype(train_dtype: str, *, gpu: bool) -> str:
     """The compute dtype a launch gets: train.dtype auto is bf16 on a (bf16-capable) CUDA GPU and fp32
-    on a CPU, as trainer/dist_env.py resolves it at start."""
+    on a CPU, as trainer/runtime/dist_env.py resolves it at start."""
     if train_dtype == "auto":
         return "bf16" if gpu else "fp32"
     return train_dtype

@@ -1,8 +1,8 @@
 """Pipeline schedules as both halves name them (torch-free): canonical names, torch's class names,
 the spellings the seed systems' users type (`afab`, `interleaved`, `zb_v`, ...), and where each
 puts its stages (round-robin `loop`, or the zig-zag `v` of ZBV/DualPipeV). The trainer runs them
-(trainer/parallel/pipeline.py) and checks a name (trainer/parallel/schedule_table.py); the runner
-sizes a rank's stages with them (runner/sizing.py)."""
+(trainer/parallel/pipeline.py) and checks a name (trainer/config/schedules.py); the runner
+sizes a rank's stages with them (runner/planning/sizing.py)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,16 @@
-"""The runner: the user's machine's half (no torch). Packages and layers, top to bottom (each
-imports only its own and those below; tests/test_layers.py checks it):
+"""The runner: the user's machine's half (no torch). `runner.api` is the Python API the command
+line itself calls. Packages in layers, top to bottom (each imports only its own and those below;
+tests/test_layers.py checks it):
 
-- cli (and `exec`); then backends/: where a run goes (ssh/: launch, watch, elastic_loop, status,
-  down, collect; slurm/); then the verbs' command lines (check_cli, push_cli, sync_cli,
-  profile/command, kube_cli, notify, sandbox/)
-- delivery/ (images, push, relay, registry, sync, resume_sync, collect_files), transport/ (ssh,
-  jump, sftp, docker_api, stream, digest, cluster, probe), profile/ (measure, cache, split, auto),
-  a node's runs (node_runs, plan, paths), planning (sizing, elastic), what the verbs do (check,
-  kube_export)
-- inventory/ (the YAML and its checks), jobspec (the launch contract), runs (run ids)
-- base: errors, fanout, node_output, safe_path, hostkeys, perseus_server; and agents/, the code
-  that runs on nodes and in containers (gate, torchrun, relay_agent: standard library only)
+- cli/: the command line, parsers and rendering only; api: the typed Python API
+- backends/: where a run goes (ssh/, slurm/), every verb behind one interface
+- profile/ (per-node measurements, `partition: auto`), sandbox/ (local clusters for trying and
+  testing)
+- delivery/: images, push, relay, registry, sync, resume files, collect
+- transport/: SSH, jump hosts, SFTP, the docker API over SSH, streams, probes, rendezvous port
+- planning/: pure: inventory + job in, a plan out (plan, jobspec, sizing, elastic, kube_export,
+  paths, profile_cache)
+- inventory/: the YAML, its checks, host keys, which inventory a command uses
+- core/ (errors, fanout, node_output, safe_path, runs, redact) and agents/ (the code that runs on
+  nodes and in containers: standard library only, or torch in the image)
 """

@@ -23,6 +23,6 @@ fi
 log "installing the Perseus server (zeus 0.16.0, pydantic 1) into $VENV"
 "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps -r "$REQ" "${HOST_PINS[@]}"
 # The server imports and answers on this interpreter (no torch, no GPU needed).
-PYTHONPATH=$ROOT "$VENV/bin/python" -m runner.perseus_server --check >/dev/null
+PYTHONPATH=$ROOT "$VENV/bin/python" -m runner.agents.perseus_server --check >/dev/null
 rm -f "$VENV"/.installed-*
 touch "$stamp"

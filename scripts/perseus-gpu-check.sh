@@ -60,9 +60,9 @@ printf '[[("forward", 1200), ("backward", 1005)]]\n' > "$WORK/plan-1.py"
 KIND=
 if [[ -d $WHEELS ]] && "$PY" -m pip install -q --no-index --find-links "$WHEELS" --no-deps --no-compile \
      --target "$WORK/perseus" -r "$REQ" >"$WORK/pip.log" 2>&1; then
-  if PYTHONPATH=$WORK/perseus:$ROOT "$PY" -m runner.perseus_server --check >"$WORK/server-check.txt" 2>&1; then
+  if PYTHONPATH=$WORK/perseus:$ROOT "$PY" -m runner.agents.perseus_server --check >"$WORK/server-check.txt" 2>&1; then
     KIND="zeus ($(cat "$WORK/server-check.txt"))"
-    PYTHONPATH=$WORK/perseus:$ROOT "$PY" -m runner.perseus_server --port 0 --ready-file "$WORK/ready" \
+    PYTHONPATH=$WORK/perseus:$ROOT "$PY" -m runner.agents.perseus_server --port 0 --ready-file "$WORK/ready" \
       --dump-dir "$DUMP" --scheduler PlanSequence --plan "$WORK/plan-0.py" --plan "$WORK/plan-1.py" \
       >"$WORK/server.out" 2>&1 &
     SERVER=$!

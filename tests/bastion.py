@@ -25,7 +25,7 @@ from pathlib import Path
 
 import psutil
 
-from runner.hostkeys import known_hosts_name
+from runner.inventory.hostkeys import known_hosts_name
 from runner.sandbox.cluster import SSHD, Sandbox, SandboxNode, _sshd_config
 from runner.sandbox.processes import read_pid, run
 

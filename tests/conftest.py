@@ -28,7 +28,7 @@ IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 # one machine (two checkouts, or a developer beside CI) each set their own, e.g. RUNNER_TEST_NET=127.1.
 TEST_NET = os.environ.get("RUNNER_TEST_NET", "127.0")
 # The suite's `runner up`s run from the checkout: none may become its default inventory
-# (runner/inventory_arg.py; the tests of that default set it themselves).
+# (runner/inventory/choice.py; the tests of that default set it themselves).
 os.environ["RUNNER_LAST_UP"] = ""
 
 

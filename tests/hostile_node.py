@@ -25,8 +25,8 @@ import paramiko
 from paramiko import SFTPAttributes, SFTPHandle, SFTPServer, SFTPServerInterface
 from paramiko.sftp import SFTP_OK
 
-from runner.hostkeys import known_hosts_name
 from runner.inventory import Node
+from runner.inventory.hostkeys import known_hosts_name
 from tests.conftest import net_addr
 
 # (path asked for, the real entries) -> the entries the node answers with

@@ -1,6 +1,6 @@
 """The real Perseus server (Zeus 0.16's pipeline frequency optimizer) on loopback, for tests: run
 from its own virtualenv (.venv-perseus, made by scripts/perseus-env.sh) through
-runner/perseus_server.py, on a free port it reports in a ready file."""
+runner/agents/perseus_server.py, on a free port it reports in a ready file."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def perseus_server(tmp: Path, plans: list[Path], scheduler: str = "PointSolution
     require("the Perseus server's virtualenv", PERSEUS_PYTHON.exists(),
             f"{PERSEUS_PYTHON} missing (scripts/perseus-env.sh)")
     dump, ready, log = tmp / "perseus-dump", tmp / "perseus.ready", tmp / "perseus-server.log"
-    cmd = [str(PERSEUS_PYTHON), "-m", "runner.perseus_server", "--dump-dir", str(dump), "--ready-file", str(ready),
+    cmd = [str(PERSEUS_PYTHON), "-m", "runner.agents.perseus_server", "--dump-dir", str(dump), "--ready-file", str(ready),
            "--scheduler", scheduler, *[a for p in plans for a in ("--plan", str(p))]]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,

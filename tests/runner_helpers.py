@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from runner.inventory import load_inventory
-from runner.plan import LABEL_RUN
+from runner.planning.plan import LABEL_RUN
 from runner.transport.ssh import Remote
 from tests import IMAGE, REPO
 
@@ -408,7 +408,7 @@ def run_cli(*argv: str) -> tuple[int, str]:
     import io
     from contextlib import redirect_stdout
 
-    from runner.cli import main as cli_main
+    from runner.cli.main import main as cli_main
 
     buf = io.StringIO()
     with redirect_stdout(buf):

@@ -36,7 +36,7 @@ def main(models: dict[str, list[str]], work: Path) -> dict:
     from trainer.cli import train_main as train
     from trainer.config import resolve
     from trainer.config.argv import parse_train_args
-    from trainer.dry_run import make_plan
+    from trainer.tools.dry_run import make_plan
 
     libc = ctypes.CDLL("libc.so.6")
     common = ["--train.steps", "2", "--checkpoint.enabled", "false", "--train.dtype", "fp32",

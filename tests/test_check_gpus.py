@@ -4,7 +4,7 @@ probe's facts are written by hand; the probe script's lines are parsed as a node
 
 from __future__ import annotations
 
-from runner.check import NodeCheck, _node_problems
+from runner.backends.ssh.check import NodeCheck, _node_problems
 from runner.inventory import Node
 from runner.transport.probe import Probe
 

@@ -10,7 +10,7 @@
   previous checkpoint, which loads and continues exactly.
 
 Every signal lands at a known step: the ranks are held after step 3 (TRAINER_TEST_HOLD,
-trainer/hold.py) until the signal has reached them, so the run stops after step 4 on any
+trainer/runtime/hold.py) until the signal has reached them, so the run stops after step 4 on any
 machine, however loaded.
 """
 

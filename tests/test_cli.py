@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from runner.cli import build_parser
+from runner.cli.main import build_parser
 from tests.conftest import REPO
 from tests.runner_helpers import listed_commands, subcommands
 
@@ -16,7 +16,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 
 # Every command of the runner, each listed by `runner --help` with its one-line summary: a new
-# command is added here (and to the README) or this test fails.
+# command is added here (and to docs/cli.md) or this test fails.
 RUNNER_COMMANDS = ("sandbox", "check", "push", "sync", "up", "status", "ls", "logs", "down", "collect", "export",
                    "profile", "exec")
 
@@ -27,8 +27,8 @@ def test_runner_help_lists_every_command():
     assert r.stdout.startswith("usage: runner [-h] [-v] [--version] [--print-completion SHELL] COMMAND ...")
     assert listed_commands(r.stdout) == list(RUNNER_COMMANDS), r.stdout
     assert list(subcommands(build_parser())) == list(RUNNER_COMMANDS)  # none registered but unlisted
-    readme = (REPO / "README.md").read_text()
-    assert [c for c in RUNNER_COMMANDS if f"runner {c}" not in readme] == []
+    cli_doc = (REPO / "docs" / "cli.md").read_text()
+    assert [c for c in RUNNER_COMMANDS if f"runner {c}" not in cli_doc] == []
     for cmd in RUNNER_COMMANDS:  # each subcommand has its own help, naming itself
         sub = run("runner", cmd, "--help")
         assert sub.returncode == 0 and sub.stdout.startswith(f"usage: runner {cmd} "), (cmd, sub.stdout[:200])
@@ -64,7 +64,7 @@ def test_runner_unknown_subcommand_is_one_line():
 
 
 def test_runner_does_not_import_torch():
-    code = "import sys, runner.cli; runner.cli.build_parser(); print('torch' in sys.modules)"
+    code = "import sys, runner.cli.main; runner.cli.main.build_parser(); print('torch' in sys.modules)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"

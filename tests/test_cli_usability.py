@@ -13,14 +13,14 @@ import sys
 import pytest
 import tomllib
 
-from runner.cli import build_parser
-from runner.cli import main as runner_main
+from runner.cli.main import build_parser
+from runner.cli.main import main as runner_main
 from tests import REPO
 from tests.runner_helpers import subcommands
 from trainer.cli import main as trainer_main
 from trainer.config import Config, config_keys
+from trainer.config.doc import descriptions, render
 from trainer.config.flags import ENV_KEYS
-from trainer.config_doc import descriptions, render
 
 VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
 
@@ -99,7 +99,7 @@ def test_trainer_typos_get_the_closest_name(capsys, argv, line):
 
 
 def test_an_inventory_field_typo_gets_the_closest_field(tmp_path):
-    from runner.errors import UserError
+    from runner.core.errors import UserError
     from runner.inventory import load_inventory
 
     inv = tmp_path / "inv.yaml"
@@ -121,7 +121,7 @@ def test_print_config_is_every_key_with_its_default_and_a_description(capsys, mo
     assert data == Config().to_dict()
     flags_md = (REPO / "docs" / "flags.md").read_text()
     block = re.search(r"<!-- print-config -->\n```yaml\n(.*?)```\n<!-- /print-config -->", flags_md, re.S)
-    assert block and block[1] == out, "docs/flags.md is behind: python -m trainer.config_doc docs/flags.md"
+    assert block and block[1] == out, "docs/flags.md is behind: python -m trainer.config.doc docs/flags.md"
     # With a config and overrides: the values such a run starts from.
     assert trainer_main(["--print-config", "--config", "configs/tiny.yaml", "--train.steps", "7"]) == 0
     assert "  steps: 7 " in capsys.readouterr().out
@@ -131,9 +131,9 @@ def test_completion_scripts_complete_in_bash(tmp_path):
     """The scripts each CLI prints, sourced into a real bash and asked as TAB asks them."""
     import shtab
 
-    from runner.completion import script
+    from runner.cli.completion import script
     from trainer.cli import COMMANDS
-    from trainer.completion import completion_parser
+    from trainer.tools.completion import completion_parser
 
     scripts = {"runner": script(build_parser(), "bash"), "trainer": shtab.complete(completion_parser(COMMANDS), shell="bash")}
     cases = [("runner", ["sta"], "status"), ("runner", ["up", "--dr"], "--dry-run"),
@@ -154,8 +154,8 @@ def test_clis_start_without_torch_or_shtab():
     shtab unless asked for a completion script."""
     code = ("import contextlib, io, sys\n"
             "from trainer.cli import main\n"
-            "import runner.cli\n"
-            "runner.cli.build_parser()\n"
+            "import runner.cli.main\n"
+            "runner.cli.main.build_parser()\n"
             "for argv in (['--version'], ['--help'], ['--print-config']):\n"
             "    with contextlib.redirect_stdout(io.StringIO()):\n"
             "        assert main(argv) == 0\n"

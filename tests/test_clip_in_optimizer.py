@@ -118,8 +118,8 @@ def test_the_trainer_clips_inside_its_fused_step(tmp_path):
     the clip factor's inverse, (norm + 1e-6) / 0.5, for the norm the step reports."""
     from trainer.config import resolve
     from trainer.config.argv import parse_train_args
-    from trainer.dist_env import DistEnv
     from trainer.parallel.mesh import ParallelDims
+    from trainer.runtime.dist_env import DistEnv
     from trainer.train import Trainer
 
     cfg = resolve(*parse_train_args(["--config", "configs/tiny.yaml", "--train.steps", "2", "--profile.batch", "none",

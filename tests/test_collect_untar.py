@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from runner.core.errors import UserError
 from runner.delivery.collect_files import UNTAR, stream_tar
-from runner.errors import UserError
 from runner.transport.ssh import Remote
 from tests.hostile_node import HostileNode
 

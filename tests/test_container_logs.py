@@ -1,4 +1,4 @@
-"""A container's output read to its end (runner/container_logs.py).
+"""A container's output read to its end (runner/transport/container_logs.py).
 
 Docker 20.10, the engine of Debian 12 and of the sandbox nodes, ends a follow when the container
 exits even where its reader of the json-file log is behind: on this machine, 6 of 12 containers
@@ -17,8 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from runner import container_logs
-from runner.container_logs import FollowedLog, log_chunks, stamp_ns
+from runner.transport import container_logs
+from runner.transport.container_logs import FollowedLog, log_chunks, stamp_ns
 from tests.runner_helpers import remotes
 
 # 1 + 300 short lines, one line of 100,000 bytes (the engine keeps it as 7 pieces of at most 16 KiB,
@@ -172,9 +172,9 @@ def test_logs_follow_prints_the_lines_after_the_cut(sandbox, pushed, tmp_path, m
     """`runner logs RUN -f` on a running container whose engine's follow ends 50 frames in: all
     2,000 lines, once each, in order (before: the first 50)."""
     from runner.backends.ssh.status import cmd_logs
-    from runner.cli import build_parser
-    from runner.inventory_arg import resolve_inventory
-    from runner.plan import LABEL_NODE, LABEL_RANK, LABEL_RUN
+    from runner.cli.main import build_parser
+    from runner.inventory.choice import resolve_inventory
+    from runner.planning.plan import LABEL_NODE, LABEL_RANK, LABEL_RUN
 
     follow_cut_at(monkeypatch, 50)
     run_id = "20261201-000000-" + tmp_path.name[-4:].encode().hex()[:4]

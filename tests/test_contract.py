@@ -30,15 +30,15 @@ def test_the_runner_builds_no_trace_events_and_imports_no_trainer_code():
 def test_both_wings_use_the_contract_functions():
     import contract.plots
     import contract.timeline
-    import runner.collect_report
-    import trainer.plots
+    import runner.delivery.collect_report
+    import trainer.tools.plots
     from trainer.profiling import trace
 
     assert trace.chrome_trace is contract.timeline.chrome_trace
     assert trace.seed_records is contract.timeline.seed_records
     assert trace.load_trace is contract.timeline.load_trace
-    assert trainer.plots.gantt is contract.plots.gantt and trainer.plots.metrics_plot is contract.plots.metrics_plot
-    assert runner.collect_report.seed_to_chrome is contract.timeline.seed_to_chrome  # what collect merges with
+    assert trainer.tools.plots.gantt is contract.plots.gantt and trainer.tools.plots.metrics_plot is contract.plots.metrics_plot
+    assert runner.delivery.collect_report.seed_to_chrome is contract.timeline.seed_to_chrome  # what collect merges with
 
 
 def test_seed_records_convert_back_to_the_same_chrome_trace(tmp_path):

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from contract.memory import disk_keep_free, size_text
+from runner.core.errors import UserError
 from runner.delivery import disk_room
 from runner.delivery.collect_files import collect_node
-from runner.errors import UserError
 from runner.transport.ssh import Remote
 from tests.hostile_node import HostileNode, entry
 from tests.small_fs import fill, small_fs

@@ -17,9 +17,10 @@ from tests import REPO
 
 
 def readme_commands() -> dict[str, list[str]]:
-    """The guide's ten commands (A100 4-stage, A40 8-stage) exactly as the README's table gives them:
+    """The guide's ten commands (A100 4-stage, A40 8-stage) exactly as docs/experiments/perseus.md's table gives them:
     "<model> <GPUs>" -> the arguments after `-m trainer`."""
-    rows = re.findall(r"^\| (?:4 A100|8 A40) \| `([^`]+)` \|", (REPO / "README.md").read_text(), re.M)
+    rows = re.findall(r"^\| (?:4 A100|8 A40) \| `([^`]+)` \|", (REPO / "docs" / "experiments" / "perseus.md").read_text(),
+                      re.M)
     out = {}
     for cmd in rows:
         argv = shlex.split(cmd)
@@ -48,13 +49,13 @@ UNITS = {
 
 
 def test_every_paper_command_plans_on_the_meta_device(tmp_path, capsys, monkeypatch):
-    """Each command exactly as the README's table gives it, through the `trainer` entry point with
+    """Each command exactly as the docs' table gives it, through the `trainer` entry point with
     --dry-run, in this process."""
     import torch.distributed as dist
 
     from trainer.cli import main
     from trainer.config.flags import ENV_KEYS
-    from trainer.dry_run import format_plan
+    from trainer.tools.dry_run import format_plan
 
     for var in ENV_KEYS:  # the command line and the config alone, as on a fresh node
         monkeypatch.delenv(var, raising=False)
@@ -146,7 +147,7 @@ def test_memory_arithmetic():
 def test_activation_formula_matches_the_meta_measurement():
     """What the runner computes without torch agrees with what the dry run measures (SDPA, no scores)."""
     from trainer.config import resolve
-    from trainer.dry_run import make_plan
+    from trainer.tools.dry_run import make_plan
 
     cfg = resolve(None, [("model.preset", "smollm-360m"), ("train.steps", 1), ("train.batch_size", 2),
                          ("data.seq_len", 512), ("train.dtype", "bf16")], environ={})

@@ -1,4 +1,4 @@
-"""Elastic runs, the part decided before any node is contacted (runner/elastic.py): the layout a run
+"""Elastic runs, the part decided before any node is contacted (runner/planning/elastic.py): the layout a run
 takes over the nodes it has left (the global batch kept, dp as near the job's as the world allows,
 pp taking the rest, stages that cannot fit a node's memory passed over), the refusals of a job that
 could never shrink (one line each, naming file:line and what to do), `up --dry-run`'s elastic lines
@@ -12,7 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from runner.elastic import (
+from runner.core.errors import UserError
+from runner.inventory import load_inventory
+from runner.inventory.elastic_spec import ElasticSpec
+from runner.planning.elastic import (
     Layout,
     choose,
     job_layout,
@@ -21,9 +24,6 @@ from runner.elastic import (
     replicas_args,
     sub_inventory,
 )
-from runner.errors import UserError
-from runner.inventory import load_inventory
-from runner.inventory.elastic_spec import ElasticSpec
 from tests import REPO
 from tests.runner_helpers import no_socket_env, runner
 
@@ -118,7 +118,7 @@ def test_a_layout_a_node_cannot_hold_is_passed_over(tmp_path):
     ("field", "inv.yaml:8: job.elastic.min_node: unknown field (did you mean min_nodes?)"),
 ])
 def test_a_job_that_could_never_shrink_is_one_line_before_anything_starts(tmp_path, no_network, capsys, case, expected):
-    from runner.cli import main
+    from runner.cli.main import main
 
     kw = {
         "min_nodes": {"elastic": "{min_nodes: 4}"},
@@ -161,7 +161,7 @@ def test_the_elastic_flag_on_a_slurm_run_is_one_line_and_contacts_nothing(tmp_pa
 
 
 def test_up_dry_run_shows_the_layout_without_each_node_and_contacts_nothing(tmp_path, no_network, capsys):
-    from runner.cli import main
+    from runner.cli.main import main
 
     inv = inventory(tmp_path)
     assert main(["up", "-i", str(inv), "--dry-run"]) == 0
@@ -205,7 +205,7 @@ def test_status_history_lines_are_bounded_and_visible():
 
 def test_the_profile_cache_key_ignores_the_layout_flags_an_elastic_run_adds(tmp_path):
     from runner.inventory import Job, Node
-    from runner.profile.cache import node_key
+    from runner.planning.profile_cache import node_key
 
     node = Node(name="n", host="127.0.0.1")
     inv = load_inventory(str(inventory(tmp_path)))

@@ -20,7 +20,7 @@ from tests.runner_helpers import listed_commands, runner, runner_cmd
 
 
 def test_per_node_work_is_bounded_by_default():
-    from runner.fanout import parallel
+    from runner.core.fanout import parallel
 
     lock, active, peak = threading.Lock(), [0], [0]
 
@@ -42,8 +42,8 @@ def test_per_node_work_is_bounded_by_default():
 
 def test_open_file_limit_is_raised_to_the_hard_limit():
     code = ("import resource; soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE); "
-            "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)); import runner.cli; "
-            "runner.cli.main(['sandbox', '--dir', '/nonexistent/runner-test', 'status', '--json']); "
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)); import runner.cli.main; "
+            "runner.cli.main.main(['sandbox', '--dir', '/nonexistent/runner-test', 'status', '--json']); "
             "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], hard)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert r.returncode == 0, r.stderr
@@ -54,7 +54,7 @@ def test_open_file_limit_is_raised_to_the_hard_limit():
 def test_parallel_flag_is_accepted_everywhere(tmp_path, capsys):
     """Every command that works on an inventory's nodes (all that `runner --help` lists but
     `sandbox`) parses --parallel as the one bounded count: 0 is refused by that option's own check."""
-    from runner.cli import main
+    from runner.cli.main import main
 
     r = subprocess.run(runner_cmd("--help"), capture_output=True, text=True, cwd=REPO, timeout=60)
     commands = [c for c in listed_commands(r.stdout) if c != "sandbox"]
@@ -81,7 +81,7 @@ def test_known_hosts_is_read_once_for_every_node(sandbox, monkeypatch):
         return real_open(file, *a, **k)
 
     try:  # parsed known_hosts files are kept per process: start from none
-        from runner import hostkeys
+        from runner.inventory import hostkeys
 
         hostkeys._cache.clear()
     except ImportError:

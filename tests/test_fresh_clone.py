@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from runner.errors import UserError
-from runner.inventory_arg import DEFAULT_INVENTORY, LAST_UP, default_inventory, remember_inventory
+from runner.core.errors import UserError
+from runner.inventory.choice import DEFAULT_INVENTORY, LAST_UP, default_inventory, remember_inventory
 from tests import REPO
 from tests.conftest import net_addr
 from tests.runner_helpers import run_cli

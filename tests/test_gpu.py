@@ -203,8 +203,8 @@ def _trainer(tmp_path, overrides: list):
     import torch
 
     from trainer.config import resolve
-    from trainer.dist_env import DistEnv
     from trainer.parallel.mesh import ParallelDims
+    from trainer.runtime.dist_env import DistEnv
     from trainer.train import Trainer, setup_logging
 
     cfg = resolve("configs/tiny.yaml", [("train.steps", 6), ("train.loss_chunks", 2), ("profile.batch", "none"),

@@ -100,7 +100,7 @@ def test_a_node_frozen_mid_collect_is_named_and_the_others_collected(sandbox, pu
     import runner.transport.stream
 
     monkeypatch.setattr(runner.transport.stream, "STALL_S", 5.0)  # the stall watchdog shared by push and collect
-    from runner.cli import main
+    from runner.cli.main import main
 
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from runner.plan import LABEL_NODE, LABEL_RANK, LABEL_RUN, LABEL_RUN_DIR
+from runner.planning.plan import LABEL_NODE, LABEL_RANK, LABEL_RUN, LABEL_RUN_DIR
 from tests import IMAGE
 from tests.runner_helpers import (
     node_workdir,
@@ -151,7 +151,7 @@ def test_sigterm_stops_up_with_max_restarts_and_exits_143(sandbox, pushed, tmp_p
 
 def _in_process(argv: list[str]) -> int:
     """The CLI in this process (to hook a moment inside a launch); signal handlers restored."""
-    from runner.cli import main
+    from runner.cli.main import main
 
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -164,7 +164,7 @@ def _in_process(argv: list[str]) -> int:
 def test_master_port_is_chosen_when_the_master_starts(sandbox, pushed, tmp_path, monkeypatch):
     """A port free at preflight but taken during the push (another run's master) is not used."""
     from runner.delivery import push as push_mod
-    from runner.rendezvous import pick_master_port
+    from runner.transport.rendezvous import pick_master_port
 
     name = "mp-" + secrets.token_hex(3)
     (node_workdir(sandbox, "node-0") / "runs" / name).mkdir(parents=True)

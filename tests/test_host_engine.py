@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from runner.core.errors import UserError
 from runner.delivery.host_engine import DEFAULT_SOCKET, host_engine
 from runner.delivery.images import host_client
-from runner.errors import UserError
 from tests.runner_helpers import node_env, remotes
 
 

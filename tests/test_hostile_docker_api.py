@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.node_runs import run_containers
+from runner.backends.ssh.node_runs import run_containers
 from runner.transport import docker_answers
 from runner.transport.ssh import Remote
 from tests.hostile_node import HostileNode
@@ -75,9 +75,9 @@ def test_a_malformed_container_list_is_one_engine_error(tmp_path, answer):
     """docker-py: TypeError, KeyError, or the node's id put into the next request's URL. Now one
     error naming the node: a DockerException where engine errors are caught, a UserError (one line,
     exit 2) where nothing catches it (`runner exec`), the node named once by `down`'s per-node list."""
-    from runner.errors import UserError
-    from runner.node_exec import running_container
-    from runner.node_runs import stop_run
+    from runner.backends.ssh.node_runs import stop_run
+    from runner.cli.node_exec import running_container
+    from runner.core.errors import UserError
 
     with _engine(tmp_path, {"/containers/json": {"body": answer}}, 52) as node, Remote(node.node()).connect() as r:
         with pytest.raises(docker_answers.EngineAnswerError) as err:
@@ -151,7 +151,7 @@ def test_a_real_answer_reads_as_before(tmp_path):
 def test_a_grace_period_label_is_read_within_a_day(label, grace):
     """`down` read the container's grace label with float(): text raised ValueError, NaN and inf
     ended in round() (ValueError, OverflowError), 1e308 asked the engine to wait for ever."""
-    from runner.node_runs import _grace_label
+    from runner.backends.ssh.node_runs import _grace_label
 
     assert _grace_label(label) == grace
 
@@ -240,7 +240,7 @@ def _status(tmp_path, answers: dict, fourth: int, capsys) -> tuple[int | str, st
     from types import SimpleNamespace
 
     from runner.backends.ssh import status
-    from runner.errors import UserError
+    from runner.core.errors import UserError
     from runner.inventory import Inventory, Job
     from runner.transport.cluster import Cluster
 
@@ -287,7 +287,7 @@ def test_runner_status_on_a_malformed_listing_is_one_line(tmp_path, capsys, answ
 def test_logs_of_a_container_whose_config_is_not_a_mapping(tmp_path, config):
     """`runner logs` / `up` read Config.Tty to choose how to read the stream: a string Config was an
     AttributeError ('str' object has no attribute 'get')."""
-    from runner.container_logs import log_chunks
+    from runner.transport.container_logs import log_chunks
 
     frame = "\x01\x00\x00\x00\x00\x00\x00\x03hi\n"
     answers = {"/containers/[^/]+/json": {"body": {**CONTAINER, "Config": config}},
@@ -340,7 +340,7 @@ def test_an_error_answer_of_any_shape_is_the_engine_error_it_says(tmp_path, stat
 def test_a_stream_is_read_past_the_bound(tmp_path, monkeypatch):
     """Logs (and pulls, saves, loads) are streams: read as they come, never held whole, so never
     bounded by MAX_ANSWER (here 1 MiB against 3 MiB of log frames)."""
-    from runner.container_logs import log_chunks
+    from runner.transport.container_logs import log_chunks
 
     monkeypatch.setattr(docker_answers, "MAX_ANSWER", 1 << 20)
     line = "x" * 1023 + "\n"

@@ -16,7 +16,7 @@ from pathlib import Path
 import paramiko
 import pytest
 
-from runner.errors import UserError
+from runner.core.errors import UserError
 from runner.transport.ssh import Remote
 from tests.hostile_node import HostileNode
 

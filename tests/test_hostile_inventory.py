@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.errors import UserError
+from runner.core.errors import UserError
 from runner.inventory import load_inventory
 from tests import REPO
 from tests.runner_helpers import no_socket_env
@@ -294,7 +294,7 @@ def test_sync_to_a_double_slash_out_is_refused(tmp_path):
 
 def test_one_node_path_at_two_mount_points_stays_two_mounts(tmp_path):
     from runner.delivery.sync import _HashCache, scan
-    from runner.plan import Facts, make_plan
+    from runner.planning.plan import Facts, make_plan
 
     a, b = tmp_path / "a", tmp_path / "b"
     for d in (a, b):  # equal contents: one tree on the node, mounted twice

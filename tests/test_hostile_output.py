@@ -21,9 +21,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from runner.errors import UserError
-from runner.node_output import CUT_MARK, MAX_LINE, LineSplitter, shown, visible
-from runner.plan import LABEL_NODE, LABEL_RANK, LABEL_RUN
+from runner.core.errors import UserError
+from runner.core.node_output import CUT_MARK, MAX_LINE, LineSplitter, shown, visible
+from runner.planning.plan import LABEL_NODE, LABEL_RANK, LABEL_RUN
 from tests.runner_helpers import (
     REPO,
     TORCHRUN_LOG,
@@ -265,10 +265,10 @@ def test_following_a_24_mib_line_holds_kilobytes_not_the_line(sandbox, pushed, t
     32 MiB the heartbeat starved and the node was declared lost). Bound: 8 MiB, a third of the line
     (paramiko's channel window alone may hold 2 MiB). The kept log turns every 10 MiB here
     (MAX_KEPT_LOG, 256 MiB by default): it keeps the newest 10-20 MiB, byte for byte."""
-    import runner.node_output
+    import runner.core.node_output
     from runner.backends.ssh.watch import Watcher
 
-    monkeypatch.setattr(runner.node_output, "MAX_KEPT_LOG", 10 << 20)
+    monkeypatch.setattr(runner.core.node_output, "MAX_KEPT_LOG", 10 << 20)
 
     long = 24 << 20
     r = remotes(sandbox)["node-0"]
@@ -307,7 +307,7 @@ def test_a_full_disk_here_does_not_stop_the_run(sandbox, pushed, tmp_path, full_
     name = f"hostile-full-{tmp_path.name[-20:]}".replace("_", "-")
     # exits at its last line: docker 20.10's follow, behind at the exit, can end short of it (one run
     # under a full suite's load showed 7,097 of these lines missing); the watcher reads the rest
-    # after the exit (runner/container_logs.py, tests/test_container_logs.py)
+    # after the exit (runner/transport/container_logs.py, tests/test_container_logs.py)
     code = "for i in range(40000): print('x' * 99)\nprint('end', flush=True)"
     with small_fs(tmp_path / "logs", 1 << 20) as logs, r:
         if full_at_start:  # no inode left: not even the node's folder can be made
@@ -421,7 +421,7 @@ def test_the_kept_log_of_a_node_is_bounded_and_rotated(tmp_path, caplog):
     import os
     import random
 
-    from runner.node_output import KeptLog
+    from runner.core.node_output import KeptLog
 
     path = tmp_path / "container.log"
     path.write_bytes(b"a" * 60)  # what an earlier layout's watcher kept: appended to
@@ -450,7 +450,7 @@ def test_a_kept_log_on_a_full_disk_stops_keeping_and_says_so_once(tmp_path, capl
     watcher, which took it for a lost node and stopped the run on every node."""
     import os
 
-    from runner.node_output import KeptLog
+    from runner.core.node_output import KeptLog
     from tests.small_fs import small_fs
 
     with small_fs(tmp_path / "art", 64 << 10) as art:

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from runner import safe_path
+from runner.core import safe_path
+from runner.core.errors import UserError
 from runner.delivery.collect_files import collect_node, place_verified
-from runner.errors import UserError
 from runner.transport.digest import sha256_file
 from runner.transport.ssh import Remote
 from tests.hostile_node import HostileNode, entry

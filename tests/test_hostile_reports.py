@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from runner.errors import UserError
+from runner.core.errors import UserError
 
 DEEP = "[" * 5000  # 5 KB: within every read bound, 5x Python's default recursion limit
 GOOD = '{"step": 2, "loss": 2.5, "step_time_s": 0.5, "tokens_per_s": 100}'
@@ -51,10 +51,10 @@ def test_status_progress_takes_no_total_past_a_step():
     assert prog is not None and prog.total is None and prog.eta_s is None
 
 
-# --- runner status: elastic.jsonl (runner/elastic.py) ---
+# --- runner status: elastic.jsonl (runner/planning/elastic.py) ---
 
 def test_elastic_events_skip_a_line_nested_past_the_recursion_limit():
-    from runner.elastic import parse_events, render_events
+    from runner.planning.elastic import parse_events, render_events
 
     events = parse_events(DEEP + '\n{"event": "layout", "time": "t", "layout": {"pp": 2, "dp": 1, "tp": 1, '
                           '"nodes": ["a", "b"]}}')
@@ -68,7 +68,7 @@ def test_elastic_events_skip_a_line_nested_past_the_recursion_limit():
 def test_status_row_survives_a_container_state_that_is_not_a_mapping(state):
     from runner.backends.ssh.status import status_rows
     from runner.inventory import Inventory, Job, Node
-    from runner.plan import LABEL_RANK, LABEL_RUN
+    from runner.planning.plan import LABEL_RANK, LABEL_RUN
 
     node = Node("node-0", "127.0.0.1", role="master")
     inv = Inventory("inv.yaml", [node], Job())
@@ -143,7 +143,7 @@ def test_profile_probe_answer_nested_past_the_recursion_limit_is_one_line(tmp_pa
 
 
 def test_profile_cache_entry_nested_past_the_recursion_limit_is_measured_again(tmp_path, monkeypatch):
-    from runner.profile import cache
+    from runner.planning import profile_cache as cache
 
     monkeypatch.setenv("RUNNER_PROFILE_CACHE", str(tmp_path))
     cache.save("node", "node-1", "k", _probe_doc())
@@ -184,8 +184,8 @@ def test_logs_of_a_finished_run_survive_a_kept_status_file_of_any_shape(tmp_path
 def test_status_run_doc_of_any_shape_is_empty(text):
     """run_doc read runner-status.json, which the job can overwrite: nested past the recursion limit
     it ended `runner status`, `ls` and `logs` in a RecursionError."""
+    from runner.backends.ssh.node_runs import run_doc
     from runner.inventory import Node
-    from runner.node_runs import run_doc
 
     remote = SimpleNamespace(node=Node("node-0", "127.0.0.1", workdir="/wd"), home="/home/u",
                              read_text=lambda path: text)
@@ -203,7 +203,7 @@ SEED = [{"rank": 0, "stage_idx": 0, "mb_idx": 0, "action": "FORWARD", "start_ns"
     (None, "over the 64.0 MiB such a file may be"),                           # 100 MiB (sparse)
 ])
 def test_collect_report_passes_over_a_hostile_timeline_piece_and_merges_the_rest(tmp_path, caplog, piece, why):
-    from runner.collect_report import merge_timelines, render_plots
+    from runner.delivery.collect_report import merge_timelines, render_plots
 
     run = tmp_path / "run"
     for node, rank in (("n0", 0), ("n1", 1)):

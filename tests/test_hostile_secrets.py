@@ -152,8 +152,8 @@ def test_a_secrets_file_on_a_node_is_0600_from_its_creation(sandbox, tmp_path):
 def test_registry_login_is_removed_when_the_connection_drops_mid_pull(sandbox, tmp_path):
     """The 0600 login for job.registry was removed by a command sent after the pull, over the
     same connection: when that connection was lost, the login stayed on the node for good."""
+    from runner.core.errors import UserError
     from runner.delivery.registry import pull_one
-    from runner.errors import UserError
 
     addr = net_addr(5, 3)  # a registry that accepts and never answers: the pull hangs in it
     srv = socket.create_server((addr, 5000))

@@ -361,7 +361,7 @@ def test_pretrained_pytorch_model_bin_runs_no_code(model_config, tmp_path):
                                    "[" * 100_000 + "]" * 100_000])
 def test_a_malformed_weights_index_is_one_error(model_config, tmp_path, index):
     from trainer.config import ConfigError
-    from trainer.hub_layout import model_dir
+    from trainer.config.hub_layout import model_dir
 
     (tmp_path / "config.json").write_text(json.dumps(model_config))
     (tmp_path / "model.safetensors.index.json").write_text(index)
@@ -375,7 +375,7 @@ def test_a_weights_index_naming_a_shard_outside_the_folder_is_refused(model_conf
     """The shard existed outside the folder, so the existence check passed and transformers loaded
     weights from wherever the index pointed."""
     from trainer.config import ConfigError
-    from trainer.hub_layout import model_dir
+    from trainer.config.hub_layout import model_dir
 
     model = tmp_path / "model"
     (model / "sub").mkdir(parents=True)
@@ -429,7 +429,7 @@ def test_a_decompression_bomb_image_is_one_line(tmp_path):
     from PIL import Image
 
     from trainer.config import ConfigError
-    from trainer.data import ImageFolder
+    from trainer.data.loader import ImageFolder
 
     (tmp_path / "cats").mkdir()
     bomb = tmp_path / "cats" / "bomb.png"
@@ -447,7 +447,7 @@ def test_a_data_folder_with_a_loading_script_runs_nothing_and_is_one_line(tmp_pa
     RuntimeError (not caught: a traceback); it must never run."""
     from trainer.config import ConfigError
     from trainer.config.schema import DataConfig
-    from trainer.text_sources import load_texts
+    from trainer.data.text_sources import load_texts
 
     (tmp_path / "a.jsonl").write_text('{"text": "hello"}\n')
     marker = tmp_path / "ran"
@@ -487,8 +487,8 @@ def test_truncating_metrics_on_resume_drops_a_malformed_line(tmp_path, line):
 def test_model_files_copy_follows_no_link_out_of_a_checkpoint(tmp_path):
     """`trainer export` copies a checkpoint's tokenizer files into the export (which is then shared,
     pushed to the Hub): a tokenizer.json that is a link to a key put the key in the export."""
-    from trainer import model_files
     from trainer.config import ConfigError
+    from trainer.models import files as model_files
 
     ckpt, out = tmp_path / "step-1", tmp_path / "export"
     ckpt.mkdir()

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from runner.errors import UserError
+from runner.core.errors import UserError
 from runner.transport import sftp
 from runner.transport.ssh import Remote
 from tests.hostile_node import HostileNode
@@ -200,7 +200,7 @@ def test_status_progress_survives_what_a_job_writes_in_its_metrics(record):
 
 @pytest.mark.parametrize("layout", ['"x"', '{"nodes": 3, "pp": 2}', '[1, 2]', 'null'])
 def test_status_elastic_history_survives_any_layout_shape(layout):
-    from runner.elastic import parse_events, render_events
+    from runner.planning.elastic import parse_events, render_events
 
     lines = render_events(parse_events('{"event": "layout", "time": "t", "layout": ' + layout + '}'))
     assert len(lines) == 1 and "layout pp " in lines[0], lines
@@ -280,7 +280,8 @@ def test_a_probe_answer_of_the_wrong_shape_is_refused_naming_node_and_field(path
 
 def test_a_cached_profile_of_the_wrong_shape_is_measured_again(tmp_path, monkeypatch):
     """The cache holds what a node once answered: a poisoned entry is not planned with again."""
-    from runner.profile import cache, doc_check
+    from runner.planning import profile_cache as cache
+    from runner.profile import doc_check
 
     monkeypatch.setenv("RUNNER_PROFILE_CACHE", str(tmp_path))
     bad = {**_probe_doc(), "model": {**_probe_doc()["model"], "family": "[bold]x"}}
@@ -293,7 +294,7 @@ def test_a_cached_profile_of_the_wrong_shape_is_measured_again(tmp_path, monkeyp
 def test_profile_table_title_is_text_not_markup(capsys):
     from types import SimpleNamespace
 
-    from runner.profile.command import print_table
+    from runner.cli.profile import print_table
 
     doc = {**_probe_doc(), "node": "node-0"}
     doc["model"] = {**doc["model"], "family": "fam[link=https://evil.example]x[/link]"}  # had it got past the check

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from runner.plan import GATE_MODULES
+from runner.planning.plan import GATE_MODULES
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.docker

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.errors import UserError
+from runner.core.errors import UserError
 from runner.inventory import load_inventory
 from tests import REPO
 from tests.runner_helpers import no_socket_env, shipped

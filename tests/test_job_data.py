@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from runner.core.errors import UserError
 from runner.delivery.sync import _HashCache, scan
-from runner.errors import UserError
 from runner.inventory import load_inventory
-from runner.plan import Facts, make_plan
+from runner.planning.plan import Facts, make_plan
 from tests import REPO
 from tests.runner_helpers import no_socket_env
 

@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from runner.inventory import load_inventory
-from runner.kube_export import groups_from, manifest
+from runner.planning.kube_export import groups_from, manifest
 from tests.runner_helpers import REPO, runner
 
 FIXTURE = Path(__file__).parent / "fixtures" / "jobset-v0.12.0-v1alpha2.schema.json"

@@ -17,7 +17,7 @@ import pytest
 from runner.delivery.images import Exported
 from runner.delivery.sync import _HashCache, scan, sync_node
 from runner.inventory.job_data import SyncSpec
-from runner.paths import NodePaths
+from runner.planning.paths import NodePaths
 from runner.transport.ssh import Remote
 from tests.conftest import require
 from tests.hostile_node import HostileNode

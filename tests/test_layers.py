@@ -8,9 +8,13 @@ contract/ (top level and inside functions alike) is read from the source with `a
   (the relay agent, sent as source over SSH to a node with any python3) or the standard library
   and torch (the worker's gate, in the image).
 
-- runner/ in layers, each importing only its own and the layers below it (RUNNER_LAYERS: the
-  command line, then the backends, the verbs, delivery/transport/profiling, the inventory, the
-  base); a module no layer names is an error, so a new module is placed on purpose;
+- runner/ and trainer/ in layers of packages, each importing only its own and the layers below it
+  (RUNNER_LAYERS: the command line, the API, the backends, profiling and the sandbox, delivery,
+  transport, planning, the inventory, the base; TRAINER_LAYERS: the command line and tools, the
+  loop, checkpoints/profiling/metrics, parallelism, models and data, the runtime, the config); a
+  module no layer names is an error, so a new package is placed on purpose;
+- each package's top level holds only its entry modules (TOP_LEVEL): runner/ its __init__,
+  __main__ and api; trainer/ at most six; everything else in a package named after what it holds;
 - no import circles anywhere in runner/, trainer/ or contract/: a module never needs, however
   indirectly, a module that needs it (imports inside functions count: a circle hidden in a
   function is still a circle, and it is what made the layout hard to cut into packages).
@@ -37,7 +41,9 @@ STDLIB = frozenset(sys.stdlib_module_names)
 FORBIDDEN = {"runner": {"trainer"}, "trainer": {"runner"}, "contract": {"runner", "trainer", "torch", "transformers"}}
 # node-side modules -> the only top-level names they may import (besides the standard library)
 NODE_SIDE = {"runner/agents/relay_agent.py": set(), "runner/agents/gate.py": {"torch"},
-             "runner/agents/torchrun.py": {"torch"}, "runner/agents/__init__.py": set()}
+             "runner/agents/torchrun.py": {"torch"}, "runner/agents/__init__.py": set(),
+             # the Perseus server, in the image's own Zeus environment on the master node
+             "runner/agents/perseus_server.py": {"zeus", "fastapi", "pydantic", "uvicorn"}}
 
 
 def imports_of(path: Path) -> list[tuple[int, str]]:
@@ -139,23 +145,33 @@ def test_the_cycle_checker_finds_a_circle_through_a_function_and_a_relative_impo
     assert import_cycle(tmp_path) is None
 
 
-# Top to bottom. A module belongs to the first layer naming it or its package.
+# Top to bottom, by package: a module belongs to the first layer naming it or its package. Each layer
+# imports only itself and the layers below it; a new package is placed here on purpose.
 RUNNER_LAYERS = {
-    "cli": ["runner.cli", "runner.__main__", "runner.completion",
-            "runner.node_exec"],  # `exec` picks its backend itself (runner/backends.choose)
+    "command line": ["runner.cli", "runner.__main__"],
+    "api": ["runner.api"],
     "backends": ["runner.backends"],
-    "verbs": ["runner.check_cli", "runner.sync_cli", "runner.push_cli", "runner.kube_cli", "runner.profile.command",
-              "runner.notify", "runner.sandbox"],
-    "delivery, transport, profiling": [
-        "runner.delivery", "runner.transport", "runner.profile",
-        "runner.node_runs", "runner.rendezvous", "runner.run_owner",
-        "runner.plan", "runner.paths", "runner.collect_report", "runner.sizing",
-        "runner.elastic", "runner.check", "runner.kube_export"],
-    "inventory, jobspec, runs": ["runner.inventory", "runner.inventory_arg", "runner.jobspec", "runner.runs",
-                                 "runner.redact"],
-    "base": ["runner.errors", "runner.fanout", "runner.node_output", "runner.container_logs", "runner.safe_path", "runner.hostkeys",
-             "runner.perseus_server", "runner.agents", "runner"],
+    "profiling, sandbox": ["runner.profile", "runner.sandbox"],
+    "delivery": ["runner.delivery"],
+    "transport": ["runner.transport"],
+    "planning": ["runner.planning"],
+    "inventory": ["runner.inventory"],
+    "base": ["runner.core", "runner.agents", "runner"],
 }
+TRAINER_LAYERS = {
+    "command line": ["trainer.cli", "trainer.__main__", "trainer.tools"],
+    "loop": ["trainer.train"],
+    "checkpoints, profiling, metrics": ["trainer.checkpoint", "trainer.profiling", "trainer.metrics"],
+    "parallelism": ["trainer.parallel", "trainer.optim"],
+    "models, data": ["trainer.models", "trainer.data"],
+    "runtime": ["trainer.runtime"],
+    "config": ["trainer.config", "trainer"],
+}
+LAYERS = {"runner": RUNNER_LAYERS, "trainer": TRAINER_LAYERS}
+# What may stand at a package's top level besides its packages: everything else lives in a package
+# whose name says what it holds.
+TOP_LEVEL = {"runner": {"__init__", "__main__", "api"},
+             "trainer": {"__init__", "__main__", "cli", "train", "optim", "metrics"}}
 
 
 def layer_of(module: str, layers: dict[str, list[str]]) -> int | None:
@@ -166,16 +182,16 @@ def layer_of(module: str, layers: dict[str, list[str]]) -> int | None:
     return None
 
 
-def layer_violations(root: Path, layers: dict[str, list[str]] = RUNNER_LAYERS) -> list[str]:
+def layer_violations(root: Path, layers: dict[str, list[str]] = RUNNER_LAYERS, package: str = "runner") -> list[str]:
     """'a imports b (layer of a above ... never below)' for each import that goes up a layer, and
-    'a: in no layer' for each module of runner/ no layer names."""
+    'a: in no layer' for each module of the package no layer names."""
     names = list(layers)
-    graph = import_graph(root, ("runner",))
+    graph = import_graph(root, (package,))
     out = []
     for mod in sorted(graph):
         mine = layer_of(mod, layers)
         if mine is None:
-            out.append(f"{mod}: in no layer (add it to RUNNER_LAYERS in tests/test_layers.py)")
+            out.append(f"{mod}: in no layer (add it to {package.upper()}_LAYERS in tests/test_layers.py)")
             continue
         for dep in sorted(graph[mod]):
             theirs = layer_of(dep, layers)
@@ -185,20 +201,39 @@ def layer_violations(root: Path, layers: dict[str, list[str]] = RUNNER_LAYERS) -
     return out
 
 
-def test_runner_imports_go_down_its_layers():
-    assert layer_violations(REPO) == []
+@pytest.mark.parametrize("package", sorted(LAYERS))
+def test_imports_go_down_the_layers(package):
+    assert layer_violations(REPO, LAYERS[package], package) == []
+
+
+def loose_modules(root: Path, package: str) -> list[str]:
+    """The modules at the package's top level that TOP_LEVEL does not allow there."""
+    return sorted(p.stem for p in (root / package).glob("*.py") if p.stem not in TOP_LEVEL[package])
+
+
+@pytest.mark.parametrize("package", sorted(TOP_LEVEL))
+def test_top_level_keeps_only_its_entry_modules(package):
+    assert loose_modules(REPO, package) == [], f"{package}/: move these into a package named after what they hold"
+    assert len(TOP_LEVEL["runner"]) <= 3 and len(TOP_LEVEL["trainer"]) <= 6
+
+
+def test_the_top_level_checker_finds_a_loose_module(tmp_path):
+    for rel in ("runner/__init__.py", "runner/api.py", "runner/helpers.py", "runner/cli/__init__.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("")
+    assert loose_modules(tmp_path, "runner") == ["helpers"]
 
 
 def test_the_layer_checker_finds_an_upward_import_and_an_unplaced_module(tmp_path):
-    layers = {"top": ["runner.cli"], "mid": ["runner.ssh"], "base": ["runner.errors", "runner"]}
-    files = {"runner/__init__.py": "", "runner/cli.py": "from runner import ssh\n",
-             "runner/ssh.py": "from runner.errors import E\n", "runner/errors.py": "def f():\n    import runner.cli\n",
+    layers = {"top": ["runner.cli.main"], "mid": ["runner.ssh"], "base": ["runner.core.errors", "runner"]}
+    files = {"runner/__init__.py": "", "runner/cli/main.py": "from runner import ssh\n",
+             "runner/ssh.py": "from runner.core.errors import E\n", "runner/core/errors.py": "def f():\n    import runner.cli.main\n",
              "runner/stray.py": "", "trainer/__init__.py": "", "contract/__init__.py": ""}
     for rel, text in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
     assert layer_violations(tmp_path, layers) == [
-        "runner.errors (base) imports runner.cli (top): a layer imports only itself and the layers below it",
+        "runner.core.errors (base) imports runner.cli.main (top): a layer imports only itself and the layers below it",
         "runner.stray: in no layer (add it to RUNNER_LAYERS in tests/test_layers.py)"]
 
 
@@ -249,8 +284,9 @@ def test_the_checker_finds_each_kind_of_violation(tmp_path):
         "runner/agents/relay_agent.py": "import json\nimport yaml\n",
         "runner/agents/gate.py": "import os\n\ndef go():\n    from torch.distributed import run\n",
         "runner/agents/torchrun.py": "import sys\n\nfrom . import gate\n",
+        "runner/agents/perseus_server.py": "def serve():\n    import uvicorn\n",
         "runner/up.py": "def main():\n    from trainer.config import resolve\n",
-        "trainer/train.py": "from __future__ import annotations\nimport runner.errors\n",
+        "trainer/train.py": "from __future__ import annotations\nimport runner.core.errors\n",
         "trainer/parallel/compose.py": "from . import mesh\nfrom ..models import build\n",
         "contract/plots.py": "import torch\n",
     }

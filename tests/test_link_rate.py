@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from runner.errors import UserError
+from runner.core.errors import UserError
 from runner.inventory import Node, load_inventory
 from runner.transport import link_rate
 from runner.transport.ssh import Remote

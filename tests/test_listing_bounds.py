@@ -1,5 +1,5 @@
 """A node's listings and status files, read as hostile (runner/transport/sftp.py listdir_within,
-walk; runner/node_runs.py node_run_dirs, run_doc). A node's sftp-server that answered READDIR with
+walk; runner/backends/ssh/node_runs.py node_run_dirs, run_doc). A node's sftp-server that answered READDIR with
 entries and never with EOF had paramiko's listdir_attr collect for ever (3M entries: 2.4 GB), the
 walk's bound checked only once a directory was whole and node_run_dirs bounded by nothing; a
 runner-status.json of 8 MiB of `{},` was parsed whole and kept per run dir (20 of them: 3.9 GB).
@@ -21,8 +21,8 @@ import paramiko
 import pytest
 from paramiko.message import Message
 
-from runner import node_runs
-from runner.errors import UserError
+from runner.backends.ssh import node_runs
+from runner.core.errors import UserError
 from runner.inventory import Node
 from runner.transport import sftp as node_sftp
 from runner.transport.ssh import Remote
@@ -303,7 +303,7 @@ def status_reader(text: str):
 
 def test_run_doc_of_many_values_is_empty_without_parsing_it(monkeypatch):
     """8 MiB of `{},` parse to millions of dicts: such a file is refused before json sees it."""
-    from runner.node_runs import run_doc
+    from runner.backends.ssh.node_runs import run_doc
 
     def parse(*a, **k):
         raise AssertionError("a status file of a million values was parsed")
@@ -315,7 +315,7 @@ def test_run_doc_of_many_values_is_empty_without_parsing_it(monkeypatch):
 
 def test_run_doc_keeps_the_fields_the_verbs_read():
     """What `up` writes (runner/backends/ssh/run_end.py): rank, exit code, result and image kept."""
-    from runner.node_runs import run_doc
+    from runner.backends.ssh.node_runs import run_doc
 
     doc = {"run_id": "r1", "node": "node-0", "rank": 1, "result": 0, "exit_code": None, "error": None,
            "finished": "2024-01-01T12:00:00+00:00", "image": "trainer:1", "command": "python -m train --a=1,2"}
@@ -325,7 +325,7 @@ def test_run_doc_keeps_the_fields_the_verbs_read():
 
 def test_run_doc_keeps_no_field_of_megabytes():
     """A field kept per run dir is a number, null or a short string: not a list, not a 1 MB string."""
-    from runner.node_runs import run_doc
+    from runner.backends.ssh.node_runs import run_doc
 
     text = json.dumps({"rank": 0, "image": "x" * (1 << 20), "result": [1, 2], "exit_code": {"a": 1}})
     assert run_doc(status_reader(text), "r1") == {"rank": 0}

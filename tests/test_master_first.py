@@ -17,7 +17,7 @@ import subprocess
 
 import pytest
 
-from runner.plan import LABEL_RUN
+from runner.planning.plan import LABEL_RUN
 from tests.runner_helpers import (
     REPO,
     node_docker,

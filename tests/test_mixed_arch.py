@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from runner.errors import UserError
+from runner.core.errors import UserError
 from runner.inventory import load_inventory
-from runner.plan import Facts, make_plan
+from runner.planning.plan import Facts, make_plan
 from tests.conftest import REPO
 from tests.runner_helpers import run_cli
 

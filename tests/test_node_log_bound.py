@@ -1,4 +1,4 @@
-"""The node's own copy of a job's output (runner/node_runs.py create_container): Docker's json-file
+"""The node's own copy of a job's output (runner/backends/ssh/node_runs.py create_container): Docker's json-file
 log keeps every byte unless the daemon sets max-size, so a job printing without end filled the
 node's disk. The runner bounds it (NODE_LOG_MAX x NODE_LOG_FILES) only where the daemon does not:
 a daemon's own max-size, or another driver, stands. Real engines: this machine's (json-file, no
@@ -15,8 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from runner.node_runs import NODE_LOG_FILES, NODE_LOG_MAX, create_container, unbounded_log
-from runner.plan import NodePlan
+from runner.backends.ssh.node_runs import NODE_LOG_FILES, NODE_LOG_MAX, create_container, unbounded_log
+from runner.planning.plan import NodePlan
 from tests.own_dockerd import own_dockerd
 
 pytestmark = [pytest.mark.docker]

@@ -30,7 +30,7 @@ def test_the_probe_keeps_no_user_name_with_a_control_character(monkeypatch):
 
 
 def test_hand_back_names_the_nodes_user_visibly(monkeypatch, capsys):
-    import runner.run_owner as run_owner
+    import runner.backends.ssh.run_owner as run_owner
 
     monkeypatch.setattr(run_owner, "hand_back", lambda *a: "out/logs/rank0.log")
 

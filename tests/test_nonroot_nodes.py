@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from runner.plan import container_name
-from runner.runs import RUN_ID_RE
+from runner.core.runs import RUN_ID_RE
+from runner.planning.plan import container_name
 from tests import IMAGE, REPO
 from tests.conftest import NONROOT_NODES, NONROOT_USER
 from tests.runner_helpers import (

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from runner import notify
-from runner.errors import UserError
+from runner.backends import notify
+from runner.backends.notify import NotifySpec, Outcome
+from runner.core.errors import UserError
 from runner.inventory import load_inventory
-from runner.notify import NotifySpec, Outcome
 from tests.runner_helpers import run_cli, runner, write_job
 
 DUMP_ENV = ("import json, os, sys; json.dump({k: v for k, v in os.environ.items() if k.startswith('RUNNER_')}, "

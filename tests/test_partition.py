@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from contract.schedules import stage_to_rank
-from trainer.parallel.partition import (
+from trainer.config.partition import (
     PartitionError,
     describe_custom,
     format_ranges,
@@ -220,9 +220,9 @@ def test_seed_000_config_resolves_to_the_guide_layout():
     import transformers
 
     from trainer.config import resolve
+    from trainer.config.partition import StageRange
     from trainer.models.build import build_hf_config
     from trainer.parallel.compose import check_supported
-    from trainer.parallel.partition import StageRange
 
     path = Path(__file__).resolve().parents[1] / "configs" / "pi-qwen3-3stage.yaml"
     cfg = resolve(str(path), [], environ={})

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from contract.partition import uniform_bounds
-from runner.errors import UserError
+from runner.core.errors import UserError
 from runner.inventory import Inventory, Job, Node
 from runner.profile.auto import job_partition, plan_from_profile, problem_from_profile
 from runner.profile.split import (
@@ -122,7 +122,7 @@ def test_errors_name_the_node():
 def test_uniform_bounds_match_the_trainer():
     """The runner prints the uniform split beside auto's; the trainer runs it: one function
     (contract.partition), earlier stages taking the remainder."""
-    from trainer.parallel.partition import partition_layers
+    from trainer.config.partition import partition_layers
 
     assert uniform_bounds(28, 3) == [0, 10, 19, 28] and uniform_bounds(12, 3) == [0, 4, 8, 12]
     assert uniform_bounds(7, 3) == [0, 3, 5, 7] and uniform_bounds(5, 1) == [0, 5]
@@ -196,7 +196,7 @@ def test_make_split_reports_what_it_predicts():
 
 
 def test_trainer_takes_auto_as_parameters_without_a_profile():
-    from trainer.parallel.partition import METHODS, check_partition_syntax, describe_custom, partition_layers
+    from trainer.config.partition import METHODS, check_partition_syntax, describe_custom, partition_layers
 
     assert "auto" in METHODS
     check_partition_syntax("auto")

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from trainer.config import ConfigError, DataConfig, ModelConfig
+from trainer.config.partition import PartitionError, describe_custom, format_ranges, partition_layers
 from trainer.models.build import build_hf_config, build_model, model_spec
 from trainer.models.layout import layout_of, model_layout
 from trainer.models.lm_loss import install_loss_forward
-from trainer.parallel.partition import PartitionError, describe_custom, format_ranges, partition_layers
 from trainer.parallel.stages import chain_forward, split_model
 
 
@@ -173,7 +173,7 @@ def test_stages_chained_equal_the_full_model_bitwise(name, part):
 
 
 def test_seq2seq_and_image_data():
-    from trainer.data import build_data
+    from trainer.data.loader import build_data
     from trainer.models.t5 import shift_right
 
     hf = build_hf_config(ModelConfig(preset="tiny-t5"))[1]
@@ -198,7 +198,7 @@ def test_t5_text_blocks_are_input_then_target():
     """Text for T5: packed blocks of 2 x seq_len tokens, the first half the encoder's input, the
     second the target (the same packing as the causal LMs, one block per sample)."""
     from tests.trainer_run import REPO
-    from trainer.data import build_data, load_texts, load_tokenizer, pack
+    from trainer.data.loader import build_data, load_texts, load_tokenizer, pack
 
     dcfg = DataConfig(source=str(REPO / "trainer" / "corpus" / "corpus.txt"), seq_len=16, tokenizer_vocab_size=300)
     texts = load_texts(dcfg)
@@ -214,7 +214,7 @@ def test_t5_text_blocks_are_input_then_target():
 def test_image_folder(tmp_path):
     from PIL import Image
 
-    from trainer.data import build_data
+    from trainer.data.loader import build_data
 
     for c, color in (("cat", (255, 0, 0)), ("dog", (0, 0, 255))):
         (tmp_path / c).mkdir()

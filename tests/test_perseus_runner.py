@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.errors import UserError
+from runner.core.errors import UserError
 from runner.inventory import load_inventory
 from tests import IMAGE
 from tests.perseus_helpers import write_plan

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.perseus_server import read_plan
+from runner.agents.perseus_server import read_plan
 from trainer.config import ConfigError, resolve
 from trainer.profiling import perseus_plans
 from trainer.profiling.gpu_clocks import GpuClocks

@@ -7,16 +7,16 @@ from pathlib import Path
 
 import pytest
 
+from runner.core.errors import UserError
 from runner.delivery.resume_sync import Copy, Description, Listing, candidates, incomplete, plan_copies
-from runner.errors import UserError
 from runner.inventory import load_inventory
-from runner.plan import LABEL_NODE, LABEL_RANK, LABEL_RUN, MASK, Facts, make_plan
+from runner.planning.plan import LABEL_NODE, LABEL_RANK, LABEL_RUN, MASK, Facts, make_plan
 from tests.runner_helpers import opened_files, run_cli, shipped
 
 SECRET = "hf_SUPERSECRET_123"
 
 
-# What a dry-run adds under its first line for the image labels it cannot read (runner/plan.py).
+# What a dry-run adds under its first line for the image labels it cannot read (runner/planning/plan.py).
 DRY_LAUNCH = ("  launch images labelled io.runner.gate=3 (this project's) run `torchrun` as `python -m "
               "runner.agents.torchrun` (exit barrier mended), workers behind `python -m runner.agents.gate` "
               "until the master listens")
@@ -145,7 +145,7 @@ def test_dry_run_shows_an_inventorys_escapes_and_newlines_instead_of_sending_the
 
 
 def test_dry_run_of_10000_nodes_plans_every_node_with_its_rank_and_env(tmp_path, no_network):
-    """The README's 10,000-node dry-run (bench/fanout.py's generated inventory, whose timing is the
+    """The 10,000-node dry-run of docs/performance.md (bench/fanout.py's generated inventory, whose timing is the
     benchmark's): every node planned once, in inventory order, with its rank, its torchrun and its
     env, master n0; nothing contacted."""
     from bench.fanout import generated_inventory
@@ -335,7 +335,7 @@ def test_an_image_with_the_mended_torchrun_runs_it_on_the_master(tmp_path):
     """Label io.runner.gate "3" (this project's image): the master runs runner.agents.torchrun with
     torchrun's own arguments, the workers the gate (which runs it too); "2" (an older image of this
     project) keeps the torchrun on PATH, and an image without the label is left as it was."""
-    from runner.plan import GATE_MODULES, TORCHRUN_MODULES
+    from runner.planning.plan import GATE_MODULES, TORCHRUN_MODULES
 
     inv = load_inventory(inventory(tmp_path, NODES3, "  master_port: 29555\n"))
 

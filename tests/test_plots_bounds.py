@@ -108,7 +108,7 @@ def test_a_long_row_name_or_title_is_cut_not_drawn_as_a_huge_image(tmp_path):
 
 
 def test_collect_warns_once_and_writes_no_plot_for_a_trace_past_the_cap(tmp_path, caplog, no_drawing):
-    from runner.collect_report import render_plots
+    from runner.delivery.collect_report import render_plots
 
     run = tmp_path / "run"
     run.mkdir()
@@ -125,7 +125,7 @@ def test_collect_warns_once_and_writes_no_plot_for_a_trace_past_the_cap(tmp_path
 def test_trainer_plot_warns_for_a_refused_trace_and_draws_the_rest(tmp_path, capsys):
     """`trainer plot` on a run dir: a trace past the cap was a ValueError traceback ending the
     command; now one warning naming the file, and the other timeline is still drawn."""
-    from trainer.plots import main
+    from trainer.tools.plots import main
 
     (tmp_path / "timeline_batch1_all.json").write_text(json.dumps(trace(range(plots.MAX_ROWS + 1))))
     (tmp_path / "timeline_batch2_all.json").write_text(json.dumps(trace([0, 1], per_pid=2)))

@@ -27,7 +27,7 @@ from tests.hub_fixtures import (
     snapshot,
 )
 from trainer.config import ConfigError, resolve
-from trainer.data import build_data, load_texts, load_tokenizer, pack
+from trainer.data.loader import build_data, load_texts, load_tokenizer, pack
 from trainer.models import model_spec
 from trainer.models.build import FAMILIES
 
@@ -203,8 +203,8 @@ def test_fine_tuned_model_exports_to_transformers(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from trainer.checkpoint.export import export
-    from trainer.dist_env import DistEnv
     from trainer.parallel.mesh import ParallelDims
+    from trainer.runtime.dist_env import DistEnv
     from trainer.train import Trainer
 
     repo = pretrained(tmp_path, "qwen3")

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from runner.errors import UserError
+from runner.cli.sandbox import parse_cpus
+from runner.core.errors import UserError
 from runner.inventory import load_inventory, memory_bytes
-from runner.plan import docker_limits, make_plan
-from runner.sandbox.command import parse_cpus
+from runner.planning.plan import docker_limits, make_plan
 from tests import IMAGE
 from tests.runner_helpers import REPO, no_socket_env, node_workdir, runner
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from runner.inventory import Job, Node
-from runner.profile.cache import node_key, shape_args
+from runner.planning.profile_cache import node_key, shape_args
 from tests.runner_helpers import REPO
 from tests.trainer_run import free_port
 

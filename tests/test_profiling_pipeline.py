@@ -200,7 +200,7 @@ def test_pp3_skewed_clock_still_causal(tmp_path):
 
 
 def test_pp2_plots(pp2, tmp_path):
-    from trainer.plots import plot_dir
+    from trainer.tools.plots import plot_dir
 
     # Plots are written beside their inputs: into a copy, so the shared run's files stay as the
     # trainer left them for the other tests (whatever order they run in).

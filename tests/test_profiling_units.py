@@ -13,8 +13,8 @@ import pytest
 from tests.runner_helpers import wait_for
 from tests.trainer_run import run_trainer
 from trainer.config import ConfigError
+from trainer.config.batches import parse_batches
 from trainer.profiling import bubble, energy, trace
-from trainer.profiling.batches import parse_batches
 from trainer.profiling.clocks import RankClock, injected_skew_ns
 
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from runner.check import check_node
+from runner.backends.ssh.check import check_node
 from runner.delivery import push as push_mod
 from runner.delivery.disk_room import NoRoom, engine_shortage
 from runner.delivery.images import export, host_client

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.plan import container_name
+from runner.planning.plan import container_name
 from tests import REPO
 from tests.conftest import HOST_DOCKER, IN_CI, net_addr, require
 from tests.runner_helpers import (

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.plan import LABEL_RUN
+from runner.planning.plan import LABEL_RUN
 from tests import IMAGE
 from tests.conftest import REPO
 from tests.runner_helpers import (

@@ -21,9 +21,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from runner.core.errors import UserError
 from runner.delivery import push as push_mod
 from runner.delivery.images import export
-from runner.errors import UserError
 from runner.inventory import load_inventory
 from runner.transport.ssh import Remote
 from tests import IMAGE
@@ -269,7 +269,7 @@ print('wrote', rank, flush=True)
 
 def runner_no_torch(*args: str) -> subprocess.CompletedProcess:
     """The runner CLI in a process where `import torch` fails, as on a host without torch."""
-    code = ("import sys; sys.modules['torch'] = None; from runner.cli import main; "
+    code = ("import sys; sys.modules['torch'] = None; from runner.cli.main import main; "
             f"sys.exit(main({list(args)!r}))")
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=600)
 

@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from runner.errors import UserError
+from runner.core.errors import UserError
 from runner.sandbox.net import IFNAMSIZ, MAX_NODES, SandboxNet, parse_shape, prefix_for, subnet_for
 from tests.conftest import require
 

@@ -17,9 +17,9 @@ import pytest
 from contract.memory import auto_loss_chunks, in_flight, stage_memory
 from contract.model_size import NotSized, model_shape, stage_loads, with_overrides
 from contract.presets import PRESETS
-from runner.errors import UserError
+from runner.core.errors import UserError
 from runner.inventory import Job, load_inventory
-from runner.sizing import (
+from runner.planning.sizing import (
     DEFAULTS,
     ENV,
     FLAGS,
@@ -48,7 +48,7 @@ def pis(tmp_path: Path, memory: tuple[str, str, str], job: str = "", config: Pat
 
 
 def test_up_dry_run_sizes_each_pi_and_refuses_the_stage_that_cannot_fit(tmp_path, capsys, monkeypatch):
-    from runner.cli import main
+    from runner.cli.main import main
 
     monkeypatch.setenv("RUNNER_PROFILE_CACHE", str(tmp_path / "no-profiles"))
     inv = pis(tmp_path, ("8g", "8g", "4g"))
@@ -91,7 +91,7 @@ def test_memory_probed_at_launch_counts_as_the_least_known(tmp_path, monkeypatch
     """What `up` learns on connecting (each node's MemAvailable) joins `memory:` and the profile:
     the least of them is the node's memory. A node without `memory:` whose MemAvailable is short is
     refused by name; one whose probe said nothing keeps what was known."""
-    from runner.sizing import check_sizing
+    from runner.planning.sizing import check_sizing
 
     monkeypatch.setenv("RUNNER_PROFILE_CACHE", str(tmp_path / "no-profiles"))
     inv = load_inventory(pis(tmp_path, ("8g", None, None)))
@@ -112,7 +112,7 @@ def test_memory_probed_at_launch_counts_as_the_least_known(tmp_path, monkeypatch
 def test_up_refuses_before_any_socket_and_without_torch(tmp_path):
     """The same refusal without --dry-run: one line, exit 2, no socket opened, torch never imported."""
     inv = pis(tmp_path, ("8g", "8g", "4g"))
-    code = ("import sys; sys.modules['torch'] = None; from runner.cli import main; "
+    code = ("import sys; sys.modules['torch'] = None; from runner.cli.main import main; "
             f"sys.exit(main(['up', '-i', {str(inv)!r}]))")
     env = {**no_socket_env(tmp_path), "RUNNER_PROFILE_CACHE": str(tmp_path / "none")}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
@@ -127,7 +127,7 @@ def test_up_refuses_before_any_socket_and_without_torch(tmp_path):
 def test_profiled_memory_and_a_synced_hub_snapshot(tmp_path, monkeypatch, capsys):
     """model.path sized from the config.json job.sync sends (a Hub cache repo: refs/main ->
     snapshots/<rev>/); the node's memory from `runner profile`'s cache, the smaller of it and `memory:`."""
-    from runner.cli import main
+    from runner.cli.main import main
 
     repo = tmp_path / "hub" / "models--Qwen--Qwen3-0.6B"
     snap = repo / "snapshots" / "abc123"
@@ -214,8 +214,8 @@ def test_the_arithmetic_equals_the_meta_count(preset):
     """Per stage of a 3-stage split: parameters exact, saved activations within 3 %, the same loss
     scratch; Qwen3-0.6B's layers at 128 tokens = its head_dim, where k^T looks like scores."""
     from trainer.config import resolve
-    from trainer.dry_run import make_plan
     from trainer.models.build import build_hf_config
+    from trainer.tools.dry_run import make_plan
 
     over = [("model.preset", preset), ("train.steps", 1), ("train.batch_size", 8), ("data.seq_len", 128),
             ("train.dtype", "fp32"), ("parallel.pp", 3), ("parallel.partition", "custom:0,1,3,4"),
@@ -240,10 +240,10 @@ def test_the_arithmetic_equals_the_meta_count(preset):
 def test_the_runner_splits_uniform_and_parameters_as_the_trainer_does(preset, method):
     """Merak's `uniform` and `parameters` splits, computed by the runner from the arithmetic's shape
     (contract/partition.py), equal the trainer's on its meta model: 3 and 4 stages of 6 layers."""
-    from runner.sizing import stage_bounds
+    from runner.planning.sizing import stage_bounds
     from trainer.config import resolve
-    from trainer.dry_run import make_plan
     from trainer.models.build import build_hf_config
+    from trainer.tools.dry_run import make_plan
 
     for pp in (3, 4):
         over = [("model.preset", preset), ("train.steps", 1), ("train.batch_size", 8), ("data.seq_len", 128),
@@ -265,7 +265,7 @@ def test_virtual_stages_are_sized_per_rank_as_the_trainer_does(schedule, tmp_pat
     `trainer --dry-run` totals per rank on its meta model (parameters exact, activations within 3 %)."""
     from runner.inventory import Inventory, Job, Node
     from trainer.config import resolve
-    from trainer.dry_run import make_plan
+    from trainer.tools.dry_run import make_plan
 
     monkeypatch.setenv("RUNNER_PROFILE_CACHE", str(tmp_path / "no-profiles"))
     over = [("model.preset", "tiny-llama"), ("train.steps", 1), ("train.batch_size", 8), ("data.seq_len", 128),

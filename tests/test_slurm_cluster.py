@@ -164,7 +164,7 @@ def test_collect_returns_the_files(slurm, straight, tmp_path):
         assert ": 0 copied (0.00 MB" in again.stdout, again.stdout
 
 
-HOLD = "step-2"  # every rank waits after step 2 (trainer/hold.py) until the test lets it go
+HOLD = "step-2"  # every rank waits after step 2 (trainer/runtime/hold.py) until the test lets it go
 
 
 def held_job(tmp: Path) -> Path:

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from runner.backends.slurm.plan import SIGNALLED_143, SlurmFacts, make_slurm_plan, oci_config, torchrun_argv
-from runner.errors import UserError
+from runner.core.errors import UserError
 from runner.inventory.slurm import load_slurm_inventory
 from tests.runner_helpers import REPO, no_socket_env, runner, wait_for
 
@@ -93,7 +93,7 @@ def test_sbatch_directives_env_and_task_field_by_field(tmp_path):
     probe = heredoc(plan.script, "RUNNER_PROBE")
     assert "ip -o route get" in probe and "GLOO_SOCKET_IFNAME=%s" in probe and "NCCL_SOCKET_IFNAME=%s" in probe
     # master_port auto: the SSH runner's window for this run id, searched on the master's node.
-    from runner.rendezvous import AUTO_PORT_BASE, port_offset
+    from runner.transport.rendezvous import AUTO_PORT_BASE, port_offset
     lo = AUTO_PORT_BASE + port_offset("20260101-000000-abcd")
     assert f"for p in $(seq {lo} {lo + 499}); do" in plan.script
 
@@ -372,7 +372,7 @@ def test_the_task_runs_the_mended_torchrun_where_its_environment_has_it(tmp_path
     interpreter this virtualenv was made from), or no python at all, the torchrun on PATH."""
     import sys
 
-    from runner.jobspec import CHOOSE_TORCHRUN
+    from runner.planning.jobspec import CHOOSE_TORCHRUN
 
     def launch(python: str | None) -> str:
         bin_dir = tmp_path / f"bin-{abs(hash(python))}"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from runner.errors import UserError
+from runner.core.errors import UserError
 from runner.inventory import load_inventory
 from runner.transport import ssh as ssh_mod
 from runner.transport.jump import BASTIONS

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from runner.core.errors import UserError
 from runner.delivery.sync import Entry, _HashCache, _send, scan, sync_node
-from runner.errors import UserError
 from runner.inventory import load_inventory
 from runner.inventory.job_data import SyncSpec
-from runner.paths import NodePaths
+from runner.planning.paths import NodePaths
 from runner.transport.ssh import Remote
 from tests.runner_helpers import containers_created, node_workdir, runner, write_job
 

@@ -7,7 +7,7 @@ import torch
 
 from tests.trainer_run import REPO, read_metrics, run_trainer
 from trainer.config import ConfigError, DataConfig, ModelConfig
-from trainer.data import build_data, load_texts, load_tokenizer, pack
+from trainer.data.loader import build_data, load_texts, load_tokenizer, pack
 from trainer.models import model_spec
 
 CORPUS = REPO / "trainer" / "corpus" / "corpus.txt"

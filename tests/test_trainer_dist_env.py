@@ -6,8 +6,8 @@ import pytest
 
 from tests.trainer_run import read_metrics, run_trainer
 from trainer.config import ConfigError, ParallelConfig
-from trainer.dist_env import from_environ
 from trainer.parallel.mesh import ParallelDims
+from trainer.runtime.dist_env import from_environ
 
 
 def test_single_process_default():
@@ -83,7 +83,7 @@ def test_bf16_where_the_device_supports_it(monkeypatch):
     """The stub's bf16: fp32 (with one reason line) only on a CUDA device without native bf16."""
     import torch
 
-    from trainer.dist_env import training_dtype
+    from trainer.runtime.dist_env import training_dtype
 
     dtype, why = training_dtype("bf16", "cuda", native_bf16=False)
     assert dtype == "fp32" and why.startswith("train.dtype bf16: ") and "\n" not in why

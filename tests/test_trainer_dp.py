@@ -107,7 +107,7 @@ BERT = ("--model.preset", "tiny-bert")
 def test_bert_ranks_hold_unequal_target_counts():
     """The premise of the BERT tests below: otherwise they could not catch per-rank averaging."""
     from trainer.config import DataConfig
-    from trainer.data import DataStream
+    from trainer.data.loader import DataStream
 
     def counts(rank: int) -> list[int]:
         stream = DataStream("masked_lm", DataConfig(seq_len=32), 1234, 2, rank, 2, vocab_size=512, mask_id=511)

@@ -71,7 +71,7 @@ def test_bf16_parameters_with_ddp_match_autocast(tmp_path, autocast_losses):
 
 def test_param_dtype_resolution_and_errors():
     from trainer.config import ConfigError, resolve
-    from trainer.dist_env import resolve_param_dtype
+    from trainer.runtime.dist_env import resolve_param_dtype
 
     assert resolve_param_dtype("auto", "bf16", "cuda") == "bf16"
     assert resolve_param_dtype("auto", "bf16", "cpu") == "fp32"  # CPU runs keep autocast unless asked
@@ -116,7 +116,7 @@ def test_log_interval_auto_is_every_step_on_cpu_and_every_tenth_on_cuda():
 
 
 def test_expandable_segments_unless_the_user_chose_an_allocator_config():
-    from trainer.dist_env import configure_allocator
+    from trainer.runtime.dist_env import configure_allocator
 
     env: dict[str, str] = {}
     assert configure_allocator(env) and env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
@@ -126,7 +126,7 @@ def test_expandable_segments_unless_the_user_chose_an_allocator_config():
 
 
 def test_local_rank_maps_onto_the_visible_devices():
-    from trainer.dist_env import cuda_index
+    from trainer.runtime.dist_env import cuda_index
 
     assert cuda_index(3, 1) == 0    # Slurm --gpus-per-task=1: every task sees one device
     assert cuda_index(5, 4) == 1
@@ -189,7 +189,7 @@ def test_bf16_on_an_image_model_keeps_batchnorm_in_fp32(tmp_path):
     run keeps fp32 weights and computes in bf16 by autocast, within bf16's tolerance of one
     autocast process; train.param_dtype bf16 for such a model is one line."""
     from trainer.config import ConfigError
-    from trainer.dist_env import resolve_param_dtype
+    from trainer.runtime.dist_env import resolve_param_dtype
 
     args = ("--model.preset", "tiny-wide-resnet", "--train.steps", "4", "--train.dtype", "bf16",
             "--profile.batch", "none", "--logging.peak_flops", "1e9")
@@ -279,7 +279,7 @@ def test_one_process_fsdp2_is_one_unit_with_the_same_numbers():
 
 
 def test_gc_interval_auto_is_python_s_own_collector_on_cpu_and_every_50th_step_on_cuda():
-    from trainer.gc_schedule import resolve_gc_interval
+    from trainer.runtime.gc_schedule import resolve_gc_interval
 
     assert resolve_gc_interval("auto", "cpu") == 0 and resolve_gc_interval("auto", "cuda") == 50
     assert resolve_gc_interval(3, "cpu") == 3 and resolve_gc_interval(0, "cuda") == 0
@@ -295,8 +295,8 @@ def test_gc_interval_collects_after_every_nth_step_with_the_automatic_collector_
 
     from trainer.config import resolve
     from trainer.config.argv import parse_train_args
-    from trainer.dist_env import DistEnv
     from trainer.parallel.mesh import ParallelDims
+    from trainer.runtime.dist_env import DistEnv
     from trainer.train import Trainer
 
     cfg = resolve(*parse_train_args(["--config", "configs/tiny.yaml", "--train.steps", "5", "--profile.batch", "none",

@@ -14,7 +14,7 @@ from tests.trainer_run import read_metrics, run_trainer
 from trainer.config import Config
 from trainer.metrics import console_line, flops_per_token
 from trainer.optim import lr_at
-from trainer.tracking import SCALARS, scalars
+from trainer.runtime.tracking import SCALARS, scalars
 
 RUN_ID = "20261126-120000-abcd"
 FIELDS = {"step", "loss", "lr", "grad_norm", "global_batch_samples", "global_batch_tokens", "tokens_per_s",

@@ -205,8 +205,8 @@ def test_one_microbatch_per_batch_without_a_pipeline(tmp_path):
     """pp=1 and no microbatch_num given: the model runs one forward per batch (the Pi guide's 4
     stay the default of pipelines)."""
     from trainer.config import resolve
-    from trainer.dist_env import DistEnv
     from trainer.parallel.mesh import ParallelDims
+    from trainer.runtime.dist_env import DistEnv
     from trainer.train import Trainer, setup_logging
 
     cfg = resolve(None, [("train.steps", 2), ("train.batch_size", 8), ("data.seq_len", 16),
@@ -251,7 +251,7 @@ def test_token_count_all_reduce_only_where_counts_differ(monkeypatch):
 
 
 def test_dtype_auto_is_fp32_on_cpu_and_bf16_on_cuda_with_native_bf16(tmp_path):
-    from trainer.dist_env import training_dtype
+    from trainer.runtime.dist_env import training_dtype
 
     assert training_dtype("auto", "cpu") == ("fp32", None)
     assert training_dtype("auto", "cuda", native_bf16=True) == ("bf16", None)
@@ -261,7 +261,7 @@ def test_dtype_auto_is_fp32_on_cpu_and_bf16_on_cuda_with_native_bf16(tmp_path):
 
 
 def test_tf32_only_for_fp32_on_cuda():
-    from trainer.dist_env import configure_matmul_precision
+    from trainer.runtime.dist_env import configure_matmul_precision
 
     before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
               torch.backends.mkldnn.matmul.fp32_precision)
@@ -339,7 +339,7 @@ def test_chunked_loss_never_holds_the_full_logits(preset):
 def test_one_data_permutation_per_epoch(monkeypatch):
     """Packed text: one randperm per epoch, not per sample (19 ms each at 1M blocks)."""
     from trainer.config import DataConfig
-    from trainer.data import DataStream
+    from trainer.data.loader import DataStream
 
     calls = []
     real = torch.randperm
@@ -354,7 +354,7 @@ def test_one_data_permutation_per_epoch(monkeypatch):
 
 def test_prefetched_batch_is_the_next_batch():
     from trainer.config import DataConfig
-    from trainer.data import DataStream
+    from trainer.data.loader import DataStream
 
     a = DataStream("causal_lm", DataConfig(seq_len=8), 3, 2, 1, 2, vocab_size=100)
     b = DataStream("causal_lm", DataConfig(seq_len=8), 3, 2, 1, 2, vocab_size=100)

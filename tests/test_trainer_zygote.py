@@ -87,7 +87,7 @@ def _untimed(log: str) -> str:
 
 
 def test_importing_the_trainer_here_does_not_change_the_runs_import_time_env(monkeypatch):
-    """trainer/text_sources.py sets the Hub's offline variables in whatever process imports it, and
+    """trainer/data/text_sources.py sets the Hub's offline variables in whatever process imports it, and
     torch's inductor its cache dir the first time it looks; an in-process test that does either must
     not change what the next run is compared on (else every later run silently starts a fresh
     interpreter: TESTS_ZYGOTE_LOG=FILE says why each one did)."""
@@ -95,11 +95,11 @@ def test_importing_the_trainer_here_does_not_change_the_runs_import_time_env(mon
 
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    import trainer.text_sources
+    import trainer.data.text_sources
 
     for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TORCHINDUCTOR_CACHE_DIR"):
         monkeypatch.delenv(key, raising=False)
     before = import_time_env(trainer_env())
-    importlib.reload(trainer.text_sources)
+    importlib.reload(trainer.data.text_sources)
     cache_dir()
     assert import_time_env(trainer_env()) == before

@@ -31,7 +31,7 @@ def trainer_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     # Two cores: one thread per process keeps multi-process runs from thrashing and makes
     # fp32 reductions reproducible.
     env.setdefault("OMP_NUM_THREADS", "1")
-    # What the trainer sets in its own process at import (trainer/text_sources.py): set here too, so
+    # What the trainer sets in its own process at import (trainer/data/text_sources.py): set here too, so
     # the env is the same before and after a test imports that module in the test process (the
     # warm trainer serves only runs whose import-time env equals its own: tests/trainer_zygote.py).
     env.setdefault("HF_HUB_OFFLINE", "1")
@@ -133,7 +133,7 @@ def start_trainer(out_dir: Path, *args: str, nproc: int = 1, env: dict[str, str]
                             text=True, start_new_session=True)
 
 
-# --- holding a run at a known point (trainer/hold.py) ---------------------------------------
+# --- holding a run at a known point (trainer/runtime/hold.py) ---------------------------------------
 
 def hold_env(*points: str) -> dict[str, str]:
     """Env that holds every rank at each "POINT:STEP" until release() (e.g. hold_env("step:3"))."""

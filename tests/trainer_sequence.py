@@ -16,8 +16,8 @@ from pathlib import Path
 
 
 def main(path: str) -> int:
-    from trainer import dist_env
     from trainer.cli import main as trainer_main
+    from trainer.runtime import dist_env
 
     argvs = json.loads(Path(path).read_text())
     dist_env.init_process_group(dist_env.from_environ(), "cpu")

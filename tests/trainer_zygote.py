@@ -58,7 +58,7 @@ def _warm() -> None:
 
     import tests.trainer_sequence  # noqa: F401
     import trainer.cli  # noqa: F401
-    import trainer.dry_run  # noqa: F401
+    import trainer.tools.dry_run  # noqa: F401
     import trainer.train  # noqa: F401
     from trainer.models.build import FAMILIES, _transformers_attr
 

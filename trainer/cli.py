@@ -38,10 +38,10 @@ examples:
 
 COMMANDS: dict[str, str] = {
     "train": "trainer.cli:train_main",
-    "print-config": "trainer.config_doc:print_config_main",  # also `trainer --print-config`
+    "print-config": "trainer.config.doc:print_config_main",  # also `trainer --print-config`
     "export": "trainer.checkpoint.export:export",
-    "plot": "trainer.plots:main",
-    "probe": "trainer.probe:main",  # per-node measurements for parallel.partition auto (runner profile)
+    "plot": "trainer.tools.plots:main",
+    "probe": "trainer.tools.probe:main",  # per-node measurements for parallel.partition auto (runner profile)
     "perseus-plans": "trainer.profiling.perseus_plans:main",  # plan files from instructions-{rank}.csv
 }
 
@@ -54,11 +54,11 @@ def train_main(argv: list[str]) -> int:
     """Resolve and check everything that needs no torch first, so a bad config or launcher env
     fails in a fraction of a second; then import the loop."""
     from trainer.config import resolve
-    from trainer.dist_env import from_environ
     from trainer.parallel.mesh import ParallelDims
+    from trainer.runtime.dist_env import from_environ
 
-    if "--dry-run" in argv:  # trainer/dry_run.py: meta device only, no launcher, no process group
-        from trainer.dry_run import main as dry_run
+    if "--dry-run" in argv:  # trainer/tools/dry_run.py: meta device only, no launcher, no process group
+        from trainer.tools.dry_run import main as dry_run
 
         return dry_run(argv)
     config_path, overrides = parse_train_args(argv)
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trainer {version()}")
         return 0
     if command == "train" and "--print-completion" in argv:
-        from trainer.completion import print_completion
+        from trainer.tools.completion import print_completion
 
         return print_completion(argv, COMMANDS)
     if command == "train" and "--print-config" in argv:
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         _error(str(e))
         return 2
     except OSError as e:
-        from trainer.full_disk import full_disk_line
+        from trainer.runtime.full_disk import full_disk_line
 
         if line := full_disk_line(e):
             _error(line)

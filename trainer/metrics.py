@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from trainer.full_disk import naming
+from trainer.runtime.full_disk import naming
 
 log = logging.getLogger("trainer")
 
@@ -153,7 +153,7 @@ def format_line(r: dict[str, Any], style: str = "picotron") -> str:
 
 class MetricsWriter:
     """Appends one JSON object per line to OUTPUT_DIR/metrics.jsonl (only on the logging rank), and
-    hands each record to the trackers (trainer/tracking.py: TensorBoard, W&B), if any."""
+    hands each record to the trackers (trainer/runtime/tracking.py: TensorBoard, W&B), if any."""
 
     def __init__(self, output_dir: str | Path, enabled: bool, resume: bool = False, trackers=None):
         self.path = Path(output_dir) / "metrics.jsonl"

@@ -31,12 +31,11 @@ from typing import Any
 
 import torch
 
-from trainer import dist_env, model_files
 from trainer.config import Config, ConfigError
 from trainer.config.checks import microbatch_tokens, resolve_log_interval, resolve_loss_chunks
-from trainer.data import DataStream, build_data, load_texts, load_tokenizer, reads_text
-from trainer.gc_schedule import GcSchedule, resolve_gc_interval
+from trainer.data.loader import DataStream, build_data, load_texts, load_tokenizer, reads_text
 from trainer.metrics import MetricsWriter, StepStats, flops_per_token, format_line, memory_bytes, peak_flops
+from trainer.models import files as model_files
 from trainer.models.build import build_model, model_spec, task_of
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.parallel.compile import blocks_running_eager, compile_report, resolve_compile
@@ -45,7 +44,9 @@ from trainer.parallel.mesh import ParallelDims
 from trainer.parallel.ordered_reduce import ordered_mean
 from trainer.parallel.parallelized import Parallelized
 from trainer.parallel.running_stats import sync_running_stats
-from trainer.tracking import Trackers
+from trainer.runtime import dist_env
+from trainer.runtime.gc_schedule import GcSchedule, resolve_gc_interval
+from trainer.runtime.tracking import Trackers
 
 log = logging.getLogger("trainer")
 
@@ -301,7 +302,7 @@ class Trainer:
 
 
 def run(cfg: Config, env: dist_env.DistEnv) -> int:
-    from trainer import tracking
+    from trainer.runtime import tracking
 
     tracking.check(cfg)  # a tracker without its package: one line, before anything starts
     out = Path(cfg.output_dir)

@@ -9,7 +9,7 @@ The CLI resolves the backend once per command (`open_backend`) and calls its ver
 and each backend's own flags are added to the verbs here. A new backend: its module, one line in
 BACKENDS.
 
-May import: the inventory, transport (runner.transport.ssh), delivery and run-id layers; never runner.cli.
+May import: the inventory, transport (runner.transport.ssh), delivery and run-id layers; never runner.cli.main.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import argparse
 from runner.backends.base import VERBS, Backend
 from runner.backends.slurm.backend import SlurmBackend
 from runner.backends.ssh.backend import SshBackend
-from runner.errors import UserError
+from runner.core.errors import UserError
 
 # In the order `--scheduler auto` asks them; the last claims whatever is left.
 BACKENDS: dict[str, type[Backend]] = {b.name: b for b in (SlurmBackend, SshBackend)}
@@ -37,8 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     """The verbs' parsers (defined with the SSH backend, the default; every backend takes the same
     arguments), --scheduler on every verb and each backend's own flags on the verbs they belong to,
     `--notify` on up; each verb's func becomes the dispatch to the backend its inventory goes to."""
+    from runner.backends.notify import add_notify_option
     from runner.backends.ssh import collect, down, launch, status
-    from runner.notify import add_notify_option
 
     for module in (launch, status, down, collect):
         module.register(sub)

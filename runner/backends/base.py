@@ -2,7 +2,7 @@
 inventory, a Slurm cluster, ...) behind the same verbs.
 
 The verbs' parsers are defined once (runner/backends/ssh/launch.py, status.py, down.py, collect.py
-build them: every backend takes the same arguments); `runner/cli.py` resolves the backend once per
+build them: every backend takes the same arguments); `runner/cli/main.py` resolves the backend once per
 command (`open_backend`) and calls its method for the verb: `dryrun` for `up --dry-run` (the plan
 printed, nothing contacted), `up` to start or submit the run, then `status`, `logs`, `ls`, `down`
 (stop), `collect`. A backend adds its own flags through `options` (refused, naming it, when a run
@@ -15,7 +15,7 @@ import argparse
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
-from runner.redact import hide_job
+from runner.core.redact import hide_job
 
 VERBS = ("up", "status", "logs", "ls", "down", "collect")
 
@@ -65,7 +65,7 @@ def up_job(args: argparse.Namespace, job, inventory: str) -> tuple[dict[str, str
     """What every backend's `up` does first with the job: the trainer args after `--` appended, the
     env_file's secrets read and masked in all output, and `--notify` (or job.notify) parsed (a
     malformed one is refused for --dry-run too). (secrets, the notify spec or None)."""
-    from runner.notify import from_args
+    from runner.backends.notify import from_args
 
     if args.trainer_args:
         job.args = list(job.args) + list(args.trainer_args)

@@ -20,12 +20,12 @@ from pathlib import Path
 import paramiko
 
 from contract.memory import size_text
-from runner import safe_path
-from runner.collect_report import merge_timelines, render_plots, summarize
+from runner.core import safe_path
+from runner.core.errors import UserError
+from runner.core.node_output import visible
 from runner.delivery import disk_room
-from runner.errors import UserError
-from runner.node_output import visible
-from runner.paths import node_paths
+from runner.delivery.collect_report import merge_timelines, render_plots, summarize
+from runner.planning.paths import node_paths
 from runner.transport import stream
 from runner.transport.digest import HASH_BATCH, remote_sha256, sha256_file
 from runner.transport.ssh import Remote

@@ -23,7 +23,7 @@ import shutil
 from pathlib import Path
 
 from contract.memory import disk_keep_free, size_text
-from runner.errors import UserError
+from runner.core.errors import UserError
 
 log = logging.getLogger("runner")
 

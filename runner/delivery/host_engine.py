@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runner.errors import UserError
+from runner.core.errors import UserError
 
 DEFAULT_SOCKET = "unix:///var/run/docker.sock"
 CONFIG_LIMIT = 1 << 20  # config.json and meta.json are a few hundred bytes

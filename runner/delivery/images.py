@@ -20,8 +20,8 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from runner.core.errors import UserError
 from runner.delivery.host_engine import host_engine
-from runner.errors import UserError
 from runner.inventory import BuildSpec
 from runner.transport.digest import sha256_file
 from runner.transport.ssh import Remote

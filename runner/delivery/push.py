@@ -16,6 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from runner.core.errors import UserError
 from runner.delivery import disk_room
 from runner.delivery.images import (
     Exported,
@@ -32,7 +33,6 @@ from runner.delivery.images import (
 from runner.delivery.layer_sizes import host_layers
 from runner.delivery.push_result import PushResult
 from runner.delivery.registry import pull_to_nodes
-from runner.errors import UserError
 from runner.inventory import BuildSpec, Inventory
 from runner.transport.cluster import Cluster
 from runner.transport.ssh import Remote

@@ -24,12 +24,12 @@ import logging
 import shlex
 import time
 
+from runner.core.errors import UserError
+from runner.core.redact import hide
 from runner.delivery import disk_room
 from runner.delivery.layer_sizes import HostLayers, engine_room_for
 from runner.delivery.push_result import PushResult
-from runner.errors import UserError
 from runner.inventory.job_data import registry_ref
-from runner.redact import hide
 from runner.transport.ssh import Remote
 
 log = logging.getLogger("runner.registry")

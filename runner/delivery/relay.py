@@ -40,8 +40,8 @@ from pathlib import Path
 
 from runner.agents import relay_agent
 from runner.agents.relay_agent import BLOCK, END, LINE_MAX, NAME, SIZE_MAX, SMALL_MAX, Tail, member_header
+from runner.core.node_output import visible
 from runner.delivery.images import Exported
-from runner.node_output import visible
 from runner.transport.link_rate import compress_stream
 from runner.transport.ssh import Remote
 from runner.transport.stream import CHUNK

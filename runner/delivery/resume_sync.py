@@ -32,9 +32,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runner import safe_path
+from runner.core import safe_path
+from runner.core.errors import UserError
 from runner.delivery import disk_room
-from runner.errors import UserError
 from runner.transport.digest import remote_sha256, sha256_file
 from runner.transport.ssh import Remote
 
@@ -146,7 +146,7 @@ def plan_copies(name: str, listings: dict[str, Listing], hashes: dict[str, dict[
 # --- I/O ---------------------------------------------------------------------------------
 
 # What a node says about its checkpoints is as hostile as the job that wrote them: names are
-# checked one component at a time (runner/safe_path.py), sizes and counts bounded, and the
+# checked one component at a time (runner/core/safe_path.py), sizes and counts bounded, and the
 # checkpoint's own JSON files read with a cap and checked for shape. A bad name or size is one
 # line naming the node and file; a malformed description passes that checkpoint over, naming them.
 MAX_FILE_BYTES = 1 << 44      # 16 TiB: no shard is bigger; a node saying so is lying

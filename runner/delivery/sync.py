@@ -32,10 +32,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from runner import safe_path
-from runner.errors import UserError
+from runner.core import safe_path
+from runner.core.errors import UserError
 from runner.inventory.job_data import SyncSpec
-from runner.paths import NodePaths
+from runner.planning.paths import NodePaths
 from runner.transport.digest import sha256_file
 from runner.transport.ssh import Remote
 from runner.transport.stream import ssh_stream, transfer_progress
@@ -314,7 +314,7 @@ def _send(remote: Remote, blobs: str, entries: list[Entry], spec: SyncSpec, prog
 
 def sync_to_nodes(cl, homes: dict[str, str], trees: list[Tree], quiet: bool = False) -> list[SyncResult]:
     """Every tree onto every connected node, nodes in parallel; one error naming each node that failed."""
-    from runner.paths import node_paths
+    from runner.planning.paths import node_paths
 
     remotes = [cl[n.name] for n in cl.inv.nodes]
     with transfer_progress(quiet) as progress:

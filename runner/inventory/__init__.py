@@ -8,10 +8,11 @@ with every problem one line naming file, line and field.
 - ssh_config: ~/.ssh/config read for what a node leaves out (Host blocks, ProxyJump)
 - slurm: the `slurm:` inventory
 
-May import: runner.errors, runner.hostkeys, runner.perseus_server (the plan reader), contract;
+May import: runner.core.errors, runner.inventory.hostkeys, runner.agents.perseus_server (the plan reader), contract;
 never the transport, delivery or backend layers.
 """
 
+from runner.core.redact import looks_secret
 from runner.inventory.load import load_inventory
 from runner.inventory.model import (
     ARCH_ALIASES,
@@ -22,7 +23,6 @@ from runner.inventory.model import (
     Job,
     Jump,
     Node,
-    looks_secret,
     memory_bytes,
     read_env_file,
 )

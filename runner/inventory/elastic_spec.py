@@ -1,6 +1,6 @@
 """`job.elastic` (and `runner up --elastic`) as the inventory states it: how few nodes a run may
 shrink to and whether a lost node that comes back is taken in again. What a shrink or a rejoin
-does is runner/elastic.py's; this module only reads and checks the field."""
+does is runner/planning/elastic.py's; this module only reads and checks the field."""
 
 from __future__ import annotations
 

@@ -207,7 +207,7 @@ def registry_ref(registry: str, tag: str) -> str:
 
 def refuse_for(job, backend: str) -> None:
     """The backends that do not carry job.sync/mounts/registry yet say so instead of dropping them."""
-    from runner.errors import UserError
+    from runner.core.errors import UserError
 
     used = [name for name, on in (("job.sync", job.sync), ("job.mounts", job.mounts), ("job.registry", job.registry),
                                   ("job.perseus", getattr(job, "perseus", None))) if on]

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from runner.errors import UserError
+from runner.core.errors import UserError
 from runner.inventory.elastic_spec import check_nodes as check_elastic_nodes
 from runner.inventory.elastic_spec import parse_elastic
 from runner.inventory.job_data import (

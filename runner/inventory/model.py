@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runner.errors import UserError
+from runner.core.errors import UserError
 from runner.inventory.job_data import MountSpec, SyncSpec
 
 ARCHES = ("amd64", "arm64")
@@ -28,7 +28,6 @@ USER_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}")
 IMAGE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@-]{0,254}")
 # Env names whose values are secrets by their look: masked in every output, and a warning says
 # that job.env still puts them in the container's config (docker inspect), where env_file does not.
-SECRET_NAME_RE = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|KEY|CREDENTIAL", re.I)
 _TORCHRUN = "torchrun, per process, from the nodes' `slots` (or job.nproc_per_node)"
 # Set by the runner or torchrun on every node: a user value would silently replace it (every
 # node would get the same NODE_RANK). Name -> the field that sets it.
@@ -46,10 +45,6 @@ RESERVED_ENV = {
                      "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "TORCHELASTIC_RUN_ID",
                      "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS"), _TORCHRUN),
 }
-
-
-def looks_secret(name: str) -> bool:
-    return bool(SECRET_NAME_RE.search(name))
 
 
 def reserved_env_error(name: str) -> str | None:
@@ -171,7 +166,7 @@ class Job:
     registry: str | None = None       # nodes pull the job's tags from HOST:PORT instead of a push
     push: str = "relay"               # relay: this host sends each layer once, nodes pass it on; direct: one stream each
     perseus: Any = None               # runner/backends/ssh/perseus.py PerseusSpec: a Perseus server beside the job
-    notify: Any = None                # runner/notify.py NotifySpec: told on this machine when `up` ends
+    notify: Any = None                # runner/backends/notify.py NotifySpec: told on this machine when `up` ends
     elastic: Any = None               # runner/inventory/elastic_spec.py ElasticSpec: shrink on a lost node, regrow
 
     def image_for(self, arch: str | None) -> str | None:

@@ -1,7 +1,7 @@
 """`--notify` / RUNNER_NOTIFY / `job.notify` as written: a command (string or argv) or an http(s)
 webhook, checked when the inventory loads. A command comes only from the user (the flag or the
 environment): an inventory or job file may be anyone's, so its `notify` may only be a webhook.
-Running it when a run ends is runner/notify.py's."""
+Running it when a run ends is runner/backends/notify.py's."""
 
 from __future__ import annotations
 

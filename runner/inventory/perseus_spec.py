@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from runner.errors import UserError
-from runner.perseus_server import read_plan
+from runner.agents.perseus_server import read_plan
+from runner.core.errors import UserError
 
 FIELDS = {"plan", "scheduler", "port"}
 SCHEDULERS = ("PointSolution", "PlanSequence")

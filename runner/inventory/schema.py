@@ -16,8 +16,9 @@ from typing import Any
 
 import yaml
 
-from runner.errors import UserError
-from runner.inventory.model import ENV_NAME_RE, HOSTNAME_RE, ZONE_RE, looks_secret, reserved_env_error
+from runner.core.errors import UserError
+from runner.core.redact import looks_secret
+from runner.inventory.model import ENV_NAME_RE, HOSTNAME_RE, ZONE_RE, reserved_env_error
 
 log = logging.getLogger("runner.inventory")
 

@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runner.errors import UserError
+from runner.core.errors import UserError
 from runner.inventory.load import job_file, node_fields, parse_job
 from runner.inventory.model import ARCH_ALIASES, ARCHES, Job, Node
 from runner.inventory.schema import Checker, Val, kind, read_yaml, show

@@ -43,7 +43,7 @@ from typing import Any
 
 import paramiko
 
-from runner.hostkeys import match_pattern_list
+from runner.inventory.hostkeys import match_pattern_list
 from runner.inventory.model import USER_RE, Jump
 from runner.inventory.schema import Checker, canonical_host, expand, host_error, same_host
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 
 from contract.partition import uniform_bounds
-from runner.errors import UserError
+from runner.core.errors import UserError
 from runner.inventory import Inventory, Job
 from runner.profile import doc_check
 from runner.profile.measure import profile_cluster
@@ -152,7 +152,7 @@ def pin_auto_partition(cl, probes: dict, run_dir_of, resume: bool, refresh: bool
         log.warning("parallel.partition auto: run dir has no %s; profiling the nodes again", PARTITION_FILE)
     prof = profile_cluster(cl, probes, refresh=refresh)
     if prof.nodes:
-        from runner.sizing import job_settings
+        from runner.planning.sizing import job_settings
 
         with_pp(prof, pp if pp is not None else int(job_settings(inv.job)["parallel.pp"]))
     split, uniform, problem = plan_from_profile(prof, inv)

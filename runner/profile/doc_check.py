@@ -9,7 +9,7 @@ import json
 import math
 import re
 
-from runner.errors import UserError
+from runner.core.errors import UserError
 
 KINDS = ("embed", "block", "head")
 PER_KIND = ("time_s", "optim_s", "act_bytes", "train_bytes")

@@ -1,11 +1,11 @@
 """`runner profile`: measure every node for the job's pipeline, in the job's image, under the node's
 limits; print a table (`--json` for tools) and the split `parallel.partition: auto` would use.
 
-One probe container per node (`python -m trainer probe`, trainer/probe.py), all started at once:
+One probe container per node (`python -m trainer probe`, trainer/tools/probe.py), all started at once:
 each serves the link probe of the node before it on a port picked free on its node, measures the
 link to the node after it, then times the model's layer kinds at the job's microbatch shape. The
 JSON each writes under the node's `<workdir>/profiles/<id>/` is read back over SFTP, cached
-(runner/profile/cache.py) and the node's files and container removed. A node whose probe fails
+(runner/planning/profile_cache.py) and the node's files and container removed. A node whose probe fails
 stops the others and is named with its last log line.
 """
 
@@ -17,19 +17,19 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from runner.container_logs import log_tail
-from runner.errors import UserError
+from runner.core.errors import UserError
 from runner.inventory import Inventory, Node
-from runner.paths import node_paths
-from runner.plan import LABEL_NODE, LABEL_PREFIX, OUT, docker_limits, user_env
-from runner.profile import cache as profile_cache
+from runner.planning import profile_cache
+from runner.planning.paths import node_paths
+from runner.planning.plan import LABEL_NODE, LABEL_PREFIX, OUT, docker_limits, user_env
 from runner.profile import doc_check
 from runner.transport.cluster import Cluster
+from runner.transport.container_logs import log_tail
 from runner.transport.probe import Probe
 
 log = logging.getLogger("runner.profile")
 LABEL_PROFILE = f"{LABEL_PREFIX}.profile"
-PROBE_VERSION = 2  # trainer/probe.py VERSION: a cached profile of another version is measured again
+PROBE_VERSION = 2  # trainer/tools/probe.py VERSION: a cached profile of another version is measured again
 LINK_PORT_BASE = 29900
 
 
@@ -83,7 +83,7 @@ def profile_cluster(cl: Cluster, probes: dict[str, Probe], refresh: bool = False
         for i, n in enumerate(order):
             doc = docs.get(n.name) or {}
             if n.name in need_compute:
-                # host: runner/sizing.py finds this node's measured memory by name and address
+                # host: runner/planning/sizing.py finds this node's measured memory by name and address
                 nodes[n.name] = {**{k: v for k, v in doc.items() if k != "link"}, "host": n.host}
                 profile_cache.save("node", n.name, keys[n.name], nodes[n.name])
             if i in need_link:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from runner.errors import UserError
+from runner.core.errors import UserError
 
 KINDS = ("embed", "block", "head")
 INF = math.inf

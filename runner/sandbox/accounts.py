@@ -8,7 +8,7 @@ import pwd
 import subprocess
 from pathlib import Path
 
-from runner.errors import UserError
+from runner.core.errors import UserError
 
 
 def ensure_account(name: str) -> pwd.struct_passwd:

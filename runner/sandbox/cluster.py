@@ -39,7 +39,7 @@ from pathlib import Path
 import psutil
 import yaml
 
-from runner.errors import UserError
+from runner.core.errors import UserError
 from runner.sandbox.accounts import engine_group, ensure_account
 from runner.sandbox.net import SandboxNet, parse_shape
 from runner.sandbox.node import SandboxNode

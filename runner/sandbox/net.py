@@ -54,7 +54,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from runner.errors import UserError
+from runner.core.errors import UserError
 
 log = logging.getLogger("runner.sandbox.net")
 

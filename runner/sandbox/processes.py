@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 
-from runner.errors import UserError
+from runner.core.errors import UserError
 
 
 def unmount_below(root: Path) -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 import psutil
 import yaml
 
-from runner.errors import UserError
+from runner.core.errors import UserError
 from runner.sandbox.processes import port_free, read_pid
 
 DEFAULT_SLURM_BASE_ADDR = "127.0.0.31"   # login node; node i at base + 1 + i

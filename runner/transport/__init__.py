@@ -1,7 +1,7 @@
 """Reaching a node: one verified SSH connection per node and everything carried on it.
 
 - ssh: `Remote`, the connection (host key verified against known_hosts, bounded command output)
-- hostkeys lives below (runner/hostkeys.py): the inventory reads host keys too
+- hostkeys lives below (runner/inventory/hostkeys.py): the inventory reads host keys too
 - jump: bastions (`proxy_jump`), one shared connection per bastion
 - sftp: a node's files over the connection's SFTP session, every name checked
 - docker_api: the node's Docker API over the same connection (`docker system dial-stdio`)
@@ -10,6 +10,6 @@
 - cluster: `Cluster`, the inventory's nodes connected and fanned out to (bounded, in parallel)
 - probe: what a node is, asked in one SSH session before anything starts
 
-May import: runner.errors, fanout, hostkeys, node_output, safe_path, paths, plan (the facts a
+May import: runner.core.errors, fanout, hostkeys, node_output, safe_path, paths, plan (the facts a
 probe fills), inventory_arg, the inventory; never delivery, profile, the backends or the CLI.
 """

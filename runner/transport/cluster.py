@@ -7,10 +7,10 @@ import sys
 from collections.abc import Callable
 from typing import TypeVar
 
-from runner.errors import UserError
-from runner.fanout import DEFAULT_PARALLEL, parallel
+from runner.core.errors import UserError
+from runner.core.fanout import DEFAULT_PARALLEL, parallel
 from runner.inventory import Inventory, Node
-from runner.inventory_arg import load
+from runner.inventory.choice import load
 from runner.transport.ssh import Remote, connect_all, connect_each
 
 T = TypeVar("T")

@@ -9,7 +9,7 @@ import shlex
 import zlib
 from pathlib import Path
 
-from runner.errors import UserError
+from runner.core.errors import UserError
 from runner.transport.ssh import Remote
 
 HASH_BATCH = 1000        # names per sha256sum round trip: stdin and stdout stay far below SSH windows

@@ -17,7 +17,7 @@ import paramiko
 from docker.transport.basehttpadapter import BaseHTTPAdapter
 from docker.transport.sshconn import RecentlyUsedContainer, SSHConnection, SSHConnectionPool, SSHHTTPAdapter
 
-from runner.errors import UserError
+from runner.core.errors import UserError
 
 CHANNEL_OPEN_TIMEOUT = 10.0
 HEADERS_S = 120.0  # an answer's status line and headers, beyond the request's read timeout

@@ -8,9 +8,9 @@ import shlex
 import time
 from dataclasses import dataclass
 
-from runner.errors import UserError
-from runner.paths import node_paths
-from runner.plan import Facts
+from runner.core.errors import UserError
+from runner.planning.paths import node_paths
+from runner.planning.plan import Facts
 from runner.transport.ssh import Remote
 
 

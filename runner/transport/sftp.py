@@ -10,8 +10,8 @@ import time
 
 import paramiko
 
-from runner import safe_path
-from runner.errors import UserError
+from runner.core import safe_path
+from runner.core.errors import UserError
 
 # What one command's stdout (and, apart, its stderr) or one file read whole may hold. The largest
 # honest ones: a batch of sha256sum lines (runner/transport/digest.py), a listing of a run dir's files.
@@ -217,7 +217,7 @@ class NodeFiles:
         """All regular files under root as (relative path, attrs), listed over SFTP (listdir_within).
 
         The listing is the node's word, so every name in it is checked before it becomes a path
-        (runner/safe_path.py: no '/', `..`, NUL or control character in a name, at most
+        (runner/core/safe_path.py: no '/', `..`, NUL or control character in a name, at most
         PATH_MAX bytes a path) and the whole walk is bounded (WALK_MAX_FILES entries, counted as
         they arrive, not once a directory is whole): a node that answers otherwise is named in one
         UserError and nothing of its listing is used."""

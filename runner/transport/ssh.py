@@ -1,7 +1,7 @@
 """SSH to a node with a VERIFIED host key, plus commands, SFTP and a Docker client on top.
 
 Host keys are checked against the node's pinned fingerprint (`host_key: SHA256:...`, any of the
-node's key types) or the known_hosts files OpenSSH would read (runner/hostkeys.py). Unknown keys
+node's key types) or the known_hosts files OpenSSH would read (runner/inventory/hostkeys.py). Unknown keys
 are refused unless the user opts in with --accept-new-host-keys, which records them. There is no
 StrictHostKeyChecking=no anywhere.
 
@@ -28,12 +28,11 @@ from dataclasses import dataclass
 
 import paramiko
 
-from runner import hostkeys
-from runner.errors import UserError
-from runner.fanout import DEFAULT_PARALLEL, parallel
-from runner.hostkeys import fingerprint, known_hosts_name
-from runner.inventory import Node
-from runner.node_output import read_capped, visible
+from runner.core.errors import UserError
+from runner.core.fanout import DEFAULT_PARALLEL, parallel
+from runner.core.node_output import read_capped, visible
+from runner.inventory import Node, hostkeys
+from runner.inventory.hostkeys import fingerprint, known_hosts_name
 from runner.transport.jump import BASTIONS, proxy_command
 from runner.transport.sftp import MAX_OUTPUT, NodeFiles, WatchedSFTP, close_quietly
 
@@ -92,7 +91,7 @@ def _preferring(types: list[str]):
         t = paramiko.Transport(*args, **kwargs)
         opts = t.get_security_options()
         # Plain host keys only: a certificate's trust comes from @cert-authority lines, which are
-        # not used (runner/hostkeys.py), so it would be checked as a key it is not.
+        # not used (runner/inventory/hostkeys.py), so it would be checked as a key it is not.
         plain = [a for a in opts.key_types if "-cert-v01@" not in a]
         want = [a for a in hostkeys.key_types(types) if a in plain]
         opts.key_types = want + [a for a in plain if a not in want]

@@ -11,6 +11,6 @@ export` through trainer/cli.py's command table.
 - preempt: SIGTERM / SIGUSR1 end the run after the current step with a checkpoint (exit 143)
 - export: `trainer export CKPT DIR`, a checkpoint's model as a transformers directory
 
-May import: trainer.config, trainer.models, trainer.optim, trainer.model_files, trainer.hold,
+May import: trainer.config, trainer.models, trainer.optim, trainer.models.files, trainer.runtime.hold,
 torch; never trainer.cli, trainer.train or runner.
 """

@@ -7,7 +7,7 @@ Layout under checkpoint.dir (default OUTPUT_DIR/checkpoints; see docs/checkpoint
       trainer_state.json         step, tokens, epoch, data position, LR schedule, layout, model
       rank<r>.pt                 per-rank RNG (torch, python, numpy, cuda) and data position
       manifest.rank<r>.json      size + crc32 of every file rank r wrote (verified on load)
-      config.yaml, config.json, tokenizer files (trainer/model_files.py), [*_state_dict.pt with format: full]
+      config.yaml, config.json, tokenizer files (trainer/models/files.py), [*_state_dict.pt with format: full]
     step-8.preempt/              written on SIGTERM/SIGUSR1 or every preempt_interval steps
     latest                       the name of the newest complete checkpoint
 
@@ -36,7 +36,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from trainer import hold, model_files
 from trainer.checkpoint import disk_space, safe_read
 from trainer.checkpoint.on_disk import (
     LATEST,
@@ -54,7 +53,9 @@ from trainer.checkpoint.replicas import Replicas
 from trainer.checkpoint.state import ModelOptimState, merged_model, model_signature, rng_state, set_rng_state
 from trainer.checkpoint.storage import MISSING_HINT, StorageLayout, agree_on_latest, probe, share_rank0_files
 from trainer.config import ConfigError
+from trainer.models import files as model_files
 from trainer.optim import restart_schedule_at, schedule_mismatch, schedule_signature
+from trainer.runtime import hold
 
 log = logging.getLogger("trainer")
 
@@ -195,7 +196,7 @@ class Checkpointer:
             self.save(trainer)
         elif self.cfg.preempt_interval > 0 and step % self.cfg.preempt_interval == 0 and step < trainer.total_steps:
             self.save(trainer, preempt=True)
-        hold.hold("step", step, self.output_dir, _rank(),  # tests only (trainer/hold.py)
+        hold.hold("step", step, self.output_dir, _rank(),  # tests only (trainer/runtime/hold.py)
                        lambda: self.preemption is not None and self.preemption.received is not None)
 
     def on_train_end(self, trainer: Any) -> None:
@@ -302,7 +303,7 @@ class Checkpointer:
             with disk_space.catching_full(self.root) as full:
                 self.replicas.copy(tmp, layout, rank, step)  # checkpoint.replicas: other nodes' files kept here too
             self._settle(full, tmp, step)
-        hold.hold("save", step, self.output_dir, rank)  # tests only (trainer/hold.py)
+        hold.hold("save", step, self.output_dir, rank)  # tests only (trainer/runtime/hold.py)
         _barrier()  # every rank's files are on disk, on every node
         if layout.is_leader(rank):
             old = final.with_name(final.name + ".old")

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint import CheckpointException
 
 from contract.memory import disk_keep_free, size_text
 from trainer.config import ConfigError
-from trainer.full_disk import FULL
+from trainer.runtime.full_disk import FULL
 
 FULL_BELOW = 1 << 20   # free bytes under which a failed write is taken for a full disk
 

@@ -6,7 +6,7 @@ only its own ranks' shards; the export reads their union). The model is rebuilt 
 (no process group) from the checkpoint's config.json (the transformers config the run built, so
 the run's model.path need not exist here) or, for older checkpoints, its config.yaml; its weights
 are read from the DCP shards whatever layout wrote them and saved with save_pretrained, next to
-the run's tokenizer files and generation config (trainer/model_files.py). Load it with
+the run's tokenizer files and generation config (trainer/models/files.py). Load it with
 `AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)`.
 """
 
@@ -20,11 +20,11 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from trainer import model_files
 from trainer.checkpoint import safe_read
 from trainer.checkpoint.on_disk import read_state, resolve_resume, verify_manifests
 from trainer.checkpoint.state import model_signature
 from trainer.config import Config, ConfigError, apply_yaml
+from trainer.models import files as model_files
 
 USAGE = ("usage: trainer export CKPT DIR   (CKPT: a checkpoint directory, a checkpoints root, or a run "
          "collected from several nodes, artifacts/<run>/)")

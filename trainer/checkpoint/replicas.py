@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.checkpoint.storage import RANK0_FILES, StorageLayout
-from trainer.full_disk import naming
+from trainer.runtime.full_disk import naming
 
 log = logging.getLogger("trainer")
 CHUNK_BYTES = 64 << 20

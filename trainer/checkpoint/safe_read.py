@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from trainer.config import ConfigError
-from trainer.unpickling import why_not_data
+from trainer.runtime.unpickling import why_not_data
 
 # numpy 2 moved numpy.core to numpy._core (pyproject allows numpy >= 1.26; a node's image may hold either).
 _multiarray = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray

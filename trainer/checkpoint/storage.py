@@ -11,7 +11,7 @@ one complete-looking checkpoint directory per node instead of one in total:
 - The leader of each disk creates the temporary directory, and after the barrier that confirms
   every shard on every node is written, renames it and writes its own `latest`.
 - The files only rank 0 writes and that every rank reads on resume (DCP's `.metadata`,
-  `trainer_state.json`, `config.yaml`, and the model files of trainer/model_files.py) are broadcast
+  `trainer_state.json`, `config.yaml`, and the model files of trainer/models/files.py) are broadcast
   to every other leader (`share_rank0_files`), so every node's directory describes the whole checkpoint.
 
 DCP dedups replicated tensors (a DDP model is written once, by rank 0), so a rank may need a
@@ -31,7 +31,7 @@ from typing import Any
 import torch.distributed as dist
 
 from trainer.config import ConfigError
-from trainer.model_files import MODEL_FILES
+from trainer.models.files import MODEL_FILES
 
 # Written by rank 0 alone, read by every rank on resume (DCP reads .metadata on every rank).
 RANK0_FILES = (".metadata", "trainer_state.json", "config.yaml", *MODEL_FILES)

@@ -4,8 +4,8 @@
 - resolve: defaults < YAML < env < CLI, then validation (torch-free)
 - checks: range and consistency checks (check_ranges torch-free; check_model reads the model's config)
 
-May import: contract, and (lazily, for checks that need them) trainer.parallel.partition,
-trainer.parallel.schedule_table, trainer.profiling.batches, trainer.hub_layout; never torch at
+May import: contract, and (lazily, for checks that need them) trainer.config.partition,
+trainer.config.schedules, trainer.config.batches, trainer.config.hub_layout; never torch at
 import time.
 """
 

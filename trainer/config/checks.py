@@ -53,8 +53,8 @@ def _real(key: str, value: float, lo: float, hi: float | None = None, *, lo_open
 
 
 def check_ranges(cfg: Config) -> None:
-    from trainer.parallel.partition import check_partition_syntax
-    from trainer.parallel.schedule_table import schedule_spec
+    from trainer.config.partition import check_partition_syntax
+    from trainer.config.schedules import schedule_spec
 
     for key, lo in AT_LEAST.items():
         if get_key(cfg, key) < lo:

@@ -65,7 +65,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"checkpoint.format: '{cfg.checkpoint.format}' (dcp or full)")
     if "{step}" not in cfg.checkpoint.name or "/" in cfg.checkpoint.name:
         raise ConfigError(f"checkpoint.name: '{cfg.checkpoint.name}' must contain {{step}} and no '/'")
-    from trainer.profiling.batches import parse_batches
+    from trainer.config.batches import parse_batches
 
     parse_batches(cfg.profile.batch)  # "1" | "1,3" | "2-4" | "none": one-line error otherwise
     if cfg.profile.format not in ("chrome", "seed"):
@@ -74,7 +74,7 @@ def validate(cfg: Config) -> None:
     if cfg.data.source != "synthetic" and not Path(cfg.data.source).exists():
         raise ConfigError(f"data.source: '{cfg.data.source}' does not exist (a file or directory, or 'synthetic')")
     if cfg.model.path is not None:
-        from trainer.hub_layout import model_dir
+        from trainer.config.hub_layout import model_dir
 
         # A Hub cache repo folder means its snapshot; config.yaml records the folder that was read.
         cfg.model.path = str(model_dir(cfg.model.path, cfg.model.load_weights))
@@ -98,7 +98,7 @@ def check_perseus(cfg: Config) -> None:
         raise ConfigError(f"profile.perseus_url: {prof.perseus_url!r} is not an http:// URL (e.g. http://10.0.0.1:7787)")
     if prof.num_prof_steps < 1:
         raise ConfigError("profile.perseus_url needs --num_prof_steps N (N >= 1): the steps measured under each plan")
-    from trainer.parallel.schedule_table import schedule_spec
+    from trainer.config.schedules import schedule_spec
 
     if cfg.parallel.pp > 1 and schedule_spec(cfg.parallel.pp_schedule).name in ("interleaved_zb", "zbv", "dualpipev"):
         raise ConfigError(f"profile.perseus_url: {cfg.parallel.pp_schedule} splits the backward into input and weight "

@@ -38,7 +38,7 @@ class DataConfig:
     split: str = "train"                # the split to read (save_to_disk DatasetDict, Hub snapshot)
     seq_len: int = 128                  # tokens per sample (packed blocks of seq_len+1)
     tokenizer: str | None = None        # tokenizer dir/file | train (a BPE on the corpus); None = model.path's
-                                        # own tokenizer, or a trained BPE without model.path (trainer/tokenizer.py)
+                                        # own tokenizer, or a trained BPE without model.path (trainer/data/tokenizer.py)
     tokenizer_vocab_size: int = 4096    # for the trained BPE tokenizer
     text_field: str = "text"            # column holding text in jsonl/parquet/datasets
     chat_template: bool = False         # text_field holds conversations: render them with the tokenizer's template

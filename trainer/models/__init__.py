@@ -3,7 +3,7 @@
 Names are imported lazily so that importing the package does not pull in torch: a bad config fails
 in a fraction of a second. The presets live in contract/presets.py (the runner sizes jobs from them).
 
-May import: torch, transformers, contract, trainer.config, and trainer.parallel.partition (the
+May import: torch, transformers, contract, trainer.config, and trainer.config.partition (the
 Counting a layout describes itself in); never the rest of trainer.parallel, the loop or the CLI.
 """
 

@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from contract.presets import PRESETS
-from trainer import container_limits
 from trainer.config import ConfigError, ModelConfig
-from trainer.unpickling import why_not_data
+from trainer.runtime import container_limits
+from trainer.runtime.unpickling import why_not_data
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ def physical_memory() -> int | None:
 
 def memory_limit(cgroup: Path | None = None) -> tuple[int | None, str]:
     """(bytes this process may use, what sets them): the container's memory limit
-    (trainer/container_limits.py) when it is below the machine's RAM, which sysconf reports inside
+    (trainer/runtime/container_limits.py) when it is below the machine's RAM, which sysconf reports inside
     a container too; else the RAM."""
     ram, limit = physical_memory(), container_limits.memory_limit(cgroup)
     if limit is not None and (ram is None or limit[0] < ram):

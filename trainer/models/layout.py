@@ -30,7 +30,7 @@ from typing import Any
 
 from torch import nn
 
-from trainer.parallel.partition import Counting
+from trainer.config.partition import Counting
 
 DECODER_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 

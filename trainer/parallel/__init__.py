@@ -7,6 +7,6 @@
 - compile, activation_checkpoint, materialize (meta-device init), grad_norm, ordered_reduce,
   running_stats: what every layout shares
 
-May import: torch, transformers, trainer.config, trainer.models, trainer.dist_env; never the
+May import: torch, transformers, trainer.config, trainer.models, trainer.runtime.dist_env; never the
 training loop (trainer.train) or the CLI.
 """

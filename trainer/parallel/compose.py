@@ -33,7 +33,6 @@ from torch import nn
 
 from trainer.config import Config, ConfigError
 from trainer.config.checks import microbatch_tokens, resolve_loss_chunks
-from trainer.dist_env import resolve_param_dtype
 from trainer.models.build import ModelSpec, Task
 from trainer.models.lm_loss import compile_loss, install_loss_forward, loss_head
 from trainer.parallel.activation_checkpoint import apply_activation_checkpointing, blocks_of
@@ -43,6 +42,7 @@ from trainer.parallel.master_weights import MasterWeights, bf16_weights_suit
 from trainer.parallel.materialize import materialize, move, to_meta
 from trainer.parallel.mesh import ParallelDims
 from trainer.parallel.parallelized import Parallelized
+from trainer.runtime.dist_env import resolve_param_dtype
 
 log = logging.getLogger("trainer")
 
@@ -61,7 +61,7 @@ def check_supported(cfg: Config) -> None:
     check_model(cfg, hf, FAMILIES[family].task)
     if p.pp == 1 and p.tp == 1:
         return
-    from trainer.parallel.partition import partition_layers
+    from trainer.config.partition import partition_layers
     from trainer.parallel.pipeline import check_schedule
     from trainer.parallel.stages import SUPPORTED
     from trainer.parallel.tensor_parallel import check_tp
@@ -211,7 +211,7 @@ def _apply_dp(par: Parallelized, model: nn.Module, blocks: list[nn.Module], dims
         log.info("DDP (replicate) over %d ranks on each pipeline stage", dims.dp)
         return replicate(model, mesh=dims.fsdp_mesh)
     log.info("DDP over %d ranks", dims.dp)
-    from trainer.profiling.batches import parse_batches
+    from trainer.config.batches import parse_batches
 
     # The Python comm hook only where it is needed: ordered sums (gloo, >= 3 ranks) or a profile
     # that times each bucket's reduction (reduce_timing.py).

@@ -83,7 +83,7 @@ def one_rank_mesh(device: torch.device) -> Any:
     group of one rank on an in-memory store (no network) when none is running."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from trainer.dist_env import init_one_rank_group
+    from trainer.runtime.dist_env import init_one_rank_group
 
     init_one_rank_group(device)
     return init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))

@@ -25,16 +25,16 @@ import torch.distributed as dist
 from torch import nn
 
 from contract.schedules import stage_to_rank
-from trainer.models.lm_loss import loss_context
-from trainer.parallel.grad_norm import clip_grad_norm
-from trainer.parallel.parallelized import Parallelized
-from trainer.parallel.partition import (
+from trainer.config.partition import (
     StageRange,
     describe_custom,
     format_ranges,
     partition_layers,
 )
-from trainer.parallel.schedule_table import ALIASES, SCHEDULES, PipelineError, ScheduleSpec, schedule_spec  # noqa: F401
+from trainer.config.schedules import ALIASES, SCHEDULES, PipelineError, ScheduleSpec, schedule_spec  # noqa: F401
+from trainer.models.lm_loss import loss_context
+from trainer.parallel.grad_norm import clip_grad_norm
+from trainer.parallel.parallelized import Parallelized
 from trainer.parallel.stages import TiedWeights, split_model, sync_tied_grads
 
 log = logging.getLogger(__name__)

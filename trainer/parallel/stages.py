@@ -33,8 +33,8 @@ import torch
 from torch import nn
 
 from trainer.config import ConfigError
+from trainer.config.partition import StageRange
 from trainer.models.lm_loss import lm_loss_sum
-from trainer.parallel.partition import StageRange
 
 DECODER_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 SUPPORTED = (*DECODER_TYPES, "gpt2", "bert", "bloom", "t5", "wide_resnet")

@@ -17,8 +17,8 @@ from typing import Any
 import torch.distributed as dist
 
 from trainer.config import ConfigError
+from trainer.config.batches import parse_batches
 from trainer.profiling import bubble, timing_csv, trace
-from trainer.profiling.batches import parse_batches
 from trainer.profiling.clocks import RankClock, estimate_offsets
 from trainer.profiling.energy import EnergySampler, probe
 from trainer.profiling.perseus_rounds import PerseusRounds

@@ -7,7 +7,7 @@ microbatch): the first step of each rank's rows is taken, and every later step m
 One file is written per frequency, every instruction at that frequency (the sweep that gives
 profile.csv its per-frequency rows); `--stage-frequencies` writes one plan with a frequency per
 stage instead. Serve them with job.perseus (scheduler PlanSequence for a list, PointSolution for
-one) or `python -m runner.perseus_server --plan ...`.
+one) or `python -m runner.agents.perseus_server --plan ...`.
 """
 
 from __future__ import annotations

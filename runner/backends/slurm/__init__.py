@@ -6,6 +6,6 @@
   job's node output; collect: mirror the run dir; oci: the image as an OCI bundle; shell: the
   login node (SSH) or this machine, one shell protocol
 
-May import: the inventory, runner.transport.ssh (the login node), delivery (collect_files), runner.runs,
-runner.jobspec, runner.notify; never another backend or runner.cli.
+May import: the inventory, runner.transport.ssh (the login node), delivery (collect_files), runner.core.runs,
+runner.planning.jobspec, runner.backends.notify; never another backend or runner.cli.main.
 """

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from runner.backends.base import Option
-from runner.errors import UserError
+from runner.core.errors import UserError
 
 
 class SlurmBackend:
@@ -43,7 +43,7 @@ class SlurmBackend:
 
     def up(self, args) -> int:
         from runner.backends.slurm.submit import cmd_up
-        from runner.inventory_arg import remember_inventory
+        from runner.inventory.choice import remember_inventory
 
         inv = self._inventory(args, "up")
         remember_inventory(args.inventory)

@@ -17,9 +17,10 @@ import stat
 from dataclasses import replace
 from pathlib import Path
 
-from runner import safe_path
 from runner.backends.slurm.jobs import resolve_run, workdir
 from runner.backends.slurm.shell import LocalShell, LoginShell, open_shell
+from runner.core import safe_path
+from runner.core.errors import EXIT_PARTIAL, UserError
 from runner.delivery import disk_room
 from runner.delivery.collect_files import (
     MANIFEST,
@@ -30,7 +31,6 @@ from runner.delivery.collect_files import (
     own_name,
     report,
 )
-from runner.errors import EXIT_PARTIAL, UserError
 from runner.inventory.slurm import SlurmInventory
 from runner.transport.digest import sha256_file
 from runner.transport.ssh import Remote

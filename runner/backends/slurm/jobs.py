@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 from runner.backends.slurm.plan import resolve
 from runner.backends.slurm.shell import Shell
-from runner.errors import UserError
+from runner.core.errors import UserError
+from runner.core.runs import resolve as pick_run
 from runner.inventory.slurm import SlurmInventory
-from runner.runs import resolve as pick_run
 
 TOOLS = ("sbatch", "squeue", "scancel", "scontrol", "sinfo")
 # Job states in which tasks may still run (COMPLETING: tasks are done, nodes are cleaning up).
@@ -141,7 +141,7 @@ def list_runs(sh: Shell, wd: str) -> list[str]:
 
 def resolve_run(sh: Shell, wd: str, wanted: str | None) -> str:
     """The Slurm run `wanted` names (an id or a unique prefix; the latest when None), by the SSH
-    runner's rule (runner/runs.py)."""
+    runner's rule (runner/core/runs.py)."""
     runs = list_runs(sh, wd)
     where = f"{wd}/runs on {sh.where}"
     if not runs:

@@ -15,7 +15,7 @@ import subprocess
 
 from runner.backends.slurm.plan import resolve
 from runner.backends.slurm.shell import LocalShell, LoginShell, Shell
-from runner.errors import UserError
+from runner.core.errors import UserError
 from runner.inventory.slurm import SlurmInventory
 
 

@@ -23,12 +23,12 @@ import re
 import shlex
 from dataclasses import dataclass
 
-from runner import jobspec
+from runner.core.node_output import visible, visible_lines
 from runner.inventory.slurm import SlurmInventory
-from runner.jobspec import CHOOSE_TORCHRUN
-from runner.node_output import visible, visible_lines
-from runner.plan import OUT, SECRETS_IN_CONTAINER
-from runner.rendezvous import AUTO_PORT_BASE, AUTO_PORT_SPAN, port_offset
+from runner.planning import jobspec
+from runner.planning.jobspec import CHOOSE_TORCHRUN
+from runner.planning.plan import OUT, SECRETS_IN_CONTAINER
+from runner.transport.rendezvous import AUTO_PORT_BASE, AUTO_PORT_SPAN, port_offset
 
 OCI_WORK = "/runner"          # oci: <workdir>/runs and <workdir>/secrets are mounted under it
 DOWN_MARK = "down"            # <run dir>/slurm/down: written by `runner down` (no requeue after it)
@@ -89,7 +89,7 @@ def masked_script(script: str) -> str:
     """For display: values of secret-looking names (TOKEN, PASSWORD, ...) in job.env masked, as the
     SSH runner's plan masks them. The script itself keeps them (owner-only file on the cluster)."""
     from runner.inventory import looks_secret
-    from runner.plan import MASK
+    from runner.planning.plan import MASK
 
     def one(m: re.Match) -> str:
         return f"export {m[1]}={MASK}  # looks like a secret: use env_file" if looks_secret(m[1]) else m[0]
@@ -136,7 +136,7 @@ def make_slurm_plan(inv: SlurmInventory, run_id: str, facts: SlurmFacts | None =
 
 
 def torchrun_argv(inv: SlurmInventory, nproc: int, config: str | None, args: list[str]) -> list[str]:
-    """The launch contract's torchrun line (runner/jobspec.py), with the node rank and master
+    """The launch contract's torchrun line (runner/planning/jobspec.py), with the node rank and master
     address as shell variables (they are known only inside the allocation)."""
     return jobspec.torchrun_argv(inv.job, inv.slurm.nodes, "$rank", nproc, "$MASTER_ADDR", "$MASTER_PORT", config, args)
 

@@ -15,9 +15,9 @@ import subprocess
 import threading
 from pathlib import Path
 
-from runner.errors import UserError
+from runner.core.errors import UserError
+from runner.core.node_output import read_capped
 from runner.inventory.slurm import SlurmInventory
-from runner.node_output import read_capped
 from runner.transport.ssh import MAX_OUTPUT, Remote, Result
 
 

@@ -2,7 +2,7 @@
 
 Each node's output is the file `srun --output` writes on the shared filesystem
 (`slurm/<job>/node<K>.out`); it is shown prefixed `[node/rank]` as the SSH runner prefixes a
-container's output, cut and made visible the same way (runner/node_output.py). Followed by polling the files' new bytes (no tail process left behind on a
+container's output, cut and made visible the same way (runner/core/node_output.py). Followed by polling the files' new bytes (no tail process left behind on a
 login node).
 """
 
@@ -14,7 +14,7 @@ import time
 
 from runner.backends.slurm.jobs import JobState, job_state, node_names, read_record, resolve_run, workdir
 from runner.backends.slurm.shell import Shell
-from runner.node_output import LineSplitter, visible
+from runner.core.node_output import LineSplitter, visible
 
 POLL_S = 0.5
 # COMPLETING: the job's tasks have exited and its nodes run the epilog; the final state (COMPLETED,
@@ -23,7 +23,7 @@ POLL_S = 0.5
 COMPLETING_WAIT_S = 120.0
 READ_PIECE = 1 << 20   # bytes of a node's output file read at once
 MAX_PIECES = 16        # ... and at most this many per file and poll
-METRICS_TAIL = 16384   # bytes read from the end of metrics.jsonl (runner/node_runs.py reads as many)
+METRICS_TAIL = 16384   # bytes read from the end of metrics.jsonl (runner/backends/ssh/node_runs.py reads as many)
 
 
 class Follower:

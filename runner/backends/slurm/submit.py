@@ -32,11 +32,11 @@ from runner.backends.slurm.jobs import (
 from runner.backends.slurm.plan import DOWN_MARK, SlurmFacts, SlurmPlan, make_slurm_plan, oci_config_json
 from runner.backends.slurm.shell import Shell, open_shell
 from runner.backends.slurm.status import Follower, last_job, last_metrics_line
-from runner.errors import Terminated, UserError
+from runner.core.errors import Terminated, UserError
+from runner.core.node_output import visible
 from runner.inventory.job_data import refuse_for
 from runner.inventory.slurm import SlurmInventory
-from runner.node_output import visible
-from runner.sizing import check_sizing, slurm_nodes
+from runner.planning.sizing import check_sizing, slurm_nodes
 
 
 def _prepare(args, inv: SlurmInventory) -> tuple[dict[str, str], object]:
@@ -66,7 +66,7 @@ def cmd_dry_run(args, inv: SlurmInventory) -> int:
 
 
 def cmd_up(args, inv: SlurmInventory) -> int:
-    from runner.notify import Outcome, notifying
+    from runner.backends.notify import Outcome, notifying
 
     secrets, spec = _prepare(args, inv)
     with notifying(spec, Outcome(inv.path, "slurm")) as outcome:
@@ -93,7 +93,7 @@ def _up(args, inv: SlurmInventory, secrets: dict[str, str], outcome) -> int:
                                     f"`runner down {run_id} -i {inv.path}` first")
             submission = len(rec.get("submissions", [])) + 1
         else:
-            from runner.runs import new_run_id
+            from runner.core.runs import new_run_id
 
             run_id = new_run_id()
         facts = _facts(sh, inv, wd)
@@ -133,7 +133,7 @@ def submit(sh: Shell, inv: SlurmInventory, plan: SlurmPlan, secrets: dict[str, s
     """Stage the run's files and sbatch the script; the job id. Until Slurm has taken the job, a
     failure (sbatch refusing it, a lost connection, Ctrl-C) removes the secrets file and the script
     (job.env's values) it staged: no job, nothing of it left that holds a value."""
-    from runner.plan import render_secrets_file
+    from runner.planning.plan import render_secrets_file
 
     staged: list[str] = []
     try:

@@ -1,5 +1,5 @@
 """The SSH backend: the inventory's own nodes, reached over SSH, one container per node
-(runner/backends/ssh/launch.py starts it, runner/node_runs.py finds and stops it). The default for any
+(runner/backends/ssh/launch.py starts it, runner/backends/ssh/node_runs.py finds and stops it). The default for any
 inventory with a `nodes:` list."""
 
 from __future__ import annotations

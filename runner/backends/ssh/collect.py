@@ -8,7 +8,7 @@ Files arrive as plain files of the caller's: owners, setuid/setgid and sticky bi
 are dropped (a container's root could otherwise plant a setuid-root file under artifacts/).
 
 The bytes travel as one OpenSSH tar stream per batch (runner/transport/stream.py, watched for stalls: a node
-that freezes mid-stream costs only its own files). Then runner/collect_report.py merges timelines, draws the
+that freezes mid-stream costs only its own files). Then runner/delivery/collect_report.py merges timelines, draws the
 plots and prints a summary. None of that imports torch: the host has none.
 """
 
@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from runner.backends.ssh.node_runs import gather, resolve_run
+from runner.core.errors import EXIT_PARTIAL, UserError
 from runner.delivery.collect_files import (
     NodeCollect,
     admit,
@@ -25,9 +27,7 @@ from runner.delivery.collect_files import (
     list_node,
     report,
 )
-from runner.errors import EXIT_PARTIAL, UserError
-from runner.inventory_arg import add_inventory_args
-from runner.node_runs import gather, resolve_run
+from runner.inventory.choice import add_inventory_args
 from runner.transport import stream
 from runner.transport.cluster import Cluster, open_nodes
 

@@ -5,7 +5,7 @@ idempotent (a second call finds nothing and says so).
 `--keep-runs N` then removes old run dirs on every node (a Pi's SD card fills up with
 checkpoints): all but the N newest runner-made runs, never one that still has a container on the
 node, never a hand-named dir. Files an earlier runner's root containers left there are removed
-through the node's engine (runner/run_owner.py) when the SSH user cannot."""
+through the node's engine (runner/backends/ssh/run_owner.py) when the SSH user cannot."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import argparse
 import logging
 import sys
 
-from runner import runs
-from runner.errors import EXIT_PARTIAL
-from runner.inventory_arg import add_inventory_args
-from runner.node_runs import latest_run, prune_runs, stop_run
-from runner.redact import printable
+from runner.backends.ssh.node_runs import latest_run, prune_runs, stop_run
+from runner.core import runs
+from runner.core.errors import EXIT_PARTIAL
+from runner.core.redact import printable
+from runner.inventory.choice import add_inventory_args
 from runner.transport.cluster import Cluster, open_nodes
 
 log = logging.getLogger("runner.down")

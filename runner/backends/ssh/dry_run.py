@@ -1,6 +1,6 @@
 """`runner up --dry-run` on SSH nodes: what would run where, printed; reads no key and contacts
 nothing (each node's arch from --arch, else left to the probe). The plan is the one the launch
-makes (runner/plan.py), with the flags the launch would add (an elastic run's replicas, a
+makes (runner/planning/plan.py), with the flags the launch would add (an elastic run's replicas, a
 resume's `--resume latest`), then the Perseus server, the memory each node needs and the elastic
 layouts."""
 
@@ -9,13 +9,13 @@ from __future__ import annotations
 from runner.backends.base import dry_run_id
 from runner.backends.ssh import perseus
 from runner.backends.ssh.launch import RESUME_ARGS, prepare
-from runner.elastic import render as render_elastic
-from runner.elastic import replicas_args
-from runner.errors import UserError
+from runner.core.errors import UserError
+from runner.core.node_output import visible_lines
 from runner.inventory import ARCH_ALIASES, Inventory
-from runner.node_output import visible_lines
-from runner.plan import Facts, make_plan
-from runner.sizing import check_sizing
+from runner.planning.elastic import render as render_elastic
+from runner.planning.elastic import replicas_args
+from runner.planning.plan import Facts, make_plan
+from runner.planning.sizing import check_sizing
 
 
 def _dry_facts(inv: Inventory, arch_args: list[str]) -> dict[str, Facts]:

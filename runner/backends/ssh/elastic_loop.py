@@ -1,5 +1,5 @@
 """`runner up` of an elastic job: what happens between two launches when a node is lost or comes
-back (the layouts themselves are runner/elastic.py's).
+back (the layouts themselves are runner/planning/elastic.py's).
 
 A node lost (its link cut, its host gone: the watcher's heartbeat, or a failure after which the
 node no longer answers): the others are stopped as for any failure, the layout is chosen again
@@ -25,8 +25,13 @@ import threading
 import time
 from pathlib import Path
 
+from runner.backends.ssh.node_runs import stop_node
 from runner.backends.ssh.watch import FAIL_STOP_GRACE_S
-from runner.elastic import (
+from runner.core.errors import UserError
+from runner.core.redact import printable
+from runner.inventory import Inventory
+from runner.inventory.elastic_spec import ElasticSpec
+from runner.planning.elastic import (
     ELASTIC_FILE,
     EVENTS_MAX,
     choose,
@@ -36,12 +41,7 @@ from runner.elastic import (
     replicas_args,
     sub_inventory,
 )
-from runner.errors import UserError
-from runner.inventory import Inventory
-from runner.inventory.elastic_spec import ElasticSpec
-from runner.node_runs import stop_node
-from runner.paths import node_paths
-from runner.redact import printable
+from runner.planning.paths import node_paths
 from runner.transport.cluster import Cluster
 from runner.transport.ssh import Remote
 
@@ -212,7 +212,7 @@ class ElasticRun:
 
 def last_step(view: Cluster, nodes: list, probes: dict, run_id: str) -> int | None:
     """The newest step in the nodes' metrics.jsonl (the logging rank's node has it), or None."""
-    from runner.node_runs import node_progress
+    from runner.backends.ssh.node_runs import node_progress
 
     def one(n) -> int | None:
         got = node_progress(view[n.name], node_paths(n, probes[n.name].home).run(run_id))[0]

@@ -7,7 +7,7 @@ master's port listening (it writes each one a go-file then). That keeps the mast
 contract and takes the workers' start-up off the launch's critical path.
 
 `--dry-run` stops after planning: it prints the plan with secrets masked and each node's memory
-estimate (runner/sizing.py), and opens no socket. A node that cannot hold its pipeline stage is
+estimate (runner/planning/sizing.py), and opens no socket. A node that cannot hold its pipeline stage is
 refused before anything is contacted, with or without --dry-run.
 """
 
@@ -25,13 +25,11 @@ from pathlib import Path
 from runner.backends.base import up_job
 from runner.backends.ssh import perseus
 from runner.backends.ssh.elastic_loop import ElasticRun, last_step, layout_split
+from runner.backends.ssh.node_runs import create_container, run_containers, stop_node, stop_run
 from runner.backends.ssh.resume import hand_back_runs, resume_run
 from runner.backends.ssh.run_end import last_metrics, write_status
 from runner.backends.ssh.watch import FAIL_STOP_GRACE_S, Watcher
-from runner.delivery.resume_sync import CHECKPOINTS, sync_checkpoints
-from runner.elastic import check as check_elastic
-from runner.elastic import spec_of
-from runner.errors import (
+from runner.core.errors import (
     EXIT_INTERRUPTED,
     EXIT_JOB_FAILED,
     EXIT_TERMINATED,
@@ -39,11 +37,15 @@ from runner.errors import (
     UserError,
     interrupt_code,
 )
+from runner.core.redact import printable
+from runner.core.runs import new_run_id
+from runner.delivery.resume_sync import CHECKPOINTS, sync_checkpoints
 from runner.inventory import Inventory
-from runner.inventory_arg import add_inventory_args, load, remember_inventory
-from runner.node_runs import create_container, run_containers, stop_node, stop_run
-from runner.paths import node_paths
-from runner.plan import (
+from runner.inventory.choice import add_inventory_args, load, remember_inventory
+from runner.planning.elastic import check as check_elastic
+from runner.planning.elastic import spec_of
+from runner.planning.paths import node_paths
+from runner.planning.plan import (
     GATE_MODULES,
     LABEL_GATE,
     OUT,
@@ -53,13 +55,11 @@ from runner.plan import (
     make_plan,
     render_secrets_file,
 )
+from runner.planning.sizing import check_sizing
 from runner.profile.auto import pin_auto_partition
-from runner.redact import printable
-from runner.rendezvous import choose_port, wait_listening
-from runner.runs import new_run_id
-from runner.sizing import check_sizing
 from runner.transport.cluster import Cluster
 from runner.transport.probe import Probe, probe
+from runner.transport.rendezvous import choose_port, wait_listening
 from runner.transport.ssh import Remote
 
 log = logging.getLogger("runner.up")
@@ -100,7 +100,7 @@ def prepare(args, dry: bool):
     notify spec, and an elastic run's refusals. (inventory, secrets, notify spec, elastic spec)."""
     inv = load(args, check_files=not dry)
     if not dry:
-        remember_inventory(args.inventory)  # the default of the next command here (runner/inventory_arg.py)
+        remember_inventory(args.inventory)  # the default of the next command here (runner/inventory/choice.py)
     secret_vals, spec = up_job(args, inv.job, inv.path)
     elastic = spec_of(inv, args.elastic)
     if elastic is not None:
@@ -111,7 +111,7 @@ def prepare(args, dry: bool):
 
 
 def main(args) -> int:
-    from runner.notify import Outcome, notifying
+    from runner.backends.notify import Outcome, notifying
 
     inv, secret_vals, spec, elastic = prepare(args, dry=False)
     with notifying(spec, Outcome(inv.path, "ssh", [n.name for n in inv.ordered()])) as outcome:
@@ -126,7 +126,7 @@ def main(args) -> int:
 class Launcher:
     def __init__(self, inv: Inventory, args, secret_vals: dict[str, str], outcome=None):
         self.inv, self.args, self.secret_vals = inv, args, secret_vals
-        self.outcome = outcome                # runner/notify.py Outcome: what a notification says
+        self.outcome = outcome                # runner/backends/notify.py Outcome: what a notification says
         self.lost: str | None = None          # node lost during the last attempt
         self.lost_reclaimed = False           # ... and reached again, its container removed
         self.gates: dict[str, str | None] = {}  # node -> its image's io.runner.gate label (GATE_MODULES)

@@ -9,7 +9,7 @@
         port: auto                          # the server's port on the master (auto: a free one)
 
 A plan file is a Python literal: one list per rank of (instruction, frequency) pairs
-(runner/perseus_server.py; `trainer perseus-plans` writes them). Each is read here with
+(runner/agents/perseus_server.py; `trainer perseus-plans` writes them). Each is read here with
 ast.literal_eval and must hold one list per rank of the job (the nodes' slots or
 job.nproc_per_node, summed): checked when the inventory loads, so `runner up --dry-run` refuses
 it. The validated bytes are what reach the master: <run dir>/perseus/plans/.
@@ -30,11 +30,11 @@ import os
 import re
 from dataclasses import replace
 
-from runner.errors import JobFailed, UserError
+from runner.backends.ssh.node_runs import create_container
+from runner.core.errors import JobFailed, UserError
 from runner.inventory.perseus_spec import PerseusSpec
-from runner.node_runs import create_container
-from runner.plan import LABEL_ROLE, OUT, NodePlan, Plan
-from runner.rendezvous import pick_master_port, wait_listening
+from runner.planning.plan import LABEL_ROLE, OUT, NodePlan, Plan
+from runner.transport.rendezvous import pick_master_port, wait_listening
 
 log = logging.getLogger("runner.up")
 
@@ -68,7 +68,7 @@ def server_plan(plan: Plan, spec: PerseusSpec, port: int | str) -> NodePlan:
     """The server's container on the master, as a NodePlan (same image, user, run dir; no GPU)."""
     m = plan.nodes[0]
     base = f"{OUT}/{PERSEUS_DIR}"
-    cmd = ["python", "-m", "runner.perseus_server", "--host", plan.master_addr, "--port", str(port),
+    cmd = ["python", "-m", "runner.agents.perseus_server", "--host", plan.master_addr, "--port", str(port),
            "--dump-dir", f"{base}/dump", "--scheduler", spec.scheduler]
     for name in plan_names(spec):
         cmd += ["--plan", f"{base}/plans/{name}"]

@@ -3,11 +3,11 @@ the SSH user's again where an earlier runner's root containers wrote them."""
 
 from __future__ import annotations
 
-from runner import runs
-from runner.errors import UserError
-from runner.paths import node_paths
-from runner.plan import NodePlan, Plan
-from runner.redact import printable
+from runner.core import runs
+from runner.core.errors import UserError
+from runner.core.redact import printable
+from runner.planning.paths import node_paths
+from runner.planning.plan import NodePlan, Plan
 from runner.transport.cluster import Cluster
 from runner.transport.probe import Probe
 from runner.transport.ssh import Remote
@@ -15,8 +15,8 @@ from runner.transport.ssh import Remote
 
 def resume_run(master: Remote, wanted: str) -> str:
     """The run dir on the master that `--resume` means: the latest run for "latest", else the one
-    whose id is `wanted` or starts with it (runner/runs.py: the rule every command uses)."""
-    from runner.node_runs import node_run_dirs
+    whose id is `wanted` or starts with it (runner/core/runs.py: the rule every command uses)."""
+    from runner.backends.ssh.node_runs import node_run_dirs
 
     names = list(node_run_dirs(master))
     where = f"{node_paths(master.node, master.home).runs} on {master.node.name} (the master)"
@@ -32,7 +32,7 @@ def resume_run(master: Remote, wanted: str) -> str:
 def hand_back_runs(cl: Cluster, plan: Plan, probes: dict[str, Probe]) -> None:
     """A run an earlier runner's root containers wrote is made the (non-root) SSH user's before it
     is resumed: the sync copies into it and the relaunched ranks, running as that user, write to it."""
-    from runner.run_owner import hand_back
+    from runner.backends.ssh.run_owner import hand_back
 
     def one(np_: NodePlan) -> str | None:
         p = probes[np_.node]

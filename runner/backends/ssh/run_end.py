@@ -10,7 +10,7 @@ import shlex
 from datetime import datetime, timezone
 
 from runner.backends.ssh.watch import Watcher
-from runner.plan import NodePlan, Plan
+from runner.planning.plan import NodePlan, Plan
 from runner.transport.cluster import Cluster
 
 log = logging.getLogger("runner.up")
@@ -19,7 +19,7 @@ log = logging.getLogger("runner.up")
 def last_metrics(cl: Cluster, nodes: list[NodePlan]) -> str | None:
     """The run's newest metrics.jsonl record among the nodes' run dirs (the logging rank's node
     holds it; which one that is depends on the layout), as the node wrote it; None if none has one."""
-    from runner.node_runs import node_progress
+    from runner.backends.ssh.node_runs import node_progress
 
     found = []
     for _, got, err in cl.map(nodes, lambda np: node_progress(cl[np.node], np.run_dir)[0]):

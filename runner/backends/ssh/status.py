@@ -15,16 +15,16 @@ from rich.table import Table
 from rich.text import Text
 
 from contract import bounded_json, metrics
-from runner.container_logs import FollowedLog, log_chunks
-from runner.elastic import ELASTIC_FILE, EVENTS_MAX, parse_events, render_events
-from runner.errors import UserError
-from runner.inventory_arg import add_inventory_args
-from runner.node_output import KeptLog, LineSplitter, cells, visible
-from runner.node_runs import gather, node_progress, resolve_run, run_doc
-from runner.paths import node_paths
-from runner.plan import LABEL_RANK, LABEL_ROLE, LABEL_RUN
-from runner.redact import printable
+from runner.backends.ssh.node_runs import gather, node_progress, resolve_run, run_doc
+from runner.core.errors import UserError
+from runner.core.node_output import KeptLog, LineSplitter, cells, visible
+from runner.core.redact import printable
+from runner.inventory.choice import add_inventory_args
+from runner.planning.elastic import ELASTIC_FILE, EVENTS_MAX, parse_events, render_events
+from runner.planning.paths import node_paths
+from runner.planning.plan import LABEL_RANK, LABEL_ROLE, LABEL_RUN
 from runner.transport.cluster import Cluster, open_nodes
+from runner.transport.container_logs import FollowedLog, log_chunks
 
 
 def _label_int(value) -> int | None:

@@ -1,5 +1,5 @@
 """Watch a launched run: stream every container's output prefixed `[node/rank]` (lines cut at 64 KiB,
-control characters made visible: runner/node_output.py; the raw bytes kept per node, 512 MiB at most), and fail fast: the first container exiting non-zero or node becoming unreachable stops
+control characters made visible: runner/core/node_output.py; the raw bytes kept per node, 512 MiB at most), and fail fast: the first container exiting non-zero or node becoming unreachable stops
 every other container of the run (one shared event, as Horovod's safe_shell_exec does)."""
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from runner.container_logs import FollowedLog
-from runner.fanout import DEFAULT_PARALLEL
-from runner.node_output import KeptLog, LineSplitter, visible
-from runner.node_runs import stop_run
-from runner.plan import Plan
+from runner.backends.ssh.node_runs import stop_run
+from runner.core.fanout import DEFAULT_PARALLEL
+from runner.core.node_output import KeptLog, LineSplitter, visible
+from runner.planning.plan import Plan
+from runner.transport.container_logs import FollowedLog
 from runner.transport.ssh import Remote
 
 log = logging.getLogger("runner.watch")
@@ -109,7 +109,7 @@ class Watcher:
 
             show(output.follow())
             res = c.wait(timeout=None)  # at once: the stream ends when the container does
-            try:  # what the engine's follow left out at the exit (docker 20.10: runner/container_logs.py)
+            try:  # what the engine's follow left out at the exit (docker 20.10: runner/transport/container_logs.py)
                 show(output.rest())
             except Exception as exc:  # noqa: BLE001 - the exit code is the outcome; the output may be short
                 log.warning("[%s/%d] the end of its output may be missing here (%s); the trainer's own log, "

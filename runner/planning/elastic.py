@@ -1,0 +1,251 @@
+"""Elastic runs (`job.elastic`, `runner up --elastic`): the layout over the nodes a run has now.
+
+When a node is lost the run goes on over the others, and when it answers again (`rejoin`) it is
+taken back; each time the layout is chosen again here, before anything restarts:
+
+- the world is the nodes' processes (`slots`, or job.nproc_per_node); tp stays (within a node);
+- dp is kept as near the job's as the world allows, pp takes the rest (the fewest stages lost);
+- the global batch is kept: batch_size per dp rank = the job's global batch / dp, which must divide
+  evenly (and into microbatch_num with a pipeline); the data order and the LR schedule are the
+  checkpoint's, so the loss curve equals a resume into the same layout by hand;
+- a layout in which a node cannot hold its stage (runner/planning/sizing.py) is passed over;
+- `parallel.partition` must be a rule (uniform_transformer, parameters, auto, ...): the trainer, or
+  for `auto` the runner from the cached profiles, splits the layers again for the new pp.
+
+Torch-free and pure: the layouts and the refusals are decided from the inventory alone (tests and
+`up --dry-run` use it without a node). The events of a run (`elastic.jsonl` in its run dir) are
+read back by `runner status`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, replace
+from datetime import datetime, timezone
+
+from contract.model_size import NotSized
+from runner.core.errors import UserError
+from runner.inventory import Inventory
+from runner.inventory.elastic_spec import ElasticSpec
+from runner.planning.sizing import job_settings, model_of, refusal, size_job
+
+ELASTIC_FILE = "elastic.jsonl"  # in the run dir of every node of the current layout
+EVENTS_MAX = 1 << 20  # an elastic.jsonl read from a node: a few hundred bytes an event
+RULE_PARTITIONS = ("uniform_transformer", "uniform", "parameters", "auto")
+
+
+@dataclass(frozen=True)
+class Layout:
+    nodes: tuple[str, ...]   # node rank order: the master first
+    pp: int
+    dp: int
+    tp: int
+    batch_size: int          # per dp rank
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.dp
+
+    def args(self, job: Layout | None = None) -> list[str]:
+        """The trainer args that put the job into this layout (after the job's own: the last wins).
+        The batch only where it differs from the job's: a profile cached for the job's args (its
+        key holds the batch, not pp or dp) then still answers for the new layout."""
+        same = job is not None and job.batch_size == self.batch_size
+        return ["--parallel.pp", str(self.pp), "--parallel.dp", str(self.dp)] + \
+            ([] if same else ["--train.batch_size", str(self.batch_size)])
+
+    @property
+    def shown(self) -> str:
+        return f"pp {self.pp} x dp {self.dp} x tp {self.tp} on {len(self.nodes)} node(s) ({', '.join(self.nodes)})"
+
+    def as_dict(self) -> dict:
+        return {"nodes": list(self.nodes), "pp": self.pp, "dp": self.dp, "tp": self.tp, "batch_size": self.batch_size}
+
+
+def spec_of(inv: Inventory, flag: bool) -> ElasticSpec | None:
+    """job.elastic, else ElasticSpec() for `up --elastic`, else None (not elastic)."""
+    return inv.job.elastic if inv.job.elastic is not None else (ElasticSpec() if flag else None)
+
+
+def sub_inventory(inv: Inventory, names: list[str] | tuple[str, ...]) -> Inventory:
+    """The inventory restricted to `names`, in its own order; the master stays the master while it
+    is among them, else the first of them is (node rank 0)."""
+    keep = set(names)
+    nodes = [n for n in inv.nodes if n.name in keep]
+    if not nodes:
+        raise UserError(f"{inv.path}: no node left")
+    master = inv.master.name if inv.master.name in keep else nodes[0].name
+    nodes = [replace(n, role="master" if n.name == master else "worker") for n in nodes]
+    return Inventory(path=inv.path, nodes=nodes, job=replace(inv.job, args=list(inv.job.args)))
+
+
+def job_layout(inv: Inventory) -> Layout:
+    """The layout the job asks for on all of the inventory's nodes."""
+    s = job_settings(inv.job)
+    world = sum(inv.job.nproc_per_node or n.slots for n in inv.nodes)
+    pp, tp = int(s["parallel.pp"]), int(s["parallel.tp"])
+    dp = int(s["parallel.dp"] or max(world // (pp * tp), 1))
+    return Layout(tuple(n.name for n in inv.ordered()), pp, dp, tp, int(s["train.batch_size"]))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def choose(inv: Inventory, names: list[str] | tuple[str, ...], want: Layout) -> Layout:
+    """The layout over the nodes `names` (of inv) that keeps `want`'s global batch and tp, dp as
+    near want.dp as possible (then the most stages). UserError, one line, if none can run."""
+    sub = sub_inventory(inv, names)
+    s = job_settings(inv.job)
+    order = tuple(n.name for n in sub.ordered())
+    world = sum(sub.job.nproc_per_node or n.slots for n in sub.nodes)
+    tp, micro = want.tp, int(s["train.microbatch_num"] or 0)
+    try:
+        layers = model_of(s, inv.job)[1].layers
+    except (NotSized, UserError, OSError, ValueError):
+        layers = None
+    why: list[str] = []
+    found = []
+    if world % tp:
+        raise UserError(f"elastic: the {world} processes on {', '.join(order)} do not divide into tp {tp}")
+    for dp in _divisors(world // tp):
+        pp = world // (tp * dp)
+        if want.global_batch % dp:
+            why.append(f"dp {dp}: the global batch {want.global_batch} does not divide by it")
+            continue
+        batch = want.global_batch // dp
+        if pp > 1 and micro and batch % micro:
+            why.append(f"dp {dp}: batch {batch} a rank does not divide into {micro} microbatches")
+            continue
+        if layers is not None and pp > layers:
+            why.append(f"pp {pp}: more stages than the model's {layers} layers")
+            continue
+        found.append(Layout(order, pp, dp, tp, batch))
+    found.sort(key=lambda lay: (abs(lay.dp - want.dp), -lay.pp))
+    for lay in found:
+        line = _misfit(sub, lay)
+        if line is None:
+            return lay
+        why.append(f"pp {lay.pp} x dp {lay.dp}: {line}")
+    raise UserError(f"elastic: no layout runs on {', '.join(order)}: " + ("; ".join(why) or "no candidate"))
+
+
+def _misfit(sub: Inventory, lay: Layout) -> str | None:
+    """Why a node cannot hold its stage in this layout (runner/planning/sizing.py), or None."""
+    if sub.job.command:
+        return None
+    trial = replace(sub, job=replace(sub.job, args=[*sub.job.args, *lay.args()]))
+    try:
+        line = refusal(size_job(trial), str(sub.path))
+    except NotSized:
+        return None
+    return line.split(": ", 1)[1].split("; use", 1)[0] if line else None
+
+
+def check(inv: Inventory, spec: ElasticSpec) -> None:
+    """Refuse, before anything starts, an elastic job that could never shrink: a fixed split, tp
+    across nodes, a job.command (not the trainer: nothing to re-plan), or a model that no
+    `min_nodes` of the nodes can hold (tried on the nodes with the most memory)."""
+    where = f"{inv.path}:{spec.line}: job.elastic" if spec.line else "--elastic"
+    if inv.job.command:
+        raise UserError(f"{where}: job.command is not the trainer, so its layout cannot be planned again; "
+                        f"drop job.command or elastic")
+    s = job_settings(inv.job)
+    part = str(s["parallel.partition"] or "")
+    if int(s["parallel.pp"]) > 1 and not part.startswith(RULE_PARTITIONS):
+        raise UserError(f"{where}: parallel.partition {part} is a fixed split for {s['parallel.pp']} stages; "
+                        f"give `auto` (split again from the nodes' profiles) or a rule "
+                        f"({', '.join(RULE_PARTITIONS[:3])}) so a smaller pipeline can be split")
+    tp = int(s["parallel.tp"])
+    narrow = [n.name for n in inv.nodes if (inv.job.nproc_per_node or n.slots) % tp]
+    if tp > 1 and narrow:
+        raise UserError(f"{where}: parallel.tp {tp} spans nodes ({narrow[0]} runs "
+                        f"{inv.job.nproc_per_node or inv.node(narrow[0]).slots} process(es)); a tp group "
+                        f"cannot lose a node: keep tp within a node")
+    want = job_layout(inv)
+    from runner.planning.sizing import cached_profiles, known_memory
+
+    profiles = cached_profiles(inv.nodes)
+    roomy = sorted(inv.nodes, key=lambda n: -(known_memory(n, bool(n.gpus), profiles.get(n.name))[0] or 1 << 62))
+    fewest = [n.name for n in roomy[:spec.min_nodes]]
+    try:
+        choose(inv, fewest, want)
+    except UserError as exc:
+        raise UserError(f"{where}: min_nodes {spec.min_nodes}: {str(exc).removeprefix('elastic: ')}; "
+                        f"raise min_nodes") from None
+
+
+def replicas_args(inv: Inventory) -> list[str]:
+    """`--checkpoint.replicas 1` unless the job keeps copies already: a lost node's part of each
+    checkpoint is then on the next node, and the nodes left hold a whole one."""
+    s = job_settings(inv.job)
+    return [] if int(s.get("checkpoint.replicas") or 0) >= 1 else ["--checkpoint.replicas", "1"]
+
+
+def render(inv: Inventory, spec: ElasticSpec) -> str:
+    """`up --dry-run`'s lines: the spec, and the layout the run would take without each node
+    (the last node only, past 8 nodes)."""
+    want = job_layout(inv)
+    extra = " ".join(replicas_args(inv))
+    lines = [f"elastic: min_nodes {spec.min_nodes}, rejoin {'yes' if spec.rejoin else 'no'}; starts as {want.shown}"
+             + (f"; {extra} added (the nodes left hold a whole checkpoint)" if extra else "")]
+    order = [n.name for n in inv.ordered()]
+    for gone in (order if len(order) <= 8 else order[-1:]):
+        left = [n for n in order if n != gone]
+        if len(left) < spec.min_nodes:
+            lines.append(f"  without {gone}: stops ({len(left)} node(s) left, min_nodes {spec.min_nodes})")
+            continue
+        try:
+            lines.append(f"  without {gone}: {choose(inv, left, want).shown}")
+        except UserError as exc:
+            lines.append(f"  without {gone}: stops ({str(exc).removeprefix('elastic: ')})")
+    return "\n".join(lines)
+
+
+def event(kind: str, **fields) -> dict:
+    """One line of elastic.jsonl: `time` for people, `t` and the other epoch seconds for bench/elastic.py."""
+    now = time.time()
+    return {"time": datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="seconds"), "t": now,
+            "event": kind, **fields}
+
+
+def parse_events(text: str) -> list[dict]:
+    """The events of an elastic.jsonl as a node sent it: its JSON objects; anything else is passed over
+    (a line nested past Python's recursion limit too: RecursionError is not a ValueError)."""
+    out = []
+    for raw in text.splitlines():
+        try:
+            e = json.loads(raw)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(e, dict):
+            out.append(e)
+    return out
+
+
+def render_events(events: list[dict]) -> list[str]:
+    """`runner status`'s lines for a run's events: one per layout change or loss (the last 200)."""
+    out = []
+    for e in events[-200:]:
+        when, kind = str(e.get("time", "?")), str(e.get("event", "?"))
+        if kind == "layout":
+            lay = e.get("layout") if isinstance(e.get("layout"), dict) else {}  # the job's file: any shape
+            nodes = lay.get("nodes") if isinstance(lay.get("nodes"), list) else []
+            line = f"layout pp {lay.get('pp')} x dp {lay.get('dp')} x tp {lay.get('tp')} on {', '.join(map(str, nodes))}"
+            if e.get("from_step") is not None:
+                line += f" from step {e['from_step']}"
+            if e.get("steps_lost") is not None:
+                line += f" ({e['steps_lost']} step(s) redone)"
+            if e.get("split"):
+                line += f", split {e['split']}"
+        elif kind == "lost":
+            line = f"lost {e.get('node')}: {e.get('why')}"
+        elif kind == "back":
+            line = f"{e.get('node')} reachable again"
+        elif kind == "stop":
+            line = f"stopped: {e.get('why')}"
+        else:
+            line = kind
+        out.append(f"{when}  {line}"[:400])
+    return out
