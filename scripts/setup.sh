@@ -23,7 +23,10 @@ PKGS=(docker.io openssh-server openssh-client debootstrap docker-compose iproute
       golang-go
       # bsdtar (libarchive), the tar of a macOS laptop: tests/test_laptop_tar.py runs sync's and
       # push's local tar commands with it
-      libarchive-tools)
+      libarchive-tools
+      # a headless browser: the docs site's pages rendered, screenshotted and read back
+      # (tests/test_docs_site.py)
+      chromium)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -50,7 +53,7 @@ stamp=$VENV/.installed-$(sha256sum pyproject.toml | cut -c1-16)
 if [[ ! -f $stamp ]]; then
   log "installing the project into $VENV (torch==2.13.0 CPU, transformers, docker SDK, paramiko, ...)"
   "$VENV/bin/pip" install -q --upgrade pip >/dev/null
-  "$VENV/bin/pip" install -q -e ".[trainer,dev]"
+  "$VENV/bin/pip" install -q -e ".[trainer,dev,docs]"
   rm -f "$VENV"/.installed-*
   touch "$stamp"
 fi

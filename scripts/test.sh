@@ -6,6 +6,9 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 scripts/build-image.sh runner-trainer:latest
 .venv/bin/ruff check --quiet runner trainer contract tests bench
+# The docs site, strictly: a broken link, a missing page or anchor, a bench table that no longer
+# renders from bench/results/ fails here, in seconds, before the tests (mkdocs.yml; .build/ is ignored).
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir .build/site
 # --cov: branch coverage of runner/, trainer/ and contract/ over every test ([tool.coverage] in
 # pyproject.toml), the table printed before pytest's closing line. The tests' own process only:
 # measuring the trainer ranks and runner CLI calls they start too (COVER_SUBPROCESSES=1) costs

@@ -150,7 +150,7 @@ def test_link_of_a_loopback_sandbox_or_unknown_node_is_one_line(netns_sandbox, t
 
 
 def test_sandbox_net_cli_is_documented():
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "sandbox.md").read_text()
     for needle in ("runner sandbox up --nodes 3 --netns", "runner sandbox link node-1 down", "--link 100mbit"):
         assert needle in text, needle
     assert re.search(r"no netem", text)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.errors import UserError
+from runner.core.errors import UserError
 from runner.inventory import Jump, load_inventory
 from runner.inventory.ssh_config import parse_jump
 from runner.transport.jump import proxy_command
@@ -205,7 +205,7 @@ def test_the_streams_proxycommand_quotes_every_piece():
 def test_the_readme_bastion_examples_mean_what_they_say(tmp_path, home, no_network):
     from tests import REPO
 
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "inventory.md").read_text()
     section = text[text.index("**`~/.ssh/config` and bastions.**"):]
     inline = section[section.index("```yaml\n") + 8:section.index("```\n", section.index("```yaml\n") + 8)]
     config = section[section.index("```\nHost ") + 4:]
