@@ -20,6 +20,7 @@ context and library workspaces are not included: leave 10-20 % headroom.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 FP32 = 4
@@ -50,7 +51,7 @@ class MemoryEstimate:
     def total(self) -> int:
         return self.weights + self.gradients + self.optimizer + self.activations + self.transient
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "total": self.total}
 
 

@@ -8,6 +8,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any, TypeGuard
 
 import yaml
 
@@ -21,13 +22,13 @@ MAX_READ = 64 << 20   # the newest 64 MiB of a metrics.jsonl are read (a real re
 MAX_LINE = 64 << 10   # a longer line is no record of ours: left out unparsed
 
 
-def parse(text: str) -> list[dict]:
+def parse(text: str) -> list[dict[str, Any]]:
     """Every record that parses (a line being written when read is skipped, and one nested past
     Python's recursion limit: RecursionError is not a ValueError)."""
     return [r for line in text.splitlines() if (r := _record(line)) is not None]
 
 
-def _record(line: str | bytes) -> dict | None:
+def _record(line: str | bytes) -> dict[str, Any] | None:
     if len(line) > MAX_LINE:
         return None
     try:
@@ -37,14 +38,14 @@ def _record(line: str | bytes) -> dict | None:
     return r if isinstance(r, dict) else None
 
 
-def read(path: Path, max_bytes: int = MAX_READ) -> list[dict]:
+def read(path: Path, max_bytes: int = MAX_READ) -> list[dict[str, Any]]:
     """The records in the newest max_bytes of the file, read a piece at a time (a job's file of any
     size, or one line of gigabytes without a newline, costs at most max_bytes)."""
     lines, _ = tail_lines(Path(path), max_bytes, MAX_LINE)
     return [r for line in lines if (r := _record(line)) is not None]
 
 
-def number(x: object) -> bool:
+def number(x: object) -> TypeGuard[int | float]:
     """x is a number a float holds and is finite: a job's NaN, 1e308 step time or 400-digit loss is
     not one (they ended `runner status` in a traceback)."""
     if not isinstance(x, (int, float)) or isinstance(x, bool):
@@ -55,11 +56,11 @@ def number(x: object) -> bool:
         return False
 
 
-def is_step(x: object) -> bool:
+def is_step(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 62
 
 
-def loss_records(records: list[dict]) -> list[dict]:
+def loss_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Records with a numeric loss and an integer step (what a loss curve plots)."""
     return [r for r in records if number(r.get("loss")) and is_step(r.get("step"))]
 
@@ -84,7 +85,7 @@ class Progress:
     tokens_per_s: float | None
     eta_s: float | None
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def __str__(self) -> str:
@@ -98,7 +99,7 @@ class Progress:
         return "  ".join(parts)
 
 
-def progress(records: list[dict], total: int | None) -> Progress | None:
+def progress(records: list[dict[str, Any]], total: int | None) -> Progress | None:
     """Where a run is, from its latest records; the ETA from the mean of recent step times."""
     steps = loss_records(records)
     if not steps:
@@ -114,7 +115,7 @@ def progress(records: list[dict], total: int | None) -> Progress | None:
                     eta if eta is not None and math.isfinite(eta) else None)
 
 
-def summary(records: list[dict]) -> str | None:
+def summary(records: list[dict[str, Any]]) -> str | None:
     """`final loss X at step N, tokens/s mean M` (collect's summary line)."""
     losses = loss_records(records) or [r for r in records if number(r.get("loss"))]
     if not losses:

@@ -22,6 +22,7 @@ The last stage also keeps one microbatch's logits (vocab per token) for the loss
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from contract.memory import DTYPE_BYTES, StageLoad, loss_scratch_bytes
 
@@ -125,7 +126,8 @@ def stage_loads(shape: ModelShape, bounds: list[int], *, micro: int, seq: int, d
     return loads
 
 
-def with_overrides(family: str, cfg: dict, model: dict, hf_overrides: dict, *, preset: bool) -> dict:
+def with_overrides(family: str, cfg: dict[str, Any], model: dict[str, Any], hf_overrides: dict[str, Any], *,
+                   preset: bool) -> dict[str, Any]:
     """A preset's or config.json's fields with the trainer's model.* keys (`model`: num_hidden_layers,
     hidden_size, num_attention_heads, intermediate_size, vocab_size; None = unset) and
     model.hf_overrides applied as trainer/models/build.py applies them."""
@@ -145,13 +147,13 @@ def with_overrides(family: str, cfg: dict, model: dict, hf_overrides: dict, *, p
     return out
 
 
-def _get(cfg: dict, family: str, name: str, default=None):
+def _get(cfg: dict[str, Any], family: str, name: str, default: Any = None) -> Any:
     key = _ALIASES.get(family, {}).get(name, name)
     value = cfg.get(key, cfg.get(name))
     return default if value is None else value
 
 
-def model_shape(family: str, cfg: dict, *, eager_attention: bool = False) -> ModelShape:
+def model_shape(family: str, cfg: dict[str, Any], *, eager_attention: bool = False) -> ModelShape:
     """The shape of a `family` model from its transformers config fields (a preset's dict or a
     config.json); `eager_attention` for model.attn_implementation eager. NotSized for a family
     outside FAMILIES."""

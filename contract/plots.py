@@ -6,7 +6,9 @@ needed. `trainer plot` and `runner collect` both draw with these.
 from __future__ import annotations
 
 import math
+from collections.abc import MutableMapping
 from pathlib import Path
+from typing import Any
 
 from contract import bounded_json
 
@@ -30,7 +32,7 @@ MAX_NAME = 100        # characters of a row's name kept (a real one: node/rankR/
 MAX_TITLE = 200       # characters of the title kept (a real one: ~100); both fit the figure's 12 inches
 
 
-def keep_font_cache(environ=None) -> None:
+def keep_font_cache(environ: MutableMapping[str, str] | None = None) -> None:
     """Matplotlib keeps its font cache under ~/.config and ~/.cache; where those cannot be written
     (HOME is / or read-only, as for a container run as another uid) it makes a new temporary dir
     in every process, rebuilds the cache there (seconds) and prints two warnings each time. One
@@ -39,7 +41,7 @@ def keep_font_cache(environ=None) -> None:
     import sys
     import tempfile
 
-    env = os.environ if environ is None else environ
+    env: MutableMapping[str, str] = os.environ if environ is None else environ
     if env.get("MPLCONFIGDIR") or "matplotlib" in sys.modules:
         return
     home = Path(env.get("HOME") or "/")
@@ -63,7 +65,7 @@ def keep_font_cache(environ=None) -> None:
         env["MPLCONFIGDIR"] = str(kept)  # else (someone else's dir): matplotlib's own fallback
 
 
-def _pyplot():
+def _pyplot() -> Any:  # matplotlib.pyplot, imported on first use (seconds)
     keep_font_cache()
     import matplotlib
 
@@ -73,7 +75,7 @@ def _pyplot():
     return plt
 
 
-def _finite(v) -> bool:
+def _finite(v: object) -> bool:
     """A JSON number (not a bool) that is finite as a float."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return False
@@ -83,7 +85,7 @@ def _finite(v) -> bool:
         return False
 
 
-def _scalar(v) -> bool:
+def _scalar(v: object) -> bool:
     return v is None or (isinstance(v, (int, float, str)) and not isinstance(v, bool))
 
 
@@ -91,7 +93,7 @@ def _short(text: str, most: int) -> str:
     return text if len(text) <= most else text[:most - 1] + "\u2026"
 
 
-def _gantt_rows(trace: dict) -> tuple[dict, dict]:
+def _gantt_rows(trace: dict[str, Any]) -> tuple[dict[int, str], dict[int, list[dict[str, Any]]]]:
     """({pid: row name}, {pid: [its "X" events, in trace order]}) of a Chrome trace, checked: a
     ValueError (what a caller reports for a bad file) for a malformed event, or past MAX_ROWS
     rows or MAX_BARS slices, before anything is drawn."""
@@ -99,17 +101,17 @@ def _gantt_rows(trace: dict) -> tuple[dict, dict]:
     if not isinstance(events, list):
         raise ValueError("timeline: no traceEvents list; not drawn")
     names: dict[int, str] = {}
-    by_pid: dict[int, list] = {}
+    by_pid: dict[int, list[dict[str, Any]]] = {}
     rows: set[int] = set()
     bars = 0
     for i, e in enumerate(events):
         if not isinstance(e, dict):
             raise ValueError(f"timeline: event {i} is not an object; not drawn")
         pid = e.get("pid")
-        is_pid = isinstance(pid, int) and not isinstance(pid, bool)
+        pid = pid if isinstance(pid, int) and not isinstance(pid, bool) else None  # an integer pid, or none
         if e.get("ph") == "X":
             args = e.get("args")
-            if not (is_pid and _finite(e.get("ts")) and _finite(e.get("dur")) and _finite(e["ts"] + e["dur"])
+            if not (pid is not None and _finite(e.get("ts")) and _finite(e.get("dur")) and _finite(e["ts"] + e["dur"])
                     and isinstance(e.get("name"), str) and isinstance(args, dict)
                     and _scalar(args.get("stage")) and _scalar(args.get("microbatch"))):
                 raise ValueError(f"timeline: event {i} is not a slice with an integer pid, numeric ts and dur, "
@@ -121,7 +123,7 @@ def _gantt_rows(trace: dict) -> tuple[dict, dict]:
             rows.add(pid)
         if e.get("name") == "process_name":
             args = e.get("args")
-            if not (is_pid and isinstance(args, dict) and isinstance(args.get("name"), str)):
+            if not (pid is not None and isinstance(args, dict) and isinstance(args.get("name"), str)):
                 raise ValueError(f"timeline: event {i} is a process_name without an integer pid and a name; not drawn")
             names[pid] = _short(args["name"], MAX_NAME)
             rows.add(pid)
@@ -132,7 +134,7 @@ def _gantt_rows(trace: dict) -> tuple[dict, dict]:
     return names, by_pid
 
 
-def gantt(trace: dict, path: Path, title: str) -> Path:
+def gantt(trace: dict[str, Any], path: Path, title: str) -> Path:
     """Ranks as rows (rank 0 on top), one bar per action; gaps are idle time (white). A malformed
     trace, or one past MAX_ROWS ranks or MAX_BARS slices, is a ValueError and nothing is drawn."""
     names, by_pid = _gantt_rows(trace)
@@ -140,7 +142,7 @@ def gantt(trace: dict, path: Path, title: str) -> Path:
     pids = sorted(by_pid.keys() | names.keys())
     fig, ax = plt.subplots(figsize=(12, 1.0 + 0.8 * len(pids)), dpi=110)
     seen: set[str] = set()
-    stages: dict[int, set] = {}
+    stages: dict[int, set[object]] = {}
     for pid, es in by_pid.items():
         for e in es:
             if e["args"].get("stage") is not None:
@@ -186,7 +188,7 @@ def gantt(trace: dict, path: Path, title: str) -> Path:
     return path
 
 
-def metrics_plot(metrics: list[dict], path: Path) -> Path:
+def metrics_plot(metrics: list[dict[str, Any]], path: Path) -> Path:
     plt = _pyplot()
     steps = [m["step"] for m in metrics]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.6), dpi=110)
@@ -211,7 +213,7 @@ def metrics_plot(metrics: list[dict], path: Path) -> Path:
     return path
 
 
-def gantt_title(trace: dict, batch: int, summary: Path | None = None) -> str:
+def gantt_title(trace: dict[str, Any], batch: int, summary: Path | None = None) -> str:
     """`batch k: <schedule> pp=P microbatches=M[; bubble measured, theory][ (merged by ...)]`. The
     job's files: a field of the wrong shape, or a summary that does not read, is left out."""
     o = trace.get("otherData") if isinstance(trace, dict) else None

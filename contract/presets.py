@@ -11,15 +11,16 @@ t5-* and bigscience/bloom-* configs, and torchvision's wide_resnet{50,101}_{2,4,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
 class Preset:
     family: str                          # llama | qwen2 | qwen3 | gpt2 | bert | vitmae | t5 | bloom | wide_resnet
-    config: dict = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
 
 
-def _gpt3(n_embd: int, n_layer: int, n_head: int, **extra) -> Preset:
+def _gpt3(n_embd: int, n_layer: int, n_head: int, **extra: Any) -> Preset:
     # Merak starts from the `gpt2` config: vocab 50257, 1024 positions, 4x MLP.
     return Preset("gpt2", dict(vocab_size=50257, n_positions=1024, n_embd=n_embd, n_layer=n_layer,
                                n_head=n_head, **extra))

@@ -35,12 +35,12 @@ PIECE_RE = re.compile(r"timeline_batch(\d+)_rank(\d+)\.json")
 MERGED_RE = re.compile(r"timeline_batch(\d+)_all(\.trace)?\.json")
 
 
-def process_name(p: dict) -> str:
+def process_name(p: dict[str, Any]) -> str:
     stages = "+".join(map(str, sorted(p["stages"]))) if p["stages"] else "-"
     return f"{p['node']}/rank{p['rank']}/stage{stages}"
 
 
-def net_rates(net: list) -> list[tuple[int, float, float]]:
+def net_rates(net: list[tuple[int, int, int]]) -> list[tuple[int, float, float]]:
     """(ts_ns, up Mbit/s, down Mbit/s) between consecutive cumulative byte samples, at the later one."""
     out = []
     for (t0, s0, r0), (t1, s1, r1) in zip(net, net[1:], strict=False):
@@ -49,12 +49,12 @@ def net_rates(net: list) -> list[tuple[int, float, float]]:
     return out
 
 
-def chrome_trace(payloads: list[dict], batch: int, meta: dict) -> dict:
+def chrome_trace(payloads: list[dict[str, Any]], batch: int, meta: dict[str, Any]) -> dict[str, Any]:
     """Every rank's payload as one Chrome trace. A payload may carry `rates` (ts, up, down) in
     place of cumulative `net` samples (what the seed format keeps)."""
     starts = [e["start_ns"] for p in payloads for e in p["events"]]
     origin = min(starts) if starts else 0
-    out: list[dict] = []
+    out: list[dict[str, Any]] = []
     for p in payloads:
         pid = p["rank"]
         out.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": process_name(p)}})
@@ -83,7 +83,7 @@ def chrome_trace(payloads: list[dict], batch: int, meta: dict) -> dict:
     return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": other}
 
 
-def seed_records(payloads: list[dict]) -> list[dict]:
+def seed_records(payloads: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The Pi guide's flat records, rank after rank; net_series holds the samples inside each action."""
     out = []
     for p in payloads:
@@ -101,11 +101,11 @@ def is_seed(data: Any) -> bool:
     return isinstance(data, list) and all(isinstance(r, dict) and SEED_KEYS <= set(r) for r in data)
 
 
-def seed_to_chrome(records: list[dict], nodes: dict[int, str] | None = None, batch: int = -1,
-                   meta: dict | None = None) -> dict:
+def seed_to_chrome(records: list[dict[str, Any]], nodes: dict[int, str] | None = None, batch: int = -1,
+                   meta: dict[str, Any] | None = None) -> dict[str, Any]:
     """Seed records as a Chrome trace shaped like the trainer's; `nodes` names each rank's node
     (the seed format does not say), and otherData gets pp and microbatches counted from them."""
-    payloads: dict[int, dict] = {}
+    payloads: dict[int, dict[str, Any]] = {}
     for r in records:
         p = payloads.setdefault(r["rank"], {"rank": r["rank"], "node": (nodes or {}).get(r["rank"], ""),
                                             "stages": [], "events": [], "rates": [], "offset_ns": 0, "error_ns": 0})
@@ -121,7 +121,7 @@ def seed_to_chrome(records: list[dict], nodes: dict[int, str] | None = None, bat
     return chrome_trace([payloads[k] for k in sorted(payloads)], batch, meta)
 
 
-def load_trace(path: Path) -> dict:
+def load_trace(path: Path) -> dict[str, Any]:
     """A Chrome trace, or the seed flat format converted to the same shape."""
     data = bounded_json.read(Path(path))  # a node's file when `runner collect` plots it: bounded, ValueError if not
     if isinstance(data, dict):

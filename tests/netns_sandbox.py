@@ -5,6 +5,7 @@ session (tests/conftest.py's `netns_sandbox`), the trainer image relay-pushed on
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -30,6 +31,28 @@ def uplink_bytes(net: SandboxNet) -> int:
     """Bytes this machine has sent into the sandbox network: the bridge device's own transmit
     counter (bridged node <-> node traffic never passes it; see runner/sandbox/net.py)."""
     return int(Path(f"/sys/class/net/{net.bridge}/statistics/tx_bytes").read_text())
+
+
+# One qdisc of `tc -s qdisc show`: its kind and handle, then its counters on the next line.
+QDISC_STATS_RE = re.compile(r"^qdisc (\S+) (\S+) .*\n\s*Sent (\d+) bytes (\d+) pkt \(dropped (\d+), overlimits (\d+)",
+                            re.M)
+
+
+def qdisc_counters(dev: str, netns: str | None = None) -> dict[str, dict[str, int]]:
+    """{kind: {"bytes", "packets", "dropped", "overlimits"}} of dev's qdiscs (in netns, or on this
+    machine), from `tc -s qdisc show`: the kernel's own count of what passed a shaper and of how
+    often the shaper held it back (tbf's overlimits: a dequeue that found too few tokens). A test
+    of shaping asserts on these, not on how long a transfer took on a machine that may be busy."""
+    ns_args = ["-n", netns] if netns else []
+    out = subprocess.run(["tc", *ns_args, "-s", "qdisc", "show", "dev", dev], capture_output=True, text=True,
+                         check=True).stdout
+    return {m[1]: {"bytes": int(m[3]), "packets": int(m[4]), "dropped": int(m[5]), "overlimits": int(m[6])}
+            for m in QDISC_STATS_RE.finditer(out)}
+
+
+def counters_delta(after: dict[str, dict[str, int]], before: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """What each qdisc counted between two qdisc_counters() readings (a qdisc new since: all of it)."""
+    return {k: {f: v - before.get(k, {}).get(f, 0) for f, v in c.items()} for k, c in after.items()}
 
 
 def netns_cluster(tmp_path_factory):

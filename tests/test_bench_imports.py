@@ -146,9 +146,14 @@ def test_gpu_bench_keeps_a_result_printed_before_the_rows_timeout(tmp_path):
     from bench.gpu_throughput import Row, run_row
 
     args = argparse.Namespace(steps=1, warmup=0, reps=1, seq=8, smoke=True, backend="eager")
+    import psutil
+
     res = run_row(Row("lingers", "plain", "tiny-llama", 2, group="test-oom-linger"), args, 6.0, tmp_path / "row.log")
     assert (res["status"], res.get("killed_after_result")) == ("oom", True)
-    assert 6.0 <= res["wall_s"] < 30  # ended by the row's timeout, its process group killed
+    assert res["wall_s"] >= res["timeout_s"] == 6  # ended by the row's timeout (its worker sleeps an hour) ...
+    lingering = [p.pid for p in psutil.process_iter(["cmdline"])
+                 if any('"fault": "oom linger"' in a for a in p.info["cmdline"] or ())]
+    assert lingering == [], lingering  # ... and its process group killed: the worker is gone, not left behind
 
 
 def test_gpu_bench_selects_rows_by_preset_and_name_and_refuses_unknown_ones():

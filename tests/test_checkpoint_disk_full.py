@@ -164,7 +164,6 @@ def test_a_full_disk_under_the_runs_other_files_is_one_line(tmp_path):
 
 def _share_rank0(rank: int, store: str, root: str, out) -> None:
     """One rank of share_rank0_files over two "nodes"; rank 0 cannot read its .metadata (EIO)."""
-    import time
     from datetime import timedelta
     from pathlib import Path
 
@@ -185,13 +184,12 @@ def _share_rank0(rank: int, store: str, root: str, out) -> None:
                 raise OSError(errno.EIO, "Input/output error", str(self))
             return real(self)
         Path.read_bytes = failing
-    t0 = time.monotonic()
     try:
         share_rank0_files(tmp, StorageLayout((0, 1)), rank)
         got = "returned"
     except Exception as e:  # noqa: BLE001 - what each rank ends with is the result
         got = f"{type(e).__name__}: {e}"
-    out.put((rank, got, time.monotonic() - t0))
+    out.put((rank, got))
 
 
 def test_rank0_failing_to_read_its_shared_files_still_completes_the_broadcast(tmp_path):
@@ -207,9 +205,11 @@ def test_rank0_failing_to_read_its_shared_files_still_completes_the_broadcast(tm
     procs = [ctx.Process(target=_share_rank0, args=(r, str(tmp_path / "store"), str(tmp_path), out)) for r in (0, 1)]
     for p in procs:
         p.start()
-    got = dict((r, (what, secs)) for r, what, secs in (out.get(timeout=120) for _ in procs))
+    got = dict(out.get(timeout=120) for _ in procs)
     for p in procs:
         p.join(30)
-    assert got[0][0].startswith("OSError: [Errno 5] Input/output error"), got
-    assert got[1][0] == "returned" and got[1][1] < 10, got
+    assert got[0].startswith("OSError: [Errno 5] Input/output error"), got
+    # Rank 1 completed the broadcast: had rank 0 left it, rank 1 would end in gloo's error (its
+    # peer gone, or the group's 20 s timeout), not return.
+    assert got[1] == "returned", got
     assert not (tmp_path / "node1" / ".metadata").exists()

@@ -10,7 +10,6 @@ import stat
 import subprocess
 import sys
 import tarfile
-import time
 from pathlib import Path
 
 import pytest
@@ -192,12 +191,12 @@ def test_collect_names_the_node_when_its_stream_is_not_a_tar(tmp_path):
     node.rewrite = lambda c: "cat /dev/null >/dev/null; printf 'HTTP/1.1 502 Bad Gateway\\r\\n%.0s' $(seq 100)" \
         if "tar --null" in c else c
     with node, Remote(node.node()).connect() as r:
-        t0 = time.monotonic()
         with pytest.raises(UserError) as err:
             stream_tar(r, str(rd), ["a.txt"], tmp_path / "staging")
+    # Named for what the stream is, at once: not given up later as a stall ("... stalled (under
+    # 64 KiB in 120s ...)"), which is the other way this stream could end.
     assert str(err.value).startswith(f"node evil: unpacking the files from {rd} failed: the stream is not a whole tar"), \
         str(err.value)
-    assert time.monotonic() - t0 < 30
 
 
 def test_the_unpacker_imports_only_the_standard_library():

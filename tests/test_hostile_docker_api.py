@@ -33,7 +33,9 @@ def _engine(tmp_path: Path, answers: dict, fourth: int) -> HostileNode:
     return node
 
 
-def _bounded(fn, seconds: float):
+def _bounded(fn, seconds: float = 120):
+    """fn()'s result or exception, or a TimeoutError once `seconds` passed: a limit far past the
+    bounds tested (a few seconds) that fails a test only when a bound never fires."""
     box: list = []
 
     def run():
@@ -42,11 +44,10 @@ def _bounded(fn, seconds: float):
         except BaseException as exc:  # noqa: BLE001 - handed to the test
             box.append(exc)
 
-    t0 = time.monotonic()
     t = threading.Thread(target=run, daemon=True)
     t.start()
     t.join(seconds)
-    return (box[0] if box else TimeoutError(f"still running after {seconds}s")), time.monotonic() - t0
+    return box[0] if box else TimeoutError(f"still running after {seconds}s")
 
 
 @pytest.mark.parametrize("change, labels, status, name, code", [
@@ -75,8 +76,8 @@ def test_a_malformed_container_list_is_one_engine_error(tmp_path, answer):
     """docker-py: TypeError, KeyError, or the node's id put into the next request's URL. Now one
     error naming the node: a DockerException where engine errors are caught, a UserError (one line,
     exit 2) where nothing catches it (`runner exec`), the node named once by `down`'s per-node list."""
+    from runner.backends.ssh.node_exec import running_container
     from runner.backends.ssh.node_runs import stop_run
-    from runner.cli.node_exec import running_container
     from runner.core.errors import UserError
 
     with _engine(tmp_path, {"/containers/json": {"body": answer}}, 52) as node, Remote(node.node()).connect() as r:
@@ -122,17 +123,17 @@ def test_an_answer_past_the_bound_is_not_held(tmp_path, monkeypatch, chunked):
 
 
 def test_an_answer_trickled_a_byte_at_a_time_is_given_up(tmp_path, monkeypatch):
-    """Each read waited alone for the client's timeout (60 s): a byte every 59 s never ended. Here 300 bytes
-    0.2 s apart against a 2 s client timeout and ANSWER_S 1: given up after 3 s, with the real CHUNK
-    (a read of 64 KiB waits for all of them: the time is checked by each read of the channel)."""
+    """Each read waited alone for the client's timeout (60 s): a byte every 59 s never ended. Here 3000 bytes
+    0.2 s apart (10 minutes, past the test's wait) against a 2 s client timeout and ANSWER_S 1: given up
+    after 3 s, with the real CHUNK (a read of 64 KiB waits for all of them: the time is checked by each
+    read of the channel). That the call returned at all, with that bound's error, is the check."""
     monkeypatch.setattr(docker_answers, "ANSWER_S", 1.0)
-    with _engine(tmp_path, {"/containers/json": {"raw": "x", "repeat": 300, "trickle": 0.2}}, 55) as node, \
+    with _engine(tmp_path, {"/containers/json": {"raw": "x", "repeat": 3000, "trickle": 0.2}}, 55) as node, \
             Remote(node.node()).connect() as r:
         r.docker(timeout=2.0)
-        got, took = _bounded(lambda: run_containers(r, None), 40)
+        got = _bounded(lambda: run_containers(r, None))
     assert isinstance(got, docker_answers.EngineAnswerError) and "took over 3s" in str(got), got
     assert str(got).startswith("node evil: the engine's answer to GET /v1.41/containers/json took over 3s"), got
-    assert took < 10, took
 
 
 def test_a_real_answer_reads_as_before(tmp_path):
@@ -187,7 +188,7 @@ def _peak_rss_during(fn):
     t = threading.Thread(target=sample, daemon=True)
     t.start()
     try:
-        got, _ = _bounded(fn, 120)
+        got = _bounded(fn, 120)
     finally:
         done.set()
         t.join()
@@ -239,22 +240,22 @@ def _status(tmp_path, answers: dict, fourth: int, capsys) -> tuple[int | str, st
     """`runner status --json` against one hostile node, as main() runs it: (exit code, stdout, stderr)."""
     from types import SimpleNamespace
 
-    from runner.backends.ssh import status
+    from runner.backends.ssh.backend import SshBackend
+    from runner.cli import runs
     from runner.core.errors import UserError
     from runner.inventory import Inventory, Job
-    from runner.transport.cluster import Cluster
 
     with _engine(tmp_path, answers, fourth) as node:
         inv = Inventory(str(tmp_path / "inv.yaml"), [node.node(role="master")], Job())
         args = SimpleNamespace(run=None, json=True)
-        orig = status.open_nodes
-        status.open_nodes = lambda a: Cluster(inv, partial=True)
+        orig = runs.open_backend
+        runs.open_backend = lambda a, **kw: SshBackend(inv)
         try:
-            rc: int | str = status.cmd_status(args)
+            rc: int | str = runs.cmd_status(args)
         except UserError as exc:
             rc = f"UserError: {exc}"
         finally:
-            status.open_nodes = orig
+            runs.open_backend = orig
     out, err = capsys.readouterr()
     return rc, out, err
 
@@ -361,8 +362,8 @@ def test_an_engine_that_sends_only_interim_answers_is_given_up(tmp_path, monkeyp
     monkeypatch.setattr(docker_api, "HEADERS_S", 1.0, raising=False)
     with _engine(tmp_path, {"/containers/json": answer}, 70) as node, Remote(node.node()).connect() as r:
         r.docker(timeout=2.0)
-        got, took = _bounded(lambda: run_containers(r, None), 40)
+        # (a head read whole, however slowly, would end in the empty list: not this error)
+        got = _bounded(lambda: run_containers(r, None))
         assert isinstance(got, docker_answers.EngineAnswerError), repr(got)
         assert str(got) == "node evil: the engine sent no answer within 3s (interim answers only, or a trickle)", got
-        assert took < 10, took
         assert r.docker().ping()  # the next call: a fresh channel

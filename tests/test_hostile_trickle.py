@@ -1,11 +1,15 @@
 """A node that answers slowly on purpose: one byte at a time, each just inside the wait between
 reads. Every bound on what a node sends is also a bound on how long it takes: the runner gives up
-at the command's timeout, not at the 8 MiB output cap (at one byte a second, three months)."""
+at the command's timeout, not at the 8 MiB output cap (at one byte a second, three months).
+
+What the node does here never ends by itself, or only long after the limit the test waits for, so
+a call that returns at all was ended by the bound under test, and the error it ends with names that bound. Each call
+runs in a thread with a generous limit (HANG_S) that fails the test only when the bound never
+fires: no test compares how long a call took with a constant, which a busy machine would fail."""
 
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -15,13 +19,13 @@ from runner.transport.ssh import Remote
 from tests.hostile_node import HostileNode
 
 TRICKLE = "while :; do printf .; sleep 0.3; done"  # a byte every 0.3 s, forever
+HANG_S = 120  # far past every bound tested here (2-3 s), far short of what the node would take
 
 
-def _bounded(fn, limit: float):
-    """fn() in a thread: (its result or exception, seconds), or a failure once limit passed (the
-    defect this file tests is a hang: it must fail the test, not hang the suite)."""
+def _bounded(fn, limit: float = HANG_S):
+    """fn() in a thread: its result or exception, or a failure once limit passed (the defect this
+    file tests is a hang: it must fail the test, not hang the suite)."""
     out: list = []
-    t0 = time.monotonic()
 
     def go() -> None:
         try:
@@ -34,32 +38,30 @@ def _bounded(fn, limit: float):
     t.join(limit)
     if t.is_alive():
         pytest.fail(f"still blocked after {limit:.0f} s")
-    return out[0], time.monotonic() - t0
+    return out[0]
 
 
 def test_a_command_that_trickles_output_times_out_at_its_timeout(tmp_path):
     with HostileNode(tmp_path / "node", fourth=31) as node, Remote(node.node()).connect() as r:
-        got, took = _bounded(lambda: r.run(TRICKLE, timeout=2), 30)
+        got = _bounded(lambda: r.run(TRICKLE, timeout=2))
         assert isinstance(got, UserError), got
         assert "command timed out after 2s" in str(got), got
-        assert took < 15, took
         assert r.run("echo ok", timeout=10).out == "ok\n"  # the connection still serves the next command
 
 
 def test_a_command_that_trickles_stderr_times_out_too(tmp_path):
     with HostileNode(tmp_path / "node", fourth=32) as node, Remote(node.node()).connect() as r:
-        got, took = _bounded(lambda: r.run(f"({TRICKLE}) >&2", timeout=2), 30)
+        got = _bounded(lambda: r.run(f"({TRICKLE}) >&2", timeout=2))
         assert isinstance(got, UserError) and "timed out after 2s" in str(got), got
-        assert took < 15, took
 
 
 def test_a_command_that_never_reads_its_stdin_times_out_at_its_timeout(tmp_path):
     """Sending stdin was outside the deadline: a node that takes none of it (or takes it a byte at
     a time) held the runner until paramiko's wait between sends ended, in a raw socket.timeout."""
     with HostileNode(tmp_path / "node", fourth=39) as node, Remote(node.node()).connect() as r:
-        got, took = _bounded(lambda: r.run("sleep 60", stdin=b"x" * (16 << 20), timeout=2), 30)
+        # The limit is under the sleep's 60 s: waiting the node out is a failure, not a pass.
+        got = _bounded(lambda: r.run("sleep 60", stdin=b"x" * (16 << 20), timeout=2), 45)
         assert isinstance(got, UserError) and "command timed out after 2s: sleep 60" in str(got), repr(got)
-        assert took < 15, took
         assert r.run("echo ok", timeout=10).out == "ok\n"
 
 
@@ -70,10 +72,9 @@ def test_an_sftp_answer_trickled_byte_by_byte_fails_at_the_limit_and_the_next_re
     (tmp_path / "node" / "home" / "small").write_text("ok")
     with node, Remote(node.node()).connect() as r:
         node.trickle_over = 1000
-        got, took = _bounded(lambda: r.read_text(str(tmp_path / "node" / "home" / "big")), 30)
+        got = _bounded(lambda: r.read_text(str(tmp_path / "node" / "home" / "big")))
         assert isinstance(got, UserError), got
         assert "an SFTP answer took over 2s" in str(got) and str(got).startswith("node "), got
-        assert took < 10, took
         assert r.read_text(str(tmp_path / "node" / "home" / "small")) == "ok"  # a fresh session
 
 
@@ -83,11 +84,10 @@ def test_a_stream_that_moves_a_byte_at_a_time_is_stalled(tmp_path):
 
     out = tmp_path / "out.bin"
     with HostileNode(tmp_path / "node", fourth=34) as node, Remote(node.node()).connect() as r:
-        got, took = _bounded(lambda: stream.ssh_stream(r, "while :; do printf .; sleep 0.1; done",
-                                                       [["sh", "-c", f"cat > {out}"]], upload=False, stall_s=1.5), 40)
+        got = _bounded(lambda: stream.ssh_stream(r, "while :; do printf .; sleep 0.1; done",
+                                                 [["sh", "-c", f"cat > {out}"]], upload=False, stall_s=1.5))
     assert not isinstance(got, BaseException), got
-    assert got.stalled and 0 < got.moved < stream.STALL_BYTES, got
-    assert took < 20, took
+    assert got.stalled and 0 < got.moved < stream.STALL_BYTES, got  # ended by the stall watch, by its own count
 
 
 def test_collect_stops_a_tar_stream_past_what_was_listed(tmp_path):
@@ -219,7 +219,7 @@ def _fetched(tmp_path, content: bytes, listed: int, window: int | None = None, m
     src.write_bytes(content)
     local = tmp_path / "local.bin"
     with HostileNode(tmp_path / "node", fourth=36) as node, Remote(node.node()).connect() as r:
-        got, peak = traced_peak(lambda: _bounded(lambda: resume_sync._fetch(r, str(src), str(local), listed), 60)[0])
+        got, peak = traced_peak(lambda: _bounded(lambda: resume_sync._fetch(r, str(src), str(local), listed)))
         for t in threading.enumerate():  # a short file: paramiko's thread may still be sending the window's reads
             if "_prefetch_thread" in t.name:
                 t.join(10)

@@ -6,6 +6,8 @@ tests/test_sandbox_links.py."""
 from __future__ import annotations
 
 import logging
+import math
+import threading
 import time
 
 import pytest
@@ -56,9 +58,9 @@ def test_zlib_rate_is_measured_on_machine_code_once_per_process(monkeypatch):
     monkeypatch.setattr(link_rate, "_measure_zlib", lambda: calls.append(1) or real())
     first = link_rate.zlib_rate()
     assert link_rate.zlib_rate() == first and calls == [1]
-    # A plausible zlib level 6 rate (a core that does not reach 1 MB/s, or 2 GB/s, measured
-    # something else: the fallback constant, or an empty sample).
-    assert 1e6 < first < 2e9 and first != link_rate.FALLBACK_ZLIB, first
+    # A measured zlib level 6 rate: not the fallback constant, and not an empty sample (no core
+    # deflates 2 GB/s; a busy machine only makes the figure smaller, so no lower bound is asserted).
+    assert 0 < first < 2e9 and first != link_rate.FALLBACK_ZLIB, first
 
 
 def _remote(host: str, compress: bool | None) -> Remote:
@@ -105,6 +107,28 @@ def test_auto_measures_each_direction_once_and_follows_the_rule(monkeypatch):
     assert r.link_rates == {"up": 4e6, "down": 90e6}
 
 
+def _returns(fn, limit: float):
+    """fn()'s result (or exception) in a thread; a failure once `limit` passed. The node commands
+    below end by themselves only after more than `limit` (or never), so a call that returns was
+    ended by the bound under test: no test compares how long it took with a constant."""
+    box: list = []
+
+    def go() -> None:
+        try:
+            box.append(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            box.append(e)
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    t.join(limit)
+    if t.is_alive():
+        pytest.fail(f"still running after {limit:.0f} s: the bound never fired")
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]
+
+
 @pytest.fixture
 def node(tmp_path):
     with HostileNode(tmp_path / "node", fourth=61) as n:
@@ -124,8 +148,8 @@ def test_the_probe_measures_a_real_stream_both_ways(node, monkeypatch):
         down = link_rate.measure_link(r, upload=False, aes=True)
     finally:
         r.close()
-    # The node's server is paramiko in this process: a few MB/s at least, never nothing.
-    assert up > 1e5 and down > 1e5, (up, down)
+    # The node's server is paramiko in this process: a measured rate, never nothing.
+    assert 0 < up < math.inf and 0 < down < math.inf, (up, down)
     assert any(c.startswith("echo ready") for c in node.commands), node.commands
     assert any(c.startswith(f"exec head -c {link_rate.PROBE_BYTES} /dev/zero") for c in node.commands), node.commands
 
@@ -161,27 +185,24 @@ def test_a_node_that_never_answers_the_probe_is_given_up_in_bounded_time(node, m
     monkeypatch.setattr(link_rate, "ANSWER_S", 2.0)
     r = _connected(node, monkeypatch)
     try:
-        t0 = time.monotonic()
         with caplog.at_level(logging.DEBUG, logger="runner.link"):
-            assert link_rate.compress_stream(r, upload=False, aes=True) is True
-        took = time.monotonic() - t0
+            # Bounded by ANSWER_S, not by the node: waiting out its 60 s sleep fails at 45 s.
+            assert _returns(lambda: link_rate.compress_stream(r, upload=False, aes=True), 45) is True
     finally:
         r.close()
     assert "link probe (down) failed (no answer from the node)" in caplog.text
-    assert took < 30, took  # bounded by ANSWER_S, not by the node (a hang would be the 60 s sleep)
 
 
 def test_a_node_that_sends_without_end_is_cut_at_the_probes_span(node, monkeypatch):
     node.rewrite = lambda cmd: "exec cat /dev/zero" if "/dev/zero" in cmd else cmd
     r = _connected(node, monkeypatch)
     try:
-        t0 = time.monotonic()
-        rate = link_rate.measure_link(r, upload=False, aes=True)
-        took = time.monotonic() - t0
+        # The node never stops: the probe returning at all is its own bound (PROBE_BYTES or
+        # WARM_S + LINK_S, whatever the node sends).
+        rate = _returns(lambda: link_rate.measure_link(r, upload=False, aes=True), 120)
     finally:
         r.close()
-    assert rate > 1e5, rate
-    assert took < 30, took  # it stops reading at PROBE_BYTES or WARM_S + LINK_S, whatever the node sends
+    assert 0 < rate < math.inf, rate
 
 
 def test_the_nodes_own_deflate_is_timed_on_its_engine_binary(node, monkeypatch):
@@ -190,15 +211,16 @@ def test_the_nodes_own_deflate_is_timed_on_its_engine_binary(node, monkeypatch):
         rate = link_rate.node_zlib_rate(r)
     finally:
         r.close()
-    # This machine's gzip -6 behind a real shell: a plausible deflate rate (as zlib_rate's bounds).
-    assert rate is not None and 1e6 < rate < 2e9, rate
+    # This machine's gzip -6 behind a real shell: a measured deflate rate, not an empty sample's
+    # (as zlib_rate's bound: a busy machine only makes it smaller).
+    assert rate is not None and 0 < rate < 2e9, rate
     assert any("gzip -6" in c and str(link_rate.NODE_SAMPLE_BYTES) in c for c in node.commands), node.commands
 
 
 def test_a_download_follows_the_nodes_deflate_and_an_upload_this_hosts(node, monkeypatch, caplog):
     """A node whose deflate is slower than its link sends uncompressed, though this host's zlib is
     faster than that link (the rule before compressed it); the upload over the same link is
-    compressed. Its gzip is slowed by 2 s here: at most 8 MiB / 2 s, 4.2 MB/s."""
+    compressed. Its gzip is slowed by 2 s here, so its rate (logged) is under the link's 10 MB/s."""
     node.rewrite = lambda cmd: cmd.replace("gzip -6", "gzip -6 | (sleep 2; cat)")
     monkeypatch.setattr(link_rate, "measure_link", lambda remote, upload, aes: 10e6)
     monkeypatch.setattr(link_rate, "_zlib_rate", 20e6)
@@ -211,7 +233,8 @@ def test_a_download_follows_the_nodes_deflate_and_an_upload_this_hosts(node, mon
         r.close()
     down = next(m for m in caplog.messages if "link down" in m)
     got = float(down.split("zlib on the node ")[1].split(" MB/s")[0])
-    assert 0.5 < got <= 4.2 and down.endswith(": uncompressed"), down
+    # What the rule compared: the node's measured deflate under the link's (mocked) 10 MB/s.
+    assert 0 < got < 10.0 and down.endswith(": uncompressed"), down
     assert any(m.endswith("link up 10.0 MB/s, zlib here 20.0 MB/s: compressed (ssh -C)") for m in caplog.messages)
 
 
@@ -240,12 +263,10 @@ def test_a_node_that_trickles_its_deflate_answer_is_cut_at_its_bound(node, monke
     monkeypatch.setattr(link_rate, "NODE_ZLIB_S", 2.0)
     r = _connected(node, monkeypatch)
     try:
-        t0 = time.monotonic()
-        assert link_rate.node_zlib_rate(r) is None
-        took = time.monotonic() - t0
+        # Cut at NODE_ZLIB_S: waiting out the node's 60 s sleep fails at 45 s.
+        assert _returns(lambda: link_rate.node_zlib_rate(r), 45) is None
     finally:
         r.close()
-    assert took < 15, took
 
 
 @pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")

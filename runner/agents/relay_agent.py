@@ -51,6 +51,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 CHUNK = 1 << 20
 BLOCK = 512
@@ -155,17 +156,18 @@ class TarCheck:
         # What arrives: the announced layers, in order, less those this node neither loads nor
         # passes on (its upstream passes on just what it and the nodes after it lack).
         arrive = None if self.load is None or self.forward is None else self.load | self.forward
-        self.plan = [("manifest", expect["manifest"]["size"]), ("config", expect["config"]["size"]),
-                     *(("layer", s, i) for i, s in expect["layers"] if arrive is None or i in arrive)]
+        self.plan: list[tuple[Any, ...]] = [
+            ("manifest", expect["manifest"]["size"]), ("config", expect["config"]["size"]),
+            *(("layer", s, i) for i, s in expect["layers"] if arrive is None or i in arrive)]
         self.names: list = []     # the manifest's Layers, once it is checked
-        self.config_name = None
+        self.config_name: str | None = None
         self.diff_ids: list = []  # the config's rootfs.diff_ids, once it is checked
         self.k = 0                # the part being read (len(plan): the archive's end)
         self.buf = bytearray()    # a header, the end blocks, or a small part's content
         self.small = False        # the current part is held whole (manifest.json, the config)
         self.left = 0             # content bytes of the current part still to come
         self.pad = 0              # padding after it
-        self.hash = None
+        self.hash: Any = None     # hashlib.sha256 of the current part (None between parts)
         self.route = (True, True)
         self.ended = False        # the end blocks are in: nothing may follow
         self.pos = 0              # bytes consumed
@@ -409,6 +411,7 @@ def accept_upstream(srv: socket.socket, token: str) -> socket.socket:
                     sel.register(conn, selectors.EVENT_READ)
                     continue
                 c = key.fileobj
+                assert isinstance(c, socket.socket)  # only the listener and its connections are registered
                 got = pending[c][0]
                 try:
                     part = c.recv(len(want) - len(got))
@@ -497,6 +500,7 @@ def relay(stdin, head: dict, route: dict, srv) -> int:
                 nxt = None
         load = subprocess.Popen(["docker", "load", "-q"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT)
+        assert load.stdin is not None and load.stdout is not None  # both PIPE
         out = Tail(load.stdout)
         try:  # a 1 MiB pipe to it, not 64 KiB: fewer wake-ups per chunk (Linux; else the default)
             fcntl.fcntl(load.stdin.fileno(), 1031, CHUNK)  # F_SETPIPE_SZ

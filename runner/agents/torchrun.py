@@ -74,7 +74,7 @@ def mend_exit_barrier() -> bool:
 
     agent = getattr(api, "SimpleElasticAgent", None)
     original = getattr(agent, "_exit_barrier", None)
-    if original is None:
+    if agent is None or original is None:
         return False
     if getattr(original, "mended_by_runner", False):
         return True
@@ -84,7 +84,7 @@ def mend_exit_barrier() -> bool:
         original(self)
         acknowledge(self._store, self._worker_group.group_rank, passthrough=(SignalException,))
 
-    _exit_barrier.mended_by_runner = True
+    _exit_barrier.mended_by_runner = True  # type: ignore[attr-defined]  # a mark on the function: mended once
     agent._exit_barrier = _exit_barrier
     return True
 

@@ -70,7 +70,9 @@ def render_plots(run_dir: Path) -> list[Path]:
     merged_here = {int(m[1]) for p in run_dir.glob("timeline_batch*.json") if (m := MERGED_RE.fullmatch(p.name))}
     for d in [run_dir, *sorted(p for p in run_dir.iterdir() if p.is_dir())]:
         for f in timeline_files(d):
-            k = int(re.match(r"timeline_batch(\d+)", f.name)[1])
+            named = re.match(r"timeline_batch(\d+)", f.name)
+            assert named is not None  # timeline_files lists timeline_batch* files only
+            k = int(named[1])
             if d != run_dir and k in merged_here and PIECE_RE.fullmatch(f.name):
                 continue  # one rank's piece: its Gantt is the merged one in run_dir
             out = d / f"timeline_batch{k}_gantt.png"

@@ -40,7 +40,8 @@ class HostEngine:
         import docker
 
         try:
-            c = docker.DockerClient(base_url=self.url, tls=self.tls or False, version="auto", timeout=timeout)
+            c = docker.DockerClient(base_url=self.url, tls=self.tls or False, version="auto",
+                                    timeout=timeout)  # type: ignore[arg-type]  # seconds: docker-py takes a float
             c.ping()
             return c
         except Exception as exc:  # noqa: BLE001 - any failure to reach it is the same advice
@@ -103,7 +104,8 @@ def _context_engine(config_dir: Path, name: str) -> HostEngine:
     host = endpoint.get("Host") if isinstance(endpoint, dict) else None
     if not isinstance(host, str) or not host:
         raise UserError(f"{meta_file}: docker context {name!r} names no docker endpoint (Endpoints.docker.Host)")
-    tls = _context_tls(config_dir / "contexts" / "tls" / ident / "docker", bool(endpoint.get("SkipTLSVerify")))
+    skip_verify = isinstance(endpoint, dict) and bool(endpoint.get("SkipTLSVerify"))  # (a dict: it named the host)
+    tls = _context_tls(config_dir / "contexts" / "tls" / ident / "docker", skip_verify)
     return HostEngine(host, f"docker context {name}", context=name, tls=tls)
 
 

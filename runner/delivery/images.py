@@ -19,6 +19,7 @@ import subprocess
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from runner.core.errors import UserError
 from runner.delivery.host_engine import host_engine
@@ -48,7 +49,7 @@ class Exported:
     diff_ids: list[str]
     sizes: list[int]          # uncompressed bytes per layer
     arch: str | None = None   # the image config's architecture (amd64, arm64): the node's too
-    hold: object = None       # the entry's shared "in use" lock: no other process prunes it meanwhile
+    hold: IO[str] | None = None  # the entry's shared "in use" lock: no other process prunes it meanwhile
 
     def release(self) -> None:
         """Let other processes prune this export again (also done by this process's exit)."""
@@ -178,12 +179,14 @@ def _export_into(img, tag: str, image_id: str, d: Path, cache: Path) -> None:
         # The CLI piped into tar runs at disk speed (4x the SDK's chunked stream + tarfile).
         save = subprocess.Popen([*host_engine().cli(), "save", tag], stdout=subprocess.PIPE)
         untar = subprocess.run(["tar", "-x", "-C", str(tmp)], stdin=save.stdout, capture_output=True)
+        assert save.stdout is not None  # a PIPE
         save.stdout.close()
         if save.wait() != 0 or untar.returncode != 0:
             raise UserError(f"docker save {tag} failed: {untar.stderr.decode(errors='replace')[-200:]}")
     else:
         stream = _IterReader(img.save(chunk_size=1 << 20, named=True))
-        with tarfile.open(fileobj=stream, mode="r|") as tf:
+        # (stream mode only reads its fileobj: the protocol of tarfile's stubs asks for seek, tell, ...)
+        with tarfile.open(fileobj=stream, mode="r|") as tf:  # type: ignore[call-overload]
             tf.extractall(tmp, filter="tar") if hasattr(tarfile, "data_filter") else tf.extractall(tmp)  # noqa: S202
     cfg_name = json.loads((tmp / "manifest.json").read_text())[0]["Config"]
     got = "sha256:" + sha256_file(tmp / cfg_name)

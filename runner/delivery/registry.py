@@ -110,7 +110,8 @@ def pull_to_nodes(cl, tags: dict[str, str], host: dict[str, HostLayers | None]) 
     def one(r: Remote) -> PushResult:
         tag = tags[r.node.name]
         attrs, seconds = pull_one(r, job.registry, tag, auth, r.home, host.get(tag))
-        got, want = attrs["Id"], host[tag].image_id if host.get(tag) else None
+        have = host.get(tag)
+        got, want = attrs["Id"], have.image_id if have else None
         if want is not None and got != want:
             raise UserError(f"node {r.node.name}: {registry_ref(job.registry, tag)} is image {got[7:19]}, but this "
                             f"machine's {tag} is {want[7:19]}: push the current build to the registry "

@@ -211,6 +211,7 @@ def _spawn(r: Remote, hop: RelayHop, header: dict, bulk: bool, size: int | None 
 
 
 def _write(hop: RelayHop, line: dict) -> None:
+    assert hop.proc is not None and hop.proc.stdin is not None  # started by _spawn, its stdin a PIPE
     try:
         hop.proc.stdin.write(json.dumps(line).encode() + b"\n")
         hop.proc.stdin.flush()
@@ -290,6 +291,7 @@ def _read_lines(hop: RelayHop) -> None:
     """The agent's stdout, a line of at most LINE_MAX bytes at a time, as parse_report's tuples
     on hop.lines, then None at its end; a line too long or malformed is queued as ("BAD", why)
     and ends the reading (the node is failed and stopped)."""
+    assert hop.proc is not None and hop.proc.stdout is not None  # started by _spawn, its stdout a PIPE
     while True:
         raw = hop.proc.stdout.readline(LINE_MAX + 1)
         if not raw:
@@ -334,6 +336,7 @@ def chain_stream(exp: Exported, layers: list[int]):
 
 def _send(exp: Exported, layers: list[int], root: RelayHop, sent: list[int]) -> None:
     """chain_stream -> the root agent's stdin; counts what this host sends."""
+    assert root.proc is not None and root.proc.stdin is not None  # started by _spawn, its stdin a PIPE
     out = root.proc.stdin
     try:
         for chunk in chain_stream(exp, layers):
@@ -431,6 +434,7 @@ def _stop(h: RelayHop) -> None:
         return
     if h.error is not None and p.poll() is None:
         p.kill()
+    assert p.stdin is not None  # a PIPE (_spawn)
     try:
         p.stdin.close()
     except OSError:

@@ -177,7 +177,8 @@ def list_node(remote: Remote, root: str) -> Listing:
     res = remote.run(["sh", "-c", LIST_SCRIPT, "list", root], timeout=120, max_output=MAX_LISTING_BYTES)
     if res.rc != 0:
         raise UserError(f"node {node}: listing {root} failed: {res.err.strip()[:200]!r}")
-    latest, ckpts = None, {}
+    latest: str | None = None
+    ckpts: dict[str, dict[str, int]] = {}
     fields = res.out.split("\0")
     i, files = 0, 0
     while i < len(fields) - 1:
@@ -269,7 +270,7 @@ def describe(name: str, listings: dict[str, Listing], remotes: dict[str, Remote]
         else:
             bad.append(f"node {n}: {name}/{STATE_FILE}: step {safe_path.shown(str(s))} and world_size "
                        f"{safe_path.shown(str(w))} are not a step >= 0 and a world size in 1..{MAX_WORLD}")
-    manifests = {}
+    manifests: dict[int, dict[str, tuple[int, int | None]]] = {}
     files = {f for li in listings.values() for f in li.checkpoints.get(name, {})}
     for f in sorted(files):
         if f.startswith("manifest.rank") and f.endswith(".json") and f[13:-5].isdigit() and len(f) < 24:
@@ -279,7 +280,7 @@ def describe(name: str, listings: dict[str, Listing], remotes: dict[str, Remote]
                 m, why = _manifest(doc)
                 if why:
                     bad.append(f"node {n}: {name}/{f}: {why}")
-                else:
+                elif m is not None:  # (_manifest gives a manifest or why not)
                     manifests[int(f[13:-5])] = m
     return Description(step=step, world_size=world, manifests=manifests, bad=bad[0] if bad else None)
 

@@ -230,8 +230,10 @@ def render_events(events: list[dict]) -> list[str]:
     for e in events[-200:]:
         when, kind = str(e.get("time", "?")), str(e.get("event", "?"))
         if kind == "layout":
-            lay = e.get("layout") if isinstance(e.get("layout"), dict) else {}  # the job's file: any shape
-            nodes = lay.get("nodes") if isinstance(lay.get("nodes"), list) else []
+            raw = e.get("layout")
+            lay = raw if isinstance(raw, dict) else {}  # the job's file: any shape
+            listed = lay.get("nodes")
+            nodes = listed if isinstance(listed, list) else []
             line = f"layout pp {lay.get('pp')} x dp {lay.get('dp')} x tp {lay.get('tp')} on {', '.join(map(str, nodes))}"
             if e.get("from_step") is not None:
                 line += f" from step {e['from_step']}"

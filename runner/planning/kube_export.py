@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import yaml
 
@@ -99,8 +100,8 @@ def manifest(job: Job, groups: list[Group], run_id: str, *, namespace: str | Non
                      "PET_RDZV_BACKEND": "static", "PET_MAX_RESTARTS": "0"})
     rjobs = []
     for g in groups:
-        env = [{"name": k, "value": v} for k, v in sorted({**base_env, "PET_NPROC_PER_NODE": str(g.nproc),
-                                                            "RUNNER_RANK_OFFSET": str(g.offset)}.items())]
+        group_env = {**base_env, "PET_NPROC_PER_NODE": str(g.nproc), "RUNNER_RANK_OFFSET": str(g.offset)}
+        env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in sorted(group_env.items())]
         env += [{"name": "RUNNER_POD_INDEX", "valueFrom": {"fieldRef": {
                     "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}},
                 {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]

@@ -16,6 +16,7 @@ import secrets
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from runner.core.errors import UserError
 from runner.inventory import Inventory, Node
@@ -26,6 +27,9 @@ from runner.profile import doc_check
 from runner.transport.cluster import Cluster
 from runner.transport.container_logs import log_tail
 from runner.transport.probe import Probe
+
+if TYPE_CHECKING:
+    from runner.transport.docker_answers import NodeContainer
 
 log = logging.getLogger("runner.profile")
 LABEL_PROFILE = f"{LABEL_PREFIX}.profile"
@@ -84,15 +88,18 @@ def profile_cluster(cl: Cluster, probes: dict[str, Probe], refresh: bool = False
             doc = docs.get(n.name) or {}
             if n.name in need_compute:
                 # host: runner/planning/sizing.py finds this node's measured memory by name and address
-                nodes[n.name] = {**{k: v for k, v in doc.items() if k != "link"}, "host": n.host}
-                profile_cache.save("node", n.name, keys[n.name], nodes[n.name])
+                measured = {**{k: v for k, v in doc.items() if k != "link"}, "host": n.host}
+                nodes[n.name] = measured
+                profile_cache.save("node", n.name, keys[n.name], measured)
             if i in need_link:
-                links[i] = doc["link"]
-                b = order[i + 1].name
-                profile_cache.save("link", f"{n.name}-{b}", profile_cache.link_key(keys[n.name], keys[b]), links[i])
+                links[i] = link = doc["link"]
+                nxt = order[i + 1].name
+                profile_cache.save("link", f"{n.name}-{nxt}", profile_cache.link_key(keys[n.name], keys[nxt]), link)
     out = []
     for n in order:
-        doc = dict(nodes[n.name])
+        node_doc = nodes[n.name]
+        assert node_doc is not None  # from the cache or measured above
+        doc = dict(node_doc)
         doc.update(node=n.name, cpus_limit=n.cpus, memory_limit=n.memory)
         out.append(doc)
     return ClusterProfile(out, links, cached)
@@ -160,7 +167,7 @@ def run_probes(cl: Cluster, order: list[Node], probes: dict[str, Probe], tags: d
         c.start()
         return c
 
-    containers: dict[str, object] = {}
+    containers: dict[str, NodeContainer] = {}
     try:
         started = cl.map(active, start)
         for i, c, err in started:
@@ -194,7 +201,7 @@ def run_probes(cl: Cluster, order: list[Node], probes: dict[str, Probe], tags: d
         cl.map(list(dirs), tidy)
 
 
-def _wait(containers: dict[str, object], timeout: float) -> tuple[str, int | None] | None:
+def _wait(containers: dict[str, NodeContainer], timeout: float) -> tuple[str, int | None] | None:
     """Until every probe exited 0 (None), one exited non-zero, or the time is up: (node, code)."""
     deadline = time.time() + timeout
     pending = dict(containers)

@@ -135,10 +135,12 @@ def stage_compute(problem: Problem, s: int, a: int, b: int) -> float:
 def stage_comm(problem: Problem, s: int) -> float:
     """Sends of stage s per microbatch: its activation forward, its input's gradient back."""
     t = 0.0
-    if s < problem.p - 1 and problem.links[s] is not None:
-        t += problem.links[s].seconds(problem.boundary_bytes)
-    if s > 0 and problem.links[s - 1] is not None:
-        t += problem.links[s - 1].seconds(problem.boundary_bytes)
+    out = problem.links[s] if s < problem.p - 1 else None  # to the next stage
+    back = problem.links[s - 1] if s > 0 else None         # from the one before
+    if out is not None:
+        t += out.seconds(problem.boundary_bytes)
+    if back is not None:
+        t += back.seconds(problem.boundary_bytes)
     return t
 
 

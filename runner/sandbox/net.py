@@ -442,7 +442,7 @@ def _link_exists(ns_args: list[str], dev: str) -> bool:
 def _admin_up(ns_args: list[str], dev: str) -> bool:
     out = subprocess.run(["ip", *ns_args, "-o", "link", "show", "dev", dev], capture_output=True, text=True).stdout
     m = re.search(r"<([^>]*)>", out)
-    return bool(m) and "UP" in m.group(1).split(",")
+    return m is not None and "UP" in m.group(1).split(",")
 
 
 def _operstate(dev: str) -> str:

@@ -8,6 +8,7 @@ import re
 import shlex
 import zlib
 from pathlib import Path
+from typing import Literal, overload
 
 from runner.core.errors import UserError
 from runner.transport.ssh import Remote
@@ -17,6 +18,10 @@ HASH_RATE = 20e6         # bytes/s a slow node (Pi, SD card) hashes at least: se
 HASH_TIMEOUT_MAX = 7 * 86400.0
 
 
+@overload
+def sha256_file(path: str | Path, crc32: Literal[False] = False) -> str: ...
+@overload
+def sha256_file(path: str | Path, crc32: Literal[True]) -> tuple[str, int, int]: ...
 def sha256_file(path: str | Path, crc32: bool = False) -> str | tuple[str, int, int]:
     """Hex sha256 of a local file; with crc32=True (sha256, crc32, size) from the same read."""
     h, crc, size = hashlib.sha256(), 0, 0

@@ -31,6 +31,7 @@ import re
 import time
 from typing import TYPE_CHECKING
 
+import docker.constants
 from docker.models.containers import Container, ContainerCollection
 from docker.models.images import Image, ImageCollection
 
@@ -62,12 +63,13 @@ def bound_answer(r, *args, stream: bool = False, node: str = "?", **kwargs):
                                 f"{MAX_ANSWER >> 20} MiB any engine answer needs")
     timeout = kwargs.get("timeout")
     timeout = sum(t or 0 for t in timeout) if isinstance(timeout, tuple) else timeout
-    deadline = None if timeout is None else time.monotonic() + ANSWER_S + timeout
+    # (deadline, seconds) of the whole body; None for a request made to wait for ever (no timeout)
+    bound = None if timeout is None else (time.monotonic() + ANSWER_S + timeout, ANSWER_S + timeout)
     # Each read of the channel checks the time (a read of CHUNK bytes waits for all of them: a byte
     # a timeout apart, 64 KiB took days): docker_api's answer file, as for the headers.
     fp = getattr(getattr(r.raw, "_fp", None), "fp", None)
-    if isinstance(fp, DeadlineFile) and deadline is not None:
-        fp.deadline, fp.seconds = deadline, ANSWER_S + timeout
+    if isinstance(fp, DeadlineFile) and bound is not None:
+        fp.deadline, fp.seconds = bound
     # The chunks as they came, joined once at the end: no growing buffer to realloc (where the
     # allocator cannot grow one in place, each step copies it).
     body: list[bytes] = []
@@ -76,13 +78,14 @@ def bound_answer(r, *args, stream: bool = False, node: str = "?", **kwargs):
         for chunk in r.raw.stream(CHUNK, decode_content=True):
             body.append(chunk)
             size += len(chunk)
-            if size > MAX_ANSWER or (deadline is not None and time.monotonic() > deadline):
-                raise NoAnswer(ANSWER_S + timeout) if size <= MAX_ANSWER else \
-                    EngineAnswerError(node, f"the engine's answer to {_what(r)} went past {MAX_ANSWER >> 20} MiB: "
-                                      "stopped reading it")
-    except NoAnswer:
+            if size > MAX_ANSWER:
+                raise EngineAnswerError(node, f"the engine's answer to {_what(r)} went past {MAX_ANSWER >> 20} MiB: "
+                                        "stopped reading it")
+            if bound is not None and time.monotonic() > bound[0]:
+                raise NoAnswer(bound[1])
+    except NoAnswer as exc:
         r.close()
-        raise EngineAnswerError(node, f"the engine's answer to {_what(r)} took over {ANSWER_S + timeout:.0f}s "
+        raise EngineAnswerError(node, f"the engine's answer to {_what(r)} took over {exc.seconds:.0f}s "
                                 f"({size} bytes so far): stopped reading it") from None
     except EngineAnswerError:
         r.close()
@@ -281,14 +284,15 @@ def docker_client(client: paramiko.SSHClient, timeout: float, node: str = "?"):
     """docker.DockerClient whose every request rides `client` (docker_api.VerifiedSSHAdapter), its
     answers bounded and checked here, a malformed one named as node `node`'s."""
     api = NodeAPI(base_url="tcp://127.0.0.1:9", version=docker.constants.MINIMUM_DOCKER_API_VERSION,
-                  timeout=timeout)  # an explicit version: the constructor connects to nothing
+                  timeout=timeout)  # type: ignore[arg-type]  # seconds; an explicit version: connects to nothing
     api.bound(node)  # every answer bounded, each as it arrives
     adapter = VerifiedSSHAdapter(client, timeout, node)
-    api._custom_adapter = adapter
+    # What docker-py's own APIClient does for its SSH adapter (its private attributes: not in its stubs).
+    api._custom_adapter = adapter  # type: ignore[attr-defined]
     api.mount("http+docker://ssh", adapter)
-    api._unmount("http://", "https://")
+    api._unmount("http://", "https://")  # type: ignore[attr-defined]
     api.base_url = "http+docker://ssh"
-    api._version = api._retrieve_server_version()
+    api._version = api._retrieve_server_version()  # type: ignore[attr-defined]
     out = NodeDocker.__new__(NodeDocker)
     out.api = api
     return out

@@ -46,7 +46,8 @@ class DeadlineFile(paramiko.channel.ChannelFile):
 
     def __init__(self, chan: paramiko.Channel, seconds: float):
         super().__init__(chan, "rb")
-        self.seconds, self.deadline = seconds, time.monotonic() + seconds
+        self.seconds = seconds
+        self.deadline: float | None = time.monotonic() + seconds
 
     def _read(self, size):
         if self.deadline is not None and time.monotonic() > self.deadline:
@@ -80,10 +81,11 @@ class _Channel(SSHConnection):
 
     def connect(self) -> None:
         # paramiko's default wait for a channel is an hour: a hung node must fail like a closed one.
+        assert self.ssh_transport is not None  # get_connection made the pool from a live transport
         chan = self.ssh_transport.open_session(timeout=CHANNEL_OPEN_TIMEOUT)
         chan.settimeout(self.timeout)
         chan.exec_command("docker system dial-stdio")
-        self.sock = chan
+        self.sock = chan  # type: ignore[assignment]  # a channel serves as the socket, as in docker-py's own
 
     def getresponse(self, *args, **kwargs):
         try:
@@ -95,8 +97,9 @@ class _Channel(SSHConnection):
 
 
 class _Pool(SSHConnectionPool):
-    def _new_conn(self) -> _Channel:
-        return _Channel(self.ssh_transport, self.timeout, self.ssh_host)
+    # docker-py's own pool makes its SSHConnection the same way (its stubs type neither).
+    def _new_conn(self) -> _Channel:  # type: ignore[override]
+        return _Channel(self.ssh_transport, self.timeout, self.ssh_host)  # type: ignore[arg-type]
 
     def _get_conn(self, timeout=None):
         """A kept connection whose channel the node closed (its `docker system dial-stdio` ended:
@@ -113,6 +116,11 @@ class _Pool(SSHConnectionPool):
 
 class VerifiedSSHAdapter(SSHHTTPAdapter):
     """SSHHTTPAdapter on a connected paramiko client it does not own (never reconnects, never closes it)."""
+
+    # What __init__ sets, narrower than docker-py's stubs say of its adapter (pools: an int there).
+    ssh_client: paramiko.SSHClient
+    timeout: float  # type: ignore[assignment]  # seconds, as docker-py's own takes them
+    pools: RecentlyUsedContainer[str, _Pool]  # type: ignore[assignment]
 
     def __init__(self, client: paramiko.SSHClient, timeout: float, node: str = "?"):
         self.ssh_client = client
@@ -133,8 +141,8 @@ class VerifiedSSHAdapter(SSHHTTPAdapter):
                 return pool
             if not self.ssh_client.get_transport():
                 self._connect()
-            pool = _Pool(ssh_client=self.ssh_client, timeout=self.timeout, maxsize=self.max_pool_size,
-                         host=self.ssh_host)
+            pool = _Pool(ssh_client=self.ssh_client, timeout=self.timeout,  # type: ignore[arg-type]  # seconds
+                         maxsize=self.max_pool_size, host=self.ssh_host)
             self.pools[url] = pool
         return pool
 

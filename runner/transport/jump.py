@@ -51,7 +51,7 @@ class Bastions:
                     lease.future.exception() is not None or not alive(lease.future.result())):
                 lease = None  # failed or dropped: this caller tries again (the old one's holders keep theirs)
             mine = lease is None
-            if mine:
+            if lease is None:
                 lease = self._current[key] = Lease(key)
             lease.refs += 1
         if mine:

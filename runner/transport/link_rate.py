@@ -189,13 +189,15 @@ def measure_link(remote: Remote, upload: bool, aes: bool) -> float:
     cmd = "echo ready && exec cat >/dev/null" if upload else f"exec head -c {PROBE_BYTES} /dev/zero"
     argv = [*remote.openssh_argv(compress=False, aes=aes), cmd]
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    stdin, stdout = proc.stdin, proc.stdout
+    assert stdin is not None and stdout is not None  # both PIPE
     try:
         return _upload_rate(proc) if upload else _download_rate(proc)
     finally:
         if proc.poll() is None:
             proc.kill()
         proc.wait(timeout=10)
-        for f in (proc.stdin, proc.stdout):
+        for f in (stdin, stdout):
             try:
                 f.close()
             except OSError:
@@ -228,8 +230,10 @@ def _ready(fd: int, deadline: float) -> None:
         raise TimeoutError("no answer from the node")
 
 
-def _upload_rate(proc: subprocess.Popen) -> float:
-    fd = proc.stdout.fileno()
+def _upload_rate(proc: subprocess.Popen[bytes]) -> float:
+    stdin, stdout = proc.stdin, proc.stdout
+    assert stdin is not None and stdout is not None  # both PIPE (measure_link)
+    fd = stdout.fileno()
     _ready(fd, time.monotonic() + ANSWER_S)
     if os.read(fd, 64) != b"ready\n":
         raise OSError("the node's shell did not answer as expected")
@@ -240,8 +244,8 @@ def _upload_rate(proc: subprocess.Popen) -> float:
         piece = bytes(PIECE)
         try:
             while not stop.is_set() and sent[0] < PROBE_BYTES:
-                proc.stdin.write(piece)
-                proc.stdin.flush()
+                stdin.write(piece)
+                stdin.flush()
                 sent[0] += PIECE
         except (OSError, ValueError):
             pass
@@ -261,7 +265,8 @@ def _upload_rate(proc: subprocess.Popen) -> float:
     return span.rate
 
 
-def _download_rate(proc: subprocess.Popen) -> float:
+def _download_rate(proc: subprocess.Popen[bytes]) -> float:
+    assert proc.stdout is not None  # PIPE (measure_link)
     fd = proc.stdout.fileno()
     _ready(fd, time.monotonic() + ANSWER_S)
     span = _Span(PROBE_BYTES)

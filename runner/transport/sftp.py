@@ -7,11 +7,15 @@ import os
 import stat
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import paramiko
 
 from runner.core import safe_path
 from runner.core.errors import UserError
+
+if TYPE_CHECKING:
+    from runner.inventory import Node
 
 # What one command's stdout (and, apart, its stderr) or one file read whole may hold. The largest
 # honest ones: a batch of sha256sum lines (runner/transport/digest.py), a listing of a run dir's files.
@@ -78,7 +82,8 @@ def _close_unheard(sftp: paramiko.SFTPClient, handle: bytes) -> None:
     listed without end may never give one. paramiko drops the answer, when it comes, as one no
     request waits for; a session already gone has nothing left to close."""
     try:
-        sftp._async_request(type(None), paramiko.sftp.CMD_CLOSE, handle)
+        # paramiko's own (not in its stubs)
+        sftp._async_request(type(None), paramiko.sftp.CMD_CLOSE, handle)  # type: ignore[attr-defined]
     except (EOFError, OSError, paramiko.SSHException):
         pass
 
@@ -90,7 +95,9 @@ def listdir_within(sftp: paramiko.SFTPClient, path: str, limit: int) -> list[par
     and its listdir_iter reads 50 answers ahead and leaves the handle open when left early. So a
     listing costs at most limit entries and one answer (16 MiB), whatever count the answer claims;
     the handle is closed however the listing ends."""
-    t, msg = sftp._request(paramiko.sftp.CMD_OPENDIR, sftp._adjust_cwd(path))
+    # paramiko's own request calls (what listdir_attr does, a step at a time): not in its stubs.
+    request, adjust_cwd = sftp._request, sftp._adjust_cwd  # type: ignore[attr-defined]
+    t, msg = request(paramiko.sftp.CMD_OPENDIR, adjust_cwd(path))
     if t != paramiko.sftp.CMD_HANDLE:
         raise paramiko.SFTPError("Expected handle")
     handle = msg.get_binary()
@@ -100,7 +107,7 @@ def listdir_within(sftp: paramiko.SFTPClient, path: str, limit: int) -> list[par
     try:
         while True:
             try:
-                t, msg = sftp._request(paramiko.sftp.CMD_READDIR, handle)
+                t, msg = request(paramiko.sftp.CMD_READDIR, handle)
             except EOFError:  # the end of the directory
                 ended = True
                 break
@@ -108,7 +115,8 @@ def listdir_within(sftp: paramiko.SFTPClient, path: str, limit: int) -> list[par
                 raise paramiko.SFTPError("Expected name response")
             for _ in range(msg.get_int()):  # the node's count: past the packet's end, empty entries
                 filename, longname = msg.get_text(), msg.get_text()
-                attr = paramiko.SFTPAttributes._from_msg(msg, filename, longname)
+                # as listdir_attr (paramiko's own, not in its stubs)
+                attr = paramiko.SFTPAttributes._from_msg(msg, filename, longname)  # type: ignore[attr-defined]
                 seen += 1
                 if filename not in (".", ".."):
                     out.append(attr)
@@ -117,12 +125,19 @@ def listdir_within(sftp: paramiko.SFTPClient, path: str, limit: int) -> list[par
     finally:
         if not ended:  # over limit, a name not UTF-8, a late answer: the handle is not left open
             _close_unheard(sftp, handle)
-    sftp._request(paramiko.sftp.CMD_CLOSE, handle)  # as listdir_attr: the directory ended, its node answers
+    request(paramiko.sftp.CMD_CLOSE, handle)  # as listdir_attr: the directory ended, its node answers
     return out
 
 
 class NodeFiles:
     """Mixed into Remote: needs its `client`, `node`, `_lock`, `_sftp` and `_home`."""
+
+    # Set by Remote.__init__ (runner/transport/ssh.py); declared here for the type checker only.
+    client: paramiko.SSHClient | None
+    node: Node
+    _lock: threading.Lock
+    _sftp: paramiko.SFTPClient | None
+    _home: str | None
 
     @property
     def sftp(self) -> paramiko.SFTPClient:
@@ -130,7 +145,9 @@ class NodeFiles:
             if self._sftp is None or self._sftp.sock.closed:  # closed: an answer was late, a fresh session
                 # A node behind a cut link answers nothing and TCP may take a quarter hour to say so:
                 # an SFTP answer that is not whole within this long fails instead of hanging its caller.
-                chan = self.client.get_transport().open_session(timeout=SFTP_OPEN_S)
+                transport = self.client.get_transport() if self.client is not None else None
+                assert transport is not None, "not connected"
+                chan = transport.open_session(timeout=SFTP_OPEN_S)
                 chan.invoke_subsystem("sftp")
                 self._sftp = WatchedSFTP(chan, self.node.name, SFTP_SILENCE_S)
             return self._sftp
@@ -196,7 +213,9 @@ class NodeFiles:
         attrs = paramiko.SFTPAttributes()
         attrs.st_mode = mode
         flags = paramiko.sftp.SFTP_FLAG_WRITE | paramiko.sftp.SFTP_FLAG_CREATE | paramiko.sftp.SFTP_FLAG_EXCL
-        t, msg = sftp._request(paramiko.sftp.CMD_OPEN, sftp._adjust_cwd(path), flags, attrs)
+        # as paramiko's open() (its own calls, not in its stubs)
+        request, adjust_cwd = sftp._request, sftp._adjust_cwd  # type: ignore[attr-defined]
+        t, msg = request(paramiko.sftp.CMD_OPEN, adjust_cwd(path), flags, attrs)
         if t != paramiko.sftp.CMD_HANDLE:
             raise paramiko.SFTPError("Expected handle")
         fh = paramiko.SFTPFile(sftp, msg.get_binary(), "wb")

@@ -70,7 +70,7 @@ class StderrTail:
         self._t.start()
 
     def fileno(self) -> int:
-        """The write end, for Popen(stderr=...)."""
+        """The write end, for Popen(stderr=...fileno()): an fd, as the type of Popen's stderr wants."""
         return self._w
 
     def _drain(self) -> None:
@@ -175,18 +175,18 @@ def ssh_stream(remote: Remote, remote_cmd: str, local: list[list[str]], *, uploa
             prev = None
             for cmd in local:
                 p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL if prev is None else prev, stdout=subprocess.PIPE,
-                                     stderr=local_err)
+                                     stderr=local_err.fileno())
                 if prev is not None:
                     prev.close()  # the next process holds the only read end: SIGPIPE reaches its writer
                 prev = p.stdout
                 procs.append(p)
-            ssh = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=ssh_err)
+            ssh = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=ssh_err.fileno())
             procs.append(ssh)
             src, dst = prev, ssh.stdin
         else:
-            ssh = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=ssh_err)
+            ssh = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=ssh_err.fileno())
             procs.append(ssh)
-            sink = subprocess.Popen(local[0], stdin=subprocess.PIPE, stderr=local_err)
+            sink = subprocess.Popen(local[0], stdin=subprocess.PIPE, stderr=local_err.fileno())
             procs.append(sink)
             src, dst = ssh.stdout, sink.stdin
             feeder = threading.Thread(target=_feed, args=(ssh.stdin, stdin_data or b""), daemon=True)
