@@ -17,6 +17,10 @@ from pathlib import Path
 from tests import REPO
 from tests.trainer_zygote import torchrun_argv, zygote_for
 
+HOOKS = REPO / "tests" / "hooks"  # the switch of the trainer's test hooks (trainer/runtime/hold.py)
+# job.sync entry giving a runner job's containers that folder at the same path (hold_env's PYTHONPATH).
+HOOKS_SYNC = {"src": str(HOOKS), "dst": str(HOOKS)}
+
 
 def free_port() -> int:
     """A loopback port nothing listens on now (another process may take it before it is bound)."""
@@ -44,9 +48,13 @@ def trainer_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     # test's timeout; tests/test_trainer_speed.py with an empty cache), and on two cores a pool
     # buys nothing.
     env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    # tests/hooks first: its sitecustomize switches on the trainer's test hooks (trainer/runtime/hold.py)
+    # in every process started here. An extra PYTHONPATH (hold_env's) is put in front, not instead.
+    paths = [str(HOOKS), str(REPO), *env.get("PYTHONPATH", "").split(os.pathsep)]
     if extra:
         env.update(extra)
+        paths = [*extra.get("PYTHONPATH", "").split(os.pathsep), *paths]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
     return env
 
 
@@ -136,8 +144,10 @@ def start_trainer(out_dir: Path, *args: str, nproc: int = 1, env: dict[str, str]
 # --- holding a run at a known point (trainer/runtime/hold.py) ---------------------------------------
 
 def hold_env(*points: str) -> dict[str, str]:
-    """Env that holds every rank at each "POINT:STEP" until release() (e.g. hold_env("step:3"))."""
-    return {"TRAINER_TEST_HOLD": ",".join(points)}
+    """Env that holds every rank at each "POINT:STEP" until release() (e.g. hold_env("step:3")).
+    The hold is test support, switched on only by tests/hooks/ on PYTHONPATH (trainer/runtime/hold.py):
+    a runner job that holds also needs HOOKS_SYNC in its job.sync (Slurm reads the folder in place)."""
+    return {"TRAINER_TEST_HOLD": ",".join(points), "PYTHONPATH": str(HOOKS)}
 
 
 def held(out_dir: Path, point: str, ranks, what: str = "held") -> bool:
@@ -164,7 +174,8 @@ def losses(out_dir: Path) -> list[float]:
 
 # Fields of a metrics.jsonl record that measure time or memory: different on every run.
 TIMING_FIELDS = frozenset({"tokens_per_s", "tokens_per_s_per_device", "samples_per_s", "mfu", "memory_bytes",
-                           "memory_gib", "memory_reserved_gib", "step_time_s", "time"})
+                           "memory_gib", "memory_reserved_gib", "step_time_s", "time", "dp_sync_s",
+                           "rank_step_s", "rank_wait_s"})
 
 
 # On the first record of each start (a resume too): where that start's layout began. A straight

@@ -1,4 +1,5 @@
-"""AdamW and the LR schedule: linear warmup (steps or ratio), then cosine to min_lr, flat after."""
+"""The inner optimizer (AdamW, or plain SGD) and the LR schedule: linear warmup (steps or ratio),
+then cosine to min_lr, flat after."""
 
 from __future__ import annotations
 
@@ -8,15 +9,15 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from trainer.config import Config
+from trainer.config import Config, ConfigError
 
 if TYPE_CHECKING:
     from trainer.parallel.master_weights import MasterWeights
 
 
 def build_optimizer(params: list[nn.Parameter], cfg: Config, master: MasterWeights | None = None) -> torch.optim.Optimizer:
-    """AdamW over `params`; over the fp32 masters of bf16 compute copies (`master`, one process with
-    train.param_dtype bf16) that compile, master_adamw.MasterAdamW, whose step also writes the copies
+    """AdamW (optim.name sgd: torch's SGD without momentum) over `params`; over the fp32 masters of
+    bf16 compute copies (`master`, one process with train.param_dtype bf16) that compile, master_adamw.MasterAdamW, whose step also writes the copies
     (eager, its dozen passes per parameter lose to torch's fused kernel over cast gradients: that
     one then, bench/results/optimizer_step.json)."""
     o = cfg.optim
@@ -28,6 +29,13 @@ def build_optimizer(params: list[nn.Parameter], cfg: Config, master: MasterWeigh
     # beside plain per-head norms (Qwen3's q_norm/k_norm), so each group splits by type.
     groups = [{**g, "params": [p for p in g["params"] if _is_dtensor(p) == dt]} for g in groups for dt in (False, True)]
     groups = [g for g in groups if g["params"]]
+    if o.name == "sgd":
+        # Plain SGD, no momentum: the one inner optimizer whose averaged updates are the update of the
+        # averaged gradients (DiLoCo with H = 1 is then DDP: tests/test_diloco.py). Decay is L2 here.
+        if master is not None and master.compile_backend is not None:
+            raise ConfigError("optim.name sgd: compiled bf16 parameters in one process are stepped by MasterAdamW "
+                              "only; use optim.name adamw, train.compile false or train.param_dtype fp32")
+        return torch.optim.SGD(groups, lr=o.lr, momentum=0.0, foreach=True)
     kwargs = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
     if master is not None and master.compile_backend is not None:
         from trainer.parallel.master_adamw import MasterAdamW

@@ -44,7 +44,7 @@ from trainer.parallel.mesh import ParallelDims
 from trainer.parallel.ordered_reduce import ordered_mean
 from trainer.parallel.parallelized import Parallelized
 from trainer.parallel.running_stats import sync_running_stats
-from trainer.runtime import dist_env
+from trainer.runtime import dist_env, heartbeat, progress
 from trainer.runtime.gc_schedule import GcSchedule, resolve_gc_interval
 from trainer.runtime.tracking import Trackers
 
@@ -113,6 +113,10 @@ class Trainer:
                                                      self.env.local_world_size))
         self.par: Parallelized = parallelize(model, self.spec, dims, cfg, device, backend)
         self.optimizer = build_optimizer(self.par.parameters(), cfg, master=self.par.extras.get("master_weights"))
+        self.diloco = self.par.extras.get("diloco")  # parallel.dp_sync diloco: the outer loop (diloco.py)
+        self.sync_meter = self.par.extras.get("sync_meter")  # data-parallel bytes and time (sync_meter.py)
+        # Per-rank step/wait times at log steps, stragglers, the heartbeat's work and checkpoint size.
+        self.step_times = progress.StepTimes(cfg, env.rank, env.world_size, device, backend, self.par.model_parts)
 
         self.local_batch = t.batch_size * t.grad_acc_steps
         self.data: DataStream = build_data(d, self.spec.task, self.spec.hf_config, t.seed, self.local_batch,
@@ -176,14 +180,22 @@ class Trainer:
     def train_step(self) -> tuple[torch.Tensor | None, torch.Tensor]:
         """One optimizer step; returns (DP-mean loss or None, grad norm) as device tensors."""
         t = self.cfg.train
+        heartbeat.mark("data")  # the phases of a step (forward/backward/recv/send: the layout's hooks)
         inputs, labels = self.data.next_batch()
         loss = self.par.forward_backward(inputs, labels, t.microbatch_num * t.grad_acc_steps)
+        heartbeat.mark("grad_norm")
         grad_norm = self.par.clip_grad_norm(t.grad_clip, self.optimizer)
+        heartbeat.mark("optimizer")
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.diloco is not None:  # every inner_steps / fragments steps: a fragment's outer step
+            # A sync moves what H steps of all-reduce would have: the hang budget of H steps (contract/hang.py).
+            with heartbeat.during("dp_sync", units=self.cfg.parallel.diloco.inner_steps):
+                self.diloco.after_inner_step(self.step + 1, last=self.step + 1 == self.total_steps)
         sync_running_stats(self.par.model_parts, self.dims)  # BatchNorm models only
         if self.step + 1 < self.total_steps:
+            heartbeat.mark("data", detail="prefetch")
             self.data.prefetch()  # the host builds the next batch while the device runs this one
         return (None if loss is None else self._dp_mean(loss)), grad_norm
 
@@ -222,6 +234,18 @@ class Trainer:
         alloc, reserved = (int(v) for v in both.tolist())
         return alloc, (None if reserved < 0 else reserved)
 
+    def _sync_totals(self) -> dict[str, Any]:
+        """metrics.jsonl's dp_sync_bytes and dp_sync_s: cumulative since step 0, the largest over all
+        ranks (every rank calls it at a log step; sync_meter.py says what counts)."""
+        if self.sync_meter is None:
+            return {}
+        import torch.distributed as dist
+
+        both = torch.tensor([self.sync_meter.bytes, round(self.sync_meter.seconds * 1e9)], dtype=torch.int64,
+                            device=self.device if self.backend == "nccl" else "cpu")
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        return {"dp_sync_bytes": int(both[0]), "dp_sync_s": int(both[1]) / 1e9}
+
     def _report_compile(self) -> None:
         """After the first step: the graphs torch.compile built (proof that compiled code runs)."""
         if self.cfg.train.compile == "false":
@@ -241,6 +265,8 @@ class Trainer:
     def fit(self) -> None:
         self.par.train(True)
         self._emit("on_train_start")
+        if heartbeat.CURRENT is not None:
+            heartbeat.CURRENT.apply_timeout()  # the groups the layout and callbacks made wait the budget's time too
         self._write_config()  # only now: a resume refused by its checks leaves the run's files as they were
         with self.gc.active():
             self._loop()
@@ -250,9 +276,11 @@ class Trainer:
         cfg = self.cfg
         since, steps_since = time.perf_counter(), 0
         while self.step < self.total_steps and not self.stop_requested:
+            heartbeat.step_start(self.step + 1)
             self._emit("on_step_start", self.step)
             lr = self.scheduler.get_last_lr()[0]
             loss, grad_norm = self.train_step()
+            heartbeat.step_end()
             self.step += 1
             if self.step == 1:
                 self._report_compile()
@@ -264,15 +292,21 @@ class Trainer:
             log_step = self.step % cfg.logging.log_interval == 0 or self.step == self.total_steps
             record: dict[str, Any] | None = None
             if log_step or evaluate:
+                heartbeat.mark("log", units=steps_since)  # waits for the device: steps_since steps' worth
                 dt = self._elapsed(since) / steps_since
                 steps_since = 0
                 memory = self._memory()
+                times = self.step_times.log_step(dt)  # every rank's step and wait times (progress.py)
+                sync = self._sync_totals()
                 if loss is not None:
                     record = StepStats(self.step, float(loss), lr, float(grad_norm), self.global_samples,
                                        self.global_samples * self.tokens_per_sample, dt, self.tokens_seen,
                                        self.env.world_size, self.flops_per_token, self.peak, *memory).record()
+                    record.update(sync)
+                    record.update(times)
                 if evaluate:
-                    eval_loss = self.evaluate()
+                    with heartbeat.during("eval", units=cfg.train.eval_batches):
+                        eval_loss = self.evaluate()
                     if record is not None and eval_loss is not None:
                         record["eval_loss"] = eval_loss
             if record is not None and self.is_logger and log_step:
@@ -285,6 +319,7 @@ class Trainer:
                     log.info("step %d loss %.4f", self.step, record["loss"])
                 if "eval_loss" in record:
                     log.info("eval step %d loss %.4f", self.step, record["eval_loss"])
+            heartbeat.mark("collective")  # the callbacks' step-end vote (a checkpoint marks its own phase)
             self._emit("on_step_end", record)
             if cfg.train.exit_interval and self.step % cfg.train.exit_interval == 0 and not self.stop_requested \
                     and self.step < self.total_steps:
@@ -296,6 +331,8 @@ class Trainer:
                 since = time.perf_counter()  # the next window starts after this step's callbacks
 
     def close(self) -> None:
+        if self.diloco is not None:
+            self.diloco.drain()  # a sync still in flight ends before the process group does
         self.metrics.close()
         if self._tmp is not None:
             self._tmp.cleanup()
@@ -329,16 +366,24 @@ def run(cfg: Config, env: dist_env.DistEnv) -> int:
         log.info("resolved config:\n%s", cfg.to_yaml().rstrip())
     device = dist_env.local_device(device.type, env.local_rank)
     owns_group = not torch.distributed.is_initialized()  # a caller's group outlives this run
-    backend = dist_env.init_process_group(env, device.type, cfg.parallel.backend, cfg.parallel.timeout_s)
+    watch = progress.start(cfg, env, nccl=device.type == "cuda" and cfg.parallel.backend != "gloo")
     trainer = None
-    try:
+    try:  # from the rendezvous on: a timeout anywhere is one line (progress.stalled)
+        backend = dist_env.init_process_group(env, device.type, cfg.parallel.backend, progress.initial_timeout(watch))
+        heartbeat.mark("build")
         if env.distributed:
             dims.build_mesh(device.type)
         log.info("launcher %s; %s; device %s, backend %s", env.launcher, dims.describe(), device,
                  backend if env.distributed else "none")
         trainer = Trainer(cfg, env, dims, device, backend)
         trainer.fit()
+    except BaseException as e:  # noqa: BLE001 - the heartbeat's last word, then the error goes on
+        if (code := progress.stalled(e, out, env.rank)) is None:  # a collective that timed out: one line
+            progress.finished(e)
+            raise
+        return code
     finally:
+        progress.finished()
         if trainer is not None:
             trainer.close()
         if owns_group:

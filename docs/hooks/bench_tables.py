@@ -300,6 +300,34 @@ def runner(r: Results, _arg: str | None) -> str:
                      command="python -m bench NAME"))
 
 
+def startup(r: Results, _arg: str | None) -> str:
+    """`runner --version`, `--help` and dry-runs from exec to exit, now and before, against the
+    targets; then the tools alongside (the interpreter, git-class CLIs, other launchers')."""
+    s = r("startup.json")
+    rows, targets, heavy = s["rows"], s["targets"], s["heavy_imports"]
+
+    def cell(name: str) -> str:
+        v = rows[name]
+        return f"{secs(v['median_s'])} (min {secs(v['min_s'])})"
+
+    ours = [k for k in rows if k.startswith("runner ")]
+    out = []
+    for k in ours:
+        before = f"before: {k}"
+        target = targets.get(k)
+        out.append([f"`{k}`", cell(k), cell(before) if before in rows else "-",
+                    ", ".join(heavy.get(k, [])) or "none", ", ".join(heavy.get(before, [])) or "-",
+                    f"<= {target} s, {met(rows[k]['median_s'] <= target)}" if target else "reported"])
+    main = table(["command", "now: median (min)", "before", "heavy imports now", "before", "target"], out)
+    others = [[f"`{k}`", cell(k)] for k in rows if not k.startswith(("runner ", "before: "))]
+    versions = ", ".join(f"{k} {v}" for k, v in (s.get("versions") or {}).items())
+    return (main + "\n\nAlongside, in the same rounds" + (f" ({versions}, each in a throwaway venv)" if versions else "")
+            + ":\n\n" + table(["command", "median (min)"], others)
+            + f"\n\n{s['repeats']} rounds, every row once a round, on {s['cpus']} cores (load {s['load_at_start']} at the "
+            f"start, {s['load_at_end']} at the end); Python {s['python']}."
+            + source("startup.json", command="python -m bench startup --baseline DIR --torchx BIN --sky BIN"))
+
+
 # --- GPU ----------------------------------------------------------------------------------
 
 def gpu_throughput(r: Results, arg: str | None) -> str:
@@ -371,9 +399,61 @@ def gpu_families(r: Results, _arg: str | None) -> str:
             + source("gpu_families.json", command="PYTHONPATH=. python3 bench/gpu_families.py --out DIR"))
 
 
+# --- DiLoCo over slow links ---------------------------------------------------------------
+
+DILOCO_NAMES = {"ddp": "DDP (all-reduce every step)", "diloco_h20_fp32": "DiLoCo H=20, fp32",
+                "diloco_h20_int8": "DiLoCo H=20, int8", "diloco_h50_fp32": "DiLoCo H=50, fp32",
+                "diloco_h50_int8": "DiLoCo H=50, int8"}
+
+
+def diloco(r: Results, _arg: str | None) -> str:
+    d = r("diloco.json")
+    s, ddp = d["setup"], d["runs"]["ddp"]
+    rows = []
+    for name, x in d["runs"].items():
+        reached = x["reached_step"] is not None
+        rows.append([DILOCO_NAMES.get(name, name),
+                     str(x["reached_step"]) if reached else f"not in {x['steps']} steps",
+                     secs(x["reached_s"]) if reached else "-",
+                     ratio(ddp["reached_s"] / x["reached_s"]) if reached else "-",
+                     f"{x['reached_bytes'] / 1e6:,.2f} MB" if reached else "-",
+                     f"{x['final_loss10']:.3f} at step {x['steps']}, {secs(x['wall_s'])}",
+                     f"{x['ddp_loss10_at_end']:.3f} (step {x['ddp_step_at_end']})",
+                     f"{x['bytes_total'] / 1e6:,.2f} MB, {secs(x['sync_s_total'])}"])
+    intro = (f"dp {s['nodes']} of {s['model']} over {s['link']} links ({s['where']}; {s['machine']}). Target: "
+             f"DDP's mean loss over its last {s['loss_window']} steps at step {s['ddp_steps']}, "
+             f"{d['target_loss10']:.3f}, reached in {secs(d['ddp_wall_s'])}. Losses are {s['loss_window']}-step "
+             f"means. Bytes: what each rank handed to its data-parallel collectives (`dp_sync_bytes`); sync time: "
+             f"`dp_sync_s`. DiLoCo outer {s['outer']}.\n\n")
+    return (intro + table(["run", "reaches the target at step", "wall time", "speed-up", "bytes per rank there",
+                           "loss at its end", "DDP's loss at the same wall time", "whole run: bytes, sync time"],
+                          rows)
+            + source("diloco.json", command="flock /tmp/heavy-tests.lock python -m bench.diloco"))
+
+
+def heartbeat(r: Results, _arg: str | None) -> str:
+    """The progress heartbeat's cost per step (bench/heartbeat.py), on and off inside each run."""
+    hb = r("heartbeat.json")
+    target, p = hb["target"], hb["parts"]
+    rows = []
+    for job, x in hb["results"].items():
+        what = (f"{job}: {x['nproc']} process(es), {' '.join(x['args'])}, {x['marks_per_step']:.0f} marks a step")
+        each = ", ".join(f"{100 * o:+.2f}%" for o in x["overheads"])
+        rows.append([what, f"{x['step_off_s'] * 1e3:.2f} ms", f"{x['step_on_s'] * 1e3:.2f} ms",
+                     f"{100 * x['overhead']:+.2f}% (runs: {each})", pct(x["overhead_by_parts"], 3),
+                     f"< {pct(target, 0)}, {met(x['overhead'] < target and x['overhead_by_parts'] < target)}"])
+    return (table(["job", "step, heartbeat off", "step, on", "measured", "by its parts", "target"], rows)
+            + f"\n\nOn and off every {hb['block']} steps inside each run ({hb['reps']} runs of {hb['steps']} steps, "
+            f"median loop iteration after {hb['warmup']}), the writer at {hb['heartbeat_s']:g} s (20x the default "
+            f"rate). The parts: one mark {p['mark_ns']:.0f} ns ({p['mark_off_ns']:.0f} ns with no heartbeat), one "
+            f"write of the file {p['write_us']:.0f} us, on {hb['cores']} cores (load {hb['load_avg'][0]:.1f})."
+            + source("heartbeat.json", command="python -m bench heartbeat"))
+
+
 TABLES: dict[str, Callable[[Results, str | None], str]] = {
     "trainer_cpu": trainer_cpu, "pipeline": pipeline, "launch": launch, "runner": runner,
-    "gpu_throughput": gpu_throughput, "gpu_lm_loss": gpu_lm_loss, "gpu_families": gpu_families,
+    "gpu_throughput": gpu_throughput, "gpu_lm_loss": gpu_lm_loss, "gpu_families": gpu_families, "diloco": diloco,
+    "startup": startup, "heartbeat": heartbeat,
 }
 
 

@@ -6,6 +6,13 @@ the FULL model's fully-qualified name whatever the wrapping (DDP's `module.` dro
 TP DTensors kept sharded). Pipeline stages already use the full model's names (stages.py), and
 the optimizer state is flattened to one key per parameter (`state.<fqn>.exp_avg`,
 `param_groups.<fqn>.lr`), so a checkpoint written with pp=2 loads with pp=1 and vice versa.
+
+Under parallel.dp_sync diloco the replicas' parameters differ between syncs, and a key written by
+several ranks is kept from one of them (DCP deduplicates by name), so: `model` holds the anchors
+(the global parameters, the same on every replica: what `trainer export` reads), `diloco` the outer
+Nesterov momentum and, with overlap_steps, the average of a sync in flight; each replica's own
+parameters and inner optimizer state go under `replica<k>` (k: its dp_replicate coordinate). Such
+a checkpoint resumes with the same dp_replicate and parallel.diloco settings.
 """
 
 from __future__ import annotations
@@ -62,18 +69,53 @@ class _Merged(nn.Module):
 
 
 class ModelOptimState(Stateful):
-    """The DCP-visible state: model and optimizer, each keyed by full-model FQNs."""
+    """The DCP-visible state: model and optimizer, each keyed by full-model FQNs; with `diloco`
+    (trainer/parallel/diloco.py) the layout of the module doc."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
-        self.model, self.optimizer = model, optimizer
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, diloco: Any = None):
+        self.model, self.optimizer, self.diloco = model, optimizer, diloco
 
     def state_dict(self) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=OPTIONS)
-        return {"model": model_sd, "optim": optim_sd}
+        if self.diloco is None:
+            return {"model": model_sd, "optim": optim_sd}
+        # The DiLoCo object's own tensors (DTensors over their shards where the parameters are):
+        # DCP loads into them in place.
+        fqn = _param_fqns(self.model)
+        anchors, outer = dict(model_sd), {}  # buffers: this replica's (BatchNorm's are dp rank 0's anyway)
+        for pid, entry in self.diloco.global_state().items():
+            anchors[fqn[pid]] = entry.pop("anchor")
+            for kind, t in entry.items():
+                outer.setdefault(kind, {})[fqn[pid]] = t
+        return {"model": anchors, "diloco": outer,
+                f"replica{self.diloco.replica}": {"model": model_sd, "optim": optim_sd}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"], options=OPTIONS)
+        own = state if self.diloco is None else state[f"replica{self.diloco.replica}"]
+        set_state_dict(self.model, self.optimizer, model_state_dict=own["model"],
+                       optim_state_dict=own["optim"], options=OPTIONS)
+
+
+def _param_fqns(model: nn.Module) -> dict[int, str]:
+    """id(parameter) -> its name in get_state_dict's keys (wrapper prefixes dropped as DCP drops them)."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    return {id(p): next(iter(_get_fqns(model, name))) for name, p in model.named_parameters()}
+
+
+def dp_sync_state(trainer: Any) -> dict[str, Any] | None:
+    """This rank's data-parallel sync counters (trainer/parallel/sync_meter.py), for its rank file."""
+    meter = getattr(trainer, "sync_meter", None)
+    return None if meter is None else meter.state_dict()
+
+
+def restore_dp_sync(trainer: Any, rank_file: dict[str, Any]) -> dict[str, Any]:
+    """The counters of a rank file (same layout) back into the meter, so dp_sync_bytes goes on from
+    the straight run's; returns the rank file."""
+    meter, saved = getattr(trainer, "sync_meter", None), rank_file.get("dp_sync")
+    if meter is not None and isinstance(saved, dict):
+        meter.load_state_dict(saved)
+    return rank_file
 
 
 def rng_state() -> dict[str, Any]:

@@ -13,9 +13,12 @@ import math
 from typing import Any
 
 from contract.memory import auto_loss_chunks
+from trainer.config.bounds import check_numbers
 from trainer.config.schema import Config, ConfigError, get_key
 
-OPTIMIZERS = ("adamw",)
+OPTIMIZERS = ("adamw", "sgd")
+DP_SYNC = ("allreduce", "diloco")
+SYNC_DTYPES = ("fp32", "bf16", "int8")
 COMPILE = {"auto": "auto", "true": "true", "false": "false", "try": "try", "on": "true", "off": "false",
            "yes": "true", "no": "false", "1": "true", "0": "false"}
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
@@ -27,10 +30,11 @@ AT_LEAST = {
     "train.batch_size": 1, "train.microbatch_num": 1, "train.grad_acc_steps": 1, "train.eval_batches": 1,
     "train.eval_interval": 0, "train.exit_interval": 0, "train.seed": 0,
     "data.seq_len": 1, "data.num_workers": 0, "data.tokenizer_vocab_size": 260,
-    "parallel.tp": 1, "parallel.pp": 1, "parallel.virtual_stages": 1, "parallel.timeout_s": 1,
+    "parallel.tp": 1, "parallel.pp": 1, "parallel.virtual_stages": 1,
     "schedule.warmup_steps": 0,
     "checkpoint.interval": 0, "checkpoint.keep_last": 0, "checkpoint.preempt_interval": 0, "checkpoint.replicas": 0,
     "profile.num_prof_steps": 0,
+    "parallel.diloco.inner_steps": 1, "parallel.diloco.fragments": 1, "parallel.diloco.overlap_steps": 0,
 }
 # optional integers (None = default/derived) -> smallest accepted value when given
 AT_LEAST_OPTIONAL = {
@@ -63,6 +67,7 @@ def check_ranges(cfg: Config) -> None:
         value = get_key(cfg, key)
         if value is not None and value < lo:
             raise ConfigError(f"{key} must be >= {lo} (or unset), got {value}")
+    check_numbers(cfg)  # and every number at most its bound (trainer/config/bounds.py)
     t, o, s, d, p = cfg.train, cfg.optim, cfg.schedule, cfg.data, cfg.parallel
     # Values torch.optim.AdamW would only reject once the model is built.
     if o.name.lower() not in OPTIMIZERS:
@@ -117,9 +122,48 @@ def check_ranges(cfg: Config) -> None:
         raise ConfigError("parallel.backend: nccl needs CUDA devices but parallel.device is cpu; use gloo or auto")
     schedule_spec(p.pp_schedule)
     check_partition_syntax(p.partition)
-    if "/" in cfg.checkpoint.prefix:
-        raise ConfigError(f"checkpoint.prefix: '{cfg.checkpoint.prefix}' must not contain '/' (it names a directory)")
+    _check_diloco(cfg)
+    _check_watch(cfg)
 
+
+def _check_diloco(cfg: Config) -> None:
+    """parallel.dp_sync and parallel.diloco.* (checked also under allreduce: a typo is a typo). What
+    needs the layout or the model (replicas, sharding, blocks per rank) is checked by
+    trainer/parallel/diloco.py once the mesh exists."""
+    p, d = cfg.parallel, cfg.parallel.diloco
+    if p.dp_sync not in DP_SYNC:
+        raise ConfigError(f"parallel.dp_sync: '{p.dp_sync}' (allreduce or diloco)")
+    if d.sync_dtype not in SYNC_DTYPES:
+        raise ConfigError(f"parallel.diloco.sync_dtype: '{d.sync_dtype}' ({', '.join(SYNC_DTYPES)})")
+    _real("parallel.diloco.outer_lr", d.outer_lr, 0.0, lo_open=True)
+    _real("parallel.diloco.outer_momentum", d.outer_momentum, 0.0, 1.0)
+    _real("parallel.diloco.merge_alpha", d.merge_alpha, 0.0, 1.0, hi_open=False)
+    if d.fragments > d.inner_steps or d.inner_steps % d.fragments:
+        raise ConfigError(f"parallel.diloco.fragments {d.fragments} must divide parallel.diloco.inner_steps "
+                          f"{d.inner_steps} (one fragment is synced every inner_steps / fragments steps)")
+    if d.overlap_steps >= d.inner_steps // d.fragments:
+        raise ConfigError(f"parallel.diloco.overlap_steps {d.overlap_steps} must be below inner_steps / fragments = "
+                          f"{d.inner_steps // d.fragments} (a fragment's sync ends before the next one starts)")
+
+
+
+def _auto_seconds(key: str, value: Any) -> None:
+    if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ConfigError(f"{key} must be auto or a number of seconds >= 1, got {value!r}")
+
+
+def _check_watch(cfg: Config) -> None:
+    """parallel.timeout_s and watch.* (the hang watch: contract/hang.py)."""
+    w = cfg.watch
+    _auto_seconds("parallel.timeout_s", cfg.parallel.timeout_s)
+    _auto_seconds("watch.hang_timeout_s", w.hang_timeout_s)
+    _auto_seconds("watch.startup_timeout_s", w.startup_timeout_s)
+    _real("watch.heartbeat_s", w.heartbeat_s, 0.0, 3600.0)
+    if 0 < w.heartbeat_s < 0.05:
+        raise ConfigError(f"watch.heartbeat_s {w.heartbeat_s:g}: at least 0.05 s (or 0: off)")
+    _real("watch.straggler_factor", w.straggler_factor, 1.0, lo_open=True)
+    if w.straggler_steps < 0:
+        raise ConfigError(f"watch.straggler_steps must be >= 0, got {w.straggler_steps}")
 
 def max_positions(hf: Any) -> int | None:
     for name in ("max_position_embeddings", "n_positions"):
@@ -154,6 +198,9 @@ def microbatch_tokens(cfg: Config) -> int:
 
 def check_model(cfg: Config, hf: Any, task: str) -> None:
     """Consistency of the config with the model's transformers config (`hf`)."""
+    from trainer.config.bounds import check_model_shape
+
+    check_model_shape(hf)
     t, seq = cfg.train, cfg.data.seq_len
     if task != "mae":
         limit = max_positions(hf)

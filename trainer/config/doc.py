@@ -92,15 +92,15 @@ def render(cfg: Config | None = None) -> str:
     cfg = cfg or Config()
     docs = descriptions()
     lines = [HEADER.rstrip("\n")]
-    section = None
+    section: list[str] = []
     for key, value in keys(cfg):
-        head, _, name = key.rpartition(".")
-        if head != section:
-            section = head
-            if head:
-                lines.append(f"{head}:")
-        indent = "  " if head else ""
-        entry = f"{indent}{name}: {_scalar(value)}"
+        *head, name = key.split(".")
+        same = 0  # a section inside a section (parallel.diloco) nests one level deeper
+        while same < min(len(head), len(section)) and head[same] == section[same]:
+            same += 1
+        lines += [f"{'  ' * depth}{head[depth]}:" for depth in range(same, len(head))]
+        section = head
+        entry = f"{'  ' * len(head)}{name}: {_scalar(value)}"
         lines.append(f"{entry.ljust(COMMENT_COLUMN - 2)}  # {docs[key]}" if docs[key] else entry)
     return "\n".join(lines) + "\n"
 

@@ -14,7 +14,23 @@ import yaml
 
 
 class ConfigError(Exception):
-    """An error the user can fix: printed as one line, exit code 2, no traceback."""
+    """An error the user can fix: printed as one line, exit code 2, no traceback. One line whatever
+    it quotes: a control character or line separator of a quoted key, path or value (a YAML key
+    holding a newline, an escape sequence in an argument) is shown escaped, and the message ends
+    after MAX_MESSAGE characters."""
+
+    def __init__(self, message: object = "") -> None:
+        super().__init__(one_line(str(message)))
+
+
+MAX_MESSAGE = 4000
+
+
+def one_line(text: str) -> str:
+    """text with C0/C1 controls (tab kept), DEL and U+2028/U+2029 escaped, at most MAX_MESSAGE characters."""
+    out = "".join(c if c == "\t" or not (ord(c) < 32 or 127 <= ord(c) < 160 or c in "\u2028\u2029")
+                  else repr(c)[1:-1] for c in text[:MAX_MESSAGE])
+    return out + ("..." if len(text) > MAX_MESSAGE else "")
 
 
 @dataclass
@@ -76,7 +92,7 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"                 # adamw (the only optimizer)
+    name: str = "adamw"                 # adamw | sgd (plain SGD: no momentum; weight_decay as L2)
     lr: float = 3e-4                    # peak learning rate
     beta1: float = 0.9                  # AdamW beta1
     beta2: float = 0.95                 # AdamW beta2
@@ -94,6 +110,18 @@ class ScheduleConfig:
 
 
 @dataclass
+class DiLoCoConfig:
+    inner_steps: int = 50               # H: local steps of each replica between two syncs of a fragment
+    outer_lr: float = 0.7               # outer SGD learning rate on the averaged pseudo-gradient
+    outer_momentum: float = 0.9         # outer Nesterov momentum (0 = plain outer SGD)
+    sync_dtype: str = "fp32"            # pseudo-gradient on the wire: fp32 | bf16 | int8 (per-tensor scale)
+    fragments: int = 1                  # Streaming DiLoCo: blocks split in N fragments, one synced every H/N
+                                        # steps in turn; N divides H and each rank's transformer blocks
+    overlap_steps: int = 0              # a fragment's sync runs behind this many inner steps (< H/fragments)
+    merge_alpha: float = 0.5            # with overlap: local = alpha x local + (1 - alpha) x new global
+
+
+@dataclass
 class ParallelConfig:
     sharding: str = "ddp"               # ddp | zero0 | zero2 | zero3 | zero2_hybrid | zero3_hybrid
     dp: int | None = None               # default world / (tp * pp)
@@ -105,9 +133,14 @@ class ParallelConfig:
     virtual_stages: int = 1             # stages per pipeline rank (interleaved schedules: 2 or more)
     device: str = "auto"                # auto (cuda if available) | cpu | cuda
     backend: str = "auto"               # auto (gloo on cpu, nccl on cuda) | gloo | nccl
-    timeout_s: int = 1800               # collective timeout of the process group, seconds
+    timeout_s: int | str = "auto"       # collectives' timeout, seconds: auto (the hang budget of contract/hang.py
+                                        # + 50%, at least 60 s: minutes, not 30); N: N once the first steps are
+                                        # timed, checkpoints and the first steps max(N, their budget)
     sequence_parallel: bool = True      # with tp > 1 (decoder families, pp 1): norms and residual stream
                                         # sharded over the sequence between TP regions (torchtitan's plan)
+    dp_sync: str = "allreduce"          # allreduce (gradients every step) | diloco (replicas step alone and
+                                        # average their change every parallel.diloco.inner_steps: docs/diloco.md)
+    diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
 
 
 @dataclass
@@ -151,6 +184,19 @@ class LoggingConfig:
 
 
 @dataclass
+class WatchConfig:
+    heartbeat_s: float = 1.0            # OUTPUT_DIR/heartbeat/rank<R>.json rewritten this often (0: off);
+                                        # the runner's hang watch and `runner status` read it (docs/contract.md)
+    hang_timeout_s: int | str = "auto"  # no progress this long in a step is a hang; auto: max(120, 10 x the
+                                        # median step) (runner --hang-timeout passes its own here)
+    startup_timeout_s: int | str = "auto"  # the first steps' budget (rendezvous, build, compile, first
+                                           # checkpoint); auto: 900, or 10 x the longest step seen
+    straggler_factor: float = 1.5       # a rank computing this many times longer than the others' median
+                                        # for watch.straggler_steps log steps in a row: one warning line
+    straggler_steps: int = 5            # see watch.straggler_factor (0: no straggler warning)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -161,6 +207,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    watch: WatchConfig = field(default_factory=WatchConfig)
     output_dir: str = "outputs"         # where the run writes everything (env OUTPUT_DIR; the runner sets /out)
 
     def to_dict(self) -> dict:
@@ -247,9 +294,11 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
             raise
     if isinstance(value, str) and tp is not str:
         try:
+            # A value from the command line or the env is YAML too: the same limits as a file's.
+            _check_shape(f"config key '{key}'", value)
             value = yaml.safe_load(value)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config key '{key}': cannot parse {value!r}") from e
+        except (yaml.YAMLError, ValueError, RecursionError):  # ValueError: an integer of over 4300 digits
+            raise ConfigError(f"config key '{key}': cannot parse {value[:100]!r}") from None
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -269,7 +318,10 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"config key '{key}': expected a number, got {value!r}")
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer past a float's range
+            raise ConfigError(f"config key '{key}': {str(value)[:20]}... is past any number a float holds") from None
     if tp is str:
         if key == "profile.batch" and isinstance(value, list):  # YAML list of batch indices
             return ",".join(map(str, value))
@@ -351,20 +403,35 @@ def apply_yaml(cfg: Config, path: str | Path) -> None:
     from trainer.config.flags import YAML_ALIASES, YAML_IGNORED
 
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file '{path}' not found")
-    size = p.stat().st_size
+    try:
+        if not p.is_file():
+            raise ConfigError(f"config file '{str(path)[:200]}' not found")
+        size = p.stat().st_size
+    except (OSError, ValueError) as e:  # a name too long, a NUL byte: pathlib raises instead of saying False
+        raise ConfigError(f"config file '{str(path)[:200]}' cannot be read ({getattr(e, 'strerror', None) or e})") \
+            from None
     if size > MAX_CONFIG_BYTES:  # refused unread
         raise ConfigError(f"config file '{path}' is {size} bytes; a trainer config is at most "
                           f"{MAX_CONFIG_BYTES} (sections of keys, not data)")
     try:
-        text = p.read_text()
+        with p.open("rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)  # a file that grew since the stat is still bounded
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"config file '{path}' is over {MAX_CONFIG_BYTES} bytes; a trainer config is "
+                              "sections of keys, not data")
+        text = raw.decode("utf-8-sig")  # whatever the locale: YAML is UTF-8
         _check_shape(path, text)
         data = yaml.safe_load(text) or {}
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file '{path}' is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"config file '{path}' is not valid YAML: {str(e).splitlines()[0]}") from e
+    except ValueError as e:  # an integer of over 4300 digits (Python's int limit)
+        raise ConfigError(f"config file '{path}': {str(e)[:120]}") from None
     except RecursionError:
         raise ConfigError(f"config file '{path}' is nested too deep to be a config") from None
+    except OSError as e:
+        raise ConfigError(f"config file '{path}' cannot be read: {e.strerror or e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file '{path}' must be a mapping of sections")
     for key, value in _flatten(data):

@@ -21,6 +21,11 @@ Per-rank means averaged over DP would be wrong whenever ranks hold different cou
 
 Nothing here waits for the device: the loss and the gradient norm stay tensors (the trainer reads
 them at log steps), clipping scales on the device, batches are copied with non_blocking.
+
+parallel.dp_sync diloco (diloco.py): the dp_replicate dim gets no wrapper (each replica steps alone,
+no gradient all-reduce), FSDP2 covers dp_shard only, and a DiLoCo object in `extras["diloco"]`
+averages the replicas' pseudo-gradients over dp_replicate, per pipeline stage. Every layout's
+data-parallel collectives are counted by the SyncMeter in `extras["sync_meter"]` (sync_meter.py).
 """
 
 from __future__ import annotations
@@ -37,12 +42,14 @@ from trainer.models.build import ModelSpec, Task
 from trainer.models.lm_loss import compile_loss, install_loss_forward, loss_head
 from trainer.parallel.activation_checkpoint import apply_activation_checkpointing, blocks_of
 from trainer.parallel.compile import compile_blocks, resolve_compile
-from trainer.parallel.data_parallel import apply_ddp, apply_fsdp
+from trainer.parallel.data_parallel import apply_ddp, apply_fsdp, meter_fsdp
 from trainer.parallel.master_weights import MasterWeights, bf16_weights_suit
 from trainer.parallel.materialize import materialize, move, to_meta
 from trainer.parallel.mesh import ParallelDims
 from trainer.parallel.parallelized import Parallelized
+from trainer.parallel.sync_meter import SyncMeter
 from trainer.runtime.dist_env import resolve_param_dtype
+from trainer.runtime.phase_hooks import hook_module
 
 log = logging.getLogger("trainer")
 
@@ -89,6 +96,10 @@ def check_supported(cfg: Config) -> None:
 def parallelize(model: nn.Module, spec: ModelSpec, dims: ParallelDims, cfg: Config, device: torch.device,
                 backend: str) -> Parallelized:
     check_supported(cfg)
+    if dims.mesh is not None:
+        from trainer.parallel.diloco import check_layout
+
+        check_layout(cfg, dims)  # refusals before anything is built; one replica only warns
     t = cfg.train
     chunks = resolve_loss_chunks(t.loss_chunks, spec.task, int(getattr(spec.hf_config, "vocab_size", 0) or 0),
                                  microbatch_tokens(cfg))
@@ -122,6 +133,9 @@ def parallelize(model: nn.Module, spec: ModelSpec, dims: ParallelDims, cfg: Conf
                  "AdamW reads their bf16 gradients and writes them (one compiled pass per parameter)")
     if ref is not None:
         materialize(model, ref, device, group=dims.stage_group, source=dims.builds_weights)
+    if _diloco(cfg, dims):
+        _attach_diloco(par, dims, cfg, tied=[])
+    hook_module(par.model_parts[0], data_parallel=dims.dp > 1)  # heartbeat phases (phase_hooks.py)
     return par
 
 
@@ -188,6 +202,9 @@ def _checkpoint_and_compile(module: nn.Module, cfg: Config, dims: ParallelDims, 
 def _apply_dp(par: Parallelized, model: nn.Module, blocks: list[nn.Module], dims: ParallelDims, cfg: Config,
               backend: str, pipeline: bool = False) -> nn.Module:
     """FSDP2 (zero2/zero3/hybrid) or DDP on one model or pipeline stage; returns what to run."""
+    meter = par.extras.setdefault("sync_meter", SyncMeter())
+    if _diloco(cfg, dims):
+        return _apply_replica_dp(par, model, blocks, dims, cfg, backend, pipeline)
     if dims.fsdp:
         _apply_fsdp(par, model, blocks, dims.fsdp_mesh, cfg, backend, reshard=dims.sharding.startswith("zero3"),
                     pipeline=pipeline)
@@ -209,14 +226,51 @@ def _apply_dp(par: Parallelized, model: nn.Module, blocks: list[nn.Module], dims
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
         log.info("DDP (replicate) over %d ranks on each pipeline stage", dims.dp)
-        return replicate(model, mesh=dims.fsdp_mesh)
+        model = replicate(model, mesh=dims.fsdp_mesh)
+        meter_fsdp(model, meter, all_reduces=True)
+        return model
     log.info("DDP over %d ranks", dims.dp)
     from trainer.config.batches import parse_batches
 
-    # The Python comm hook only where it is needed: ordered sums (gloo, >= 3 ranks) or a profile
-    # that times each bucket's reduction (reduce_timing.py).
+    # One Python comm hook: it meters every bucket (dp_sync_bytes), sums in rank order where needed
+    # (gloo, >= 3 ranks), and lets a profile time each bucket's reduction (reduce_timing.py).
     observe = bool(parse_batches(cfg.profile.batch) or cfg.profile.num_prof_steps)
-    return apply_ddp(model, dims.fsdp_mesh, device=par.device, backend=backend, observe=observe)
+    return apply_ddp(model, dims.fsdp_mesh, device=par.device, backend=backend, observe=observe, meter=meter)
+
+
+def _diloco(cfg: Config, dims: ParallelDims) -> bool:
+    """DiLoCo runs (check_layout has refused what cannot run): diloco asked for, and replicas to average."""
+    return cfg.parallel.dp_sync == "diloco" and dims.mesh is not None and dims.dp_replicate > 1
+
+
+def _apply_replica_dp(par: Parallelized, model: nn.Module, blocks: list[nn.Module], dims: ParallelDims,
+                      cfg: Config, backend: str, pipeline: bool) -> nn.Module:
+    """Under DiLoCo: nothing over the replicas; FSDP2 over dp_shard (the within-node shards of
+    *_hybrid, or one rank for bf16 parameters' mixed precision), else the plain module."""
+    bf16 = resolve_param_dtype(cfg.train.param_dtype, cfg.train.dtype, par.device.type) == "bf16"
+    if dims.dp_shard == 1 and not bf16:
+        log.info("DiLoCo: no data-parallel wrapper; each of %d replicas steps alone", dims.dp_replicate)
+        return model
+    _apply_fsdp(par, model, blocks, dims.mesh["dp_shard"], cfg, backend, reshard=dims.sharding.startswith("zero3"),
+                pipeline=pipeline)
+    log.info("DiLoCo: FSDP2 over the %d shard ranks of each of %d replicas: %d blocks + root", dims.dp_shard,
+             dims.dp_replicate, len(blocks))
+    return model
+
+
+def _attach_diloco(par: Parallelized, dims: ParallelDims, cfg: Config, tied: list[nn.Parameter]) -> None:
+    """The outer loop over this stage's dp_replicate group, on the final (materialised) parameters."""
+    from trainer.parallel.diloco import DiLoCo, agree, describe, split_fragments
+
+    d = cfg.parallel.diloco
+    blocks = [b for m in par.model_parts for b in blocks_of(m)]
+    frags, problem = split_fragments(par.model_parts, blocks, d.fragments, tied)
+    agree(problem)  # stages hold different blocks: every rank raises, none waits in a collective
+    par.extras["diloco"] = DiLoCo(frags, dims.mesh["dp_replicate"].get_group(), d, par.extras["sync_meter"],
+                                  dims.coord("dp_replicate"))
+    # Each replica's loss is its own batch's mean (loss_denominator counts over its shard ranks only).
+    par.extras["replica_mesh"] = (dims.mesh["dp_shard"], dims.dp_shard)
+    log.info("%s", describe(frags, d, dims.dp_replicate))
 
 
 def _apply_fsdp(par: Parallelized, model: nn.Module, blocks: list[nn.Module], mesh: Any, cfg: Config, backend: str,
@@ -225,6 +279,7 @@ def _apply_fsdp(par: Parallelized, model: nn.Module, blocks: list[nn.Module], me
     bf16 = cfg.train.dtype == "bf16" and bf16_weights_suit(model)
     apply_fsdp(model, blocks, mesh, reshard_after_forward=reshard, param_dtype=torch.bfloat16 if bf16 else None,
                backend=backend, pipeline=pipeline)
+    meter_fsdp(model, par.extras.setdefault("sync_meter", SyncMeter()), all_reduces=mesh.ndim > 1)
     par.bf16_weights = bf16
     par.sync_every_microbatch = reshard
 
@@ -271,6 +326,8 @@ def _parallelize_pipeline(model: nn.Module, spec: ModelSpec, dims: ParallelDims,
     par.model_parts = par.runner.model_parts
     par.owns_loss = par.runner.has_last
     par.pp_group = pp_group
+    if _diloco(cfg, dims):
+        _attach_diloco(par, dims, cfg, tied=[p for ps, _ in par.runner.tied_local for p in ps])
     log.info("PP %s over %d ranks, %d stages (%s on this rank), %d microbatches", sched.name, p.pp, num_stages,
              ",".join(map(str, par.runner.stage_ids)), t.microbatch_num * t.grad_acc_steps)
     return par

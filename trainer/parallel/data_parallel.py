@@ -11,8 +11,10 @@
   activations are bf16 throughout instead of autocast's bf16 matmuls over an fp32 residual stream.
 
 DDP reduces into its buckets' memory (gradient_as_bucket_view: no second copy of the gradients)
-with its own C++ all-reduce; the Python communication hook only where it is needed (ordered
-sums on gloo with >= 3 ranks, or a profile that times each bucket).
+through one Python communication hook when the trainer meters the sync (metrics.jsonl's
+dp_sync_bytes / dp_sync_s: sync_meter.py; a few microseconds per 25 MB bucket), for ordered sums
+on gloo with >= 3 ranks, or for a profile that times each bucket; else with its own C++ all-reduce.
+FSDP2's reduce-scatters (and HSDP's / replicate's all-reduces) are metered by MeteredReduceScatter.
 
 Known trap: over gloo, ReduceOp.AVG has been a silent SUM (pytorch/pytorch#162338), so FSDP2
 on gloo is told to reduce with SUM and divide itself (`set_force_sum_reduction_for_comms`).
@@ -22,11 +24,15 @@ tests/test_trainer_dp.py compares every strategy with a single process to catch 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+from trainer.parallel.sync_meter import SyncMeter, nbytes
 
 log = logging.getLogger("trainer")
 
@@ -38,8 +44,8 @@ class GradReduceHook:
     first-iteration bucket layout would change the bits of a resumed run). `observer`, when set
     (the profiler, only while it records a batch), wraps the reduction: observer(bucket, reduce)."""
 
-    def __init__(self, group: Any, ordered: bool):
-        self.group, self.ordered = group, ordered
+    def __init__(self, group: Any, ordered: bool, meter: SyncMeter | None = None):
+        self.group, self.ordered, self.meter = group, ordered, meter
         self.observer: Any = None
 
     def reduce(self, bucket: Any) -> Any:
@@ -54,14 +60,18 @@ class GradReduceHook:
     # Unannotated on purpose: DDP inspects the signature and rejects any annotation of `bucket` or
     # of the result other than the real GradBucket / Future[Tensor] objects (strings included).
     def hook(self, _state, bucket):
-        if self.observer is None:
-            return self.reduce(bucket)
-        return self.observer(bucket, self.reduce)
+        start = time.perf_counter()
+        fut = self.reduce(bucket) if self.observer is None else self.observer(bucket, self.reduce)
+        if self.meter is None:
+            return fut
+        self.meter.count(nbytes(bucket.buffer()))  # what this rank hands to the collective
+        return self.meter.until_done(fut, start)
 
 
-def apply_ddp(model: nn.Module, dp_mesh: Any, device: torch.device, backend: str, observe: bool = True) -> nn.Module:
+def apply_ddp(model: nn.Module, dp_mesh: Any, device: torch.device, backend: str, observe: bool = True,
+              meter: SyncMeter | None = None) -> nn.Module:
     """DDP over `dp_mesh`; the comm hook (GradReduceHook, as `ddp.grad_reduce`) only when the sums must
-    be ordered or `observe` (a profile will time the reduction)."""
+    be ordered, `observe` (a profile will time the reduction) or `meter` counts them."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from trainer.parallel.ordered_reduce import needs_ordered_grads
@@ -72,8 +82,8 @@ def apply_ddp(model: nn.Module, dp_mesh: Any, device: torch.device, backend: str
         kwargs["device_ids"] = [device.index]
     ddp = DDP(model, **kwargs)
     ordered = needs_ordered_grads(backend, dp_mesh.size())
-    if ordered or observe:
-        ddp.grad_reduce = GradReduceHook(dp_mesh.get_group(), ordered)
+    if ordered or observe or meter is not None:
+        ddp.grad_reduce = GradReduceHook(dp_mesh.get_group(), ordered, meter)
         ddp.register_comm_hook(None, ddp.grad_reduce.hook)
     return ddp
 
@@ -110,6 +120,49 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: Any, *, reshard_
             if hasattr(m, "set_force_sum_reduction_for_comms"):
                 m.set_force_sum_reduction_for_comms(True)
     return model
+
+
+class MeteredReduceScatter(DefaultReduceScatter):
+    """FSDP2's own reduce-scatter (set_custom_reduce_scatter), counted: each call's input into the
+    meter, and the time the (blocking on gloo) call takes. HSDP's and replicate's all-reduce of the
+    reduce-scatter's output follows inside FSDP2 with no hook of its own: its size is counted in
+    `all_reduced` (FSDP2's all-reduce hook, which runs right after it), timed from the end of the
+    reduce-scatter (or, on one shard rank, from the allocation of its output) to that hook."""
+
+    def __init__(self, meter: SyncMeter):
+        super().__init__()
+        self.meter = meter
+        self.mark = time.perf_counter()
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        self.mark = time.perf_counter()
+        return super().allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                 async_op: bool = False) -> Any:
+        start = time.perf_counter()
+        self.meter.count(nbytes(input_tensor))
+        work = super().__call__(output_tensor, input_tensor, group, op, async_op=async_op)
+        self.mark = time.perf_counter()
+        self.meter.span(start, self.mark)
+        return work
+
+    def all_reduced(self, reduce_output: torch.Tensor) -> None:
+        self.meter.count(nbytes(reduce_output))
+        self.meter.span(self.mark, time.perf_counter())
+
+
+def meter_fsdp(model: nn.Module, meter: SyncMeter, all_reduces: bool) -> None:
+    """Count the gradient reductions of every FSDP2 / replicate module of `model`; `all_reduces`: the
+    mesh has a replicate dim (HSDP, replicate), whose all-reduce FSDP2 runs after each reduce-scatter."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            comm = MeteredReduceScatter(meter)
+            m.set_custom_reduce_scatter(comm)
+            if all_reduces:
+                m.set_all_reduce_hook(comm.all_reduced)
 
 
 def set_grad_sync(model: nn.Module, enabled: bool) -> None:

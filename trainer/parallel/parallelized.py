@@ -56,11 +56,13 @@ class Parallelized:
         (one scalar all-reduce per batch).
         """
         local = self.task.weight(inputs, labels)
-        if self.task.constant_weight or self.dims.mesh is None or self.dims.dp == 1:
+        # DiLoCo (diloco.py): each replica's loss is its own batch's mean, counted over its shard ranks only.
+        mesh, ranks = self.extras.get("replica_mesh", (self.dims.dp_mesh, self.dims.dp))
+        if self.task.constant_weight or self.dims.mesh is None or ranks == 1:
             return float(max(local, 1))
         count = torch.tensor([local], dtype=torch.int64, device=self.device)
-        dist.all_reduce(count, group=self.dims.dp_mesh.get_group())  # SUM (gloo's AVG is unreliable)
-        return max(int(count), 1) / self.dims.dp
+        dist.all_reduce(count, group=mesh.get_group())  # SUM (gloo's AVG is unreliable)
+        return max(int(count), 1) / ranks
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, n_micro: int) -> torch.Tensor | None:
         model = self.model_parts[0]
