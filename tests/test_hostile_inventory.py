@@ -301,13 +301,13 @@ def test_one_node_path_at_two_mount_points_stays_two_mounts(tmp_path):
         d.mkdir()
         (d / "w.bin").write_bytes(b"same")
     p = _inv(tmp_path, job=f"  sync: [{{src: {a}, dst: /sa}}, {{src: {b}, dst: /sb}}]\n"
-                           "  mounts: {/data: /m1, /data/: /m2, '~/x': /m3, /root/x: '/m4:rw'}\n")
+                           "  mounts: {/data: /m1, /data/: /m2, '~/x': /m3, /home/u/x: '/m4:rw'}\n")
     inv = load_inventory(p, check_files=False)
     trees = scan(inv.job.sync, _HashCache(tmp_path / "h.json"))
     assert trees[0].digest == trees[1].digest
-    facts = {n.name: Facts(arch="amd64", ifname="lo", home="/root") for n in inv.nodes}
+    facts = {n.name: Facts(arch="amd64", ifname="lo", home="/home/u") for n in inv.nodes}
     n = make_plan(inv, "r1", facts, master_port=29500, strict=True, trees=trees).node("a")
-    tree = f"/root/runner/data/trees/{trees[0].digest}"
+    tree = f"/home/u/runner/data/trees/{trees[0].digest}"
     assert {d: n.mounts[d] for d in ("/sa", "/sb", "/m1", "/m2", "/m3", "/m4")} == {
-        "/sa": tree, "/sb": tree, "/m1": "/data", "/m2": "/data", "/m3": "/root/x", "/m4": "/root/x"}
+        "/sa": tree, "/sb": tree, "/m1": "/data", "/m2": "/data", "/m3": "/home/u/x", "/m4": "/home/u/x"}
     assert n.writable == frozenset({"/out", "/m4"})

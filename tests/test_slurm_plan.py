@@ -55,11 +55,12 @@ def test_sbatch_directives_env_and_task_field_by_field(tmp_path):
     rd = "/shared/runner/runs/20260101-000000-abcd"
     assert plan.run_dir == rd and plan.script_path == f"{rd}/slurm/submit-1.sbatch"
     assert directives(plan.script) == [
+        "--constraint=a100", "--exclusive",  # the inventory's first: sbatch takes the later, the runner's
         "--job-name=runner-20260101-000000-abcd", "--nodes=3", "--ntasks-per-node=1", "--partition=debug",
         "--account=proj-1", "--qos=high", "--time=01:30:00", "--cpus-per-task=8", "--mem=64G", "--gpus-per-node=2",
         f"--output={rd}/slurm/%j.out", "--open-mode=append", f"--chdir={rd}",
         "--signal=USR1@80",              # grace 20 s + 60 before the time limit
-        "--no-requeue", "--constraint=a100", "--exclusive"]
+        "--no-requeue"]
     # The contract env (docs/contract.md) and job.env, exported by the task script where the job runs;
     # per-node values come after. The batch step exports only the master's address.
     batch_part = plan.script.split("cat > ")[0]
@@ -223,7 +224,7 @@ BAD = [
     ({"workdir": "/a b"}, 5, "slurm.workdir: '/a b': must be a path without blanks, quotes, $ or ':'"),
     ({"workdir": "/scratch/a:/usr/lib"}, 5, "slurm.workdir: '/scratch/a:/usr/lib': must be a path without blanks, quotes, $ or ':'"),
     ({"sbatch": ["-N 4"]}, 7, "slurm.sbatch[0]: '-N 4': use --option or --option=value"),
-    ({"sbatch": ["--wrap=rm -rf /"]}, 7, "slurm.sbatch[0]: '--wrap=rm -rf /': use --option"),
+    ({"sbatch": ["--wrap=rm -rf /"]}, 7, "slurm.sbatch[0]: --wrap: set by the runner itself"),
     ({"container": "pyxis", "venv": "/v"}, 6, "slurm.venv: only for container: none (container is pyxis"),
     ({"login": {"port": 22}}, 7, "slurm.login.host: missing"),
     ({"partitoin": "x"}, 6, "slurm.partitoin: unknown field (did you mean partition?)"),

@@ -1,6 +1,6 @@
-"""The Perseus server for a job: Zeus's pipeline frequency optimizer (zeus 0.16.0), unmodified.
+"""The Perseus server for a job: Zeus's pipeline frequency optimizer (zeus 0.16.0), its app unmodified.
 
-Runs in the server's own environment (pydantic<2: `.venv-perseus` on this host, made by
+Runs on the master node, in a container of the job's image, in the server's own environment (pydantic<2: `.venv-perseus` on this host, made by
 scripts/perseus-env.sh; `/opt/perseus` on PYTHONPATH in the trainer image), never in the runner's
 or the trainer's: it imports zeus, and nothing of the project.
 
@@ -19,57 +19,181 @@ What it adds to `uvicorn zeus.optimizer.pipeline_frequency.server.router:app`:
   with a directory of plans; Zeus 0.16's `PointSolution` repeats one plan for ever);
 - logs go to stderr and to <dump dir>/server.log.
 
+- `PointSolution` (and `PointSolution3D`) replaced in that module by schedulers of the same name
+  that take the plan as a value: Zeus's own reads the file again when a job registers and
+  `eval`s it, so a plan swapped on the master after the server checked it (the job shares the run
+  dir) ran its code in the server.
+
 A plan file is a Python literal: one list per rank of (instruction, frequency) pairs in the
-rank's instruction order, e.g. `[[("forward", 1410), ("backward", 1410)], [...]]`. PlanSequence
-reads it with ast.literal_eval; Zeus's PointSolution `eval`s it (the runner checks every plan
-file with literal_eval before it reaches a node).
+rank's instruction order, e.g. `[[("forward", 1410), ("backward", 1410)], [...]]`. It is read
+once (`read_plan`): a regular file of at most PLAN_MAX_BYTES, refused from its size before a byte
+is read; parsed by `parse_literal`, a strict subset of Python's literal syntax (lists, tuples,
+quoted names, numbers, True/False/None, comments) whose memory is that of the value it builds
+(`ast.literal_eval` of 4 MiB of `1,1,...` took 2 GB); then `check_plan`: instruction names from
+INSTRUCTIONS, integer frequencies in FREQUENCY_MHZ. The runner sends the master `plan_bytes` of
+the checked value (a canonical re-serialisation, nothing else of the file), and the server checks
+what it reads again before any scheduler sees it. Nothing here evaluates code.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import logging
 import os
+import re
 import socket
+import stat
 import sys
 import types
 from pathlib import Path
 
 SCHEDULERS = ("PointSolution", "PointSolution3D", "PlanSequence")
 PLAN_MAX_BYTES = 4 << 20
+INSTRUCTIONS = ("forward", "backward")  # the trainer's plan kinds (trainer/profiling/perseus_rounds.py)
+FREQUENCY_MHZ = (1, 10000)             # a GPU clock; anything else is not a plan
+MAX_DEPTH = 3                          # plan > rank > pair
 PKG = "zeus.optimizer.pipeline_frequency"
 log = logging.getLogger("perseus_server")
+Plan = list[list[tuple[str, int]]]
+
+_TOKEN = re.compile(r"""\s+|\#[^\n]*|(?P<open>[\[(])|(?P<close>[\])])|(?P<comma>,)"""
+                    r"""|(?P<str>'[A-Za-z0-9_ -]{0,64}'|"[A-Za-z0-9_ -]{0,64}")"""
+                    r"""|(?P<num>-?\d{1,12}(?:\.\d{1,12})?)(?![\w.])|(?P<const>True|False|None)(?!\w)""")
+_END = ("end", "")
+_CONSTS = {"True": True, "False": False, "None": None}
 
 
-def read_plan(path: str, world_size: int | None = None) -> list[list[tuple[str, int]]]:
-    """A plan file's per-rank lists of (instruction, frequency); ValueError saying what is wrong."""
-    p = Path(path)
-    data = p.read_bytes()[:PLAN_MAX_BYTES + 1]
-    if len(data) > PLAN_MAX_BYTES:
-        raise ValueError(f"plan {path}: larger than {PLAN_MAX_BYTES} bytes")
+def read_plan_bytes(path: str) -> bytes:
+    """A plan file's bytes: a regular file, refused from its size before anything is read (a
+    1.5 GB sparse file took 1.6 GB when it was read first), at most PLAN_MAX_BYTES + 1 read."""
     try:
-        plan = ast.literal_eval(data.decode())
-    except (ValueError, SyntaxError, UnicodeDecodeError, MemoryError, RecursionError) as e:
-        raise ValueError(f"plan {path}: not a Python literal ({type(e).__name__}: {e})") from None
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise ValueError(f"plan {path}: cannot read it ({e.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"plan {path}: not a regular file")
+        if st.st_size > PLAN_MAX_BYTES:
+            raise ValueError(f"plan {path}: {st.st_size} bytes, over the {PLAN_MAX_BYTES} bytes a plan may hold")
+        data = f.read(PLAN_MAX_BYTES + 1)
+    if len(data) > PLAN_MAX_BYTES:
+        raise ValueError(f"plan {path}: over the {PLAN_MAX_BYTES} bytes a plan may hold")
+    return data
+
+
+class _NotLiteral(Exception):
+    """The text stops being a plain literal here."""
+
+
+def parse_literal(text: str, name: str) -> object:
+    """The value of a literal made of lists, tuples, quoted names, numbers, True/False/None and
+    comments, in Python's syntax; ValueError `not a Python literal` for anything else. Nothing is
+    evaluated, nesting stops at MAX_DEPTH, and memory is what the value itself takes."""
+    pos = [0]
+    toks = _tokens(text, pos)
+    try:
+        value, tok = _value(toks, next(toks, _END), 0)
+        if tok != _END:
+            raise _NotLiteral
+    except _NotLiteral:
+        line = text.count("\n", 0, pos[0]) + 1
+        raise ValueError(f"plan {name}: must be a list with one list of (instruction, frequency) pairs per rank: "
+                         f"not a Python literal of lists, tuples, quoted names and numbers (line {line})") from None
+    return value
+
+
+def _tokens(text: str, pos: list[int]):
+    """(kind, text) of each token, whitespace and comments skipped; pos[0]: how far reading got."""
+    while pos[0] < len(text):
+        m = _TOKEN.match(text, pos[0])
+        if m is None:
+            raise _NotLiteral
+        pos[0] = m.end()
+        if m.lastgroup:
+            yield m.lastgroup, m[0]
+
+
+def _value(toks, tok: tuple[str, str], depth: int) -> tuple[object, tuple[str, str]]:
+    """The value starting at tok, and the token after it."""
+    kind, text = tok
+    if kind == "str":
+        return text[1:-1], next(toks, _END)
+    if kind == "num":
+        return (float(text) if "." in text else int(text)), next(toks, _END)
+    if kind == "const":
+        return _CONSTS[text], next(toks, _END)
+    if kind != "open" or depth >= MAX_DEPTH:
+        raise _NotLiteral
+    closing = ("close", "]" if text == "[" else ")")
+    items: list[object] = []
+    comma = False
+    tok = next(toks, _END)
+    while tok != closing:
+        if items and not comma:
+            raise _NotLiteral
+        item, tok = _value(toks, tok, depth + 1)
+        items.append(item)
+        comma = tok[0] == "comma"
+        if comma:
+            tok = next(toks, _END)
+    if text == "[":
+        return items, next(toks, _END)
+    return (items[0] if len(items) == 1 and not comma else tuple(items)), next(toks, _END)
+
+
+def check_plan(plan: object, name: str, world_size: int | None = None) -> Plan:
+    """plan as a plan: one list per rank of (instruction, frequency) pairs, instructions from
+    INSTRUCTIONS, frequencies integers in FREQUENCY_MHZ; ValueError saying what is wrong."""
+    lo, hi = FREQUENCY_MHZ
     if not isinstance(plan, (list, tuple)) or not plan:
-        raise ValueError(f"plan {path}: must be a list with one list of (instruction, frequency) pairs per rank")
+        raise ValueError(f"plan {name}: must be a list with one list of (instruction, frequency) pairs per rank")
     out = []
     for r, entry in enumerate(plan):
         if not isinstance(entry, (list, tuple)):
-            raise ValueError(f"plan {path}: rank {r}'s entry is a {type(entry).__name__}, not a list of pairs")
+            raise ValueError(f"plan {name}: rank {r}'s entry is a {type(entry).__name__}, not a list of pairs")
         pairs = []
         for j, pair in enumerate(entry):
-            ok = (isinstance(pair, (list, tuple)) and len(pair) == 2 and isinstance(pair[0], str)
-                  and isinstance(pair[1], int) and not isinstance(pair[1], bool) and pair[1] > 0)
-            if not ok:
-                raise ValueError(f"plan {path}: rank {r} item {j} is {pair!r}, not an (instruction, frequency) pair")
+            if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and isinstance(pair[0], str)
+                    and type(pair[1]) is int and pair[1] > 0):
+                raise ValueError(f"plan {name}: rank {r} item {j} is {_short(pair)}, not an (instruction, "
+                                 "frequency) pair")
+            if pair[0] not in INSTRUCTIONS:
+                raise ValueError(f"plan {name}: rank {r} item {j}: unknown instruction {pair[0]!r} (one of "
+                                 f"{', '.join(INSTRUCTIONS)})")
+            if not lo <= pair[1] <= hi:
+                raise ValueError(f"plan {name}: rank {r} item {j}: frequency {pair[1]} not in {lo}..{hi} MHz")
             pairs.append((pair[0], pair[1]))
         out.append(pairs)
     if world_size is not None and len(out) != world_size:
-        raise ValueError(f"plan {path} holds {len(out)} ranks' plans but the job has {world_size} ranks")
+        raise ValueError(f"plan {name} holds {len(out)} ranks' plans but the job has {world_size} ranks")
     return out
+
+
+def _short(x: object) -> str:
+    text = repr(x)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def parse_plan(data: bytes, name: str, world_size: int | None = None) -> Plan:
+    """A plan file's bytes, checked: UTF-8, a plain literal, a plan."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"plan {name}: not UTF-8 (byte {e.start})") from None
+    return check_plan(parse_literal(text, name), name, world_size)
+
+
+def read_plan(path: str, world_size: int | None = None) -> Plan:
+    """A plan file's per-rank lists of (instruction, frequency), read once and checked; ValueError
+    saying what is wrong."""
+    return parse_plan(read_plan_bytes(path), path, world_size)
+
+
+def plan_bytes(plan: Plan) -> bytes:
+    """The canonical form of a checked plan: what the runner writes on the master."""
+    return (repr(plan) + "\n").encode()
 
 
 def _enter_package() -> types.ModuleType:
@@ -86,18 +210,32 @@ def _enter_package() -> types.ModuleType:
 
 
 def register_schedulers() -> types.ModuleType:
-    """Add PlanSequence to Zeus's scheduler module (where ZEUS_PFO_SCHEDULER names are looked up)."""
+    """Zeus's scheduler module (where ZEUS_PFO_SCHEDULER names are looked up) with PlanSequence
+    added and PointSolution / PointSolution3D replaced by schedulers that take checked values."""
     scheduler = _enter_package()
-    if hasattr(scheduler, "PlanSequence"):
+    if getattr(scheduler, "PlanSequence", None) is not None:
         return scheduler
     from zeus.optimizer.pipeline_frequency.common import FrequencySchedule
 
-    class PlanSequence(scheduler.FrequencyScheduler):
-        """Serves each plan file for one round, in order; then ends profiling with [profiling-done]."""
+    class PointSolution(scheduler.FrequencyScheduler):
+        """Serves one plan every round, as Zeus's PointSolution does, from the value the server
+        checked (Zeus's reads its file again when a job registers and `eval`s it)."""
 
-        def __init__(self, job_info, rank_infos, pfo_settings, plan_paths: list[str]) -> None:
+        def __init__(self, job_info, rank_infos, pfo_settings, plan: list, name: str = "plan") -> None:
             super().__init__(job_info, rank_infos, pfo_settings)
-            self.plans = [read_plan(p, self.world_size) for p in plan_paths]
+            checked = check_plan(plan, name, self.world_size)
+            self.schedule = [FrequencySchedule(rank=r, frequencies=f) for r, f in enumerate(checked)]
+
+        def _run(self):
+            yield self.schedule
+
+    class PlanSequence(scheduler.FrequencyScheduler):
+        """Serves each plan for one round, in order; then ends profiling with [profiling-done]."""
+
+        def __init__(self, job_info, rank_infos, pfo_settings, plans: list, names: list | None = None) -> None:
+            super().__init__(job_info, rank_infos, pfo_settings)
+            names = names or [f"plan {n + 1}" for n in range(len(plans))]
+            self.plans = [check_plan(p, n, self.world_size) for p, n in zip(plans, names, strict=True)]
             if not self.plans:
                 raise ValueError("PlanSequence needs at least one plan file")
 
@@ -108,17 +246,21 @@ def register_schedulers() -> types.ModuleType:
             # Zeus reports a scheduler's exception to every rank's next schedule request.
             raise RuntimeError(f"[profiling-done] all {len(self.plans)} plans ran")
 
+    scheduler.PointSolution = PointSolution
+    scheduler.PointSolution3D = scheduler.make_3d_parallel(PointSolution, "PointSolution3D")
     scheduler.PlanSequence = PlanSequence
     return scheduler
 
 
-def _settings_env(args: argparse.Namespace) -> dict[str, str]:
+def _settings_env(args: argparse.Namespace, plans: list[Plan]) -> dict[str, str]:
+    """Zeus's settings: the schedulers get the checked plans as values (JSON in this process's own
+    environment, read once when the app is imported), never a path to read again."""
     if args.scheduler == "PlanSequence":
-        sched_args = {"plan_paths": [str(Path(p).resolve()) for p in args.plan]}
+        sched_args: dict = {"plans": plans, "names": list(args.plan)}
     else:
         if len(args.plan) != 1:
             raise SystemExit(f"perseus_server: {args.scheduler} takes exactly one --plan (got {len(args.plan)})")
-        sched_args = {"solution_path": str(Path(args.plan[0]).resolve())}
+        sched_args = {"plan": plans[0], "name": args.plan[0]}
     return {"ZEUS_PFO_SCHEDULER": args.scheduler, "ZEUS_PFO_SCHEDULER_ARGS": json.dumps(sched_args),
             "ZEUS_PFO_DUMP_DIR": str(Path(args.dump_dir).resolve()), "ZEUS_PFO_DUMP_DATA": "true",
             "ZEUS_PFO_LOG_LEVEL": args.log_level}
@@ -156,7 +298,7 @@ def check() -> int:
 
     register_schedulers()
     # The settings the app reads at import: our scheduler is found by name and its arguments bind.
-    os.environ.update({"ZEUS_PFO_SCHEDULER": "PlanSequence", "ZEUS_PFO_SCHEDULER_ARGS": '{"plan_paths": []}',
+    os.environ.update({"ZEUS_PFO_SCHEDULER": "PlanSequence", "ZEUS_PFO_SCHEDULER_ARGS": '{"plans": []}',
                        "ZEUS_PFO_DUMP_DATA": "false", "ZEUS_PFO_LOG_LEVEL": "WARNING"})
     from zeus.optimizer.pipeline_frequency.server import router  # noqa: F401 - the app imports
 
@@ -179,9 +321,11 @@ def main(argv: list[str] | None = None) -> int:
         return check()
     if not args.dump_dir or not args.plan:
         p.error("--dump-dir and --plan are required")
-    for plan in args.plan:
-        read_plan(plan)  # a plan that cannot be read fails here, not at the first job's registration
-    os.environ.update(_settings_env(args))
+    try:  # each plan read once, here: what the schedulers serve is this checked value
+        plans = [read_plan(p) for p in args.plan]
+    except ValueError as e:
+        raise SystemExit(f"perseus_server: {e}") from None
+    os.environ.update(_settings_env(args, plans))
     _logging(args.dump_dir, args.log_level)
     sock = _bind(args.host, args.port)
     register_schedulers()

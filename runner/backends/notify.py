@@ -20,15 +20,18 @@ printed.
 
 from __future__ import annotations
 
+import http.client
+import ipaddress
 import json
 import os
 import signal
+import socket
+import ssl
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from runner.core.errors import (
     EXIT_INTERRUPTED,
@@ -39,7 +42,7 @@ from runner.core.errors import (
     interrupt_code,
 )
 from runner.core.redact import printable
-from runner.inventory.notify_spec import NotifySpec, parse, url_error  # noqa: F401 - the command's own API
+from runner.inventory.notify_spec import LOCAL_FILE_HOOK, NotifySpec, address_error, parse, url_error  # noqa: F401
 
 ENV_NAME = "RUNNER_NOTIFY"  # the user's standing --notify, from their own environment
 
@@ -139,7 +142,8 @@ class notifying:
 def send(spec: NotifySpec, outcome: Outcome) -> bool:
     """Run the command or POST to the URL; a failure is one warning line (False)."""
     try:
-        why = _post(spec.url, outcome.document()) if spec.url else _run(spec.argv, outcome.environment())
+        why = _post(spec.url, outcome.document(), spec.from_file) if spec.url else \
+            _run(spec.argv, outcome.environment())
     except Exception as exc:  # noqa: BLE001 - a notification never changes the run's result
         why = f"{type(exc).__name__}: {exc}"
     if why:
@@ -163,19 +167,53 @@ def _run(argv: tuple[str, ...], env: dict[str, str]) -> str | None:
     return None if code == 0 else f"exited {code}"
 
 
-def _post(url: str, doc: dict) -> str | None:
-    req = urllib.request.Request(url, data=json.dumps(doc).encode(), method="POST",
-                                 headers={"Content-Type": "application/json", "User-Agent": "runner-notify"})
+def _post(url: str, doc: dict, from_file: bool = False) -> str | None:
+    """POST doc to url, no redirect followed. The name is resolved once; a file's webhook
+    (from_file) goes on only when every address is public (runner/inventory/notify_spec.py
+    `address_error`), and the connection is made to those addresses, never to a second lookup's
+    (a name that answers a public address, then 127.0.0.1, must not reach this machine). https is
+    verified against the name."""
+    u = urlsplit(url)
+    https = u.scheme.lower() == "https"
+    host, port = u.hostname or "", u.port or (443 if https else 80)
     try:
-        with urllib.request.urlopen(req, timeout=NOTIFY_TIMEOUT_S) as resp:
-            resp.read(65536)  # the answer is not used; a little of it is read so the server sees it taken
-    except urllib.error.HTTPError as exc:
-        return f"HTTP {exc.code} {exc.reason}"
-    except urllib.error.URLError as exc:
-        return str(exc.reason)
+        ips = list(dict.fromkeys(info[4][0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)))
+    except OSError as exc:
+        return f"cannot resolve {host}: {exc.strerror or exc}"
+    if from_file:
+        for ip in ips:
+            if why := address_error(ipaddress.ip_address(ip.split("%")[0])):
+                return f"{host} resolves to {why}; {LOCAL_FILE_HOOK}"
+    conn = (http.client.HTTPSConnection(host, port, timeout=NOTIFY_TIMEOUT_S, context=ssl.create_default_context())
+            if https else http.client.HTTPConnection(host, port, timeout=NOTIFY_TIMEOUT_S))
+    conn._create_connection = lambda _addr, timeout, _src=None: _connect(ips, port, timeout)  # the checked ones
+    try:
+        conn.request("POST", (u.path or "/") + (f"?{u.query}" if u.query else ""), json.dumps(doc).encode(),
+                     {"Content-Type": "application/json", "User-Agent": "runner-notify"})
+        resp = conn.getresponse()
+        resp.read(65536)  # the answer is not used; a little of it is read so the server sees it taken
     except TimeoutError:
         return f"no answer within {NOTIFY_TIMEOUT_S:g}s"
-    return None
+    except (OSError, http.client.HTTPException) as exc:
+        return str(exc) or type(exc).__name__
+    finally:
+        conn.close()
+    if 300 <= resp.status < 400:
+        return f"HTTP {resp.status} {resp.reason}: redirects are not followed (give the URL it points to)"
+    return f"HTTP {resp.status} {resp.reason}" if resp.status >= 400 else None
+
+
+def _connect(ips: list[str], port: int, timeout: float) -> socket.socket:
+    """A connection to the first of ips that answers (the addresses already resolved and checked)."""
+    last: OSError = OSError("no address")
+    for ip in ips:
+        try:
+            return socket.create_connection((ip, port), timeout)
+        except TimeoutError:
+            raise
+        except OSError as exc:
+            last = exc
+    raise last
 
 
 def add_notify_option(p) -> None:

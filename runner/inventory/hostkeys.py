@@ -30,10 +30,15 @@ import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import paramiko
+from runner.core.errors import UserError
+
+if TYPE_CHECKING:  # in annotations only: an inventory is read without paramiko (the CLI's start-up)
+    import paramiko
 
 SYSTEM_KNOWN_HOSTS = "/etc/ssh/ssh_known_hosts"
+KNOWN_HOSTS_MAX = 64 << 20  # a known_hosts of 64 MiB holds ~100,000 hosts' keys
 ALL_TYPES = ("ssh-ed25519", "ecdsa-sha2-nistp256", "ecdsa-sha2-nistp384", "ecdsa-sha2-nistp521",
              "rsa-sha2-512", "rsa-sha2-256", "ssh-rsa")
 # A key type's family: OpenSSH lists an RSA key as ssh-rsa whatever signature it is used with.
@@ -104,11 +109,16 @@ class KnownHostsFile:
     @classmethod
     def read(cls, path: str) -> KnownHostsFile:
         kh = cls(path)
-        try:
-            with open(path, errors="replace") as fh:
-                text = fh.read()
+        try:  # bounded, and without blocking on a FIFO: a file named as known_hosts may be anything
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            with os.fdopen(fd, "rb") as fh:
+                data = fh.read(KNOWN_HOSTS_MAX + 1)
         except OSError:
             return kh
+        if len(data) > KNOWN_HOSTS_MAX:
+            raise UserError(f"{path}: known_hosts is over {KNOWN_HOSTS_MAX} bytes; name the file that holds the "
+                            "nodes' keys")
+        text = data.decode(errors="replace")
         for line in text.splitlines():
             kh._parse(line)
         return kh

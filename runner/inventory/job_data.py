@@ -18,6 +18,7 @@ run's checkpoints. Every path must be normal (no '.', '..' or '//': POSIX keeps 
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import posixpath
 import re
@@ -29,14 +30,27 @@ REGISTRY_RE = re.compile(r"(?P<host>[A-Za-z0-9]([A-Za-z0-9.-]{0,252}[A-Za-z0-9])
                          r"(:(?P<port>[0-9]{1,5}))?")
 OUT = "/out"
 RUNNER_OWN = "/run/runner"  # the secrets file and the gate dir are mounted under it
+KERNEL_PATHS = ("/proc", "/sys", "/dev")  # on the node, and as mount points in the container
 # job.mounts node paths that give the job the node itself (host_access): refused unless
-# job.unsafe_mounts names them.
-ENGINE_SOCKETS = ("docker.sock", "containerd.sock", "podman.sock")
-ENGINE_SOCKET_PATHS = ("/run/docker.sock", "/var/run/docker.sock", "/run/containerd/containerd.sock",
-                       "/var/run/containerd/containerd.sock", "/run/podman/podman.sock")
-KERNEL_PATHS = ("/proc", "/sys", "/dev")
-SYSTEM_PATHS = ("/etc", "/root", "/boot", "/usr", "/bin", "/sbin", "/lib", "/lib64", "/var/lib/docker",
-                "/var/lib/containerd", "/home", "~/.ssh")
+# job.unsafe_mounts names them. One rule: a node path EQUAL to, INSIDE or ABOVE one of these
+# (component by component, `*` matching one component, `~` the SSH user's home) is refused:
+# `/proc/1/root` is the node's root as surely as `/proc` is, and `/home` holds every `~/.ssh`.
+# By name only: the runner cannot see the node's links at plan time (docs/security.md).
+KERNEL = "the node's kernel interfaces or devices"
+ENGINE = "the node's container engine sockets or runtime dirs (root on the node, read-only or not)"
+KEYS = "the node's SSH keys or credentials (read-only too)"
+WRITABLE = "the node's system files or SSH keys, writable"
+CREDENTIAL_DIRS = (".ssh", ".gnupg", ".docker", ".kube", ".aws")
+PROTECTED: tuple[tuple[str, str], ...] = (  # (pattern, what): refused read-only too
+    *((k, KERNEL) for k in KERNEL_PATHS),
+    *((e, ENGINE) for e in ("/run", "/var/run", "/var/lib/docker", "/var/lib/containerd", "/var/lib/containers",
+                            "/var/lib/kubelet", "/etc/kubernetes", "/tmp/.X11-unix")),
+    *((k, KEYS) for k in ("/etc/ssh", "/etc/shadow", "/etc/gshadow", "/root", "/tmp/ssh-*",
+                          *(f"{home}/{d}" for home in ("/home/*", "~") for d in CREDENTIAL_DIRS))),
+)
+PROTECTED_WRITABLE = ("/etc", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/boot", "/var/lib",
+                      "/var/spool", "/home/*/.*", "~/.*")  # refused writable: code the node runs, as root or the user
+SOCKET_SUFFIXES = (".sock", ".socket")  # an engine's (or an agent's) API, wherever it is kept
 
 
 @dataclass(frozen=True)
@@ -69,6 +83,9 @@ def container_path_error(p: str) -> str | None:
         return f"{p!r}: use letters, digits and . _ - + @ / only (a docker bind spec splits on ':' and ',')"
     if not _normal(p):
         return f"{p!r}: give a normalized path other than / (no '..', '.', '//' or trailing '/')"
+    if any(p == k or p.startswith(k + "/") for k in KERNEL_PATHS):
+        return (f"{p!r} is in the container's kernel interfaces or devices (/proc, /sys, /dev): a mount there "
+                "reaches the node's kernel; mount it somewhere else (e.g. /data/...)")
     return None
 
 
@@ -85,24 +102,33 @@ def node_path_error(p: str) -> str | None:
     return None
 
 
+def _parts(p: str) -> list[str]:
+    """A normal node path's components; `~` (the SSH user's home) is a component of its own."""
+    return ["~", *p[1:].split("/")[1:]] if p.startswith("~") else [x for x in p.split("/") if x]
+
+
+def related(path: str, pattern: str) -> bool:
+    """path is pattern, lies inside it, or holds it (an ancestor of what it names): their common
+    leading components match, each by fnmatch (a path's own components are plain characters)."""
+    a, b = _parts(path), _parts(pattern)
+    n = min(len(a), len(b))
+    return all(fnmatch.fnmatchcase(x, y) for x, y in zip(a[:n], b[:n], strict=True))
+
+
 def host_access(m: MountSpec) -> str | None:
-    """What a job.mounts entry hands the job beyond data, or None: the node's engine socket (a
-    socket is connectable through a read-only mount too: the engine is root on the node), the
-    node's root, kernel interfaces or devices, or, writable, its system or SSH configuration."""
-    p, rw = m.node_path, m.rw
-
-    def holds(target: str) -> bool:
-        return p == "/" or target == p or target.startswith(p + "/")
-
+    """What a job.mounts entry hands the job beyond data, or None: one rule for every protected
+    path (PROTECTED, and PROTECTED_WRITABLE when the mount is writable), equal, inside or above."""
+    p = m.node_path
     if p == "/":
         return "the node's whole filesystem (its engine socket too: root on the node)"
-    if posixpath.basename(p) in ENGINE_SOCKETS or any(holds(s) for s in ENGINE_SOCKET_PATHS):
-        return "the node's container engine socket (root on the node, read-only or not)"
-    if any(holds(k) for k in KERNEL_PATHS):
-        return "the node's kernel interfaces or devices"
-    if rw and any(holds(w) for w in SYSTEM_PATHS):
-        return "the node's system files or SSH keys, writable"
-    return None
+    if posixpath.basename(p).endswith(SOCKET_SUFFIXES):
+        return ENGINE
+    kernel = next((what for pat, what in PROTECTED if what == KERNEL and related(p, pat)), None)
+    if kernel:
+        return kernel
+    if m.rw and any(related(p, w) for w in PROTECTED_WRITABLE):
+        return WRITABLE
+    return next((what for pat, what in PROTECTED if related(p, pat)), None)
 
 
 def overlaps(a: str, b: str) -> bool:

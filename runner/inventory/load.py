@@ -5,6 +5,7 @@ what a node leaves out; the first problem is one line naming file, line and fiel
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,9 @@ from runner.inventory.model import (
     FINGERPRINT_RE,
     IMAGE_RE,
     JOB_FIELDS,
+    MAX_MEMORY,
+    MAX_NODES,
+    MAX_RANKS,
     MIN_MEMORY,
     NAME_RE,
     NODE_FIELDS,
@@ -42,7 +46,7 @@ from runner.inventory.model import (
     read_env_file,
     workdir_error,
 )
-from runner.inventory.notify_spec import COMMAND_FROM_A_FILE
+from runner.inventory.notify_spec import COMMAND_FROM_A_FILE, file_url_error
 from runner.inventory.notify_spec import parse as parse_notify
 from runner.inventory.perseus_spec import check_world, parse_perseus
 from runner.inventory.schema import (
@@ -61,13 +65,13 @@ from runner.inventory.ssh_config import Resolver, field_value
 
 # --- parsing -----------------------------------------------------------------------------
 
-def load_inventory(path: str | os.PathLike, *, check_files: bool = True,
-                   job_path: str | None = None, with_job: bool = True) -> Inventory:
-    """Parse and validate. check_files=False skips files needed only to connect (SSH keys,
-    known_hosts), so a dry-run works on a laptop without the cluster's keys. with_job=False
-    ignores the job section (status, logs, down, collect only need the nodes)."""
+def load_inventory(path: str | os.PathLike, *, check_files: bool = True, job_path: str | None = None,
+                   with_job: bool = True, parsed: tuple[Val | None, Checker] | None = None) -> Inventory:
+    """Parse and validate. check_files=False skips files needed only to connect (SSH keys, known_hosts), so a
+    dry-run works on a laptop without the cluster's keys. with_job=False ignores the job section (status, logs,
+    down, collect only need the nodes). parsed: the file's read_yaml(), when the caller read it (runner.api)."""
     path = str(path)
-    root, c = read_yaml(path, "inventory")
+    root, c = parsed or read_yaml(path, "inventory")
     if root is None:
         c.fail(1, "nodes", "inventory is empty; it needs at least a `nodes:` list")
     top = c.mapping(root, "", TOP_FIELDS)
@@ -87,6 +91,8 @@ def load_inventory(path: str | os.PathLike, *, check_files: bool = True,
     if not isinstance(nv.value, list) or not nv.value:
         c.fail(nv.line if nv.value is not None else nline, "nodes",
                f"must be a non-empty list of nodes, got {kind(nv.value) if nv.value else 'nothing'}")
+    if len(nv.value) > MAX_NODES:
+        c.fail(nv.line, "nodes", f"{len(nv.value)} nodes; at most {MAX_NODES}")
     ssh_config = Resolver(c, check_files)
     nodes: list[Node] = []
     seen: dict[str, int] = {}
@@ -135,11 +141,20 @@ def load_inventory(path: str | os.PathLike, *, check_files: bool = True,
                 jv = top["job"][1].value if "job" in top else {}
                 c.fail(jv["image"][0] if isinstance(jv, dict) and "image" in jv else n.line, "job.image",
                        f"no image for arch {n.arch} (node {n.name}); add `{n.arch}: <tag>`")
+    _check_counts(c, nv.line, nodes, job)
+    return Inventory(path=path, nodes=nodes, job=job)
+
+
+def _check_counts(c: Checker, line: int, nodes: list[Node], job: Job) -> None:
+    """The job's ranks bounded (MAX_RANKS), and as many as its Perseus plans hold; elastic's
+    min_nodes no more than the nodes."""
+    world = sum(job.nproc_per_node or n.slots for n in nodes)
+    if world > MAX_RANKS:
+        c.fail(line, "nodes", f"{world} ranks (each node's slots, or job.nproc_per_node, summed); at most {MAX_RANKS}")
     if job.perseus is not None:
-        check_world(job.perseus, sum(job.nproc_per_node or n.slots for n in nodes))
+        check_world(job.perseus, world)
     if job.elastic is not None:
         check_elastic_nodes(c, job.elastic, len(nodes))
-    return Inventory(path=path, nodes=nodes, job=job)
 
 
 
@@ -203,8 +218,9 @@ def node_fields(c: Checker, v: Val, where: str, allowed: set[str], base: Path,
         elif key == "memory":
             raw = str(x.value) if isinstance(x.value, (str, int)) and not isinstance(x.value, bool) else None
             size = memory_bytes(raw) if raw is not None else None
-            if size is None or size < MIN_MEMORY:
-                c.fail(x.line, w, f"must be a size like 512m or 4g (Docker --memory, at least 6m), got {show(x.value)}")
+            if size is None or not MIN_MEMORY <= size <= MAX_MEMORY:
+                c.fail(x.line, w, f"must be a size like 512m or 4g (Docker --memory, at least 6m, at most "
+                       f"{MAX_MEMORY >> 30}g), got {show(x.value)}")
             out[key] = raw.strip().lower()
         elif key == "compress":
             if not isinstance(x.value, bool) and x.value != "auto":
@@ -295,6 +311,9 @@ def parse_job(c: Checker, v: Val, base: Path) -> Job:
                 c.fail(x.line, w, str(exc))
             if job.notify.argv:  # as ssh_config's Match exec: a file named here never runs a command here
                 c.fail(x.line, w, COMMAND_FROM_A_FILE)
+            if why := file_url_error(job.notify.url):  # nor posts to this machine's own services
+                c.fail(x.line, w, why)
+            job.notify = replace(job.notify, from_file=True)
         elif key == "push":
             job.push = c.str_(x, w)
             if job.push not in PUSH_MODES:

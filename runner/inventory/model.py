@@ -6,11 +6,11 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from runner.core.errors import UserError
 from runner.inventory.job_data import MountSpec, SyncSpec
+from runner.inventory.safe_yaml import read_text
 
 ARCHES = ("amd64", "arm64")
 # What users type for arch, mapped onto Docker's platform names.
@@ -73,12 +73,17 @@ NODE_FIELDS = {"name", "host", "addr", "port", "user", "identity_file", "known_h
 MEMORY_RE = re.compile(r"([0-9]+)([bkmg]?)", re.I)
 MEMORY_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 MIN_MEMORY = 6 << 20
+MAX_MEMORY = 64 << 40   # 65536g: more than any machine; a 30-digit size is a typo or an attack
+MAX_NODES = 100_000     # entries under `nodes:` (and slurm.nodes)
+MAX_RANKS = 1 << 20     # processes of one job, all nodes' slots summed (the trainer's and a checkpoint's bound)
 
 
 def memory_bytes(text: str) -> int | None:
     """'4g' -> 4294967296 (Docker's units: b, k, m, g, powers of 1024); None if not a size."""
     m = MEMORY_RE.fullmatch(text.strip())
-    return int(m[1]) * MEMORY_UNITS[m[2].lower()] if m else None
+    if not m or len(m[1]) > 30:  # digits past any size: never handed to int()'s 4300-digit limit
+        return None if not m else MAX_MEMORY + 1
+    return int(m[1]) * MEMORY_UNITS[m[2].lower()]
 
 DEFAULT_FIELDS = NODE_FIELDS - {"name", "host", "addr", "role", "host_key"}
 PUSH_MODES = ("relay", "direct")
@@ -217,13 +222,13 @@ class Inventory:
         return n
 
 
+ENV_FILE_MAX_BYTES = 1 << 20  # KEY=VALUE lines: secrets, not data
+
+
 def read_env_file(path: str) -> dict[str, str]:
     """Docker-style env file: KEY=VALUE per line, # comments, optional surrounding quotes."""
     out: dict[str, str] = {}
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise UserError(f"{path}: cannot read env_file: {exc.strerror}") from None
+    text = read_text(path, "env_file", ENV_FILE_MAX_BYTES)  # bounded, UTF-8 or one line
     for i, raw in enumerate(text.splitlines(), 1):
         line = raw.strip()
         if not line or line.startswith("#"):

@@ -1,10 +1,17 @@
 """`--notify` / RUNNER_NOTIFY / `job.notify` as written: a command (string or argv) or an http(s)
 webhook, checked when the inventory loads. A command comes only from the user (the flag or the
 environment): an inventory or job file may be anyone's, so its `notify` may only be a webhook.
-Running it when a run ends is runner/backends/notify.py's."""
+Running it when a run ends is runner/backends/notify.py's.
+
+A file's webhook goes only to a public https address (`file_url_error` when the file is read: an
+IP literal must be public, `localhost` is refused; `address_error` again for every address a
+name resolves to when the run ends): else a file could have this machine POST to its own local
+services (an engine's HTTP API, an admin port) or its network's (a cloud metadata address). A
+local webhook is the user's own: `--notify` or RUNNER_NOTIFY."""
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -19,6 +26,7 @@ COMMAND_FROM_A_FILE = ("a command here would run on this machine when the run en
 class NotifySpec:
     argv: tuple[str, ...] = ()   # a command (["sh", "-c", CMD] for a string)
     url: str | None = None       # or a webhook
+    from_file: bool = False      # a file's webhook: public https addresses only, checked again at send
 
     @property
     def shown(self) -> str:
@@ -60,3 +68,40 @@ def url_error(url: str) -> str | None:
     if not u.hostname or port == 0:
         return f"{url[:40]}...: not a URL with a host (like https://hooks.example.com/...)"
     return None
+
+
+LOCAL_FILE_HOOK = ("a file's webhook goes only to a public https address; a webhook to this machine or its "
+                   "network is your own: `runner up --notify URL`, or RUNNER_NOTIFY=URL in your environment")
+NAT64 = ipaddress.ip_network("64:ff9b::/96")
+
+
+def address_error(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
+    """Why a file's webhook may not go to ip (None: a public address). An IPv6 address that carries
+    an IPv4 one (mapped, 6to4, Teredo, NAT64) is judged by the IPv4 address it reaches."""
+    if isinstance(ip, ipaddress.IPv6Address):
+        inner = ip.ipv4_mapped or ip.sixtofour or (ip.teredo[1] if ip.teredo else None) or \
+            (ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF) if ip in NAT64 else None)
+        if inner is not None:
+            return address_error(inner)
+    bad = [name for name, on in (("loopback", ip.is_loopback), ("private", ip.is_private),
+                                 ("link-local", ip.is_link_local), ("multicast", ip.is_multicast),
+                                 ("reserved", ip.is_reserved), ("unspecified", ip.is_unspecified),
+                                 ("not global", not ip.is_global)) if on]
+    return f"{ip} is {bad[0]}, not a public address" if bad else None
+
+
+def file_url_error(url: str) -> str | None:
+    """Why url (already a well-formed URL) cannot be a file's webhook, or None: https, to a name
+    (checked when the run ends, each address it resolves to) or a public IP address."""
+    u = urlsplit(url)
+    if u.scheme.lower() != "https":
+        return f"{u.scheme}://{u.hostname}...: {LOCAL_FILE_HOOK} (https:// only: the token travels in the URL)"
+    host = (u.hostname or "").rstrip(".").lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return f"https://{host}...: {host} is this machine; {LOCAL_FILE_HOOK}"
+    try:
+        ip = ipaddress.ip_address(host.split("%")[0])
+    except ValueError:
+        return None
+    why = address_error(ip)
+    return f"https://{u.hostname}...: {why}; {LOCAL_FILE_HOOK}" if why else None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from runner.agents.perseus_server import read_plan
+from runner.agents.perseus_server import plan_bytes, read_plan
 from runner.core.errors import UserError
 
 FIELDS = {"plan", "scheduler", "port"}
@@ -15,7 +15,7 @@ SCHEDULERS = ("PointSolution", "PlanSequence")
 
 @dataclass(frozen=True)
 class PerseusSpec:
-    plans: tuple[tuple[str, bytes], ...]   # (local path, the validated bytes)
+    plans: tuple[tuple[str, bytes], ...]   # (local path, the checked plan re-serialised: plan_bytes)
     scheduler: str
     port: int | str = "auto"
     where: str = ""                        # "inventory:line" of job.perseus.plan
@@ -38,12 +38,14 @@ def parse_perseus(c, v, expand) -> PerseusSpec:
         path = expand(c.str_(item, w))
         if not os.path.isfile(path):
             c.fail(item.line, w, f"plan file not found: {path}")
-        try:
-            ranks.append(len(read_plan(path)))
-        except (ValueError, OSError) as e:
+        try:  # read once, bounded before reading, checked to plain data
+            plan = read_plan(path)
+        except ValueError as e:
             c.fail(item.line, w, str(e))
-        with open(path, "rb") as f:
-            plans.append((os.path.abspath(path), f.read()))
+        ranks.append(len(plan))
+        # What reaches the master is the checked value written out again, never a second read
+        # of the file (it could be another file by then) nor anything of it but its value.
+        plans.append((os.path.abspath(path), plan_bytes(plan)))
     scheduler = "PlanSequence" if isinstance(pv.value, list) else "PointSolution"
     if "scheduler" in m:
         sline, sv = m["scheduler"]

@@ -14,63 +14,15 @@ import socket
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from runner.core.errors import UserError
 from runner.core.redact import looks_secret
 from runner.inventory.model import ENV_NAME_RE, HOSTNAME_RE, ZONE_RE, reserved_env_error
+from runner.inventory.safe_yaml import MAX_DEPTH, Val, compose, read_text, visible  # noqa: F401 - re-exported
 
 log = logging.getLogger("runner.inventory")
 
 
-# --- YAML with line numbers --------------------------------------------------------------
-
-class Val:
-    """A plain value plus where it came from."""
-
-    __slots__ = ("value", "line")
-
-    def __init__(self, value: Any, line: int):
-        self.value = value
-        self.line = line
-
-
-# libyaml's composer when PyYAML was built with it (10x faster on a 10,000-node inventory); the
-# nodes it makes carry the same line marks.
-_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-MAX_DEPTH = 32  # mappings and lists inside each other: an inventory needs 5; deeper is an attack
-
-
-class _Scalars(yaml.constructor.SafeConstructor):
-    """One constructor for every scalar of a file (a loader per scalar cost most of the parse)."""
-
-    def scalar(self, node: yaml.ScalarNode) -> Any:
-        try:
-            return self.construct_object(node, deep=True)
-        finally:
-            self.constructed_objects.clear()
-
-
-def _convert(node: yaml.Node, path: str, where: str = "", sc: _Scalars | None = None, depth: int = 0) -> Val:
-    sc = sc or _Scalars()
-    line = node.start_mark.line + 1
-    if depth > MAX_DEPTH:
-        raise UserError(f"{path}:{line}: {where}: nested more than {MAX_DEPTH} levels deep; not an inventory")
-    if isinstance(node, yaml.MappingNode):
-        out: dict[str, tuple[int, Val]] = {}
-        for k, v in node.value:
-            key = str(sc.scalar(k)) if isinstance(k, yaml.ScalarNode) else str(k)
-            w = f"{where}.{key}" if where else key
-            kline = k.start_mark.line + 1
-            if key in out:
-                # YAML says keys are unique; PyYAML silently keeps the last, hiding a typo'd edit.
-                raise UserError(f"{path}:{kline}: {w}: duplicate key (first at line {out[key][0]}); keep one")
-            out[key] = (kline, _convert(v, path, w, sc, depth + 1))
-        return Val(out, line)
-    if isinstance(node, yaml.SequenceNode):
-        return Val([_convert(v, path, f"{where}[{i}]", sc, depth + 1) for i, v in enumerate(node.value)], line)
-    return Val(sc.scalar(node), line)
-
+# --- YAML with line numbers: runner/inventory/safe_yaml.py (bounded, UTF-8, no aliases) --------
 
 class Checker:
     """Raises UserError("file:line: field: problem") for the first problem found."""
@@ -127,12 +79,6 @@ class Checker:
         return out
 
 
-def visible(where: str) -> str:
-    """A field path built from the file's own keys, with any control character escaped: the
-    message stays one line, and a key cannot write to the terminal."""
-    return where if where.isprintable() else where.encode("unicode_escape").decode()
-
-
 def kind(x: Any) -> str:
     return {dict: "a mapping", list: "a list", type(None): "nothing"}.get(type(x), type(x).__name__)
 
@@ -148,7 +94,7 @@ def expand(p: str, base: Path) -> str:
     if os.path.isabs(p) or os.path.exists(p):
         return p
     cand = base / p
-    return str(cand) if cand.exists() else p
+    return str(cand) if os.path.exists(cand) else p  # os.path: a name too long is "not there", not an OSError
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -173,7 +119,7 @@ def host_error(h: str) -> str | None:
         return None
     try:
         as_ipv4 = socket.inet_ntoa(socket.inet_aton(h))  # a parse, no lookup
-    except OSError:
+    except (OSError, ValueError):  # ValueError: a NUL in it
         as_ipv4 = None
     if as_ipv4 is not None:
         return f"{h!r} is read as the address {as_ipv4} by the system resolver: write {as_ipv4}"
@@ -212,43 +158,13 @@ def same_host(h: str) -> str:
 
 def read_yaml(path: str, what: str) -> tuple[Val | None, Checker]:
     """The file's YAML with line numbers kept, and a checker whose errors name the file; an
-    unreadable file or bad YAML is one line naming it (`what`: inventory, job file)."""
+    unreadable file or bad YAML is one line naming it (`what`: inventory, job file). Through the
+    one bounded loader (runner/inventory/safe_yaml.py)."""
     try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        hint = "; name an inventory with -i FILE, or `runner sandbox up` writes a local one" if what == "inventory" else ""
-        raise UserError(f"{path}: cannot read {what}: no such file{hint}") from None
-    except OSError as exc:
-        raise UserError(f"{path}: cannot read {what}: {exc.strerror}") from None
-    return _compose(path, text), Checker(path)
-
-
-def _no_aliases(path: str, text: str) -> None:
-    """Anchors and aliases are refused before anything is built: nine lines of nested aliases
-    (a 1 KB file) expand to 9^9 values while converting (killed at 26 s and 650 MB, growing).
-    The events are only scanned when the text has an `&` or a `*` at all."""
-    if "&" not in text and "*" not in text:
-        return
-    for ev in yaml.parse(text, Loader=_LOADER):
-        if isinstance(ev, yaml.AliasEvent) or getattr(ev, "anchor", None) is not None:
-            raise UserError(f"{path}:{ev.start_mark.line + 1}: YAML anchors and aliases (&name, *name, <<: *name) "
-                            "are not accepted: write the values out (`defaults:` holds what every node shares)")
-
-
-def _compose(path: str, text: str) -> Val | None:
-    try:
-        _no_aliases(path, text)
-        node = yaml.compose(text, Loader=_LOADER)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
-        line = mark.line + 1 if mark else 1
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise UserError(f"{path}:{line}: YAML syntax error: {problem}") from None
-    if node is None:
-        return None
-    try:
-        return _convert(node, path)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        raise UserError(f"{path}:{mark.line + 1 if mark else 1}: YAML error: {getattr(exc, 'problem', exc)}") from None
-
+        text = read_text(path, what)
+    except UserError as exc:
+        if what == "inventory" and str(exc).endswith(": no such file"):
+            raise UserError(f"{exc}; name an inventory with -i FILE, or `runner sandbox up` writes a local one") \
+                from None
+        raise
+    return compose(path, text), Checker(path)

@@ -16,7 +16,8 @@ job: {...}                  # the same job section as for SSH inventories
 ```
 
 Validated like the rest of the inventory: one line naming file, line and field. Values that
-reach the generated sbatch script are either from a closed set or match a strict pattern; what
+reach the generated sbatch script are either from a closed set or match a strict pattern
+(`sbatch:` options from a closed list, each value's form checked: runner/inventory/sbatch_options.py); what
 the cluster itself must confirm (that the partition exists, that it has that many nodes) is
 checked at submission, before anything is submitted.
 """
@@ -29,7 +30,8 @@ from pathlib import Path
 
 from runner.core.errors import UserError
 from runner.inventory.load import job_file, node_fields, parse_job
-from runner.inventory.model import ARCH_ALIASES, ARCHES, Job, Node
+from runner.inventory.model import ARCH_ALIASES, ARCHES, MAX_RANKS, Job, Node
+from runner.inventory.sbatch_options import MAX_OPTIONS, option_error
 from runner.inventory.schema import Checker, Val, kind, read_yaml, show
 
 CONTAINERS = ("pyxis", "oci", "none")
@@ -39,11 +41,12 @@ LOGIN_FIELDS = {"host", "port", "user", "identity_file", "known_hosts", "host_ke
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}")   # partition, account, qos
 TIME_RE = re.compile(r"(\d+-)?\d+(:\d+){0,2}|UNLIMITED|INFINITE")
 MEM_RE = re.compile(r"\d+[KMGT]?")
+MAX_TIME_DAYS = 366          # a time limit past a year is a typo (UNLIMITED says "none")
+MAX_MEM_MIB = 1 << 30        # 1024T a node
 # Paths go into #SBATCH lines (sbatch's own parser) and the script: no blanks, quotes or $; and into
 # pyxis's --container-mounts and OCI bind specs (SRC:DST[:FLAGS], comma-separated): no ':' or ','.
 PATH_RE = re.compile(r"~?[A-Za-z0-9_./+@-]*")
 IMAGE_RE = re.compile(r"[A-Za-z0-9_./:@#+-]+")
-SBATCH_ARG_RE = re.compile(r"--[a-z][a-z0-9-]*(=[A-Za-z0-9_.,:/@%+=-]+)?")
 
 
 @dataclass
@@ -89,9 +92,10 @@ def top_level_keys(path: str) -> set[str]:
 
 
 def load_slurm_inventory(path: str, *, job_path: str | None = None, check_files: bool = True,
-                         with_job: bool = True) -> SlurmInventory:
+                         with_job: bool = True, parsed: tuple[Val | None, Checker] | None = None) -> SlurmInventory:
+    """parsed: the file's read_yaml() when the caller has read it already (runner.api reads it once)."""
     path = str(path)
-    root, c = read_yaml(path, "inventory")
+    root, c = parsed or read_yaml(path, "inventory")
     if root is None or not isinstance(root.value, dict) or "slurm" not in root.value:
         c.fail(1, "slurm", "missing: a Slurm inventory needs a `slurm:` section (nodes, partition, container, ...)")
     base = Path(path).resolve().parent
@@ -103,6 +107,10 @@ def load_slurm_inventory(path: str, *, job_path: str | None = None, check_files:
             job = job_file(job_path, base)
         elif "job" in root.value and root.value["job"][1].value is not None:
             job = parse_job(c, root.value["job"][1], base)
+        world = spec.nodes * (job.nproc_per_node or spec.gpus_per_node or 1)
+        if world > MAX_RANKS:
+            c.fail(sline, "slurm.nodes", f"{world} ranks (nodes x job.nproc_per_node or gpus_per_node); at most "
+                   f"{MAX_RANKS}")
         if job.elastic is not None:
             c.fail(job.elastic.line, "job.elastic", "a Slurm allocation does not shrink node by node; "
                    "remove it (Slurm's own answer is `runner up --requeue`: the job goes back to the queue)")
@@ -125,8 +133,12 @@ def parse_slurm(c: Checker, v: Val, base: Path, check_files: bool, sline: int) -
             setattr(spec, key, _match(c, x, w, NAME_RE, "letters, digits, '.', '_', '+' or '-'"))
         elif key == "time":
             spec.time = _match(c, x, w, TIME_RE, "a Slurm time limit like 90, 04:00:00 or 2-00:00:00", str(x.value))
+            if (why := time_error(spec.time)) is not None:
+                c.fail(x.line, w, why)
         elif key == "mem":
             spec.mem = _match(c, x, w, MEM_RE, "a size like 64G or 16000M", str(x.value))
+            if not mem_mib(spec.mem) <= MAX_MEM_MIB:
+                c.fail(x.line, w, f"{spec.mem[:40]!r}: at most {MAX_MEM_MIB >> 20}T (sbatch --mem; no unit: megabytes)")
         elif key == "gpus_per_node":
             spec.gpus_per_node = c.int_(x, w, 0, 64)
         elif key == "cpus_per_task":
@@ -154,14 +166,7 @@ def parse_slurm(c: Checker, v: Val, base: Path, check_files: bool, sline: int) -
                 c.fail(x.line, f"{w}.host", "missing: the login node's host name or address")
             spec.login = Node(name="login", **fields, line=x.line)
         elif key == "sbatch":
-            if not isinstance(x.value, list):
-                c.fail(x.line, w, f"must be a list of sbatch options like --constraint=a100, got {kind(x.value)}")
-            for j, a in enumerate(x.value):
-                s = str(a.value) if isinstance(a.value, (str, int)) and not isinstance(a.value, bool) else None
-                if s is None or not SBATCH_ARG_RE.fullmatch(s):
-                    c.fail(a.line, f"{w}[{j}]", f"{show(a.value)}: use --option or --option=value "
-                           "(letters, digits, ',.:/@%+=_-')")
-                spec.sbatch.append(s)
+            spec.sbatch = _sbatch(c, x, w)
     for key in ("venv", "chdir"):
         if getattr(spec, key) and spec.container != "none":
             c.fail(lines[key], f"slurm.{key}", f"only for container: none (container is {spec.container}; "
@@ -169,6 +174,53 @@ def parse_slurm(c: Checker, v: Val, base: Path, check_files: bool, sline: int) -
     if spec.login is not None:
         spec.login.workdir = spec.workdir
     return spec
+
+
+def _sbatch(c: Checker, x: Val, w: str) -> list[str]:
+    """slurm.sbatch: a closed list of options, each value's form checked (runner/inventory/sbatch_options.py)."""
+    if not isinstance(x.value, list):
+        c.fail(x.line, w, f"must be a list of sbatch options like --constraint=a100, got {kind(x.value)}")
+    if len(x.value) > MAX_OPTIONS:
+        c.fail(x.line, w, f"{len(x.value)} options; at most {MAX_OPTIONS}")
+    out = []
+    for j, a in enumerate(x.value):
+        if not isinstance(a.value, str):
+            c.fail(a.line, f"{w}[{j}]", f"{show(a.value)}: use --option or --option=value")
+        if why := option_error(a.value):
+            c.fail(a.line, f"{w}[{j}]", why)
+        out.append(a.value)
+    return out
+
+
+def time_error(t: str) -> str | None:
+    """Why a TIME_RE-shaped slurm.time is not a limit sbatch takes, or None: minutes and seconds
+    below 60 after another field, hours below 24 after days, at most MAX_TIME_DAYS."""
+    if t in ("UNLIMITED", "INFINITE"):
+        return None
+    days, _, rest = t.rpartition("-")
+    parts = rest.split(":")
+    if len(t) > 24:
+        return f"{t[:24]!r}...: at most {MAX_TIME_DAYS} days"
+    nums = [int(x) for x in parts]
+    if days:  # days-hours[:minutes[:seconds]]
+        mins = int(days) * 1440 + nums[0] * 60 + sum(n // 60 ** i for i, n in enumerate(nums[1:]))
+        bad = nums[0] >= 24 or any(n >= 60 for n in nums[1:])
+    else:     # minutes | minutes:seconds | hours:minutes:seconds
+        mins = nums[0] if len(nums) < 3 else nums[0] * 60 + nums[1]
+        bad = any(n >= 60 for n in nums[1:])
+    if bad:
+        return f"{t!r}: hours below 24 after days, minutes and seconds below 60 after another field"
+    if mins > MAX_TIME_DAYS * 1440:
+        return f"{t!r}: at most {MAX_TIME_DAYS} days (UNLIMITED for no limit)"
+    return None
+
+
+def mem_mib(mem: str) -> int:
+    """slurm.mem in MiB (sbatch: no unit is megabytes); one past MAX_MEM_MIB for a size that long."""
+    digits, unit = (mem[:-1], mem[-1]) if mem[-1:].isalpha() else (mem, "M")
+    if len(digits) > 20:
+        return MAX_MEM_MIB + 1
+    return int(digits) * {"K": 1, "M": 1024, "G": 1024 ** 2, "T": 1024 ** 3}[unit] // 1024
 
 
 def _match(c: Checker, x: Val, where: str, rx: re.Pattern, what: str, value: str | None = None) -> str:

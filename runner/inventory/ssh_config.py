@@ -33,23 +33,27 @@ user starting with `-` is refused, never passed on.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import paramiko
+from typing import TYPE_CHECKING, Any
 
 from runner.inventory.hostkeys import match_pattern_list
 from runner.inventory.model import USER_RE, Jump
+from runner.inventory.safe_yaml import read_bytes
 from runner.inventory.schema import Checker, canonical_host, expand, host_error, same_host
+
+if TYPE_CHECKING:  # imported when an ssh config is read (_config_class): not to read an inventory
+    import paramiko
 
 log = logging.getLogger("runner.ssh_config")
 
 DEFAULT_PATH = "~/.ssh/config"
+SSH_CONFIG_MAX = 4 << 20  # host settings: read at most this much (a huge or endless file is one line)
 NONE = "none"  # `ssh_config: none` / `proxy_jump: none`: turn it off (OpenSSH's own word for it)
 # [ssh://][user@]host[:port], host maybe a [bracketed] IPv6 address: OpenSSH's ProxyJump forms.
 JUMP_RE = re.compile(r"(?:ssh://)?(?:(?P<user>[^@/]*)@)?(?P<host>\[[^\]/]*\]|[^:@/\[\]]*)(?::(?P<port>[^/]*))?/?")
@@ -94,19 +98,27 @@ def host_blocks(text: str) -> tuple[str, list[MatchBlock]]:
     return "\n".join(out) + "\n", blocks
 
 
-class _Config(paramiko.SSHConfig):
-    """paramiko's parser and Host matching, kept off the network: no canonicalization (DNS
-    queries) and no `%l` (socket.getfqdn, a reverse lookup). Match blocks never reach it
-    (host_blocks); if one did, it would match nothing rather than run its exec."""
+@functools.cache
+def _config_class() -> type:
+    """_Config, made when an ssh config is first read: paramiko is imported only then (an inventory
+    whose nodes name no ssh config, a dry-run, does without it)."""
+    import paramiko
 
-    def _allowed_tokens(self, key):
-        return [t for t in super()._allowed_tokens(key) if t != "%l"]
+    class _Config(paramiko.SSHConfig):
+        """paramiko's parser and Host matching, kept off the network: no canonicalization (DNS
+        queries) and no `%l` (socket.getfqdn, a reverse lookup). Match blocks never reach it
+        (host_blocks); if one did, it would match nothing rather than run its exec."""
 
-    def canonicalize(self, hostname, options, domains):
-        return hostname
+        def _allowed_tokens(self, key):
+            return [t for t in super()._allowed_tokens(key) if t != "%l"]
 
-    def _does_match(self, match_list, *args, **kwargs):
-        return False
+        def canonicalize(self, hostname, options, domains):
+            return hostname
+
+        def _does_match(self, match_list, *args, **kwargs):
+            return False
+
+    return _Config
 
 
 def _may_apply(block: MatchBlock, names: list[str]) -> bool:
@@ -223,8 +235,8 @@ class Resolver:
     def _lookup(self, path: str, host: str, line: int, where: str) -> dict[str, Any]:
         try:
             if path not in self._parsed:
-                text, matches = host_blocks(Path(path).read_text(errors="replace"))
-                self._parsed[path] = (_Config.from_text(text), matches)
+                text, matches = host_blocks(read_bytes(path, "ssh config", SSH_CONFIG_MAX).decode(errors="replace"))
+                self._parsed[path] = (_config_class().from_text(text), matches)
             cfg, matches = self._parsed[path]
             opts = dict(cfg.lookup(host))
         # paramiko raises ConfigParseError for a bad line, OSError for an unreadable file: each

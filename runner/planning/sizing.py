@@ -27,15 +27,37 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from contract.memory import MemoryEstimate, auto_loss_chunks, gib, in_flight, sizing_dtype, stage_memory
+from contract.memory import (
+    DTYPE_BYTES,
+    MemoryEstimate,
+    auto_loss_chunks,
+    gib,
+    in_flight,
+    sizing_dtype,
+    stage_memory,
+)
 from contract.model_size import MODEL_TYPES, ModelShape, NotSized, model_shape, stage_loads, with_overrides
 from contract.partition import parameter_bounds, uniform_bounds, uniform_items_bounds
-from contract.presets import HF_NAMES, PRESETS
+from contract.presets import PRESETS
 from contract.schedules import SCHEDULES, canonical, stage_to_rank
 from runner.core.errors import UserError
 from runner.inventory import Inventory, Job, Node, memory_bytes
+
+# The keys that size a stage, as the trainer reads them, range-checked: runner/planning/job_settings.py
+# (DEFAULTS, FLAGS, SWITCHES, ENV, YAML re-exported: tests/test_sizing.py holds them to the trainer's).
+from runner.planning.job_settings import (  # noqa: F401
+    DEFAULTS,
+    ENV,
+    FLAGS,
+    INTS,
+    MODEL_SIZE_FIELDS,
+    RANGES,
+    SIZE_MAX,
+    SWITCHES,
+    YAML,
+    job_settings,
+    shown,
+)
 
 # The trainer process before any model: measured here as 336 MiB of RSS after importing the trainer
 # (torch 2.13 CPU, transformers 5.24, amd64), rounded up for the tokenizer and the data. Used where
@@ -43,85 +65,8 @@ from runner.inventory import Inventory, Job, Node, memory_bytes
 RUNTIME_BYTES = 400 << 20
 CONFIG_JSON_MAX = 1 << 20  # a model's config.json is a few KiB
 
-# trainer/config/'s defaults for the keys that size a stage
-DEFAULTS: dict[str, Any] = {
-    "model.preset": "tiny-llama", "model.path": None, "model.load_weights": True, "model.num_hidden_layers": None,
-    "model.hidden_size": None, "model.num_attention_heads": None, "model.intermediate_size": None,
-    "model.vocab_size": None, "model.attn_implementation": "sdpa", "model.hf_overrides": {},
-    "data.seq_len": 128, "train.batch_size": 16, "train.microbatch_num": None, "train.grad_acc_steps": 1,
-    "train.dtype": "auto", "train.loss_chunks": "auto", "train.activation_checkpointing": "none",
-    "parallel.dp": None, "parallel.tp": 1, "parallel.pp": 1, "parallel.pp_schedule": "1f1b",
-    "parallel.partition": "uniform_transformer", "parallel.virtual_stages": 1, "parallel.sharding": "ddp",
-    "parallel.device": "auto", "checkpoint.replicas": 0,
-}
-# trainer/config/flags.py's spellings of those keys: flags, switches (no value), env, YAML
-FLAGS = {
-    "--batch_size": "train.batch_size", "--micro-batch-size": "train.batch_size", "--mbs": "train.batch_size",
-    "--microbatch_num": "train.microbatch_num", "--num-microbatches": "train.microbatch_num",
-    "--grad_acc_steps": "train.grad_acc_steps", "--seq_len": "data.seq_len",
-    "--hidden-size": "model.hidden_size", "--num-layers": "model.num_hidden_layers",
-    "--num_hidden_layers": "model.num_hidden_layers", "--num-attention-heads": "model.num_attention_heads",
-    "--model_name": "model.preset", "--tensor-parallel-size": "parallel.tp", "--tp": "parallel.tp",
-    "--pipeline-parallel-size": "parallel.pp", "--pp": "parallel.pp", "--dp": "parallel.dp",
-    "--pipeline-schedule": "parallel.pp_schedule", "--pp_engine": "parallel.pp_schedule",
-    "--partition_method": "parallel.partition", "--use_cpu": "parallel.device",
-}
-SWITCHES = {"--use_cpu", "--export_timing_csv"}  # every switch of the trainer: they take no value
-ENV = {"BATCH_SIZE": "train.batch_size", "MICROBATCH_NUM": "train.microbatch_num"}
-YAML = {"dataset.batch_size": "train.batch_size", "dist.dtype": "train.dtype", "dist.sharding_stage": "parallel.sharding",
-        "dist.cpu_only": "parallel.device", "model.hf_config": "model.hf_overrides"}
-INTS = {"data.seq_len", "train.batch_size", "train.microbatch_num", "train.grad_acc_steps", "parallel.dp",
-        "parallel.tp", "parallel.pp", "parallel.virtual_stages", "checkpoint.replicas", "model.num_hidden_layers", "model.hidden_size",
-        "model.num_attention_heads", "model.intermediate_size", "model.vocab_size"}
-
-
-def job_settings(job: Job) -> dict[str, Any]:
-    """The sizing keys as the trainer will resolve them: default < YAML < env < args."""
-    out = dict(DEFAULTS)
-    if job.config:
-        try:
-            doc = yaml.safe_load(Path(job.config).read_text()) or {}
-        except (OSError, yaml.YAMLError):
-            doc = {}  # the trainer names the problem at start; sizing uses the defaults
-        for section, body in doc.items() if isinstance(doc, dict) else ():
-            for key, value in body.items() if isinstance(body, dict) else ():
-                _set(out, YAML.get(f"{section}.{key}", f"{section}.{key}"), value)
-    for var, key in ENV.items():
-        if job.env.get(var, "") != "":
-            _set(out, key, job.env[var])
-    args, i = list(job.args), 0
-    while i < len(args):
-        name, eq, inline = args[i].partition("=")
-        if not name.startswith("--"):
-            i += 1
-            continue
-        if eq:
-            value, i = inline, i + 1
-        elif name in SWITCHES and (i + 1 >= len(args) or args[i + 1].startswith("--")):
-            value, i = True, i + 1
-        else:
-            value, i = (args[i + 1] if i + 1 < len(args) else None), i + 2
-        key = name[2:] if "." in name else FLAGS.get(name)
-        if key == "model.preset" and name == "--model_name":
-            key, value = ("model.path", value) if str(value).startswith("/") else (key, HF_NAMES.get(value, value))
-        if key is not None:
-            _set(out, key, value)
-    return out
-
-
-def _set(out: dict, key: str, value: Any) -> None:
-    if key not in DEFAULTS:
-        return
-    if key == "parallel.device" and not isinstance(value, str):
-        value = "cpu" if value else "auto"  # --use_cpu, dist.cpu_only
-    elif key in INTS and value is not None:
-        try:
-            value = int(value)
-        except (TypeError, ValueError):
-            return  # the trainer refuses it at start, naming the key
-    elif key == "model.hf_overrides" and not isinstance(value, dict):
-        return
-    out[key] = value
+MAX_SIZED_STAGES = 1 << 14   # pipeline stages (pp x virtual stages) this arithmetic sizes
+MAX_SIZED_TOKENS = 1 << 22   # tokens of one microbatch it sizes (the loss's chunk search is linear in them)
 
 
 # ------------------------------------------------------------------ the model
@@ -138,7 +83,8 @@ def _local_model_dir(path: str, job: Job) -> tuple[Path, Path]:
                 ref = local / "refs" / "main"
                 snaps = sorted(p for p in (local / "snapshots").iterdir() if p.is_dir())
                 if ref.is_file():
-                    local = local / "snapshots" / ref.read_text().strip()
+                    with open(ref, "rb") as f:  # a revision name: 4 KiB is plenty
+                        local = local / "snapshots" / f.read(4096).decode().strip()
                 elif len(snaps) == 1:
                     local = snaps[0]
             return local / "config.json", Path(spec.src).expanduser()
@@ -153,8 +99,12 @@ def model_of(s: dict[str, Any], job: Job) -> tuple[str, ModelShape]:
                                           "intermediate_size", "vocab_size")}
     if s["model.path"]:
         name = str(s["model.path"])
-        config, root = _local_model_dir(name, job)
-        if not config.resolve().is_relative_to(root.resolve()):  # as job.sync sends it: no link out
+        try:  # a name too long, a link loop, a refs/main that is not text: not sized, never a traceback
+            config, root = _local_model_dir(name, job)
+            out = not config.resolve().is_relative_to(root.resolve())  # as job.sync sends it: no link out
+        except (OSError, RuntimeError, UnicodeDecodeError) as e:
+            raise NotSized(f"model.path {name[:200]}: {type(e).__name__} reading it on this machine") from None
+        if out:
             raise NotSized(f"model.path {name}: {config} links out of the job.sync source {root}")
         try:
             fields = json.loads(config.read_text()) if config.stat().st_size <= CONFIG_JSON_MAX else None
@@ -164,6 +114,10 @@ def model_of(s: dict[str, Any], job: Job) -> tuple[str, ModelShape]:
             raise NotSized(f"model.path {name}: {config} is over {CONFIG_JSON_MAX >> 10} KiB, not a model's config")
         if not isinstance(fields, dict):
             raise NotSized(f"model.path {name}: {config} is not a JSON object")
+        bad = next((k for k in MODEL_SIZE_FIELDS if k in fields and fields[k] is not None
+                    and (type(fields[k]) is not int or not 1 <= fields[k] <= SIZE_MAX)), None)
+        if bad is not None:
+            raise NotSized(f"model.path {name}: {config}: {bad} {shown(fields[bad])} is not an integer in 1..{SIZE_MAX}")
         family = MODEL_TYPES.get(str(fields.get("model_type")))
         if family is None:
             raise NotSized(f"model.path {name}: model_type {fields.get('model_type')!r} is sized by `trainer --dry-run`")
@@ -361,6 +315,13 @@ def size_job(inv: Inventory, probed: dict[str, int] | None = None, memory_field:
     batch, seq = int(s["train.batch_size"]), int(s["data.seq_len"])
     micro, n_micro = max(batch // micro_num, 1), micro_num * int(s["train.grad_acc_steps"])
     num_stages = pp * vs if pp > 1 else 1
+    if str(s["train.dtype"]) not in ("auto", *DTYPE_BYTES):
+        raise NotSized(f"train.dtype {shown(s['train.dtype'])} is none of auto, {', '.join(DTYPE_BYTES)} (the trainer "
+                       "will say so)")
+    if num_stages > MAX_SIZED_STAGES or micro * seq > MAX_SIZED_TOKENS:
+        raise NotSized(f"{num_stages} pipeline stages of {micro} x {seq}-token microbatches: over what this "
+                       f"arithmetic sizes ({MAX_SIZED_STAGES} stages, {MAX_SIZED_TOKENS} tokens); `trainer --dry-run` "
+                       "sizes it")
     bounds = stage_bounds(str(s["parallel.partition"]), shape.layers, num_stages, shape) if pp > 1 else [0, shape.layers]
     chunks = s["train.loss_chunks"]
     chunks = auto_loss_chunks(micro * seq, shape.vocab) if chunks == "auto" else int(chunks)
@@ -381,16 +342,25 @@ def size_job(inv: Inventory, probed: dict[str, int] | None = None, memory_field:
     per_rank = world // pp
     profiles = cached_profiles(order)
     rank = 0
+    memo: dict[tuple[str, int], MemoryEstimate] = {}  # (dtype, pipeline rank): one estimate however many ranks
+
+    def estimate(dtype: str, r: int, loads) -> MemoryEstimate:
+        if (dtype, r) not in memo:
+            memo[dtype, r] = combined([stage_memory(loads[st], in_flight=in_flight(schedule, st, num_stages, n_micro),
+                                                    dtype=dtype, sharding=sharding, dp=dp, tp=tp)
+                                       for st in sizing.rank_stages.get(r, [r])])
+        return memo[dtype, r]
+
+    loads_of: dict[str, list] = {}
     for node, k in zip(order, nproc, strict=True):
         gpu = bool(node.gpus) and s["parallel.device"] != "cpu"
         dtype = sizing_dtype(str(s["train.dtype"]), gpu=gpu)
-        loads = stage_loads(shape, bounds, micro=micro, seq=seq, dtype=dtype, chunks=chunks)
+        if dtype not in loads_of:
+            loads_of[dtype] = stage_loads(shape, bounds, micro=micro, seq=seq, dtype=dtype, chunks=chunks)
         stages = [(rank + j) // per_rank for j in range(k)]  # each rank's pipeline rank
         builds = [whole if not sharded or (rank + j) % (dp * tp) == 0 else 0 for j in range(k)]
         rank += k
-        est = [combined([stage_memory(loads[st], in_flight=in_flight(schedule, st, num_stages, n_micro), dtype=dtype,
-                                      sharding=sharding, dp=dp, tp=tp) for st in sizing.rank_stages.get(r, [r])])
-               for r in stages]
+        est = [estimate(dtype, r, loads_of[dtype]) for r in stages]
         prof = profiles.get(node.name)
         have, src = known_memory(node, gpu, prof, (probed or {}).get(node.name), memory_field)
         runtime = 0 if gpu else int(prof["runtime_bytes"]) if prof and prof.get("runtime_bytes") else RUNTIME_BYTES

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
-
-import yaml
 
 from contract.partition import uniform_bounds
 from runner.core.errors import UserError
 from runner.inventory import Inventory, Job
+from runner.inventory.safe_yaml import CONFIG_MAX_BYTES
+from runner.inventory.safe_yaml import load as load_yaml
 from runner.profile import doc_check
 from runner.profile.measure import profile_cluster
 from runner.profile.split import (
@@ -43,10 +42,7 @@ def job_partition(job: Job) -> str | None:
     the config file's (None when neither sets it)."""
     value = None
     if job.config:
-        try:
-            doc = yaml.safe_load(Path(job.config).read_text()) or {}
-        except (OSError, yaml.YAMLError):
-            doc = {}
+        doc = load_yaml(job.config, "job.config", CONFIG_MAX_BYTES) or {}  # the runner's one bounded loader
         par = doc.get("parallel") if isinstance(doc, dict) else None
         if isinstance(par, dict) and par.get("partition") is not None:
             value = str(par["partition"])

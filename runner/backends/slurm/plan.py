@@ -168,7 +168,9 @@ def sbatch_directives(inv: SlurmInventory, plan: SlurmPlan, requeue: bool) -> li
         # Before the time limit: USR1 to the tasks (torchrun forwards it), time for the preempt checkpoint.
         d.append(f"--signal=USR1@{int(job.grace_period) + 60}")
     d.append("--requeue" if requeue else "--no-requeue")
-    return d + list(s.sbatch)
+    # The inventory's options first: sbatch takes the later of two, so the runner's own win
+    # (the list is closed already: runner/inventory/sbatch_options.py).
+    return list(s.sbatch) + d
 
 
 PROBE = r"""# Per node, outside any container: its name and the interface that routes to MASTER_ADDR,

@@ -9,10 +9,13 @@
         port: auto                          # the server's port on the master (auto: a free one)
 
 A plan file is a Python literal: one list per rank of (instruction, frequency) pairs
-(runner/agents/perseus_server.py; `trainer perseus-plans` writes them). Each is read here with
-ast.literal_eval and must hold one list per rank of the job (the nodes' slots or
-job.nproc_per_node, summed): checked when the inventory loads, so `runner up --dry-run` refuses
-it. The validated bytes are what reach the master: <run dir>/perseus/plans/.
+(runner/agents/perseus_server.py; `trainer perseus-plans` writes them). Each is read once when
+the inventory loads (runner/inventory/perseus_spec.py: bounded before reading, parsed as plain
+data without evaluating anything, known instructions, frequencies in range) and must hold one list
+per rank of the job (the nodes' slots or job.nproc_per_node, summed), so `runner up --dry-run`
+refuses it. What reaches the master (<run dir>/perseus/plans/) is the checked value written out
+again (`plan_bytes`), never a second read of the file; the server checks it again and evaluates
+nothing (docs/security.md, "Perseus plan files").
 
 At launch the server starts first, on the master, as a second container of the job's image
 (labelled with the run and the node, so `runner down` stops it with the ranks; it needs no GPU):
