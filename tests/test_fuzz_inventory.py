@@ -345,3 +345,13 @@ def test_dry_run_plans_or_refuses_in_one_line_and_writes_nothing(files, no_netwo
     assert rc == 0 or len(errors) == 1, err[-2000:]
     assert "Traceback" not in err, err[-2000:]
     assert _names(files) == before
+
+
+def test_a_node_name_with_control_characters_is_named_on_one_line(files, no_network):
+    """Found by the 39-minute fuzz run (bench/results/fuzz.json): a node named "p\\t- a\\n-2" put a raw
+    newline into the "(node ...)" suffix of the refusal of its other fields."""
+    p = _write(files, "inv.yaml", 'nodes:\n  - {name: "p\\t- a\\n-2", host: 10.9.0.1, arch: amd64, memory: lots}\n')
+    with pytest.raises(UserError) as err:
+        load_inventory(p, check_files=False)
+    _one_line(err.value)
+    assert "nodes[0].name" in str(err.value)

@@ -54,10 +54,13 @@ def test_limits_in_defaults_apply_to_every_node(tmp_path):
     ("cpus", "fast", "nodes[1].cpus: must be a number of CPUs in 0.01..1024 (Docker --cpus, e.g. 0.5), got 'fast' (node pi-5)"),
     ("cpus", "0", "nodes[1].cpus: must be a number of CPUs in 0.01..1024"),
     ("cpus", "true", "nodes[1].cpus: must be a number of CPUs"),
-    ("memory", "lots", "nodes[1].memory: must be a size like 512m or 4g (Docker --memory, at least 6m), got 'lots' (node pi-5)"),
+    ("memory", "lots", "nodes[1].memory: must be a size like 512m or 4g (Docker --memory, at least 6m, at most 65536g), "
+     "got 'lots' (node pi-5)"),
     ("memory", "1.5g", "nodes[1].memory: must be a size like 512m or 4g"),
     ("memory", "1m", "at least 6m"),
-    ("memory", "[4g]", "nodes[1].memory: must be a size like 512m or 4g (Docker --memory, at least 6m), got a list"),
+    ("memory", "65537g", "at most 65536g"),  # bounded where it is parsed (issue 54, item 6)
+    ("memory", "[4g]", "nodes[1].memory: must be a size like 512m or 4g (Docker --memory, at least 6m, at most 65536g), "
+     "got a list"),
 ])
 def test_bad_limits_name_file_line_field_node(tmp_path, field, value, msg):
     bad = NODES.replace("  - {name: pi-5, host: 10.9.0.2, arch: arm64, memory: 512m}",

@@ -175,7 +175,7 @@ def losses(out_dir: Path) -> list[float]:
 # Fields of a metrics.jsonl record that measure time or memory: different on every run.
 TIMING_FIELDS = frozenset({"tokens_per_s", "tokens_per_s_per_device", "samples_per_s", "mfu", "memory_bytes",
                            "memory_gib", "memory_reserved_gib", "step_time_s", "time", "dp_sync_s",
-                           "rank_step_s", "rank_wait_s"})
+                           "rank_step_s", "rank_wait_s", "stragglers"})
 
 
 # On the first record of each start (a resume too): where that start's layout began. A straight

@@ -27,7 +27,7 @@ USAGE = """usage: trainer [train] [--config X.yaml | X.yaml] [--section.key VALU
 
 Train (the default command) with a YAML config plus overrides. Precedence: CLI flag > env var >
 YAML > default. Any key: --section.key VALUE (sections model, data, train, optim, schedule,
-parallel, checkpoint, profile, logging; plus --output-dir). Seed flags such as --train_steps,
+parallel, checkpoint, profile, logging, watch; plus --output-dir). Seed flags such as --train_steps,
 --batch_size, --max-steps, --mbs, --dp/--tp/--pp are accepted as-is: see docs/flags.md.
 Works as one process, under torchrun, srun (Slurm) or mpirun (Open MPI; MASTER_ADDR required).
 
@@ -125,5 +125,11 @@ def main(argv: list[str] | None = None) -> int:
 
         if line := full_disk_line(e):
             _error(line)
+            return 2
+        if e.filename is not None and e.strerror:  # a path this machine refuses: the user's to fix
+            from trainer.config.schema import one_line
+
+            _error(one_line(f"{e.filename}: {e.strerror} (errno {e.errno}); fix the path or its permissions, "
+                            "then run again"))
             return 2
         raise

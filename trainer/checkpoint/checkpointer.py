@@ -15,6 +15,10 @@ Atomic: everything is written to `.tmp-<name>/`; only after every rank has finis
 does rank 0 rename it to `<name>` and then rewrite `latest` (write + os.replace). A crash at any
 point leaves `latest` naming the previous complete checkpoint.
 
+Only what the trainer wrote is ever removed or replaced (trainer/checkpoint/ownership.py): a
+directory of a checkpoint's name that is not the trainer's refuses the save (before the run trains,
+when it is there at the start), and pruning passes it over.
+
 Without shared storage (each node's OUTPUT_DIR on its own disk) the same happens per node: the
 first rank of each disk renames that node's directory and writes its `latest`, and rank 0's
 description files are copied to every node (trainer/checkpoint/storage.py). Resume then needs
@@ -27,7 +31,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -36,7 +39,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from trainer.checkpoint import disk_space, safe_read
+from trainer.checkpoint import disk_space, ownership, safe_read
+from trainer.checkpoint import state as ckpt_state
 from trainer.checkpoint.on_disk import (
     LATEST,
     PREEMPT_SUFFIX,
@@ -48,6 +52,8 @@ from trainer.checkpoint.on_disk import (
     resolve_resume,
     verify_manifests,
 )
+from trainer.checkpoint.on_disk import scheduler_error as _scheduler_error
+from trainer.checkpoint.on_disk import truncate_metrics as _truncate_metrics
 from trainer.checkpoint.preempt import EXIT_PREEMPTED, Preemption
 from trainer.checkpoint.replicas import Replicas
 from trainer.checkpoint.state import ModelOptimState, merged_model, model_signature, rng_state, set_rng_state
@@ -55,7 +61,7 @@ from trainer.checkpoint.storage import MISSING_HINT, StorageLayout, agree_on_lat
 from trainer.config import ConfigError
 from trainer.models import files as model_files
 from trainer.optim import restart_schedule_at, schedule_mismatch, schedule_signature
-from trainer.runtime import hold
+from trainer.runtime import heartbeat, hold
 
 log = logging.getLogger("trainer")
 
@@ -98,22 +104,6 @@ def checkpoint_root(cfg: Any) -> Path:
     return out / "checkpoints" if not d else (Path(d) if Path(d).is_absolute() else out / d)
 
 
-def _scheduler_error(saved: dict, mine: dict) -> str | None:
-    """Why a checkpoint's scheduler state is not one this run's scheduler wrote: LambdaLR's
-    load_state_dict sets every key it is given as an attribute of the scheduler."""
-    def kind(v: Any) -> Any:
-        return "number" if type(v) in (int, float) else type(v)
-
-    for key, value in saved.items():
-        if key not in mine:
-            return f"'scheduler.{key}' is not a field of this run's LR scheduler"
-        want = mine[key]
-        if kind(value) != kind(want) or (isinstance(want, list) and (
-                len(value) != len(want) or any(kind(a) != kind(b) for a, b in zip(value, want, strict=True)))):
-            return f"'scheduler.{key}' is {str(value)[:40]!r}, not like this run's {str(want)[:40]!r}"
-    return None
-
-
 class Checkpointer:
     """The trainer callback: periodic/final/preempt saves, resume at start (see module doc)."""
 
@@ -129,13 +119,15 @@ class Checkpointer:
             cpu_group = dist.new_group(backend="gloo")
         self.preemption = Preemption(cpu_group) if self.cfg.on_signal else None
         self.model = merged_model(trainer.par.model_parts)
-        self.app = ModelOptimState(self.model, trainer.optimizer)
+        self.app = ModelOptimState(self.model, trainer.optimizer, diloco=getattr(trainer, "diloco", None))
         self.saved_step = -1
         self.preempted = False
         self.pending: Any = None          # async save waiting to be finalized
         self._layout: StorageLayout | None = None
         self.async_pg = None
         self.replicas = Replicas(self.cfg.replicas)
+        self.names = ownership.name_pattern(self.cfg.name, self.cfg.prefix)
+        self._passed_over: set[Path] = set()  # foreign look-alikes pruning left, warned about once
         if self.cfg.async_save and _dist():
             self.async_pg = dist.new_group(backend="gloo")  # background writes never share the training pg
 
@@ -180,6 +172,19 @@ class Checkpointer:
                 log.warning("checkpoint.resume latest: no checkpoint under %s yet; starting from step 0", self.root)
             else:
                 self.load(trainer, path)
+        if self.active:
+            self._check_room_to_save(trainer)
+
+    def _check_room_to_save(self, trainer: Any) -> None:
+        """Collective: refuse the run before it trains when something not the trainer's stands where
+        one of its saves would go (the save itself checks again: ownership.in_the_way)."""
+        root_error = None
+        if os.path.lexists(self.root) and not self.root.is_dir():
+            root_error = f"checkpoint.dir: '{self.root}' exists and is not a directory; {ownership.MOVE_AWAY}"
+        _agree_error(root_error)  # before the probe, which makes the directory
+        leader = self.layout().is_leader(_rank())
+        _agree_error(ownership.future_problem(self.root, self.names, trainer.step, trainer.total_steps)
+                     if leader else None)
 
     def on_step_end(self, trainer: Any, record: dict | None) -> None:
         self._finish_pending()
@@ -210,7 +215,7 @@ class Checkpointer:
     def _name(self, step: int, preempt: bool) -> str:
         suffix = PREEMPT_SUFFIX if preempt else ""
         if not self.cfg.prefix:
-            return self.cfg.name.format(step=step) + suffix
+            return self.cfg.name.replace("{step}", str(step)) + suffix  # never str.format (config/resolve.py)
         # FSDP stub: <prefix>.<timestamp>, named by rank 0 for all ranks. The stamp has one-second
         # resolution: a second save within the same second becomes <stamp>-1 (-2, ...) instead of
         # silently replacing the first (names still sort by time).
@@ -218,7 +223,7 @@ class Checkpointer:
         if _rank() == 0:
             stamp = f"{self.cfg.prefix}.{time.strftime('%Y_%m%d_%H%M_%S')}"
             name, n = stamp + suffix, 0
-            while (self.root / name).exists():
+            while os.path.lexists(self.root / name) or os.path.lexists(self.root / (TMP_PREFIX + name)):
                 n += 1
                 name = f"{stamp}-{n}{suffix}"
         return _broadcast(name)
@@ -243,12 +248,16 @@ class Checkpointer:
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
 
+    @heartbeat.during_calls("checkpoint")  # its own hang budget (contract/hang.py)
     def save(self, trainer: Any, preempt: bool = False) -> Path:
         self._finish_pending()
         rank, step = _rank(), trainer.step
         name = self._name(step, preempt)
         tmp, final = self.root / (TMP_PREFIX + name), self.root / name
         leader = self.layout().is_leader(rank)  # rank 0, plus the first rank of every unshared disk
+        # Nothing is written when something not the trainer's stands where this save goes.
+        _agree_error((ownership.in_the_way(tmp) or ownership.in_the_way(final)
+                      or ownership.pointer_problem(self.root, self.names)) if leader else None)
         # Room for it on every disk, measured by the newest checkpoint there (disk_space.py).
         if problem := disk_space.agree(disk_space.room_problem(self.root, self._newest()) if leader else None):
             raise disk_space.refusal(step, problem, self._newest_name())
@@ -256,8 +265,9 @@ class Checkpointer:
         future, t0 = None, time.perf_counter()
         with disk_space.catching_full(self.root) as full:  # ends the block on this rank: no collective follows
             if leader:
-                shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
-                tmp.mkdir(parents=True)
+                ownership.remove(tmp)  # leftovers of a crashed save (the trainer's: checked above)
+                self.root.mkdir(parents=True, exist_ok=True)
+                ownership.make(tmp)  # the marker first: only a marked directory is ever removed
             _barrier()
             if self.cfg.async_save and _dist():
                 future = dcp.async_save({"app": self.app}, checkpoint_id=str(tmp), process_group=self.async_pg)
@@ -268,6 +278,7 @@ class Checkpointer:
 
                 write_full(trainer, self.model, tmp, state, rank)  # its collective first, then rank 0 writes
             torch.save({"rng": rng_state(), "data": trainer.data.state_dict(),
+                        "dp_sync": ckpt_state.dp_sync_state(trainer),  # dp_sync_bytes go on after a resume
                         "coords": {k: trainer.dims.coord(k) for k in ("dp", "tp", "pp")}}, tmp / f"rank{rank}.pt")
             if rank == 0:
                 (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
@@ -287,6 +298,7 @@ class Checkpointer:
         files = {p.name: (p.stat().st_size, crc32(p) if self.cfg.verify else None) for p in sorted(mine)}
         (tmp / f"manifest.rank{rank}.json").write_text(json.dumps(files, indent=1))
 
+    @heartbeat.during_calls("checkpoint", when=lambda self: self.pending is not None)
     def _finish_pending(self) -> None:
         if self.pending is None:
             return
@@ -305,22 +317,33 @@ class Checkpointer:
             self._settle(full, tmp, step)
         hold.hold("save", step, self.output_dir, rank)  # tests only (trainer/runtime/hold.py)
         _barrier()  # every rank's files are on disk, on every node
-        if layout.is_leader(rank):
-            old = final.with_name(final.name + ".old")
-            if final.exists():  # an overwritten name (preempt at the same step): swap, then drop
-                shutil.rmtree(old, ignore_errors=True)
-                final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old, ignore_errors=True)
-            pointer = self.root / (LATEST + ".tmp")
-            pointer.write_text(final.name + "\n")
-            os.replace(pointer, self.root / LATEST)
-        _barrier()
+        _agree_error(self._install(tmp, final) if layout.is_leader(rank) else None)  # every node renamed
         # Pruned only once every node has renamed: a crash between two nodes' renames leaves the
         # previous checkpoint on every node (what _agree_latest falls back to).
         if layout.is_leader(rank):
             self._prune(final, preempt)
         log.info("checkpoint step %d -> %s (%.2fs)", step, final, time.perf_counter() - t0)
+
+    def _install(self, tmp: Path, final: Path) -> str | None:
+        """A disk's leader: `tmp` renamed to `final` (an earlier checkpoint of that name, the
+        trainer's, swapped out: a preempt at the same step), then `latest` rewritten. Why not, in one
+        line, when something not the trainer's took the place since the save began, or the disk
+        refused (every rank then raises it: none waits at a barrier for the collective timeout)."""
+        old = final.with_name(TMP_PREFIX + final.name + ".old")
+        why = (ownership.in_the_way(final) or ownership.in_the_way(old)
+               or ownership.pointer_problem(self.root, self.names))
+        if why:
+            return why
+        try:
+            ownership.remove(old)
+            if os.path.lexists(final):
+                final.rename(old)
+            tmp.rename(final)
+            ownership.remove(old)
+            ownership.write_pointer(self.root, final.name)
+        except OSError as e:
+            return f"checkpoint {final} not put in place: {e}"
+        return None
 
     def _newest(self) -> Path | None:
         ckpts = list_checkpoints(self.root)
@@ -337,21 +360,28 @@ class Checkpointer:
         if problem is None:
             return
         if self.layout().is_leader(_rank()):
-            shutil.rmtree(tmp, ignore_errors=True)
+            ownership.remove(tmp)
         raise disk_space.refusal(step, problem, self._newest_name())
 
     def _prune(self, newest: Path, preempt: bool) -> None:
-        ckpts = list_checkpoints(self.root)
+        """Older checkpoints beyond keep_last (one .preempt at a time), the trainer's only: a
+        directory that looks like one but is not the trainer's is named once and left."""
+        ckpts = [d for _, d in list_checkpoints(self.root)]
+        for d in ckpts:
+            if d not in self._passed_over and not ownership.is_ours(d):
+                self._passed_over.add(d)
+                log.warning("%s looks like a checkpoint but the trainer did not write it: never pruned", d)
+        ckpts = [d for d in ckpts if d not in self._passed_over]
         if preempt:  # one preempt checkpoint at a time: the new one replaces the others
-            for _, d in ckpts:
+            for d in ckpts:
                 if d.name.endswith(PREEMPT_SUFFIX) and d != newest:
-                    shutil.rmtree(d, ignore_errors=True)
+                    ownership.remove(d)
             return
-        regular = [d for _, d in ckpts if not d.name.endswith(PREEMPT_SUFFIX)]
+        regular = [d for d in ckpts if not d.name.endswith(PREEMPT_SUFFIX)]
         if self.cfg.keep_last > 0:
             for d in regular[: max(len(regular) - self.cfg.keep_last, 0)]:
                 if d != newest:
-                    shutil.rmtree(d, ignore_errors=True)
+                    ownership.remove(d)
 
     # ------------------------------------------------------------------ load
     def _check(self, trainer: Any, path: Path) -> tuple[dict | None, str | None]:
@@ -395,16 +425,22 @@ class Checkpointer:
             return None, err
         return state, None
 
+    @heartbeat.during_calls("resume")
     def load(self, trainer: Any, path: Path) -> None:
         t0 = time.perf_counter()
         state, err = self._check(trainer, path)
         _agree_error(err)
         assert state is not None
+        # DiLoCo: which replicas the checkpoint holds (a rejoining one starts from the anchors)
+        self.app.saved_replicas = ckpt_state.saved_replicas(safe_read.read_metadata(path / ".metadata")
+                                                            .state_dict_metadata)
         try:
             safe_read.load({"app": self.app}, path)
         except Exception as e:  # noqa: BLE001 - DCP wraps per-rank failures (safe_read.load): one line
             msg = " ".join(str(e).split())[:400]
             raise ConfigError(f"{path}: cannot load model/optimizer shards: {msg}") from None
+        finally:
+            self.app.saved_replicas = None  # what the next save writes is this replica's own state again
         trainer.scheduler.load_state_dict(state["scheduler"])
         trainer.step = int(state["step"])
         trainer.tokens_seen = int(state["tokens_seen"])
@@ -419,7 +455,7 @@ class Checkpointer:
         rank_file = path / f"rank{_rank()}.pt"
         same_layout = int(state["world_size"]) == trainer.env.world_size
         if same_layout and rank_file.is_file():
-            rng = safe_read.load_rank_file(rank_file)["rng"]
+            rng = ckpt_state.restore_dp_sync(trainer, safe_read.load_rank_file(rank_file))["rng"]
             try:
                 set_rng_state(rng)
             except (KeyError, TypeError, ValueError, RuntimeError) as e:
@@ -434,23 +470,6 @@ class Checkpointer:
         if trainer.is_logger:
             _truncate_metrics(trainer.output_dir / "metrics.jsonl", trainer.step)
         log.info("resumed from %s at step %d (%.2fs)", path, trainer.step, time.perf_counter() - t0)
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop records of steps after the checkpoint (written before a crash; they are redone), so
-    metrics.jsonl holds one record per step after a resume."""
-    if not path.is_file():
-        return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            if int(json.loads(line).get("step", 0)) <= step:
-                keep.append(line)
-        except (ValueError, AttributeError, TypeError, OverflowError, RecursionError):
-            continue  # a line cut by the crash, or not one of ours
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(ln + "\n" for ln in keep))
-    os.replace(tmp, path)
 
 
 def make_callback(trainer: Any) -> Checkpointer:

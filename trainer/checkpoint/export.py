@@ -26,6 +26,7 @@ from trainer.checkpoint.state import model_signature
 from trainer.config import Config, ConfigError, apply_yaml
 from trainer.models import files as model_files
 
+MARKER = ".trainer-export"  # in every DIR an export wrote: a later export may write there again
 USAGE = ("usage: trainer export CKPT DIR   (CKPT: a checkpoint directory, a checkpoints root, or a run "
          "collected from several nodes, artifacts/<run>/)")
 
@@ -68,10 +69,25 @@ def _union(copies: list[Path], into: Path) -> Path:
     return into
 
 
+def check_destination(out: Path) -> None:
+    """DIR is new, empty, or an earlier export (MARKER): save_pretrained replaces config.json and
+    the weights there and deletes weight shards it did not write, so a folder of the user's (another
+    model) lost its files before. One line naming the folder and a file in it, nothing written."""
+    if not os.path.lexists(out):
+        return
+    if out.is_symlink() or not out.is_dir():
+        raise ConfigError(f"export: '{out}' exists and is not a directory; export into a new or empty directory")
+    first = next(iter(sorted(p.name for p in out.iterdir())), None)
+    if first is not None and not (out / MARKER).is_file():
+        raise ConfigError(f"export: '{out}' holds files the trainer did not write (e.g. {first!r}); nothing was "
+                          "written: export into a new or empty directory")
+
+
 def export(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0].startswith("-"):
         print(USAGE, file=sys.stderr)
         return 2
+    check_destination(Path(argv[1]))
     copies = node_copies(Path(argv[0]))
     with tempfile.TemporaryDirectory(prefix="trainer-export-") as tmp:
         ckpt = copies[0] if len(copies) == 1 else _union(copies, Path(tmp))
@@ -111,7 +127,9 @@ def _export(ckpt: Path, named: Path, out: Path) -> int:
     model.load_state_dict(sd)
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = True  # trained without a KV cache; generation wants one
+    check_destination(out)  # again: the model took a while to build
     out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).write_text("written by `trainer export`: a later export may replace these files\n")
     import transformers
 
     transformers.utils.logging.disable_progress_bar()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import tempfile
 import zlib
 from pathlib import Path
 from typing import Any
@@ -174,3 +176,42 @@ def verify_manifests(path: Path, world_size: int, rank: int, nranks: int, *, all
             if crc and want is not None and crc32(f) != want:
                 return f"{f}: checksum mismatch (corrupt)"
     return None
+
+
+def scheduler_error(saved: dict, mine: dict) -> str | None:
+    """Why a checkpoint's scheduler state is not one this run's scheduler wrote: LambdaLR's
+    load_state_dict sets every key it is given as an attribute of the scheduler."""
+    def kind(v: Any) -> Any:
+        return "number" if type(v) in (int, float) else type(v)
+
+    for key, value in saved.items():
+        if key not in mine:
+            return f"'scheduler.{key}' is not a field of this run's LR scheduler"
+        want = mine[key]
+        if kind(value) != kind(want) or (isinstance(want, list) and (
+                len(value) != len(want) or any(kind(a) != kind(b) for a, b in zip(value, want, strict=True)))):
+            return f"'scheduler.{key}' is {str(value)[:40]!r}, not like this run's {str(want)[:40]!r}"
+    return None
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop records of steps after the checkpoint (written before a crash; they are redone), so
+    metrics.jsonl holds one record per step after a resume."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if int(json.loads(line).get("step", 0)) <= step:
+                keep.append(line)
+        except (ValueError, AttributeError, TypeError, OverflowError, RecursionError):
+            continue  # a line cut by the crash, or not one of ours
+    # A temporary file of a new name (never a file that is there already), then swapped in.
+    fd, tmp = tempfile.mkstemp(prefix=".metrics-", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write("".join(ln + "\n" for ln in keep))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -20,7 +20,11 @@ def _same(v: Any) -> Any:
 def model_name_key(value: Any) -> tuple[str, Any]:
     """picotron --model_name: a local model dir loads it, a known hub name picks a preset."""
     v = str(value)
-    if Path(v).is_dir():
+    try:
+        local = Path(v).is_dir()
+    except (OSError, ValueError):  # a name the OS cannot take (too long, a NUL): not a local folder
+        local = False
+    if local:
         return "model.path", v
     return "model.preset", HF_NAMES.get(v, v)
 

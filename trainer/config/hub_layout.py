@@ -22,6 +22,23 @@ from trainer.config.schema import ConfigError
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
+MAX_REF = 4096          # bytes of refs/main (a commit hash: 40)
+MAX_INDEX = 64 << 20    # bytes of a weights index (a 400B model's: ~150 KB)
+
+
+def read_small_text(path: Path, limit: int, key: str) -> str:
+    """A small text file the Hub (or a user) wrote: at most `limit` bytes read, UTF-8, or one line."""
+    try:
+        with path.open("rb") as f:
+            raw = f.read(limit + 1)
+    except OSError as e:
+        raise ConfigError(f"{key}: '{path}' cannot be read ({e.strerror or e})") from None
+    if len(raw) > limit:
+        raise ConfigError(f"{key}: '{path}' is over {limit} bytes; not a file of a Hub download")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{key}: '{path}' is not UTF-8 text (byte {e.start}); download it again") from None
 
 
 def snapshot_dir(path: str | Path, key: str) -> Path:
@@ -33,7 +50,7 @@ def snapshot_dir(path: str | Path, key: str) -> Path:
     revs = sorted(d.name for d in snaps.iterdir() if d.is_dir())
     ref = p / "refs" / "main"
     if ref.is_file():
-        rev = ref.read_text().strip()
+        rev = read_small_text(ref, MAX_REF, key).strip()
         if rev in revs:
             return snaps / rev
         raise ConfigError(f"{key}: '{ref}' names snapshot '{rev[:40]}', which is not under '{snaps}' "
@@ -44,9 +61,19 @@ def snapshot_dir(path: str | Path, key: str) -> Path:
                       f"'{snaps}/<rev>' ({', '.join(revs) or 'none'})")
 
 
-def check_links(root: Path, key: str) -> None:
-    """One line naming the first link under `root` whose target does not exist."""
+MAX_ENTRIES = 100_000          # files and folders of a model or tokenizer folder (a Hub repo: dozens)
+MAX_DATA_ENTRIES = 10_000_000  # of a dataset folder (a corpus of many small files)
+
+
+def check_links(root: Path, key: str, limit: int = MAX_ENTRIES) -> None:
+    """One line naming the first link under `root` whose target does not exist. At most `limit`
+    entries are looked at: `--model.path /` walked the whole filesystem before."""
+    seen = 0
     for d, dirs, files in os.walk(root):
+        seen += len(dirs) + len(files)
+        if seen > limit:
+            raise ConfigError(f"{key}: '{root}' holds over {limit} files and folders; point {key} at the "
+                              "model, tokenizer or dataset folder itself")
         for name in sorted(dirs) + sorted(files):
             p = os.path.join(d, name)
             if os.path.islink(p) and not os.path.exists(p):
@@ -74,7 +101,7 @@ def model_dir(path: str | Path, load_weights: bool = True) -> Path:
     index = next((f for f in present if f.endswith(".index.json")), None)
     if index is not None and not any(f == index.removesuffix(".index.json") for f in present):
         try:
-            shards = sorted(set(json.loads((p / index).read_text())["weight_map"].values()))
+            shards = sorted(set(json.loads(read_small_text(p / index, MAX_INDEX, key))["weight_map"].values()))
             if not all(isinstance(s, str) for s in shards):
                 raise ValueError("a shard name is not a string")
         except (OSError, ValueError, KeyError, AttributeError, TypeError, RecursionError):

@@ -17,7 +17,16 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from trainer.config.schema import DTYPES, LOG_LINES, SHARDING, Config, ConfigError, apply_yaml, set_key
+from trainer.config.schema import (
+    DTYPES,
+    LOG_LINES,
+    SHARDING,
+    Config,
+    ConfigError,
+    apply_yaml,
+    get_key,
+    set_key,
+)
 
 # ---------------------------------------------------------------- validation
 
@@ -40,6 +49,7 @@ def validate(cfg: Config) -> None:
     t.dtype = DTYPES[t.dtype]
     if cfg.model.path is None and cfg.model.preset not in PRESETS:
         raise ConfigError(unknown_preset_message(cfg.model.preset))
+    check_output_paths(cfg)
     if cfg.model.path is not None and not Path(cfg.model.path).is_dir():
         raise ConfigError(f"model.path: '{cfg.model.path}' is not a local model directory")
     if t.microbatch_num is None:
@@ -63,8 +73,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.attn_implementation: '{cfg.model.attn_implementation}' (sdpa or eager)")
     if cfg.checkpoint.format not in ("dcp", "full"):
         raise ConfigError(f"checkpoint.format: '{cfg.checkpoint.format}' (dcp or full)")
-    if "{step}" not in cfg.checkpoint.name or "/" in cfg.checkpoint.name:
-        raise ConfigError(f"checkpoint.name: '{cfg.checkpoint.name}' must contain {{step}} and no '/'")
+    check_checkpoint_name(cfg.checkpoint.name, cfg.checkpoint.prefix)
     from trainer.config.batches import parse_batches
 
     parse_batches(cfg.profile.batch)  # "1" | "1,3" | "2-4" | "none": one-line error otherwise
@@ -78,6 +87,66 @@ def validate(cfg: Config) -> None:
 
         # A Hub cache repo folder means its snapshot; config.yaml records the folder that was read.
         cfg.model.path = str(model_dir(cfg.model.path, cfg.model.load_weights))
+
+
+def check_checkpoint_name(name: str, prefix: str = "") -> None:
+    """checkpoint.name: a directory name holding `{step}`, and no other braces: the trainer puts the
+    step in with str.replace, so `{0}` or `{step.__class__}` never reach str.format (an IndexError
+    traceback, or a name made of an object's attributes, before). Neither it nor checkpoint.prefix
+    may start with '.': `.tmp-` names are the trainer's unfinished saves, never listed."""
+    rest = name.replace("{step}", "")
+    if ("{step}" not in name or "/" in name or "{" in rest or "}" in rest or len(name) > 200
+            or not name.isprintable() or name.startswith(".")):
+        raise ConfigError(f"checkpoint.name: {name[:100]!r} must hold {{step}}, no other brace, no '/', and not start "
+                          "with '.' (e.g. step-{step})")
+    if prefix and ("/" in prefix or len(prefix) > 200 or not prefix.isprintable() or prefix.startswith(".")):
+        raise ConfigError(f"checkpoint.prefix: {prefix[:100]!r} must not contain '/' (it names a directory) nor "
+                          "control characters, nor start with '.'")
+
+
+# What the trainer makes under OUTPUT_DIR as directories (trainer/train.py, trainer/runtime/tracking.py).
+RUN_DIRS = ("logs", "tensorboard", "wandb")
+
+
+def _not_a_directory(path: Path) -> Path | None:
+    """The first of path and its parents that exists and is not a directory (mkdir would fail there)."""
+    for p in (path, *path.parents):
+        if os.path.lexists(p):
+            return None if p.is_dir() else p
+    return None
+
+
+def path_problem(value: str) -> str | None:
+    """Why the OS cannot take `value` as a path (pathlib's checks raise on these instead of saying
+    False), or None: a NUL byte, over 4096 bytes, a name over 255 bytes."""
+    if "\0" in value:
+        return "a NUL byte"
+    if len(value.encode(errors="surrogateescape")) > 4096:
+        return "over 4096 bytes"
+    if any(len(part.encode(errors="surrogateescape")) > 255 for part in value.split("/")):
+        return "a name over 255 bytes"
+    return None
+
+
+PATH_KEYS = ("output_dir", "checkpoint.dir", "checkpoint.resume", "data.source", "data.tokenizer", "model.path")
+
+
+def check_output_paths(cfg: Config) -> None:
+    """Paths the OS can take (no NUL, at most 4096 bytes), and OUTPUT_DIR, the checkpoint directory
+    and the run's own subdirectories directories where they exist (a file there ended the run in a
+    FileExistsError or NotADirectoryError traceback)."""
+    for key in PATH_KEYS:
+        value = get_key(cfg, key)
+        if isinstance(value, str) and (why := path_problem(value)):
+            raise ConfigError(f"{key}: {value[:60]!r} is not a path ({why})")
+    out = Path(cfg.output_dir)
+    d = cfg.checkpoint.dir
+    ckpt = out / "checkpoints" if not d else (Path(d) if Path(d).is_absolute() else out / d)
+    for key, path in (("output_dir", out), ("checkpoint.dir", ckpt), *((f"output_dir ({sub}/)", out / sub)
+                                                                       for sub in RUN_DIRS)):
+        if (blocker := _not_a_directory(path)) is not None:
+            raise ConfigError(f"{key}: '{blocker}' exists and is not a directory; move it, or choose another "
+                              f"{key.split()[0]}")
 
 
 def check_perseus(cfg: Config) -> None:

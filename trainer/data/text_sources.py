@@ -38,7 +38,10 @@ def load_texts(dcfg: DataConfig, cache_dir: str | None = None) -> list[Any]:
     field = "text" if plain else dcfg.text_field  # plain text files have the one column `datasets` names text
     if field not in ds.column_names:
         raise ConfigError(f"data.text_field: no column '{field}' in {where} (columns: {', '.join(ds.column_names)})")
-    rows = list(ds[field])
+    try:
+        rows = list(ds[field])  # pyarrow's JSON reader keeps bytes as they are: decoded only here
+    except UnicodeDecodeError:
+        raise not_utf8(Path(where)) or ConfigError(f"data.source: '{where}' holds text that is not UTF-8") from None
     if dcfg.chat_template:
         bad = next((r for r in rows if not _is_conversation(r)), None)
         if bad is not None:
@@ -60,7 +63,7 @@ def _dataset(dcfg: DataConfig, cache_dir: str | None) -> tuple[Any, str, bool]:
     """(a datasets.Dataset, the path to name in messages, whether it is read from .txt files)."""
     import datasets
 
-    from trainer.config.hub_layout import check_links, snapshot_dir
+    from trainer.config.hub_layout import MAX_DATA_ENTRIES, check_links, snapshot_dir
 
     src = Path(dcfg.source)
     if src.is_file():
@@ -71,7 +74,7 @@ def _dataset(dcfg: DataConfig, cache_dir: str | None) -> tuple[Any, str, bool]:
     d = snapshot_dir(src, "data.source")
     if not d.is_dir():
         raise ConfigError(f"data.source: '{dcfg.source}' does not exist (a file or folder, or 'synthetic')")
-    check_links(d, "data.source")
+    check_links(d, "data.source", MAX_DATA_ENTRIES)
     if (d / "dataset_dict.json").is_file() or (d / "state.json").is_file():
         try:
             ds = datasets.load_from_disk(str(d))
@@ -115,7 +118,35 @@ def _load_files(kind: str, files: list[str] | None, folder: str | None, cache_di
         if "Config name is missing" in msg or "BuilderConfig" in msg:
             raise ConfigError(f"data.source: '{where}' holds several configurations; point data.source at the "
                               f"folder of one: {msg[:200]}") from None
-        raise ConfigError(f"data.source: cannot read '{where}': {msg[:300]}") from None
+        raise not_utf8(Path(where)) or ConfigError(f"data.source: cannot read '{where}': {msg[:300]}") from None
     except (OSError, RuntimeError, datasets.exceptions.DatasetGenerationError) as e:  # RuntimeError: a loading script
         where = folder or files[0]  # type: ignore[index]
-        raise ConfigError(f"data.source: cannot read '{where}': {' '.join(str(e).split())[:300]}") from None
+        raise not_utf8(Path(where)) or ConfigError(f"data.source: cannot read '{where}': "
+                                                   f"{' '.join(str(e).split())[:300]}") from None
+
+
+def not_utf8(where: Path) -> ConfigError | None:
+    """One line naming the first text file of `where` (a file or a folder) that is not UTF-8, and the
+    byte, or None when each is: `datasets` says only "An error occurred while generating the
+    dataset", and pyarrow reads JSON lines without decoding them (a UnicodeDecodeError traceback when
+    the rows were read). Looked for only once reading failed: a good corpus is never read twice."""
+    import codecs
+
+    try:
+        files = [where] if where.is_file() else sorted(
+            f for f in where.rglob("*") if f.is_file() and TEXT_EXT.get(f.suffix) in ("text", "json"))
+    except OSError:  # a folder it may not list: the caller's own message stands
+        return None
+    for f in files:
+        decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+        try:
+            with f.open("rb") as fh:
+                while chunk := fh.read(1 << 20):
+                    decoder.decode(chunk)
+                    offset += len(chunk)
+                decoder.decode(b"", final=True)
+        except UnicodeDecodeError as e:
+            return ConfigError(f"data.source: '{f}' is not UTF-8 (byte {offset + e.start}); save it as UTF-8")
+        except OSError:
+            continue
+    return None

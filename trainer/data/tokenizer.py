@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import ConfigError, DataConfig, ModelConfig
+from trainer.config.bounds import MODEL_SIZES
 
 log = logging.getLogger("trainer")
 
@@ -33,6 +34,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "voc
                    "tokenizer.model")
 # What a bare tokenizer.json (no config) may call its end-of-text token.
 EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "[SEP]")
+# A tokenizer's files are read whole: each at most this big (the largest real tokenizer.json, Gemma's,
+# is ~34 MB), and its ids at most the model vocabulary's bound (trainer/config/bounds.py).
+MAX_TOKENIZER_FILE = 256 << 20
 
 
 @dataclass
@@ -106,8 +110,8 @@ def _model_config(mcfg: ModelConfig) -> dict:
     from trainer.config.hub_layout import snapshot_dir
 
     try:
-        return json.loads((snapshot_dir(mcfg.path, "model.path") / "config.json").read_text())
-    except (OSError, ValueError):
+        return json.loads((snapshot_dir(mcfg.path, "model.path") / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):  # unreadable here: build.py names the file's problem
         return {}
 
 
@@ -124,7 +128,12 @@ def _read(source: str, config: dict | None) -> Tokenizer:
     transformers.logging.set_verbosity_error()  # no advice about unrelated files in the folder
     p = Path(source)
     if p.is_file():
-        hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(p))
+        _check_sizes([p])
+        try:
+            hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(p))
+        except Exception as e:  # noqa: BLE001 - the tokenizers library's parse errors (Exception): one line
+            raise ConfigError(f"data.tokenizer: cannot read '{p}' as a tokenizer.json: "
+                              f"{' '.join(str(e).split())[:300]}") from None
         named = next((t for t in EOS_NAMES if hf.convert_tokens_to_ids(t) not in (None, hf.unk_token_id)), None)
         if named is not None:
             hf.eos_token = named
@@ -135,13 +144,18 @@ def _read(source: str, config: dict | None) -> Tokenizer:
         check_links(p, "data.tokenizer")
         if not any((p / f).is_file() for f in TOKENIZER_FILES):
             raise ConfigError(f"data.tokenizer: '{p}' has none of {', '.join(TOKENIZER_FILES)}")
+        _check_sizes([p / f for f in (*TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json",
+                                     "merges.txt", "chat_template.jinja", "chat_template.json")])
         try:
             hf = transformers.AutoTokenizer.from_pretrained(str(p), local_files_only=True)
-        except (OSError, ValueError, KeyError, ImportError) as e:
+        except Exception as e:  # noqa: BLE001 - transformers' and tokenizers' parse errors of any kind: one line
             raise ConfigError(f"data.tokenizer: cannot read the tokenizer at '{p}': "
                               f"{' '.join(str(e).split())[:300]}") from None
     else:
         raise ConfigError(f"data.tokenizer: '{source}' does not exist (a tokenizer folder or tokenizer.json)")
+    _, most = MODEL_SIZES["vocab_size"]
+    if len(hf) > most:
+        raise ConfigError(f"data.tokenizer: '{p}' has {len(hf)} ids; a model vocabulary is at most {most}")
     config = config or {}
     eos = _first_id(config.get("eos_token_id"))
     eos = eos if eos is not None else (hf.eos_token_id if hf.eos_token_id is not None else hf.sep_token_id)
@@ -159,6 +173,18 @@ def _read(source: str, config: dict | None) -> Tokenizer:
                               f"'{p}' ({tok.vocab_size} ids): the two do not belong together")
     log.info("tokenizer: %s (%d ids; EOS %s, BOS %s, PAD %s)", p, tok.vocab_size, tok.eos_id, tok.bos_id, tok.pad_id)
     return tok
+
+
+def _check_sizes(files: list[Path]) -> None:
+    """Each tokenizer file that is there at most MAX_TOKENIZER_FILE bytes (they are read whole)."""
+    for f in files:
+        try:
+            size = f.stat().st_size if f.is_file() else 0
+        except OSError:
+            continue
+        if size > MAX_TOKENIZER_FILE:
+            raise ConfigError(f"data.tokenizer: '{f}' is {size} bytes; a tokenizer file is at most "
+                              f"{MAX_TOKENIZER_FILE} (the largest real ones are ~34 MB)")
 
 
 def _train_bpe(dcfg: DataConfig, texts: list[Any]) -> Tokenizer:

@@ -20,6 +20,7 @@ from torch import nn
 
 from contract.presets import PRESETS
 from trainer.config import ConfigError, ModelConfig
+from trainer.config.bounds import MODEL_SIZES, model_size_problem
 from trainer.runtime import container_limits
 from trainer.runtime.unpickling import why_not_data
 
@@ -98,12 +99,10 @@ class ModelSpec:
         return seq_len
 
 
-# config.json fields that size tensors: positive integers of at most MAX_SIZE_FIELD (the largest real
-# vocabularies are ~262k; a hostile 10**12 would otherwise reach allocation or an arithmetic error).
-SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-               "num_key_value_heads", "head_dim", "num_layers", "num_decoder_layers", "num_heads", "d_model",
-               "d_ff", "d_kv", "n_head", "n_layer", "image_size", "patch_size", "num_channels", "num_classes")
-MAX_SIZE_FIELD = 1 << 24
+# config.json fields that size tensors: integers within trainer/config/bounds.py MODEL_SIZES, the
+# same bounds as model.hf_overrides (a hostile 10**12 would otherwise reach allocation or an
+# arithmetic error).
+SIZE_FIELDS = tuple(MODEL_SIZES)
 
 
 def pretrained_config(mcfg: ModelConfig) -> Any:
@@ -115,9 +114,8 @@ def pretrained_config(mcfg: ModelConfig) -> Any:
         raise ConfigError(f"{where}: {' '.join(str(e).split())[:300]}") from None
     for key in SIZE_FIELDS:
         v = getattr(cfg, key, None)
-        if v is not None and not (type(v) is int and 1 <= v <= MAX_SIZE_FIELD):
-            raise ConfigError(f"{where}: {key} {str(v)[:40]!r} is not an integer in 1..{MAX_SIZE_FIELD}; "
-                              "the file is corrupt or not this model's")
+        if v is not None and (why := model_size_problem(key, v)):
+            raise ConfigError(f"{where}: {why}; the file is corrupt or not this model's")
     return cfg
 
 
@@ -188,7 +186,10 @@ def build_hf_config(mcfg: ModelConfig, vocab_size: int | None = None) -> tuple[s
         if not hasattr(cfg, key):
             raise ConfigError(f"model.hf_overrides.{key}: not a field of {type(cfg).__name__} (a typo would be "
                               f"silently ignored); see the transformers docs of {type(cfg).__name__}")
-        setattr(cfg, key, value)
+        try:
+            setattr(cfg, key, value)
+        except Exception as e:  # noqa: BLE001 - transformers' field validation (a multi-line error): one line
+            raise ConfigError(f"model.hf_overrides.{key}: {' '.join(str(e).split())[:200]}") from None
     # Configs that precompute a per-layer list (Qwen2/3 `layer_types`) must follow a depth override.
     types = getattr(cfg, "layer_types", None)
     if isinstance(types, list) and types and len(types) != cfg.num_hidden_layers:

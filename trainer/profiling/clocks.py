@@ -8,18 +8,20 @@ ping-pong with rank 0 over a gloo group and keeps the round with the smallest ro
 error of that estimate is at most half the minimum round trip; it is logged.
 
 Test hook: TRAINER_TEST_CLOCK_SKEW_NS="rank:ns[,rank:ns]" shifts the named rank's epoch, as a
-badly synchronised node would be; the estimated offset then cancels it.
+badly synchronised node would be; the estimated offset then cancels it. Read only where the tests
+switched their hooks on (trainer/runtime/hold.py test_env).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from trainer.runtime.hold import test_env
 
 log = logging.getLogger("trainer")
 
@@ -28,7 +30,7 @@ ROUNDS = 24
 
 
 def injected_skew_ns(rank: int, environ: dict[str, str] | None = None) -> int:
-    spec = (os.environ if environ is None else environ).get(SKEW_ENV, "")
+    spec = test_env(SKEW_ENV, environ)
     for item in filter(None, (s.strip() for s in spec.split(","))):
         r, _, ns = item.partition(":")
         if int(r) == rank:

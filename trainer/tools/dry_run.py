@@ -63,7 +63,7 @@ def make_plan(cfg: Config) -> dict[str, Any]:
     from trainer.config.checks import microbatch_tokens, resolve_loss_chunks
     from trainer.config.partition import StageRange
     from trainer.models.build import FAMILIES, build_hf_config
-    from trainer.models.layout import meta_model, model_layout
+    from trainer.models.layout import meta_model
     from trainer.models.lm_loss import install_loss_forward
     from trainer.parallel.compose import check_supported
     from trainer.parallel.mesh import ParallelDims
@@ -77,10 +77,10 @@ def make_plan(cfg: Config) -> dict[str, Any]:
     name = cfg.model.path or cfg.model.preset
     family, hf = build_hf_config(cfg.model)
     task = FAMILIES[family].task
+    check_supported(cfg)  # before any model is made: its sizes and layout checked in one line each
     model = meta_model(family, hf)
     total_params = sum(q.numel() for q in model.parameters())
-    layout = model_layout(family, hf, name, model)  # check_supported reuses it
-    check_supported(cfg)
+    layout = _layout(family, hf, name, model, total_params)
     dtype, dtype_note = _dtype(cfg)
     n_micro = t.microbatch_num * t.grad_acc_steps
     micro = t.batch_size // t.microbatch_num
@@ -130,7 +130,23 @@ def make_plan(cfg: Config) -> dict[str, Any]:
         "microbatches": n_micro, "microbatch_size": micro, "seq_len": cfg.data.seq_len if task != "image" else None,
         "dtype": dtype, "notes": notes, "stages": out_stages, "ranks": ranks,
         "allocated": "nothing: meta device, no data read, no process group",
+        "hang": hang_rule(cfg),  # the hang watch's budgets and the collectives' timeout (contract/hang.py)
     }
+
+
+def _layout(family: str, hf: Any, name: str, model: Any, total_params: int) -> Any:
+    """The model's pipeline layout (trainer/models/layout.py), or, for a family that has none
+    (ViT-MAE: never split, check_supported refuses pp > 1 for it), the whole model as one unit.
+    Before, `trainer --dry-run --model.preset tiny-vitmae` ended in that module's ValueError."""
+    from trainer.config.partition import Counting
+    from trainer.models.layout import Layout, Unit, model_layout
+    from trainer.parallel.stages import SUPPORTED
+
+    if getattr(hf, "model_type", None) in SUPPORTED:
+        return model_layout(family, hf, name, model)  # check_supported reuses it
+    unit = Unit("model", 0, total_params, (total_params,))
+    return Layout(name, family, (unit,), 0, 0, {}, Counting(name, 1, "model", (0,), ("model",)), "embeddings",
+                  "decoder")
 
 
 def _vocab_note(cfg: Config, task: str) -> str:
@@ -244,6 +260,16 @@ def _per_rank(stages: list[dict], pp: int) -> list[dict]:
     return out
 
 
+def hang_rule(cfg: Config) -> str:
+    from contract.hang import describe
+
+    def seconds(v: int | str) -> float | None:
+        return None if v == "auto" else float(v)
+
+    return describe(seconds(cfg.watch.hang_timeout_s), seconds(cfg.watch.startup_timeout_s),
+                    seconds(cfg.parallel.timeout_s))
+
+
 def format_plan(plan: dict[str, Any]) -> str:
     m = plan["mesh"]
     lines = [
@@ -269,6 +295,7 @@ def format_plan(plan: dict[str, Any]) -> str:
                      f"{gib(r['memory']['total'])}")
     lines += [f"note: {n}" for n in plan["notes"]]
     lines.append(f"allocated: {plan['allocated']}")
+    lines.append(plan["hang"])
     return "\n".join(lines)
 
 
