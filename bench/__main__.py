@@ -14,7 +14,8 @@ import subprocess
 import sys
 
 BENCHES = ["trainer_throughput", "lm_loss", "pipeline_schedules", "launch", "push", "collect", "fanout", "gpu_throughput",
-           "partition", "links", "push_relay", "push_compress", "gpu_families", "elastic", "optimizer_step"]
+           "partition", "links", "push_relay", "push_compress", "gpu_families", "elastic", "optimizer_step", "startup",
+           "heartbeat"]
 
 
 def main(argv: list[str]) -> int:

@@ -230,3 +230,41 @@ def no_network(monkeypatch):
     monkeypatch.setattr(paramiko.Transport, "__init__", boom)
     monkeypatch.setattr(docker, "DockerClient", boom)
     monkeypatch.setattr(docker, "from_env", boom)
+
+
+SLURM_TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol")
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory, have_sshd):
+    """A Slurm cluster (slurmctld + 3 slurmd + munge + a login sshd: `runner sandbox up --slurm`),
+    started once for the session and shared by the Slurm tests (test_slurm_cluster.py through the
+    CLI, test_api_slurm.py through runner.api), stopped at its end, asserting nothing of it is
+    left running. `inv` submits on the login node over SSH, `local` from this machine (env: SLURM_CONF)."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import psutil
+    import yaml
+
+    from tests.runner_helpers import runner
+
+    require("Slurm", all(shutil.which(t) for t in SLURM_TOOLS), "slurm-wlm / munge are not installed")
+    state = tmp_path_factory.mktemp("slurm")
+    inv = state / "slurm.yaml"
+    up = runner("sandbox", "--dir", str(state / "s"), "up", "--slurm", "--nodes", "3", "--base-addr", net_addr(9, 31),
+                "--inventory", str(inv), timeout=180)
+    assert up.returncode == 0, up.stdout + up.stderr
+    conf = state / "s" / "slurm" / "etc" / "slurm.conf"
+    doc = yaml.safe_load(inv.read_text())
+    local = state / "slurm-local.yaml"  # the same cluster without the login node: submitted from here
+    local.write_text(yaml.safe_dump({**doc, "slurm": {k: v for k, v in doc["slurm"].items() if k != "login"}}))
+    try:
+        yield SimpleNamespace(inv=inv, local=local, conf=conf, env={"SLURM_CONF": str(conf)},
+                              shared=Path(doc["slurm"]["workdir"]), state=state)
+    finally:
+        down = runner("sandbox", "--dir", str(state / "s"), "down", timeout=180)
+        left = [p.info["cmdline"] for p in psutil.process_iter(["cmdline"])
+                if str(state) in " ".join(p.info["cmdline"] or [])]
+        assert down.returncode == 0 and "slurm cluster" in down.stdout, down.stdout + down.stderr
+        assert not left, left

@@ -171,8 +171,8 @@ def test_an_engine_that_does_not_stamp_or_sends_the_same_log_again(tmp_path, ans
 def test_logs_follow_prints_the_lines_after_the_cut(sandbox, pushed, tmp_path, monkeypatch, capsys):
     """`runner logs RUN -f` on a running container whose engine's follow ends 50 frames in: all
     2,000 lines, once each, in order (before: the first 50)."""
-    from runner.backends.ssh.status import cmd_logs
     from runner.cli.main import build_parser
+    from runner.cli.runs import cmd_logs
     from runner.inventory.choice import resolve_inventory
     from runner.planning.plan import LABEL_NODE, LABEL_RANK, LABEL_RUN
 

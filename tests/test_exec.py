@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from runner.cli.node_exec import srun_argv
+from runner.backends.slurm.node_exec import srun_argv
 from tests.runner_helpers import (
     finish_run,
     node_workdir,

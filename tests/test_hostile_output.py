@@ -467,11 +467,11 @@ def test_a_kept_log_on_a_full_disk_stops_keeping_and_says_so_once(tmp_path, capl
 
 def test_runner_logs_reads_a_rotated_kept_log_in_order(tmp_path, capsys):
     """`runner logs` of a finished run: container.log.1 then container.log, a line cut at the turn whole."""
-    from runner.backends.ssh.status import _kept_logs
+    from runner.backends.ssh.status import kept_logs
 
     d = tmp_path / "logs" / "run-1" / "node-0"
     d.mkdir(parents=True)
     (d / "container.log.1").write_bytes(b"one\ntw")
     (d / "container.log").write_bytes(b"o\nthree\n")
-    assert _kept_logs("run-1", SimpleNamespace(logs_dir=str(tmp_path / "logs"), node=None), {"node-0": 0}) == 0
-    assert capsys.readouterr().out == "[node-0/0] one\n[node-0/0] two\n[node-0/0] three\n"
+    out = "".join(f"{ln}\n" for ln in kept_logs("run-1", str(tmp_path / "logs"), None, {"node-0": 0}))
+    assert out == "[node-0/0] one\n[node-0/0] two\n[node-0/0] three\n"

@@ -237,6 +237,58 @@ def test_the_layer_checker_finds_an_upward_import_and_an_unplaced_module(tmp_pat
         "runner.stray: in no layer (add it to RUNNER_LAYERS in tests/test_layers.py)"]
 
 
+def cli_backend_imports(root: Path) -> list[str]:
+    """'runner/cli/x.py:N imports NAME' for each import in runner/cli/ (top level or in a function,
+    absolute or relative) of a backend's internals: the command line reaches the backends through
+    runner.api and the registry (runner.backends itself, none of its modules), so that adding a
+    backend is its package and one registry line, and no verb branches on a backend's modules."""
+    out = []
+    backends = root / "runner" / "backends"
+    for path in sorted((root / "runner" / "cli").rglob("*.py")):
+        here = module_name(root, path).split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(here[:len(here) - node.level + 1] + [node.module or ""]).strip(".") \
+                    if node.level else node.module
+                # `from runner.backends import ssh` imports a backend's package: a module, not a name
+                names = [f"{base}.{a.name}" if base == "runner.backends" and (
+                    (backends / a.name).is_dir() or (backends / f"{a.name}.py").exists()) else base
+                    for a in node.names]
+            else:
+                continue
+            for name in dict.fromkeys(names):  # `from m import a, b`: m once
+                if name.startswith("runner.backends."):
+                    out.append(f"{path.relative_to(root)}:{node.lineno} imports {name} (the CLI goes through "
+                               "runner.api and the runner.backends registry)")
+    return out
+
+
+def test_the_cli_imports_no_backend_internals():
+    assert cli_backend_imports(REPO) == []
+
+
+def test_the_cli_import_checker_finds_each_way_into_a_backend(tmp_path):
+    files = {"runner/__init__.py": "", "runner/api.py": "", "runner/backends/__init__.py": "BACKENDS = {}\n",
+             "runner/backends/ssh/__init__.py": "", "runner/backends/ssh/status.py": "",
+             "runner/backends/slurm/__init__.py": "", "runner/backends/slurm/jobs.py": "",
+             "runner/backends/options.py": "", "runner/cli/__init__.py": "",
+             "runner/cli/ok.py": "from runner.backends import BACKENDS\nfrom runner import api\nimport runner.api\n",
+             "runner/cli/in_function.py": "def f():\n    from runner.backends.ssh.status import x\n",
+             "runner/cli/plain.py": "import runner.backends.slurm.jobs as j\n",
+             "runner/cli/package.py": "from runner.backends import BACKENDS, ssh\n",
+             "runner/cli/relative.py": "from ..backends.options import flag_of\n"}
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert [v.split(" (")[0] for v in cli_backend_imports(tmp_path)] == [
+        "runner/cli/in_function.py:2 imports runner.backends.ssh.status",
+        "runner/cli/package.py:1 imports runner.backends.ssh",
+        "runner/cli/plain.py:1 imports runner.backends.slurm.jobs",
+        "runner/cli/relative.py:1 imports runner.backends.options"]
+
+
 MAX_MODULE_LINES, MAX_FUNCTION_LINES = 500, 80
 LONG_REASON = "# long: "
 

@@ -40,7 +40,7 @@ from tests.runner_helpers import (
     up_detached,
     wait_for,
 )
-from tests.trainer_run import held, hold_env, numeric_metrics, release, run_trainer
+from tests.trainer_run import HOOKS_SYNC, held, hold_env, numeric_metrics, release, run_trainer
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.docker]
 NODES = tuple(f"node-{i}" for i in range(NONROOT_NODES))
@@ -82,7 +82,8 @@ def on_node(inventory: Path, node: str, *argv: str) -> str:
 def ckpt_job(tmp: Path, name: str = "job.yaml", args: list[str] = ARGS, **env: str) -> Path:
     """configs/tiny.yaml (DDP, fp32 CPU: bitwise reproducible)."""
     job = {"image": IMAGE, "config": str(REPO / "configs" / "tiny.yaml"), "args": args,
-           "env": {"OMP_NUM_THREADS": "1", **env}, "master_port": "auto", "grace_period": 60}
+           "env": {"OMP_NUM_THREADS": "1", **env}, "master_port": "auto", "grace_period": 60,
+           **({"sync": [HOOKS_SYNC]} if "TRAINER_TEST_HOLD" in env else {})}  # the hold's switch (hold_env)
     p = tmp / name
     p.write_text(yaml.safe_dump({"job": job}))
     return p

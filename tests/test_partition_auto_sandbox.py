@@ -27,7 +27,7 @@ import yaml
 
 from tests import IMAGE, REPO
 from tests.runner_helpers import node_workdir, runner
-from tests.trainer_run import losses, run_trainer
+from tests.trainer_run import HOOKS_SYNC, hold_env, losses, run_trainer
 from tests.worker_share import machine_alone
 
 # Under a third of the others: their quotas separate the speeds while the machine has spare time.
@@ -164,7 +164,8 @@ def test_an_elastic_run_losing_a_fast_node_splits_again_giving_the_slow_node_few
         ["--checkpoint.interval", "2"]
     # step 2: the 3-node layout, before node-2 goes; step 3: the 2-node layout has trained (its
     # stage lines are out) and cannot end the run before node-2 is back.
-    doc["job"]["env"]["TRAINER_TEST_HOLD"] = "step:2,step:3"
+    doc["job"]["env"].update(hold_env("step:2", "step:3"))
+    doc["job"]["sync"] = [*doc["job"].get("sync", []), HOOKS_SYNC]  # the hold's switch (trainer/runtime/hold.py)
     inv = tmp_path / "elastic.yaml"
     inv.write_text(yaml.safe_dump(doc, sort_keys=False))
     runs_dir = node_workdir(inv, "node-0") / "runs"

@@ -26,7 +26,7 @@ from tests import IMAGE, REPO
 from tests.conftest import NONROOT_USER
 from tests.hub_fixtures import snapshot
 from tests.runner_helpers import down_while_held, node_workdir, runner, up_detached, wait_for
-from tests.trainer_run import held, hold_env, read_metrics, run_trainer
+from tests.trainer_run import HOOKS_SYNC, held, hold_env, read_metrics, run_trainer
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.docker]
 NODES = ("node-0", "node-1", "node-2")
@@ -86,7 +86,8 @@ def test_pi_experiment_synced_weights_on_nonroot_nodes_down_resume_collect(nonro
     job.write_text(yaml.safe_dump({"job": {
         "image": IMAGE, "config": str(REPO / "configs" / "pi-qwen3-3stage-tiny.yaml"), "args": args,
         "env": {"OMP_NUM_THREADS": "1", **hold_env("step:2")}, "grace_period": 60,
-        "sync": [{"src": str(model), "dst": "/data/model"}, {"src": str(corpus), "dst": "/data/dataset"}]}}))
+        "sync": [{"src": str(model), "dst": "/data/model"}, {"src": str(corpus), "dst": "/data/dataset"},
+                 HOOKS_SYNC]}}))
     env = {"RUNNER_SYNC_CACHE": str(tmp_path / "hashes.json")}
 
     # Held after step 2 on every rank until `down`'s SIGTERM reached it: the preempt checkpoint is step 3.

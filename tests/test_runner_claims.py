@@ -34,7 +34,7 @@ from tests.runner_helpers import (
     wait_for,
     write_job,
 )
-from tests.trainer_run import held, hold_env, numeric_metrics, release, run_trainer
+from tests.trainer_run import HOOKS_SYNC, held, hold_env, numeric_metrics, release, run_trainer
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.docker]
 NODES = ("node-0", "node-1", "node-2")
@@ -54,7 +54,7 @@ def test_max_restarts_resumes_from_the_checkpoint_two_ranks_per_node(sandbox, pu
     job.write_text(yaml.safe_dump({"job": {
         "image": IMAGE, "config": str(REPO / "configs" / "tiny.yaml"), "args": args,
         "nproc_per_node": 2, "env": {"OMP_NUM_THREADS": "1", **hold_env("step:3")}, "master_port": "auto",
-        "grace_period": 30}}))
+        "grace_period": 30, "sync": [HOOKS_SYNC]}}))
     out_f, err_f = tmp_path / "up.out", tmp_path / "up.err"
     with out_f.open("w") as o, err_f.open("w") as e:
         proc = subprocess.Popen(runner_cmd("up", "-i", str(sandbox), "--job", str(job), "--max-restarts", "1",

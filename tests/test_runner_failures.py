@@ -41,7 +41,7 @@ from tests.runner_helpers import (
     wait_for,
     write_job,
 )
-from tests.trainer_run import held, hold_env, numeric_metrics, run_trainer
+from tests.trainer_run import HOOKS_SYNC, held, hold_env, numeric_metrics, run_trainer
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.docker]
 NODES = ("node-0", "node-1", "node-2")
@@ -118,7 +118,7 @@ def test_down_with_a_partitioned_node_stops_the_others_and_reruns_clean(sandbox,
         assert [(rows[n]["rank"], rows[n]["state"]) for n in NODES] == [(0, "running"), (1, "running"), (None, "unreachable")]
         assert "no SSH answer within 10s" in rows["node-2"]["error"]
         ls = {r["run_id"]: r for r in json.loads(res["ls"][0][0])}
-        assert ls[run_id]["containers"] == {"node-0": "running", "node-1": "running"}
+        assert {n["node"]: n["state"] for n in ls[run_id]["nodes"]} == {"node-0": "running", "node-1": "running"}
         logs = res["logs"][0][0]
         assert "[node-0/0] probe node-0 rank 0 of 3" in logs and "[node-1/1] probe node-1 rank 1 of 3" in logs
         assert "[node-2" not in logs
@@ -397,7 +397,8 @@ CKPT_ARGS = ["--train.steps", "8", "--checkpoint.interval", "2"]
 def _ckpt_job(tmp: Path, name: str, **env: str) -> Path:
     """configs/tiny.yaml (DDP, fp32 CPU: bitwise reproducible), 8 steps, a checkpoint every 2."""
     job = {"image": IMAGE, "config": str(REPO / "configs" / "tiny.yaml"), "args": CKPT_ARGS,
-           "env": {"OMP_NUM_THREADS": "1", **env}, "master_port": "auto", "grace_period": 60}
+           "env": {"OMP_NUM_THREADS": "1", **env}, "master_port": "auto", "grace_period": 60,
+           **({"sync": [HOOKS_SYNC]} if "TRAINER_TEST_HOLD" in env else {})}  # the hold's switch (hold_env)
     p = tmp / name
     p.write_text(__import__("yaml").safe_dump({"job": job}))
     return p

@@ -1,6 +1,7 @@
 """The runner against a real Slurm cluster: slurmctld + 3 slurmd (multiple-slurmd) + munge + a
-login sshd, started once for this module by `runner sandbox up --slurm` and stopped at its end
-(asserting nothing of it is left running).
+login sshd, started once for the session by `runner sandbox up --slurm` (the `slurm` fixture,
+tests/conftest.py, shared with test_api_slurm.py) and stopped at its end (asserting nothing of it
+is left running).
 
 The reduced Pi pipeline (3 nodes, pp=3) runs through Slurm and as three local processes: the
 per-step losses are equal, bit for bit (the SSH runner's sandbox equals three local processes in
@@ -20,12 +21,11 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import psutil
 import pytest
 import yaml
 
 from tests import IMAGE
-from tests.conftest import net_addr, require
+from tests.conftest import net_addr
 from tests.runner_helpers import REPO, runner, runner_cmd, wait_for
 from tests.trainer_run import held, hold_env, release, run_trainer
 
@@ -33,32 +33,6 @@ pytestmark = [pytest.mark.slurm, pytest.mark.sandbox]
 
 CONFIG = str(REPO / "configs" / "pi-qwen3-3stage-tiny.yaml")
 STEPS = 10
-SLURM_TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol")
-
-
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory, have_sshd):
-    require("Slurm", all(shutil.which(t) for t in SLURM_TOOLS), "slurm-wlm / munge are not installed")
-    state = tmp_path_factory.mktemp("slurm")
-    inv = state / "slurm.yaml"
-    up = runner("sandbox", "--dir", str(state / "s"), "up", "--slurm", "--nodes", "3", "--base-addr", net_addr(9, 31),
-                "--inventory", str(inv), timeout=180)
-    assert up.returncode == 0, up.stdout + up.stderr
-    conf = state / "s" / "slurm" / "etc" / "slurm.conf"
-    doc = yaml.safe_load(inv.read_text())
-    local = state / "slurm-local.yaml"  # the same cluster without the login node: submitted from here
-    local.write_text(yaml.safe_dump({**doc, "slurm": {k: v for k, v in doc["slurm"].items() if k != "login"}}))
-    try:
-        yield SimpleNamespace(inv=inv, local=local, conf=conf, env={"SLURM_CONF": str(conf)},
-                              shared=Path(doc["slurm"]["workdir"]), state=state)
-    finally:
-        down = runner("sandbox", "--dir", str(state / "s"), "down", timeout=180)
-        left = [p.info["cmdline"] for p in psutil.process_iter(["cmdline"])
-                if str(state) in " ".join(p.info["cmdline"] or [])]
-        assert down.returncode == 0 and "slurm cluster" in down.stdout, down.stdout + down.stderr
-        assert not left, left
-
-
 def job_file(tmp: Path, steps: int = STEPS, **extra) -> Path:
     job = {"image": IMAGE, "config": CONFIG,
            "args": ["--train_steps", str(steps), "--batch_size", "16", "--microbatch_num", "4"],
@@ -119,7 +93,8 @@ def test_contract_prefixes_and_rank_order(slurm, straight):
     assert (rd / "slurm" / job / "exit-code").read_text().strip() == "0"
     st = runner("status", "-i", str(slurm.inv), straight.run_id, "--json")
     doc = json.loads(st.stdout)
-    assert doc["state"] == "COMPLETED" and doc["exit_code"] == 0 and doc["nodes"] == ["node-0", "node-1", "node-2"]
+    assert doc["native_state"] == "COMPLETED" and doc["state"] == "succeeded" and doc["exit_code"] == 0
+    assert [n["node"] for n in doc["nodes"]] == ["node-0", "node-1", "node-2"]
     logs = runner("logs", straight.run_id, "-i", str(slurm.inv))
     assert logs.returncode == 0 and "[node-2/2] [rank2] step 10 loss" in logs.stdout
     assert "[slurm] runner: job " in logs.stdout
@@ -130,8 +105,9 @@ def test_contract_prefixes_and_rank_order(slurm, straight):
     assert one == [ln for ln in logs.stdout.splitlines() if ln.startswith("[node-2/2] ")]
     assert "[node-2/2] [rank2] step 10 loss" in "\n".join(one)
     ls = runner("ls", "-i", str(slurm.inv), "--json")
-    assert {"run_id": straight.run_id, "job_id": job, "state": "COMPLETED", "exit_code": 0,
-            "submissions": 1} in json.loads(ls.stdout)
+    row = next(r for r in json.loads(ls.stdout) if r["run_id"] == straight.run_id)
+    assert {k: row[k] for k in ("job_id", "native_state", "state", "exit_code", "submissions")} == {
+        "job_id": job, "native_state": "COMPLETED", "state": "succeeded", "exit_code": 0, "submissions": 1}
 
 
 def test_same_losses_as_three_local_processes(slurm, straight, tmp_path):
@@ -220,7 +196,7 @@ def test_down_writes_preempt_checkpoint_and_resume_is_bitwise(slurm, straight, t
     assert "(restart 1)" not in (rd / "slurm" / f"{job}.out").read_text()
     assert losses(rd / "metrics.jsonl") == straight.losses[:stopped]
     st = json.loads(runner("status", run_id, "-i", str(slurm.local), "--json", env=env).stdout)
-    assert st["state"] == "FAILED" and st["exit_code"] == 143
+    assert st["native_state"] == "FAILED" and st["exit_code"] == 143 and st["state"] == "stopped"  # by `runner down`
     again = runner("down", run_id, "-i", str(slurm.local), env=env)
     assert again.returncode == 0 and "nothing running" in again.stdout
 

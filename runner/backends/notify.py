@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from runner.core.errors import (
+    EXIT_HUNG,
     EXIT_INTERRUPTED,
     EXIT_JOB_FAILED,
     EXIT_OK,
@@ -49,7 +50,7 @@ ENV_NAME = "RUNNER_NOTIFY"  # the user's standing --notify, from their own envir
 NOTIFY_TIMEOUT_S = 30.0
 SUMMARY_MAX = 1000        # characters of the summary line in the environment / JSON
 METRICS_MAX = 4096        # bytes of the last metrics record passed on
-STATES = {EXIT_OK: "succeeded", EXIT_JOB_FAILED: "failed", EXIT_INTERRUPTED: "interrupted",
+STATES = {EXIT_OK: "succeeded", EXIT_JOB_FAILED: "failed", EXIT_HUNG: "failed", EXIT_INTERRUPTED: "interrupted",
           EXIT_TERMINATED: "terminated"}
 
 

@@ -1,4 +1,5 @@
-"""`runner export --to kubernetes`: the inventory's job as a JobSet manifest file (built by
+"""`runner export --to kubernetes`: the inventory's job (its nodes in rank order from the backend's
+shapes: SSH nodes or a Slurm allocation) as a JobSet manifest file (built by
 runner/planning/kube_export.py), written 0600 whole or not at all when it holds secret values, or printed
 with them masked."""
 
@@ -9,45 +10,11 @@ import os
 import sys
 from pathlib import Path
 
+from runner.cli.common import add_inventory_args, open_backend
 from runner.core.errors import UserError
-from runner.core.redact import hide_job
-from runner.inventory import Job, looks_secret
-from runner.inventory.job_data import refuse_for
-from runner.planning.kube_export import DNS_LABEL, dump, groups_from, manifest
-from runner.planning.plan import MASK
-
-
-def _nodes_of(path: str, job_path: str | None, arch: str | None,
-              gpus_per_node: int | None = None) -> tuple[Job, list[tuple[str, int, int]]]:
-    """(job, nodes in rank order as (arch, gpus, nproc)) from an SSH or a Slurm inventory."""
-    from runner.inventory.slurm import load_slurm_inventory, top_level_keys
-
-    keys = top_level_keys(path)
-    if "slurm" in keys and "nodes" not in keys:
-        inv = load_slurm_inventory(path, job_path=job_path, check_files=False)
-        s = inv.slurm
-        gpus = s.gpus_per_node if gpus_per_node is None else gpus_per_node
-        return inv.job, [(arch or s.arch, gpus, inv.job.nproc_per_node or gpus or 1)] * s.nodes
-    from runner.inventory import load_inventory
-
-    inv = load_inventory(path, check_files=False, job_path=job_path)
-    nodes = []
-    for n in inv.ordered():
-        a = n.arch or arch
-        if a is None:
-            raise UserError(f"{inv.path}:{n.line}: node {n.name}: arch unknown (not in the inventory); "
-                            "add `arch:` or pass --arch amd64|arm64")
-        if n.gpus == "all" and gpus_per_node is None:
-            raise UserError(f"{inv.path}:{n.line}: node {n.name}: gpus: all cannot be requested from Kubernetes; "
-                            "pass --gpus-per-node N (or give the node a count)")
-        gpus = gpus_per_node if gpus_per_node is not None else int(n.gpus or 0)
-        nodes.append((a, gpus, inv.job.nproc_per_node or n.slots))
-    return inv.job, nodes
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from runner.inventory.choice import add_inventory_args
-
     p = sub.add_parser("export", help="write the job for another scheduler (Kubernetes: a JobSet manifest)")
     add_inventory_args(p)
     p.add_argument("--to", choices=("kubernetes",), required=True, help="target (kubernetes: JobSet + Secret + ConfigMap)")
@@ -66,9 +33,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def main(args) -> int:
     from runner.core.node_output import visible
+    from runner.core.redact import hide_job
     from runner.core.runs import is_run_name, new_run_id
+    from runner.inventory import looks_secret
+    from runner.inventory.job_data import refuse_for
+    from runner.planning.kube_export import DNS_LABEL, dump, groups_from, manifest
 
-    job, nodes = _nodes_of(args.inventory, args.job, args.arch, args.gpus_per_node)
+    backend = open_backend(args, check_files=False)  # SSH nodes or a Slurm allocation, as pods
+    job, nodes = backend.inventory.job, backend.shapes(args.arch, args.gpus_per_node)
     refuse_for(job, "export --to kubernetes")
     for flag, val in (("--namespace", args.namespace), ("--out-claim", args.out_claim)):
         if val is not None and not DNS_LABEL.fullmatch(val):
@@ -110,6 +82,9 @@ def masked_docs(docs: list[dict]) -> list[dict]:
     """The manifest as printed: the Secret's values and job.env's secret-looking ones (TOKEN, KEY...,
     which land in the pod spec) masked, as every other printed form masks them."""
     import copy
+
+    from runner.core.redact import MASK
+    from runner.inventory import looks_secret
 
     shown = copy.deepcopy(docs)
     for d in shown:

@@ -1,35 +1,32 @@
-"""`runner` command line: one subcommand per module, each registering itself here."""
+"""`runner` command line: one subcommand per module, each registering itself here; each verb's
+handler calls runner.api (through runner/cli/common.py's open_backend) and renders what it returns.
+
+Start-up: building the parser imports only the verbs' parser modules (argparse, the backend
+registry's option declarations); a verb imports what it needs (the inventory reader, paramiko,
+docker, rich, matplotlib) when it runs. `runner --version` and `--help` stay under 0.15 s
+(bench/startup.py)."""
 
 from __future__ import annotations
 
 import argparse
-import logging
-import shlex
+import importlib
 import sys
 
-from runner import backends
-from runner.cli import check as check_cli
-from runner.cli import export as kube_cli
-from runner.cli import node_exec
-from runner.cli import profile as profile_cli
-from runner.cli import push as push_cli
-from runner.cli import sandbox as sandbox_command
-from runner.cli import sync as sync_cli
 from runner.core.errors import Terminated, UserError, interrupt_code, interrupt_on_signals
-from runner.core.fanout import raise_open_file_limit
-from runner.core.redact import Formatter, printable
 
-# What contributes subcommands, in the order `runner --help` lists them. Each has
-# `register(subparsers)`, which adds its parser(s) and sets `func` to a callable taking the parsed
-# args and returning an exit code; none touches another's parser (the backends' verbs, with
-# --scheduler and --notify, are all runner/backends/'s).
+# What contributes subcommands (modules of runner/cli/), in the order `runner --help` lists them.
+# Each has `register(subparsers)`, which adds its parser(s) and sets `func` to a callable taking
+# the parsed args and returning an exit code; none touches another's parser. Imported when the
+# parser is built: `runner --version` alone needs none of them.
 COMMANDS = (
-    sandbox_command,
-    check_cli, push_cli, sync_cli,
-    backends,      # up, status, logs, ls, down, collect: to the backend the inventory names
-    kube_cli,
-    profile_cli,   # per-node measurements; parallel.partition auto in `up`
-    node_exec,     # `runner exec`: a shell or command in a node's job container
+    "sandbox",
+    "check", "push", "sync",
+    "up",          # up (--dry-run: the plan), with every backend's own options
+    "runs",        # status, ls, logs
+    "down", "collect",
+    "export",      # the job for another scheduler (Kubernetes)
+    "profile",     # per-node measurements; parallel.partition auto in `up`
+    "node_exec",   # `runner exec`: a shell or command in a node's job container
 )
 
 
@@ -89,8 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "`runner --print-completion bash > ~/.local/share/bash-completion/completions/runner`")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
-    for module in COMMANDS:
-        module.register(sub)
+    for name in COMMANDS:
+        importlib.import_module(f"runner.cli.{name}").register(sub)
     return parser
 
 
@@ -138,22 +135,33 @@ def _trainer_args_last(argv: list[str], trainer_flags: set[str]) -> str:
         if word.startswith("-") and not after_dashes:  # an option: whose is it
             into = theirs if word.partition("=")[0] in trainer_flags else own
         into.append(word)
+    import shlex
+
     return shlex.join([*own, "--", *theirs])
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv == ["--version"]:  # what scripts and package managers ask most: no parser to build for it
+        sys.stdout.write(_version(None, None))
+        raise SystemExit(0)  # as the parser's --version action ends
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:
         parser.error(unrecognized(subparser_of(parser, args), extra, argv))
-    from runner.inventory.choice import resolve_inventory
+    from runner.core.fanout import raise_open_file_limit
+    from runner.core.redact import Formatter, printable
 
-    try:
-        resolve_inventory(args)
-    except UserError as exc:
-        sys.stderr.write(f"runner: error: {printable(str(exc))}\n")
-        return exc.exit_code
+    if getattr(args, "inventory", "") is None:  # a verb on an inventory, given without -i
+        from runner.inventory.choice import resolve_inventory
+
+        try:
+            resolve_inventory(args)
+        except UserError as exc:
+            sys.stderr.write(f"runner: error: {printable(str(exc))}\n")
+            return exc.exit_code
+    import logging
+
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(Formatter("%(message)s"))  # secrets masked, a node's control characters visible
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, handlers=[handler])

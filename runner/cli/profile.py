@@ -1,4 +1,4 @@
-"""`runner profile`: the command around runner/profile/measure.py's measurement: push, probe every node,
+"""`runner profile`: the command around runner.api's profile (runner/profile/measure.py): push, probe every node,
 print the table (`--json` for tools) and the split `parallel.partition: auto` would use."""
 
 from __future__ import annotations
@@ -7,16 +7,7 @@ import argparse
 import json
 import sys
 
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
-
-from runner.inventory import Inventory
-from runner.inventory.choice import add_inventory_args, load
-from runner.profile.auto import plan_from_profile, render_plan
-from runner.profile.measure import ClusterProfile, profile_cluster, refuse_custom_command
-from runner.transport.cluster import Cluster
-from runner.transport.probe import probe
+from runner.cli.common import add_inventory_args, open_backend
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -36,18 +27,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args) -> int:
-    inv = load(args)
-    if args.trainer_args:
-        inv.job.args = list(inv.job.args) + list(args.trainer_args)
-    refuse_custom_command(inv)  # before any connection
-    with Cluster(inv, args.accept_new_host_keys, workers=args.parallel) as cl:
-        probes = cl.each(lambda r: probe(r, inv.master.rank_addr, clock=False))
-        if not args.no_push:
-            from runner.delivery.push import push_to_nodes
-
-            push_to_nodes(cl, {n: p.arch for n, p in probes.items()}, quiet=args.json)
-        prof = profile_cluster(cl, probes, refresh=args.refresh, min_seconds=args.min_seconds, timeout=args.timeout)
-    split, uniform, problem = plan_from_profile(prof, inv)
+    backend = open_backend(args)
+    prof, split, uniform, problem = backend.profile(refresh=args.refresh, no_push=args.no_push,
+                                                    min_seconds=args.min_seconds, timeout=args.timeout,
+                                                    trainer_args=list(args.trainer_args), quiet=args.json)
     if args.json:
         doc = prof.as_dict()
         doc["split"] = None if split is None else {"spec": split.spec, "bounds": split.bounds,
@@ -57,8 +40,10 @@ def main(args) -> int:
                                                        "step_s": uniform.step_s(problem.microbatches)}
         print(json.dumps(doc, indent=1))
         return 0
-    print_table(prof, inv)
+    print_table(prof, backend.inventory)
     if split is not None:
+        from runner.profile.auto import render_plan
+
         print(render_plan(split, uniform, problem))
     return 0
 
@@ -74,7 +59,12 @@ def _gib(x: float | None) -> str:
     return "-" if x is None else f"{x / 2**30:.2f} GiB"
 
 
-def print_table(prof: ClusterProfile, inv: Inventory) -> None:
+def print_table(prof, inv) -> None:
+    """The profile as a table (prof: runner/profile/measure.py's ClusterProfile)."""
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
     m = prof.model
     t = Table("node", "limits", "embed ms", "layer ms", "head ms", "optim ms (layer)", "memory avail.", "link to next",
               "source", title=Text(f"{m['family']} {m['num_layers']} layers, hidden {m['hidden_size']}, microbatch "

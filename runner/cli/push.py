@@ -1,13 +1,11 @@
-"""`runner push`: every node gets its image (runner/delivery/push.py), one table row per node."""
+"""`runner push`: every node gets its image (runner.api's push: only the layers it lacks), one row
+per node."""
 
 from __future__ import annotations
 
 import argparse
 
-from runner.delivery.push import push_to_nodes
-from runner.inventory.choice import add_inventory_args, load
-from runner.transport.cluster import Cluster
-from runner.transport.probe import probe
+from runner.cli.common import add_inventory_args, open_backend
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -23,14 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args) -> int:
-    inv = load(args)
-    with Cluster(inv, args.accept_new_host_keys, workers=args.parallel) as cl:
-        arches: dict[str, str | None] = {}
-        if any(n.arch is None for n in inv.nodes):
-            arches = {k: p.arch for k, p in cl.each(lambda r: probe(r, inv.master.rank_addr)).items()}
-        results = push_to_nodes(cl, arches, force_full=args.full, build=args.build,
-                                 relay=False if args.direct else None)
-    for r in results:
+    for r in open_backend(args).push(full=args.full, build=args.build, direct=args.direct):
         print(f"{r.node:12s} {r.tag:28s} {r.action:8s} layers {r.layers_sent}/{r.layers_total}  "
               f"{r.bytes_sent / 1e6:9.1f} MB of {r.image_bytes / 1e6:.1f} MB  {r.seconds:.1f}s  id {r.image_id[7:19]}"
               + (f"  from {r.source}" if r.source else ""))

@@ -7,13 +7,8 @@ import json
 import os
 from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
-
 from runner.core.errors import UserError
-from runner.inventory.choice import remember_inventory
-from runner.sandbox.cluster import DEFAULT_BASE_ADDR, DEFAULT_PORT, ROOT, Sandbox
-from runner.sandbox.slurm import DEFAULT_SLURM_BASE_ADDR, SlurmSandbox
+from runner.sandbox.defaults import DEFAULT_BASE_ADDR, DEFAULT_PORT, DEFAULT_SLURM_BASE_ADDR, ROOT
 
 SLURM_INVENTORY = "hosts/slurm-local.yaml"
 
@@ -63,6 +58,9 @@ def _up(args) -> int:
         if args.user != ROOT:
             raise UserError("--user is for SSH sandbox nodes, not --slurm (its jobs run as root)")
         return _up_slurm(args)
+    from runner.inventory.choice import remember_inventory
+    from runner.sandbox.cluster import Sandbox
+
     cpus = parse_cpus(args.cpus, args.nodes)  # before anything starts
     net = {"link": args.link, "uplink": args.uplink} if (args.netns or args.link or args.uplink) else None
     sb = Sandbox(args.dir, args.base_addr, args.port, light=args.light, user=args.user, net=net)
@@ -75,6 +73,8 @@ def _up(args) -> int:
 
 
 def _link(args) -> int:
+    from runner.sandbox.cluster import Sandbox
+
     Sandbox(args.dir).set_link(args.node, args.state == "up")
     print(f"{args.node}: link {args.state}")
     return 0
@@ -101,6 +101,9 @@ def parse_cpus(text: str | None, nodes: int) -> list[float] | None:
 
 
 def _up_slurm(args) -> int:
+    from runner.inventory.choice import remember_inventory
+    from runner.sandbox.slurm import SlurmSandbox
+
     base = DEFAULT_SLURM_BASE_ADDR if args.base_addr == DEFAULT_BASE_ADDR else args.base_addr
     inventory = SLURM_INVENTORY if args.inventory == "hosts/local.yaml" else args.inventory
     meta = SlurmSandbox(args.dir, base, args.port).up(args.nodes, Path(inventory))
@@ -114,6 +117,9 @@ def _up_slurm(args) -> int:
 
 
 def _down(args) -> int:
+    from runner.sandbox.cluster import Sandbox
+    from runner.sandbox.slurm import SlurmSandbox
+
     sb = Sandbox(args.dir)
     stopped = sb.down()
     if SlurmSandbox(args.dir).down():
@@ -135,6 +141,12 @@ def _down(args) -> int:
 
 
 def _status(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from runner.sandbox.cluster import Sandbox
+    from runner.sandbox.slurm import SlurmSandbox
+
     rows = Sandbox(args.dir).status()
     slurm_rows = SlurmSandbox(args.dir).status()
     if args.json:

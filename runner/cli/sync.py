@@ -1,12 +1,10 @@
-"""`runner sync`: job.sync's files to every node (runner/delivery/sync.py), one table row per node and source."""
+"""`runner sync`: job.sync's files to every node (runner.api's sync), one row per node and source."""
 
 from __future__ import annotations
 
 import argparse
 
-from runner.delivery.sync import scan, sync_to_nodes
-from runner.inventory.choice import add_inventory_args, load
-from runner.transport.cluster import Cluster
+from runner.cli.common import add_inventory_args, open_backend
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -17,14 +15,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args) -> int:
-    inv = load(args)
-    if not inv.job.sync:
+    results = open_backend(args).sync()
+    if not results:
         print("job.sync is empty: nothing to copy")
         return 0
-    trees = scan(inv.job.sync)
-    with Cluster(inv, args.accept_new_host_keys, workers=args.parallel) as cl:
-        homes = cl.each(lambda r: r.home)
-        results = sync_to_nodes(cl, homes, trees)
     for s in results:
         print(f"{s.node:12s} {s.dst:28s} {'present' if s.reused else 'updated':8s} files {s.files_sent}/{s.files_total}  "
               f"{s.bytes_sent / 1e6:9.1f} MB of {s.bytes_total / 1e6:.1f} MB  {s.seconds:.1f}s")

@@ -6,6 +6,8 @@ happened. Each code means one thing (README "Exit codes"):
   2    user error: bad input or an environment problem named in one line; nothing was started
   3    partial: `down`/`collect` reached only some nodes (or some files failed); run it again
   4    the job failed: a rank or container exited non-zero, or a node was lost mid-run
+  5    the job hung: a rank made no progress past its hang timeout (contract/hang.py); every rank's
+       stacks were taken (hang-rank<R>.txt in the run dir) and the run stopped
   130  interrupted (Ctrl-C); 143 terminated (SIGTERM); the run was stopped first
 """
 
@@ -16,6 +18,7 @@ EXIT_NOT_READY = 1
 EXIT_USER = 2
 EXIT_PARTIAL = 3
 EXIT_JOB_FAILED = 4
+EXIT_HUNG = 5
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143
 
@@ -29,6 +32,23 @@ class UserError(Exception):
         super().__init__(message)
         if exit_code is not None:
             self.exit_code = exit_code
+
+
+class NotReady(UserError):
+    """`check` found what would stop a run (a node, the cluster): exit 1."""
+
+    exit_code = EXIT_NOT_READY
+
+
+class Partial(UserError):
+    """`down` or `collect` reached only some of it (nodes away, files changed): run it again; exit 3."""
+
+    exit_code = EXIT_PARTIAL
+
+
+class Unsupported(UserError):
+    """What the backend a run goes to does not have: a verb (`push` on Slurm) or another backend's
+    option (`--no-push` on a Slurm run). The message names the backend and what to do instead."""
 
 
 class JobFailed(UserError):

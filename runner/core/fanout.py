@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import resource
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -23,6 +22,8 @@ def parallel(items: list[I], fn: Callable[[I], T], workers: int = DEFAULT_PARALL
     """fn over items, at most `workers` at a time; (item, result, error) in input order."""
     if not items:
         return []
+    from concurrent.futures import ThreadPoolExecutor  # here: the CLI's parser imports this module at start
+
     with ThreadPoolExecutor(max_workers=max(1, min(workers, len(items)))) as ex:
         futs = [ex.submit(fn, it) for it in items]
         out: list[tuple[I, T | None, Exception | None]] = []

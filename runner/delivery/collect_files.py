@@ -286,13 +286,24 @@ def report(results: list, run_dir: Path, no_plots: bool) -> None:
     """One line per node collected, then (unless no_plots) merged timelines and plots, then the
     run's summary. What did arrive is merged, plotted and summarised even when a node failed or was away."""
     for r in results:
-        print(f"{r.node:12s} {r.files:5d} files: {r.copied} copied ({r.bytes_copied / 1e6:.2f} MB, size and sha256 "
-              f"verified), {r.skipped} unchanged" + (f", {r.vanished} vanished" if r.vanished else "") + f"  -> {r.dest}")
-    if not no_plots and run_dir.is_dir():
+        print(node_line(r))
+    for line in finish(run_dir, not no_plots):
+        print(line)
+
+
+def node_line(r: NodeCollect) -> str:
+    """What collect says of one node's files."""
+    return (f"{r.node:12s} {r.files:5d} files: {r.copied} copied ({r.bytes_copied / 1e6:.2f} MB, size and sha256 "
+            f"verified), {r.skipped} unchanged" + (f", {r.vanished} vanished" if r.vanished else "") + f"  -> {r.dest}")
+
+
+def finish(run_dir: Path, plots: bool) -> list[str]:
+    """After the files: (plots) merged timelines and plots, then the run's summary lines, made
+    visible (from the job's own files: no terminal controls reach the screen)."""
+    if plots and run_dir.is_dir():
         merge_timelines(run_dir)
         render_plots(run_dir)
-    for line in summarize(run_dir):  # from the job's own files: no terminal controls reach the screen
-        print(visible(line))
+    return [visible(line) for line in summarize(run_dir)]
 
 
 def collect_error(run_id: str, errors: list[str]) -> str:

@@ -276,15 +276,19 @@ class Resolver:
         return int(value)
 
     def _identity(self, opts: dict[str, Any], line: int, where: str, what: str) -> str | None:
-        """The first IdentityFile that exists (OpenSSH skips missing ones too); None: none does."""
+        """The first IdentityFile that exists (OpenSSH skips missing ones too); None: none does.
+        Unchecked (check_files=False), the first listed when none exists: the one a connection
+        then refuses by name, while a plan still shows the node (runner.api loads unchecked)."""
+        listed = []
         for p in opts.get("identityfile") or []:
             if any(ord(ch) < 32 or ord(ch) == 127 for ch in p):
                 self.c.fail(line, where, f"{what} {p!r} has a control character; fix the ssh config")
             p = os.path.expanduser(p)
-            if os.path.isfile(p) or not self.check_files:
+            if os.path.isfile(p):
                 return p
+            listed.append(p)
             log.debug("%s %s not found, skipped", what, p)
-        return None
+        return listed[0] if listed and not self.check_files else None
 
     def _jump(self, path: str | None, text: str, node: dict[str, Any], pin: str | None, line: int,
               where: str) -> Jump:

@@ -41,6 +41,7 @@ import yaml
 
 from runner.core.errors import UserError
 from runner.sandbox.accounts import engine_group, ensure_account
+from runner.sandbox.defaults import DEFAULT_BASE_ADDR, DEFAULT_PORT, ROOT  # noqa: F401 - their names here too
 from runner.sandbox.net import SandboxNet, parse_shape
 from runner.sandbox.node import SandboxNode
 from runner.sandbox.processes import (
@@ -57,8 +58,6 @@ from runner.sandbox.processes import (
 
 log = logging.getLogger("runner.sandbox")
 
-DEFAULT_BASE_ADDR = "127.0.0.11"
-DEFAULT_PORT = 2222
 MAX_NODES = 16
 MAX_LIGHT_NODES = 128
 # Light nodes measure the runner, not this machine's login: bash sources ~/.bashrc for every
@@ -66,7 +65,6 @@ MAX_LIGHT_NODES = 128
 # processes, 0.1-0.25 s per exec). Full nodes keep it: a real node's heavy bashrc costs as much.
 LIGHT_ENV = " SHLVL=1"
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
-ROOT = "root"
 # useradd's own rule for a portable name (and what the inventory's `user` accepts).
 USER_RE = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
 DOCKERD = shutil.which("dockerd") or "/usr/sbin/dockerd"

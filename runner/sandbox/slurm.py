@@ -29,9 +29,9 @@ import psutil
 import yaml
 
 from runner.core.errors import UserError
+from runner.sandbox.defaults import DEFAULT_SLURM_BASE_ADDR
 from runner.sandbox.processes import port_free, read_pid
 
-DEFAULT_SLURM_BASE_ADDR = "127.0.0.31"   # login node; node i at base + 1 + i
 FIRST_DAEMON_PORT = 16817
 MARKER = "RUNNER_SLURM_SANDBOX"
 TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo")

@@ -425,6 +425,12 @@ class Remote(NodeFiles):
             argv += ["-o", "Ciphers=aes128-gcm@openssh.com,aes256-gcm@openssh.com,chacha20-poly1305@openssh.com"]
         return argv + [n.host]
 
+    def keep_openssh_files(self) -> str | None:
+        """The directory of openssh_argv's files (pinned known_hosts, an agent key's public half),
+        from now on not removed by close(): for an argv run once this connection is closed (`runner
+        exec`). The caller removes it; None when openssh_argv made none."""
+        return self.__dict__.pop("_kh_dir", None)
+
     def ping(self, timeout: float = 6.0) -> None:
         """Round trip over a dedicated SFTP session (cheap: no shell), raising if the node is gone."""
         if not hasattr(self, "_ping_sftp"):

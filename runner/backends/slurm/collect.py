@@ -17,21 +17,19 @@ import stat
 from dataclasses import replace
 from pathlib import Path
 
+from runner.backends.results import CollectReport
 from runner.backends.slurm.jobs import resolve_run, workdir
-from runner.backends.slurm.shell import LocalShell, LoginShell, open_shell
+from runner.backends.slurm.shell import LocalShell, LoginShell
 from runner.core import safe_path
-from runner.core.errors import EXIT_PARTIAL, UserError
 from runner.delivery import disk_room
 from runner.delivery.collect_files import (
     MANIFEST,
     ROOM_HINT,
     NodeCollect,
-    collect_error,
     collect_node,
+    finish,
     own_name,
-    report,
 )
-from runner.inventory.slurm import SlurmInventory
 from runner.transport.digest import sha256_file
 from runner.transport.ssh import Remote
 
@@ -184,23 +182,24 @@ def _unchanged(m: dict | None, dest: Path, src: Path, path: Path, st: os.stat_re
     return local.exists() and local.stat().st_size == st.st_size
 
 
-def cmd_collect(args, inv: SlurmInventory) -> int:
-    sh = open_shell(inv, args.accept_new_host_keys)
+def collect_run(backend, run: str | None, dest: str, plots: bool) -> CollectReport:
+    """The run dir to dest/<run>/slurm/: through the login node as one SSH node's collect, or, on
+    this machine, a verified local mirror of the shared filesystem; then merged and plotted."""
+    inv = backend.inventory
+    sh = backend.shell()
     try:
         wd = workdir(sh, inv)
-        run_id = resolve_run(sh, wd, args.run)
-        dest = Path(args.dest) / run_id / DEST_NAME
+        run_id = resolve_run(sh, wd, run)
+        target = Path(dest) / run_id / DEST_NAME
         if isinstance(sh, LocalShell):
-            res = NodeCollect(DEST_NAME, dest=str(dest))
-            mirror_local(Path(wd) / "runs" / run_id, dest, res, run_id)
+            res = NodeCollect(DEST_NAME, dest=str(target))
+            mirror_local(Path(wd) / "runs" / run_id, target, res, run_id)
         else:
             assert isinstance(sh, LoginShell)
             node = replace(inv.slurm.login, name=DEST_NAME, workdir=wd)
-            with Remote(node, args.accept_new_host_keys) as r:
-                res = collect_node(r, run_id, Path(args.dest))
+            with Remote(node, backend.accept_new_host_keys) as r:
+                res = collect_node(r, run_id, Path(dest))
     finally:
         sh.close()
-    report([res], Path(args.dest) / run_id, args.no_plots)
-    if res.errors:
-        raise UserError(collect_error(run_id, res.errors), exit_code=EXIT_PARTIAL)
-    return 0
+    return CollectReport(run_id=run_id, dest=Path(dest) / run_id, nodes=[res], errors=list(res.errors),
+                         summary=finish(Path(dest) / run_id, plots))

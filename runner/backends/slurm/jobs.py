@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from runner.backends.results import CheckReport
 from runner.backends.slurm.plan import resolve
 from runner.backends.slurm.shell import Shell
 from runner.core.errors import UserError
@@ -33,15 +34,28 @@ class Partition:
     state: str
 
 
+def missing_tools(sh: Shell) -> list[str]:
+    """Slurm's client tools not found where its commands run."""
+    res = sh.run(["sh", "-c", "for t in " + " ".join(TOOLS) + "; do command -v \"$t\" >/dev/null || echo \"$t\"; done"])
+    return res.out.split() if res.rc == 0 else list(TOOLS)
+
+
 def preflight(sh: Shell, inv: SlurmInventory) -> Partition:
     """Slurm's client tools answer, and the partition exists with enough nodes; else one line."""
-    res = sh.run(["sh", "-c", "for t in " + " ".join(TOOLS) + "; do command -v \"$t\" >/dev/null || echo \"$t\"; done"])
-    missing = res.out.split() if res.rc == 0 else list(TOOLS)
+    missing = missing_tools(sh)
     if missing:
-        hint = "set slurm.login to a login node" if inv.slurm.login is None else "is it a Slurm login node?"
-        where = inv.where("login") if inv.slurm.login else f"{inv.path}: slurm"
-        raise UserError(f"{where}: {', '.join(missing)} not found on {sh.where} ({hint}); nothing submitted")
-    parts = partitions(sh)
+        raise UserError(f"{_tools_error(sh, inv, missing)}; nothing submitted")
+    return pick_partition(partitions(sh), inv)
+
+
+def _tools_error(sh: Shell, inv: SlurmInventory, missing: list[str]) -> str:
+    hint = "set slurm.login to a login node" if inv.slurm.login is None else "is it a Slurm login node?"
+    where = inv.where("login") if inv.slurm.login else f"{inv.path}: slurm"
+    return f"{where}: {', '.join(missing)} not found on {sh.where} ({hint})"
+
+
+def pick_partition(parts: dict[str, Partition], inv: SlurmInventory) -> Partition:
+    """The inventory's partition (or the cluster's default) with room for slurm.nodes; else one line."""
     want = inv.slurm.partition
     if want is None:
         part = next((p for p in parts.values() if p.default), None)
@@ -57,6 +71,52 @@ def preflight(sh: Shell, inv: SlurmInventory) -> Partition:
         raise UserError(f"{inv.where('nodes')}: {inv.slurm.nodes} nodes, but partition {part.name} has "
                         f"{part.nodes}; nothing submitted")
     return part
+
+
+@dataclass
+class SlurmCheck:
+    """What `runner check` found of a Slurm inventory: where its commands run (`login`: ok, or
+    FAIL when the login node cannot be reached; - for this machine), the client tools missing
+    there, the partition."""
+
+    where: str
+    login: str = "-"
+    tools_missing: list[str] = field(default_factory=list)
+    partition: str | None = None
+    partition_nodes: int | None = None
+    partition_state: str | None = None
+    nodes_wanted: int = 0
+    problems: list[str] = field(default_factory=list)
+
+
+def check(backend) -> CheckReport:
+    """The login node (or this machine), Slurm's client tools there, and the partition: what `up`
+    checks before it submits, each problem one line (the report's, not raised)."""
+    inv = backend.inventory
+    c = SlurmCheck(where=f"login node {inv.slurm.login.host}" if inv.slurm.login else "this machine",
+                   nodes_wanted=inv.slurm.nodes)
+    try:
+        sh = backend.shell()
+    except UserError as exc:
+        c.login = "FAIL"
+        c.problems.append(str(exc))
+        return CheckReport("slurm", backend.path, [c], list(c.problems))
+    try:
+        c.login = "ok" if inv.slurm.login else "-"
+        c.tools_missing = missing_tools(sh)
+        if c.tools_missing:
+            c.problems.append(_tools_error(sh, inv, c.tools_missing))
+        else:
+            try:
+                part = pick_partition(partitions(sh), inv)
+                c.partition, c.partition_nodes, c.partition_state = part.name, part.nodes, part.state
+                if part.state != "UP":
+                    c.problems.append(f"{inv.where('partition')}: partition {part.name} is {part.state}, not UP")
+            except UserError as exc:
+                c.problems.append(str(exc).removesuffix("; nothing submitted"))
+    finally:
+        sh.close()
+    return CheckReport("slurm", backend.path, [c], list(c.problems))
 
 
 def partitions(sh: Shell) -> dict[str, Partition]:

@@ -8,11 +8,14 @@ login node).
 
 from __future__ import annotations
 
-import json
 import sys
 import time
+from collections import deque
+from collections.abc import Generator, Iterator
 
+from runner.backends.results import LogLine, NodeStatus, RunStatus, slurm_state
 from runner.backends.slurm.jobs import JobState, job_state, node_names, read_record, resolve_run, workdir
+from runner.backends.slurm.plan import DOWN_MARK
 from runner.backends.slurm.shell import Shell
 from runner.core.node_output import LineSplitter, visible
 
@@ -27,29 +30,32 @@ METRICS_TAIL = 16384   # bytes read from the end of metrics.jsonl (runner/backen
 
 
 class Follower:
-    """Prints new lines of the batch output and of every node's output, prefixed."""
+    """New lines of the batch output ([slurm]) and of every node's output ([node/rank]): written
+    to `out` (poll, follow: `runner up`) or yielded (lines: runner.api's logs)."""
 
     def __init__(self, sh: Shell, run_dir: str, job_id: str, nodes: list[str] | None = None, out=None):
         self.sh, self.run_dir, self.job_id = sh, run_dir, job_id
         self.nodes = nodes
         self.out = out or sys.stdout
+        self.keep: set[str] | None = None  # the prefixes shown (None: every file's)
         self.offsets: dict[str, int] = {}
         self.split: dict[str, LineSplitter] = {}
 
-    def _files(self) -> list[tuple[str, str]]:
+    def _files(self) -> list[tuple[str, int | None, str]]:
         d = f"{self.run_dir}/slurm"
-        files = [("[slurm]", f"{d}/{self.job_id}.out")]
+        files: list[tuple[str, int | None, str]] = [("slurm", None, f"{d}/{self.job_id}.out")]
         if not self.nodes:
             self.nodes = node_names(self.sh, self.run_dir, self.job_id) or None
         for k, name in enumerate(self.nodes or []):
-            files.append((f"[{visible(name)[:64]}/{k}]", f"{d}/{self.job_id}/node{k}.out"))
+            files.append((visible(name)[:64], k, f"{d}/{self.job_id}/node{k}.out"))
         return files
 
-    def poll(self, final: bool = False) -> None:
-        """What each file gained since the last poll, READ_PIECE bytes at a time (at most
-        MAX_PIECES a file and poll while the job runs: one that writes faster is followed a
-        little behind; the final poll reads to the end)."""
-        for prefix, path in self._files():
+    def read(self, final: bool = False) -> Iterator[LogLine]:
+        """What each file gained since the last read, READ_PIECE bytes at a time (at most
+        MAX_PIECES a file and read while the job runs: one that writes faster is followed a
+        little behind; the final read goes to the end), line by line as they come."""
+        for node, rank, path in self._files():
+            shown = self.keep is None or LogLine(node, rank, "").prefix in self.keep
             split = self.split.setdefault(path, LineSplitter())
             pieces = 0
             while final or pieces < MAX_PIECES:  # the job has ended: all that is left
@@ -58,19 +64,25 @@ class Follower:
                     break
                 pieces += 1
                 self.offsets[path] = self.offsets.get(path, 0) + len(data)
-                self.out.writelines(f"{prefix} {ln}\n" for ln in split.feed(data))
+                lines = split.feed(data)
+                if shown:
+                    yield from (LogLine(node, rank, ln) for ln in lines)
                 if len(data) < READ_PIECE:
                     break
-            if final:
-                self.out.writelines(f"{prefix} {ln}\n" for ln in split.end())
+            if final and shown:
+                yield from (LogLine(node, rank, ln) for ln in split.end())
+
+    def poll(self, final: bool = False) -> None:
+        self.out.writelines(f"{ln}\n" for ln in self.read(final))
         self.out.flush()
 
-    def follow(self) -> JobState:
-        """Until the job has ended (through a requeue, it runs again: the same job id) and left
-        COMPLETING for its final state (bounded by COMPLETING_WAIT_S)."""
+    def rounds(self) -> Generator[Iterator[LogLine], None, JobState]:
+        """One read per round until the job has ended (through a requeue, it runs again: the same
+        job id) and left COMPLETING for its final state (bounded by COMPLETING_WAIT_S), then the
+        final read; returns that state. Each round's read is used up before the next round."""
         last_check, completing_since = 0.0, None
         while True:
-            self.poll()
+            yield self.read()
             if time.monotonic() - last_check > 1.0:
                 last_check = time.monotonic()
                 st = job_state(self.sh, self.job_id, self.run_dir)
@@ -78,9 +90,37 @@ class Follower:
                     completing_since = last_check
                 settling = st.state == "COMPLETING" and last_check - completing_since < COMPLETING_WAIT_S
                 if not st.active and not settling:
-                    self.poll(final=True)
+                    yield self.read(final=True)
                     return st
             time.sleep(POLL_S)
+
+    def follow(self) -> JobState:
+        """Write every round's lines to out until the job has ended; its final state."""
+        rounds = self.rounds()
+        while True:
+            try:
+                lines = next(rounds)
+            except StopIteration as end:
+                return end.value
+            self.out.writelines(f"{ln}\n" for ln in lines)
+            self.out.flush()
+
+    def lines(self, follow: bool, tail: int | str = "all") -> Iterator[LogLine]:
+        """Every line there is (follow: and then as they come, until the job ends); tail: only
+        the last so many of each file's lines there are at the start."""
+        first = self.read(final=not follow)
+        yield from (first if tail == "all" else _last(first, int(tail)))
+        if follow:
+            for lines in self.rounds():
+                yield from lines
+
+
+def _last(lines: Iterator[LogLine], n: int) -> list[LogLine]:
+    """The last n lines of each source, in the order they came (memory: n lines a source)."""
+    kept: dict[str, deque] = {}
+    for ln in lines:
+        kept.setdefault(ln.prefix, deque(maxlen=n)).append(ln)
+    return [ln for q in kept.values() for ln in q]
 
 
 def last_job(sh: Shell, run_dir: str) -> tuple[str | None, dict]:
@@ -107,80 +147,59 @@ def find_run(sh: Shell, inv, run: str | None) -> tuple[str, str, str | None, dic
     return run_id, run_dir, job_id, rec
 
 
-def cmd_status(args, inv, sh: Shell) -> int:
-    run_id, run_dir, job_id, rec = find_run(sh, inv, args.run)
+def _status(sh: Shell, inv, backend_path: str, run_id: str, run_dir: str, job_id: str | None, rec: dict,
+            full: bool) -> RunStatus:
     st = job_state(sh, job_id, run_dir) if job_id else JobState("-", "NOT SUBMITTED", None)
-    nodes = node_names(sh, run_dir, job_id) if job_id else []
-    last = last_metrics_line(sh, run_dir)
-    doc = {"run_id": run_id, "scheduler": "slurm", "job_id": job_id, "state": st.state, "exit_code": st.exit_code,
-           "reason": st.reason, "run_time": st.run_time, "nodes": nodes, "submissions": len(rec.get("submissions", [])),
-           "last_metrics": last, "run_dir": run_dir}
-    if getattr(args, "json", False):
-        print(json.dumps(doc, indent=2))
-        return 0
-    exit_s = f", exit {st.exit_code}" if st.exit_code is not None and not st.active else ""
-    why = f" ({st.reason})" if st.reason and st.reason != "None" else ""
-    print(visible(f"run {run_id}: Slurm job {job_id} {st.state}{why}{exit_s}" + (f", {st.run_time}" if st.run_time else "")
-                  + f"; submission {doc['submissions']}; run dir {run_dir}"))
-    for k, n in enumerate(nodes):
-        print(f"  [{visible(n)[:64]}/{k}]")
-    if doc["last_metrics"]:
-        print(f"  last metrics: {visible(doc['last_metrics'][:160])}")
-    return 0
+    downed = sh.read_bytes(f"{run_dir}/slurm/{DOWN_MARK}", 0, 1) is not None
+    state = slurm_state(st.state, st.exit_code, downed)
+    names = node_names(sh, run_dir, job_id) if job_id and full else []
+    nodes = [NodeStatus(node=visible(n)[:64], rank=k, state=st.state) for k, n in enumerate(names)]
+    return RunStatus(backend="slurm", inventory=backend_path, run_id=run_id, state=state, native_state=st.state,
+                     exit_code=st.exit_code, nodes=nodes, job_id=job_id, submissions=len(rec.get("submissions", [])),
+                     run_dir=run_dir, reason=(st.reason or None) if full else None,
+                     run_time=(st.run_time or None) if full else None,
+                     last_metrics=last_metrics_line(sh, run_dir) if full else None)
 
 
-def cmd_logs(args, inv, sh: Shell) -> int:
-    run_id, run_dir, job_id, _ = find_run(sh, inv, args.run)
-    if not job_id:
-        print(f"run {run_id}: nothing submitted yet")
-        return 0
-    f = Follower(sh, run_dir, job_id)
-    if args.node:
-        names = node_names(sh, run_dir, job_id)
-        keep = [f"[{visible(n)[:64]}/{k}]" for k, n in enumerate(names) if n in args.node]
-        f.out = _Filter(sys.stdout, tuple(keep))
-    if args.follow:
-        try:
-            f.follow()
-        except KeyboardInterrupt:
-            return 130
-    else:
-        f.poll(final=True)
-    return 0
+def describe(backend, run: str | None) -> RunStatus:
+    sh = backend.shell()
+    try:
+        run_id, run_dir, job_id, rec = find_run(sh, backend.inventory, run)
+        return _status(sh, backend.inventory, backend.path, run_id, run_dir, job_id, rec, full=True)
+    finally:
+        sh.close()
 
 
-def cmd_ls(args, inv, sh: Shell) -> int:
+def runs(backend) -> list[RunStatus]:
+    """Every Slurm run in the workdir, newest first (its job's state, no node list or metrics)."""
     from runner.backends.slurm.jobs import list_runs
 
-    wd = workdir(sh, inv)
-    rows = []
-    for run_id in reversed(list_runs(sh, wd)):
-        run_dir = f"{wd}/runs/{run_id}"
-        job_id, rec = last_job(sh, run_dir)
-        st = job_state(sh, job_id, run_dir) if job_id else None
-        rows.append({"run_id": run_id, "job_id": job_id, "state": st.state if st else "-",
-                     "exit_code": st.exit_code if st else None, "submissions": len(rec.get("submissions", []))})
-    if getattr(args, "json", False):
-        print(json.dumps(rows, indent=2))
-        return 0
-    for r in rows:
-        print(visible(f"{r['run_id']}  job {r['job_id']}  {r['state']}"
-                      + (f"  exit {r['exit_code']}" if r["exit_code"] is not None else "")
-                      + f"  submissions {r['submissions']}"))
-    return 0
+    sh = backend.shell()
+    try:
+        wd = workdir(sh, backend.inventory)
+        out = []
+        for run_id in reversed(list_runs(sh, wd)):
+            run_dir = f"{wd}/runs/{run_id}"
+            job_id, rec = last_job(sh, run_dir)
+            out.append(_status(sh, backend.inventory, backend.path, run_id, run_dir, job_id, rec, full=False))
+        return out
+    finally:
+        sh.close()
 
 
-class _Filter:
-    def __init__(self, out, prefixes: tuple[str, ...]):
-        self.out, self.prefixes = out, prefixes
-
-    def write(self, s: str) -> None:
-        if s.startswith(self.prefixes):
-            self.out.write(s)
-
-    def writelines(self, lines) -> None:
-        for s in lines:
-            self.write(s)
-
-    def flush(self) -> None:
-        self.out.flush()
+def logs(backend, run: str | None, nodes: list[str] | None, follow: bool, tail: int | str) -> Iterator[LogLine]:
+    """The batch script's output ([slurm]) and every node's ([node/rank]); follow: until the job
+    ends. tail: the last lines of each (of what is there when a follow starts)."""
+    sh = backend.shell()
+    try:
+        run_id, run_dir, job_id, _ = find_run(sh, backend.inventory, run)
+        if not job_id:
+            sys.stderr.write(f"runner: note: run {run_id}: nothing submitted yet\n")
+            return
+        f = Follower(sh, run_dir, job_id)
+        if nodes:
+            names = node_names(sh, run_dir, job_id)
+            f.keep = {f"[{visible(n)[:64]}/{k}]" for k, n in enumerate(names) if n in nodes}
+        yield from f.lines(follow, tail)
+    finally:
+        sh.close()

@@ -12,12 +12,14 @@ mark in the run dir keeps a `--requeue` job from requeueing itself after it.
 
 from __future__ import annotations
 
+import copy
 import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from runner.backends.base import dry_run_id, up_job
+from runner.backends.base import dry_run_id, sizing_text, up_job
+from runner.backends.results import CancelReport, NodeLaunch, Plan, Run
 from runner.backends.slurm.jobs import (
     JobState,
     job_state,
@@ -30,61 +32,79 @@ from runner.backends.slurm.jobs import (
     write_record,
 )
 from runner.backends.slurm.plan import DOWN_MARK, SlurmFacts, SlurmPlan, make_slurm_plan, oci_config_json
-from runner.backends.slurm.shell import Shell, open_shell
+from runner.backends.slurm.shell import Shell
 from runner.backends.slurm.status import Follower, last_job, last_metrics_line
 from runner.core.errors import Terminated, UserError
 from runner.core.node_output import visible
 from runner.inventory.job_data import refuse_for
 from runner.inventory.slurm import SlurmInventory
+from runner.planning import hang_budget
+from runner.planning.plan import masked
 from runner.planning.sizing import check_sizing, slurm_nodes
 
 
-def _prepare(args, inv: SlurmInventory) -> tuple[dict[str, str], object]:
-    """What `up` and `up --dry-run` both do first: the SSH-only flags refused, the job's secrets
-    and notify spec. (secrets, notify spec)."""
-    if getattr(args, "max_restarts", 0):
-        raise UserError("--max-restarts is for SSH runs; on Slurm use --requeue (the job requeues itself "
-                        "after a preemption and resumes from the latest checkpoint)")
-    if getattr(args, "elastic", False):
-        raise UserError("--elastic is for SSH runs: a Slurm allocation does not shrink node by node; use --requeue "
-                        "(a preempted job resumes from its latest checkpoint)")
+def _prepare(inv: SlurmInventory, options, detach: bool) -> tuple[SlurmInventory, dict[str, str], object]:
+    """What a plan and a submission both do first, on a copy of the job: what Slurm cannot do with
+    it refused, its secrets and notify spec. (inventory, secrets, notify spec)."""
+    inv = copy.copy(inv)
+    inv.job = copy.deepcopy(inv.job)
     refuse_for(inv.job, "--scheduler slurm")
-    return up_job(args, inv.job, inv.path)
+    secrets, spec = up_job(options, detach, inv.job, inv.path)
+    return inv, secrets, spec
 
 
-def cmd_dry_run(args, inv: SlurmInventory) -> int:
-    """The batch script and its torchrun line, printed; nothing contacted or submitted."""
-    secrets, _spec = _prepare(args, inv)
-    run_id = dry_run_id(args)
+def make_plan(backend, options) -> Plan:
+    """The batch script and its torchrun line (Plan.detail: the SlurmPlan), and the sizing of
+    slurm.nodes against slurm.mem; nothing contacted or submitted."""
+    inv, secrets, _spec = _prepare(backend.inventory, options, detach=False)
+    run_id = dry_run_id(options)
     home = None if inv.slurm.login else str(Path.home())
-    plan = make_slurm_plan(inv, run_id, SlurmFacts(home=home), resume=bool(args.resume), requeue=args.requeue,
+    plan = make_slurm_plan(inv, run_id, SlurmFacts(home=home), resume=bool(options.resume), requeue=options.requeue,
                            secret_keys=list(secrets))
-    print(plan.render(inv, _where(inv)))
-    check_sizing(slurm_nodes(inv.slurm, inv.job, inv.path), show=True, ignore=args.ignore_sizing,
-                 memory_field="slurm.mem")
-    return 0
+    sizing, refused = sizing_text(slurm_nodes(inv.slurm, inv.job, inv.path), memory_field="slurm.mem")
+    text = (plan.render(inv, _where(inv)) + "\n" + (sizing + "\n" if sizing is not None else "")
+            + ((hang_budget.dry_run_line(inv.job) or "") + "\n").lstrip("\n"))
+    s = inv.slurm
+    image = (s.image or inv.job.image_for(s.arch)) if s.container != "none" else None
+    def launches() -> list[NodeLaunch]:  # the allocation's nodes are known once it runs: named by rank here
+        env = masked(plan.env)
+        return [NodeLaunch(node=f"node-{k}", rank=k, host="<allocated by Slurm>", arch=s.arch, image=image,
+                           command=[str(k) if a == "$rank" else a for a in plan.torchrun],
+                           env={**env, "NODE_RANK": str(k)}, secret_keys=list(plan.secret_keys), run_dir=plan.run_dir)
+                for k in range(s.nodes)]
+
+    return Plan(backend="slurm", inventory=str(inv.path), run_id=run_id, options=options, text=text,
+                master_addr="$MASTER_ADDR", master_port=inv.job.master_port, refusal=refused, detail=plan,
+                prepared=inv, launches=launches)
 
 
-def cmd_up(args, inv: SlurmInventory) -> int:
+def submit_plan(backend, plan: Plan, detach: bool) -> Run:
+    """Check the cluster, stage the run's files, sbatch; attached: follow the nodes' output until the
+    job ends (the Run's exit_code: 0 when it completed with exit 0)."""
     from runner.backends.notify import Outcome, notifying
 
-    secrets, spec = _prepare(args, inv)
+    if plan.backend != "slurm":
+        raise UserError(f"a plan for {plan.backend} runs cannot be submitted to Slurm")
+    opts = plan.options
+    inv, secrets, spec = _prepare(backend.inventory, opts, detach)
+    run = Run(backend="slurm", inventory=str(inv.path), run_id="", detached=detach)
     with notifying(spec, Outcome(inv.path, "slurm")) as outcome:
         # a stage that cannot fit slurm.mem: refused before anything is contacted or submitted
-        check_sizing(slurm_nodes(inv.slurm, inv.job, inv.path), show=False, ignore=args.ignore_sizing,
+        check_sizing(slurm_nodes(inv.slurm, inv.job, inv.path), show=False, ignore=opts.ignore_sizing,
                      memory_field="slurm.mem")
-        outcome.exit_code = _up(args, inv, secrets, outcome)
-    return outcome.exit_code
+        outcome.exit_code = _up(backend, inv, opts, detach, secrets, outcome, run)
+    run.exit_code = outcome.exit_code
+    return run
 
 
-def _up(args, inv: SlurmInventory, secrets: dict[str, str], outcome) -> int:
-    sh = open_shell(inv, args.accept_new_host_keys)
+def _up(backend, inv: SlurmInventory, opts, detach: bool, secrets: dict[str, str], outcome, run: Run) -> int:
+    sh = backend.shell()
     try:
         part = preflight(sh, inv)
         wd = workdir(sh, inv)
         submission = 1
-        if args.resume:
-            run_id = resolve_run(sh, wd, args.resume)
+        if opts.resume:
+            run_id = resolve_run(sh, wd, opts.resume)
             rec = read_record(sh, f"{wd}/runs/{run_id}")
             for sub in rec.get("submissions", []):
                 st = job_state(sh, sub["job_id"])
@@ -97,14 +117,14 @@ def _up(args, inv: SlurmInventory, secrets: dict[str, str], outcome) -> int:
 
             run_id = new_run_id()
         facts = _facts(sh, inv, wd)
-        plan = make_slurm_plan(inv, run_id, facts, submission=submission, resume=bool(args.resume),
-                               requeue=args.requeue, secret_keys=list(secrets))
+        plan = make_slurm_plan(inv, run_id, facts, submission=submission, resume=bool(opts.resume),
+                               requeue=opts.requeue, secret_keys=list(secrets))
         test_only(sh, inv, plan.script)
-        outcome.run_id = run_id
-        job_id = submit(sh, inv, plan, secrets)
+        outcome.run_id = run.run_id = run_id
+        job_id = run.job_id = submit(sh, inv, plan, secrets)
         print(f"run {run_id} submitted: Slurm job {job_id} ({inv.slurm.nodes} node(s), partition {part.name}, "
               f"container {inv.slurm.container}) from {sh.where}", flush=True)
-        if args.detach:
+        if detach:
             print(f"follow: runner logs {run_id} -f -i {inv.path}   stop: runner down {run_id} -i {inv.path}")
             return 0
         return _follow(sh, inv, plan, job_id, outcome)
@@ -234,27 +254,32 @@ def _latest_active(sh: Shell, wd: str) -> str:
     return active[-1] if active else resolve_run(sh, wd, None)
 
 
-def cmd_down(args, inv: SlurmInventory) -> int:
-    sh = open_shell(inv, args.accept_new_host_keys)
+def cancel(backend, run: str | None, grace: float | None) -> CancelReport:
+    """USR1 to the job's steps (the preempt checkpoint), up to the grace period (the run's
+    job.grace_period unless given), then scancel; exit_code 1 while the job is still active."""
+    inv = backend.inventory
+    sh = backend.shell()
     try:
         wd = workdir(sh, inv)
-        run_id = resolve_run(sh, wd, args.run) if args.run else _latest_active(sh, wd)
+        run_id = resolve_run(sh, wd, run) if run else _latest_active(sh, wd)
+        rep = CancelReport(run_id=run_id)
         run_dir = f"{wd}/runs/{run_id}"
         job_id, rec = last_job(sh, run_dir)
         if not job_id:
-            print(f"run {run_id}: nothing submitted")
-            return 0
-        grace = args.grace if args.grace is not None else float(rec.get("grace_period", 30))
+            rep.lines.append(f"run {run_id}: nothing submitted")
+            return rep
+        grace = grace if grace is not None else float(rec.get("grace_period", 30))
         t0 = time.monotonic()
         st, how = stop_job(sh, run_dir, job_id, grace)
         sh.run(["rm", "-f", f"{wd}/secrets/{run_id}.env"])  # no use once the job is gone
         if how == "not running":
-            print(f"run {run_id}: nothing running (Slurm job {job_id} {st.state})")
-            return 0
+            rep.lines.append(f"run {run_id}: nothing running (Slurm job {job_id} {st.state})")
+            return rep
+        rep.stopped = node_names(sh, run_dir, job_id)
         latest = (sh.read_bytes(f"{run_dir}/checkpoints/latest") or b"").decode(errors="replace").strip()
-        print(visible(f"run {run_id}: Slurm job {job_id} {how}; {st.state} after {time.monotonic() - t0:.1f}s"
-                      + (f"; latest checkpoint {latest[:200]}" if latest else "")))
-        return 0 if not st.active else 1
+        rep.lines.append(visible(f"run {run_id}: Slurm job {job_id} {how}; {st.state} after "
+                                 f"{time.monotonic() - t0:.1f}s" + (f"; latest checkpoint {latest[:200]}" if latest else "")))
+        rep.exit_code = 0 if not st.active else 1
+        return rep
     finally:
         sh.close()
-

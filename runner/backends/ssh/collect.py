@@ -1,4 +1,4 @@
-"""`runner collect [RUN]`: mirror each node's run dir to artifacts/<run-id>/<node>/.
+"""collect (`runner collect [RUN]`): mirror each node's run dir to artifacts/<run-id>/<node>/.
 
 Incremental: a file whose size and mtime match the manifest and the local copy is skipped (mtimes
 are copied). Verified: every transferred file's size and sha256 must equal what the node had
@@ -14,32 +14,19 @@ plots and prints a summary. None of that imports torch: the host has none.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
+from runner.backends.results import CollectReport
 from runner.backends.ssh.node_runs import gather, resolve_run
-from runner.core.errors import EXIT_PARTIAL, UserError
 from runner.delivery.collect_files import (
     NodeCollect,
     admit,
-    collect_error,
     fetch_listed,
+    finish,
     list_node,
-    report,
 )
-from runner.inventory.choice import add_inventory_args
 from runner.transport import stream
-from runner.transport.cluster import Cluster, open_nodes
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("collect", help="mirror every node's run dir to artifacts/<run>/<node>/ (incremental, verified)")
-    add_inventory_args(p)
-    p.add_argument("run", nargs="?", help="run id or prefix (default: latest)")
-    p.add_argument("--dest", default="artifacts", help="local root (default artifacts/)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.add_argument("--no-plots", action="store_true", help="do not merge timelines or render plots")
-    p.set_defaults(func=main)
+from runner.transport.cluster import Cluster
 
 
 def collect(cl: Cluster, run_id: str, dest: Path, quiet: bool = False) -> tuple[list[NodeCollect], list[str]]:
@@ -74,11 +61,11 @@ def _failed(node: str, err: BaseException) -> str:
     return f"{node}: {str(err).removeprefix(f'node {node}: ')}"
 
 
-def main(args) -> int:
-    with open_nodes(args) as cl:
-        run_id = resolve_run(gather(cl, containers=False), args.run)
-        results, errors = collect(cl, run_id, Path(args.dest), args.quiet)
-    report(results, Path(args.dest) / run_id, args.no_plots)
-    if errors:
-        raise UserError(collect_error(run_id, errors), exit_code=EXIT_PARTIAL)
-    return 0
+def collect_run(backend, run: str | None, dest: str, plots: bool, quiet: bool) -> CollectReport:
+    """collect of the run (id, prefix or the latest): every node's files, then merged and plotted
+    (runner/delivery/collect_report.py) and summarised, what arrived even when a node did not."""
+    with backend.cluster() as cl:
+        run_id = resolve_run(gather(cl, containers=False), run)
+        results, errors = collect(cl, run_id, Path(dest), quiet)
+    return CollectReport(run_id=run_id, dest=Path(dest) / run_id, nodes=results, errors=errors,
+                         summary=finish(Path(dest) / run_id, plots))

@@ -13,7 +13,6 @@ refused before anything is contacted, with or without --dry-run.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import secrets
@@ -22,14 +21,15 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from runner.backends.base import up_job
 from runner.backends.ssh import perseus
+from runner.backends.ssh.dry_run import RESUME_ARGS, prepare
 from runner.backends.ssh.elastic_loop import ElasticRun, last_step, layout_split
 from runner.backends.ssh.node_runs import create_container, run_containers, stop_node, stop_run
 from runner.backends.ssh.resume import hand_back_runs, resume_run
 from runner.backends.ssh.run_end import last_metrics, write_status
 from runner.backends.ssh.watch import FAIL_STOP_GRACE_S, Watcher
 from runner.core.errors import (
+    EXIT_HUNG,
     EXIT_INTERRUPTED,
     EXIT_JOB_FAILED,
     EXIT_TERMINATED,
@@ -41,9 +41,7 @@ from runner.core.redact import printable
 from runner.core.runs import new_run_id
 from runner.delivery.resume_sync import CHECKPOINTS, sync_checkpoints
 from runner.inventory import Inventory
-from runner.inventory.choice import add_inventory_args, load, remember_inventory
-from runner.planning.elastic import check as check_elastic
-from runner.planning.elastic import spec_of
+from runner.planning.elastic import in_place_on
 from runner.planning.paths import node_paths
 from runner.planning.plan import (
     GATE_MODULES,
@@ -63,64 +61,35 @@ from runner.transport.rendezvous import choose_port, wait_listening
 from runner.transport.ssh import Remote
 
 log = logging.getLogger("runner.up")
-RESUME_ARGS = ["--resume", "latest"]
 REGROW = -1  # launch_once: an elastic run's layout was stopped to take returning nodes back
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("up", help="launch the job on every node (master first) and follow it",
-                       description="Launch the inventory's job. Extra trainer args go after `--`.")
-    add_inventory_args(p)
-    p.add_argument("--job", help="YAML file with a job section, overriding the inventory's")
-    p.add_argument("--dry-run", action="store_true", help="print the plan per node; contact nothing")
-    p.add_argument("--arch", action="append", default=[], metavar="NODE=ARCH",
-                   help="for --dry-run: arch of a node whose inventory entry has none (or ARCH for all)")
-    p.add_argument("--ignore-sizing", action="store_true",
-                   help="launch even where the memory estimate says a node cannot hold its stage")
-    p.add_argument("--detach", "-d", action="store_true", help="return once every container is started")
-    p.add_argument("--resume", nargs="?", const="latest", metavar="RUN",
-                   help="continue a run from its latest checkpoint (default: the latest run)")
-    p.add_argument("--max-restarts", type=int, default=0, help="on failure, relaunch with --resume up to N times")
-    p.add_argument("--elastic", action="store_true",
-                   help="a lost node does not end the run: it goes on over the nodes left, and takes the node "
-                        "back when it answers (job.elastic sets min_nodes and rejoin)")
-    p.add_argument("--no-push", action="store_true", help="do not push images (fail if a node lacks one)")
-    p.add_argument("--rendezvous-timeout", type=float, default=120.0,
-                   help="seconds to wait for the master's port to listen (default 120)")
-    p.add_argument("--reclaim-timeout", type=float, default=60.0, metavar="S",
-                   help="after losing a node, keep trying S seconds to reach it and remove its container (default 60)")
-    p.add_argument("--logs-dir", default="artifacts", help="where per-node logs are kept (artifacts/<run>/<node>/)")
-    p.add_argument("trainer_args", nargs="*", help="extra trainer arguments (after --)")
-    p.set_defaults(func=main)
+def submit(backend, plan, detach: bool = False):
+    """Start the planned run (runner.api's submit): attached, until it ends (the Run's exit_code
+    says how); detached, once every container is started. The plan's sizing refusal stops it
+    here, before anything is contacted, unless its options ignore sizing."""
+    from types import SimpleNamespace
 
-
-def prepare(args, dry: bool):
-    """What `up` and `up --dry-run` both do first: the inventory (a dry-run reads no key and
-    contacts nothing: it plans on a laptop without the cluster's keys), the job's secrets and
-    notify spec, and an elastic run's refusals. (inventory, secrets, notify spec, elastic spec)."""
-    inv = load(args, check_files=not dry)
-    if not dry:
-        remember_inventory(args.inventory)  # the default of the next command here (runner/inventory/choice.py)
-    secret_vals, spec = up_job(args, inv.job, inv.path)
-    elastic = spec_of(inv, args.elastic)
-    if elastic is not None:
-        check_elastic(inv, elastic)  # a job that could never shrink: refused before anything is contacted
-        if args.detach:  # nobody would be there to choose the layout again when a node is lost
-            raise UserError("--detach: an elastic run needs `runner up` attached; drop --detach (or the elastic)")
-    return inv, secret_vals, spec, elastic
-
-
-def main(args) -> int:
     from runner.backends.notify import Outcome, notifying
+    from runner.backends.results import Run
 
-    inv, secret_vals, spec, elastic = prepare(args, dry=False)
+    if plan.backend != "ssh":
+        raise UserError(f"a plan for {plan.backend} runs cannot be submitted to SSH nodes")
+    opts = plan.options
+    prepared = prepare(backend.inventory, opts, detach)  # a fresh copy of the job for this launch
+    spec, inv = prepared.notify, prepared.inv
+    args = SimpleNamespace(**vars(opts), detach=detach, accept_new_host_keys=backend.accept_new_host_keys,
+                           parallel=backend.parallel)
+    run = Run(backend="ssh", inventory=str(inv.path), run_id="", detached=detach)
     with notifying(spec, Outcome(inv.path, "ssh", [n.name for n in inv.ordered()])) as outcome:
-        check_sizing(inv, show=False, ignore=args.ignore_sizing)  # a stage that cannot fit: refused, nothing contacted
-        launcher = Launcher(inv, args, secret_vals, outcome if spec else None)
-        if elastic is not None:
-            launcher.el = ElasticRun(inv, elastic, args.accept_new_host_keys, Path(args.logs_dir) / "elastic-pending")
+        check_sizing(inv, show=False, ignore=opts.ignore_sizing)  # a stage that cannot fit: refused, nothing contacted
+        launcher = Launcher(inv, args, prepared.secrets, outcome if spec else None)
+        if prepared.elastic is not None:
+            launcher.el = ElasticRun(inv, prepared.elastic, args.accept_new_host_keys,
+                                     Path(args.logs_dir) / "elastic-pending")
         outcome.exit_code = launcher.run()
-    return outcome.exit_code
+    run.run_id, run.exit_code = launcher.run_id or "", outcome.exit_code
+    return run
 
 
 class Launcher:
@@ -137,12 +106,13 @@ class Launcher:
         self.failed = None                    # the last attempt's watcher outcome (None: all exited 0)
         self.silent: dict[str, str] = {}      # ... and the nodes that did not answer after it: node -> why
         self.stopped_at = self.synced_at = 0.0  # when the others were stopped; when the resume's files were
+        self.run_id: str | None = None        # once chosen (a new id, or the run --resume names)
 
     def run(self) -> int:
         t0 = time.time()
         with Cluster(self.inv, self.args.accept_new_host_keys, workers=self.args.parallel) as cl:
             log.debug("connected to %d node(s) in %.2fs", len(cl.remotes), time.time() - t0)
-            run_id = self._run_id(cl)  # a --resume naming no run fails before anything is pushed
+            run_id = self.run_id = self._run_id(cl)  # a --resume naming no run fails before anything is pushed
             if self.outcome:
                 self.outcome.run_id = run_id
             probes = self.preflight(cl)
@@ -364,7 +334,11 @@ class Launcher:
                 return 0
             self.layout_started(cl, probes, run_id, resume)
             watcher = Watcher(cl.remotes, plan, log_dir, workers=cl.workers,
-                              yield_to=self.el.back if self.el is not None else None)
+                              yield_to=self.el.back if self.el is not None else None,
+                              hang_timeout_s=self.inv.job.hang_timeout)
+            if (el := self.el) is not None and in_place_on(self.inv):  # the trainer regroups in place
+                homes = {n: p.home for n, p in probes.items()}
+                watcher.on_lost = lambda ev: el.regroup_in_place(cl, run_id, homes, ev)
             failed = watcher.run()
             self.failed, self.stopped_at = failed, time.time()
         except KeyboardInterrupt as exc:
@@ -402,10 +376,14 @@ class Launcher:
                          f"stopped the run on {where}\n")
         self._tell(cl, plan, f"run {run_id}: node {failed.node} (rank {failed.rank}) failed: {what}",
                    skip=set(self.silent))
+        if failed.hung and self.el is not None:  # an elastic run goes on without the stuck node
+            self.lost = failed.node
         if failed.lost:
             self.lost = failed.node
             if self.el is None:  # an elastic run goes on without it and retries it meanwhile
                 self.lost_reclaimed = self.reclaim_lost(cl, failed.node, run_id)
+        if failed.hung:
+            return EXIT_HUNG
         return EXIT_JOB_FAILED  # the job's own code is in the line above and in `runner status`
 
     def layout_started(self, cl: Cluster, probes: dict[str, Probe], run_id: str, resume: bool) -> None:

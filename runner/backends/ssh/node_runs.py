@@ -51,6 +51,8 @@ def create_container(remote: Remote, np: NodePlan):
     kwargs = docker_limits(np.cpus, np.memory)  # the node's cpus/memory from the inventory
     if np.user:
         kwargs["user"] = np.user  # the SSH user's uid:gid: what the run writes on the node is the user's
+    # py-spy reads a stopped rank's stacks on a hang (contract/stacks.py): ptrace within the container only
+    kwargs["cap_add"] = ["SYS_PTRACE"]
     if np.gpus:
         count = -1 if np.gpus == "all" else int(np.gpus)
         kwargs["device_requests"] = [docker.types.DeviceRequest(count=count, capabilities=[["gpu"]])]

@@ -1,29 +1,26 @@
-"""`runner ls`, `runner status [RUN]`, `runner logs [RUN]`: everything from container labels and the
-nodes' run dirs, so any shell with the inventory can find a run (no local state)."""
+"""describe, runs and logs of SSH runs (`runner status`, `ls`, `logs`): everything from container
+labels and the nodes' run dirs, so any shell with the inventory can find a run (no local state).
+The results are runner/backends/results.py's RunStatus and LogLine; the CLI renders them."""
 
 from __future__ import annotations
 
-import argparse
-import json
+import queue
 import sys
 import threading
-import time
+from collections.abc import Iterator
 from datetime import datetime, timezone
+from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
-
-from contract import bounded_json, metrics
+from contract import bounded_json
+from runner.backends.results import LogLine, NodeStatus, RunStatus, run_state
 from runner.backends.ssh.node_runs import gather, node_progress, resolve_run, run_doc
 from runner.core.errors import UserError
-from runner.core.node_output import KeptLog, LineSplitter, cells, visible
+from runner.core.node_output import KeptLog, LineSplitter, visible
 from runner.core.redact import printable
-from runner.inventory.choice import add_inventory_args
-from runner.planning.elastic import ELASTIC_FILE, EVENTS_MAX, parse_events, render_events
+from runner.planning.elastic import ELASTIC_FILE, EVENTS_MAX, parse_events
 from runner.planning.paths import node_paths
 from runner.planning.plan import LABEL_RANK, LABEL_ROLE, LABEL_RUN
-from runner.transport.cluster import Cluster, open_nodes
+from runner.transport.cluster import Cluster
 from runner.transport.container_logs import FollowedLog, log_chunks
 
 
@@ -44,6 +41,8 @@ def _uptime(c) -> str:
 
 
 def status_rows(cl: Cluster, data, run_id: str) -> list[dict]:
+    """One row per inventory node (NodeStatus's fields): its container's state, else how its run
+    dir says the run ended, its last metrics record and progress."""
     rows = []
     for n in cl.inv.ordered():
         if n.name not in data:
@@ -53,7 +52,7 @@ def status_rows(cl: Cluster, data, run_id: str) -> list[dict]:
         containers, dirs = data[n.name]
         cs = [c for c in containers if c.labels.get(LABEL_RUN) == run_id and LABEL_ROLE not in c.labels]
         row = {"node": n.name, "rank": None, "state": "absent", "exit_code": None, "uptime": "-", "last_metrics": None,
-               "progress": None}
+               "progress": None, "error": None}
         if cs:
             c = cs[0]
             row.update(rank=_label_int(c.labels.get(LABEL_RANK)), state=c.status,
@@ -69,66 +68,29 @@ def status_rows(cl: Cluster, data, run_id: str) -> list[dict]:
             row["last_metrics"] = last
             row["progress"] = prog.as_dict() if prog else None
         rows.append(row)
+    from runner.backends.ssh.step_times import add_to_rows  # issue 57: per-node step time, wait share
+
+    add_to_rows(cl, rows, {n.name: node_paths(n, cl[n.name].home).run(run_id) for n in cl.inv.ordered() if n.name in data})
     return rows
 
 
-def _console() -> Console:
-    """A terminal's width, or 200 columns into a pipe (rich's 80 would wrap every row)."""
-    c = Console()
-    return c if c.is_terminal else Console(width=200)
+def _int_or_none(x) -> int | None:
+    return x if isinstance(x, int) and not isinstance(x, bool) else None
 
 
-def tail_lines(text: str) -> str | int:
-    """argparse type for --tail: `all` or a count of lines."""
-    if text == "all":
-        return text
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"expected a number of lines or 'all', got {text!r}")
-    return int(text)
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("status", help="state of a run on every node")
-    add_inventory_args(p)
-    p.add_argument("run", nargs="?", help="run id or prefix (default: latest)")
-    p.add_argument("--json", action="store_true", help="print the run's state per node as JSON")
-    p.set_defaults(func=cmd_status)
-    p = sub.add_parser("ls", help="runs found on the nodes (container labels and run dirs)")
-    add_inventory_args(p)
-    p.add_argument("--json", action="store_true", help="print the runs as JSON")
-    p.set_defaults(func=cmd_ls)
-    p = sub.add_parser("logs", help="a run's container output, prefixed [node/rank]")
-    add_inventory_args(p)
-    p.add_argument("run", nargs="?", help="run id or prefix (default: latest)")
-    p.add_argument("--node", action="append", help="only this node (repeatable)")
-    p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until the run ends")
-    p.add_argument("--tail", default="all", type=tail_lines, help="lines from the end per node (default all)")
-    p.add_argument("--logs-dir", default="artifacts", help="where `runner up` kept logs (for finished runs)")
-    p.set_defaults(func=cmd_logs)
-
-
-def cmd_status(args) -> int:
-    with open_nodes(args) as cl:
+def describe(backend, run: str | None) -> RunStatus:
+    with backend.cluster() as cl:
         data = gather(cl)
-        run_id = resolve_run(data, args.run)
+        run_id = resolve_run(data, run)
         rows = status_rows(cl, data, run_id)
         history = elastic_history(cl, data, run_id)
-    if args.json:
-        print(json.dumps({"run_id": run_id, "nodes": rows, "elastic": history}, indent=2))
-        return 0
-    t = Table(title=Text(f"run {visible(run_id)}"))
-    for col in ("node", "rank", "state", "exit", "uptime", "progress"):
-        t.add_column(col, overflow="fold")
-    for r in rows:
-        prog = str(metrics.Progress(**r["progress"])) if r["progress"] else "-"
-        t.add_row(*cells(r["node"], r["rank"] if r["rank"] is not None else "-", r["state"],
-                          r["exit_code"] if r["exit_code"] is not None else "-", r["uptime"], prog))
-    _console().print(t)
-    if history:
-        print("layout history (elastic):")
-        for line in render_events(history):
-            print(f"  {visible(line)}")
-    return 0
+    nodes = [NodeStatus(node=r["node"], rank=_int_or_none(r["rank"]), state=str(r["state"]),
+                        exit_code=_int_or_none(r["exit_code"]), uptime=r["uptime"], last_metrics=r["last_metrics"],
+                        progress=r["progress"], error=r.get("error"), step_times=r.get("step_times")) for r in rows]
+    state, native, code = run_state((n.state, n.exit_code) for n in nodes)
+    last = next((n.last_metrics for n in nodes if n.last_metrics), None)
+    return RunStatus(backend="ssh", inventory=backend.path, run_id=run_id, state=state, native_state=native,
+                     exit_code=code, nodes=nodes, last_metrics=last, elastic=history)
 
 
 def elastic_history(cl: Cluster, data, run_id: str) -> list[dict]:
@@ -149,105 +111,116 @@ def elastic_history(cl: Cluster, data, run_id: str) -> list[dict]:
     return best
 
 
-def cmd_ls(args) -> int:
-    with open_nodes(args) as cl:
-        inv = cl.inv
+def runs(backend) -> list[RunStatus]:
+    """Every run found on the nodes (containers by label, run dirs with their runner-status.json),
+    newest first: a node per container or run dir, no progress read (one listing per node)."""
+    with backend.cluster() as cl:
+        order = [n.name for n in cl.inv.ordered()]
         data = gather(cl, docs=True)
-    runs: dict[str, dict] = {}
-    for node, (containers, dirs) in data.items():
+    found: dict[str, dict[str, NodeStatus]] = {}
+    for node in order:
+        containers, dirs = data.get(node, ([], {}))
         for c in containers:
             rid = c.labels.get(LABEL_RUN)
-            r = runs.setdefault(rid, {"run_id": rid, "containers": {}, "nodes_with_dir": []})
-            r["containers"][node] = c.status
+            if LABEL_ROLE in c.labels and rid in found and node in found[rid]:
+                continue  # a run's second container on the node (its Perseus server): the rank's state stands
+            found.setdefault(rid, {})[node] = NodeStatus(
+                node=node, rank=_label_int(c.labels.get(LABEL_RANK)), state=str(c.status),
+                exit_code=c.exit_code if c.status == "exited" else None)
         for rid, doc in dirs.items():
-            r = runs.setdefault(rid, {"run_id": rid, "containers": {}, "nodes_with_dir": []})
-            r["nodes_with_dir"].append(node)
-            if doc:
-                r["result"] = doc.get("result")
-    rows = sorted(runs.values(), key=lambda r: r["run_id"], reverse=True)
-    if args.json:
-        print(json.dumps(rows, indent=2))
-        return 0
-    t = Table(title=f"runs on {inv.path}")
-    for col in ("run", "containers", "result", "run dirs on"):
-        t.add_column(col)
-    for r in rows:
-        states = ", ".join(f"{n}:{s}" for n, s in r["containers"].items()) or "-"
-        t.add_row(*cells(r["run_id"], states, r.get("result", "-"), ", ".join(r["nodes_with_dir"]) or "-"))
-    _console().print(t)
-    return 0
-
-
-def cmd_logs(args) -> int:
-    with open_nodes(args) as cl:
-        data = gather(cl)
-        run_id = resolve_run(data, args.run)
-        targets = []
-        for n in cl.reachable():
-            if args.node and n.name not in args.node:
+            if node in found.setdefault(rid, {}):
                 continue
-            for c in data[n.name][0]:
-                if c.labels.get(LABEL_RUN) == run_id:
-                    targets.append((n.name, c))
+            doc = doc or {}
+            found[rid][node] = NodeStatus(node=node, rank=_int_or_none(doc.get("rank")),
+                                          state="finished" if doc else "no container",
+                                          exit_code=_int_or_none(doc.get("exit_code")))
+    out = []
+    for rid in sorted(found, key=str, reverse=True):
+        nodes = [found[rid][n] for n in order if n in found[rid]]
+        state, native, code = run_state((n.state, n.exit_code) for n in nodes)
+        out.append(RunStatus(backend="ssh", inventory=backend.path, run_id=str(rid), state=state, native_state=native,
+                             exit_code=code, nodes=nodes))
+    return out
+
+
+def logs(backend, run: str | None, nodes: list[str] | None, follow: bool, tail: int | str,
+         logs_dir: str) -> Iterator[LogLine]:
+    """The run's container output per node, prefixed [node/rank]; follow: every node's at once, to
+    the containers' exit. Containers gone: what `up` kept under logs_dir (kept_logs)."""
+    with backend.cluster() as cl:
+        data = gather(cl)
+        run_id = resolve_run(data, run)
+        targets = [(n.name, c) for n in cl.reachable() if not nodes or n.name in nodes
+                   for c in data[n.name][0] if c.labels.get(LABEL_RUN) == run_id]
         if not targets:
             ranks = {node: run_doc(cl[node], run_id).get("rank") for node, (_, dirs) in data.items() if run_id in dirs}
-            return _kept_logs(run_id, args, ranks)
-        lock = threading.Lock()
-        tail = args.tail
+            yield from kept_logs(run_id, logs_dir, nodes, ranks)
+            return
+        if not follow:
+            for node, c in targets:
+                yield from _guarded(node, c, lambda c: log_chunks(c, follow=False, tail=tail))
+            return
+        yield from _followed(targets, tail)
 
-        def show(item) -> None:
-            node, c = item
-            label = c.labels.get(LABEL_RANK, c.labels.get(LABEL_ROLE, "?"))
-            prefix = f"[{node}/{visible(str(label))[:20]}]"  # a label: the node's word
-            try:
-                _show(prefix, c)
-            except Exception as exc:  # noqa: BLE001 - a node lost mid-follow ends its stream, not the others
-                first = visible((str(exc).strip().splitlines() or [type(exc).__name__])[0])[:300]
-                sys.stderr.write(f"runner: warning: {prefix} log stream ended: {first}\n")
 
-        def _show(prefix: str, c) -> None:
-            split = LineSplitter()
+def _stream_of(node: str, c, chunks) -> Iterator[LogLine]:
+    label = visible(str(c.labels.get(LABEL_RANK, c.labels.get(LABEL_ROLE, "?"))))[:20]  # a label: the node's word
+    split = LineSplitter()
+    for chunk in chunks:
+        for ln in split.feed(chunk):
+            yield LogLine(node, label, ln)
+    for ln in split.end():
+        yield LogLine(node, label, ln)
 
-            def show_chunks(chunks) -> None:
-                for chunk in chunks:
-                    lines = split.feed(chunk)
-                    if lines:
-                        with lock:
-                            sys.stdout.writelines(f"{prefix} {ln}\n" for ln in lines)
-                            sys.stdout.flush()
 
-            if args.follow:  # to the container's exit, then what the engine's follow left out there
-                output = FollowedLog(c, tail=tail)
-                show_chunks(output.follow())
-                show_chunks(output.rest())
-            else:
-                show_chunks(log_chunks(c, follow=False, tail=tail))
-            with lock:
-                sys.stdout.writelines(f"{prefix} {ln}\n" for ln in split.end())
+def _guarded(node: str, c, open_chunks) -> Iterator[LogLine]:
+    """A container's lines; a node lost mid-stream ends its stream (one warning), not the others'."""
+    try:
+        yield from _stream_of(node, c, open_chunks(c))
+    except Exception as exc:  # noqa: BLE001
+        label = visible(str(c.labels.get(LABEL_RANK, c.labels.get(LABEL_ROLE, "?"))))[:20]
+        first = visible((str(exc).strip().splitlines() or [type(exc).__name__])[0])[:300]
+        sys.stderr.write(f"runner: warning: [{node}/{label}] log stream ended: {first}\n")
 
-        if args.follow:
-            threads = [threading.Thread(target=show, args=(t,), daemon=True) for t in targets]
-            for t in threads:
-                t.start()
-            try:
-                while any(t.is_alive() for t in threads):
-                    time.sleep(0.2)
-            except KeyboardInterrupt:
-                return 130
+
+def _followed(targets: list, tail: int | str) -> Iterator[LogLine]:
+    """Every container followed in its own thread, to its exit and then what the engine's follow
+    left out there; their lines as they come."""
+    lines: queue.Queue = queue.Queue()
+    done = object()
+
+    def follow(item) -> None:
+        node, c = item
+
+        def chunks(c):
+            output = FollowedLog(c, tail=tail)
+            yield from output.follow()
+            yield from output.rest()
+
+        try:
+            for ln in _guarded(node, c, chunks):
+                lines.put(ln)
+        finally:
+            lines.put(done)
+
+    threads = [threading.Thread(target=follow, args=(t,), daemon=True) for t in targets]
+    for t in threads:
+        t.start()
+    left = len(threads)
+    while left:
+        item = lines.get()
+        if item is done:
+            left -= 1
         else:
-            for t in targets:
-                show(t)
-    return 0
+            yield item
 
 
-def _kept_logs(run_id: str, args, ranks: dict[str, int | None]) -> int:
-    """Containers are gone (finished or downed): show what `runner up` kept per node, if here.
-    The node rank comes from the node's runner-status.json (or the kept/collected copy of it)."""
-    from pathlib import Path
-
-    root = Path(args.logs_dir) / run_id
+def kept_logs(run_id: str, logs_dir: str, nodes: list[str] | None, ranks: dict[str, int | None]) -> Iterator[LogLine]:
+    """Containers are gone (finished or downed): what `runner up` kept per node, if here. The node
+    rank comes from the node's runner-status.json (or the kept/collected copy of it)."""
+    root = Path(logs_dir) / run_id
     files = sorted(root.glob("*/container.log"))
-    files = [f for f in files if not args.node or f.parent.name in args.node]
+    files = [f for f in files if not nodes or f.parent.name in nodes]
     if not files:
         raise UserError(f"run {run_id}: no containers left and no kept logs under {root}/; "
                         "per-rank logs are in the run dir: `runner collect`")
@@ -260,11 +233,12 @@ def _kept_logs(run_id: str, args, ranks: dict[str, int | None]) -> int:
             except (OSError, ValueError):
                 doc = None
             rank = doc.get("rank") if isinstance(doc, dict) else None
-        prefix = f"[{node}/{rank if isinstance(rank, int) else '?'}]"
+        shown = rank if isinstance(rank, int) and not isinstance(rank, bool) else "?"
         split = LineSplitter()
         for part in KeptLog.files(f):  # container.log.1 (when it rotated), then container.log
             with open(part, "rb") as fh:  # raw bytes as the job wrote them: cut and made visible here
                 while chunk := fh.read(1 << 20):
-                    sys.stdout.writelines(f"{prefix} {ln}\n" for ln in split.feed(chunk))
-        sys.stdout.writelines(f"{prefix} {ln}\n" for ln in split.end())
-    return 0
+                    for ln in split.feed(chunk):
+                        yield LogLine(node, shown, ln)
+        for ln in split.end():
+            yield LogLine(node, shown, ln)
