@@ -11,4 +11,6 @@ neither wing: the only code the two share (docs/contract.md).
   `runner up --dry-run`).
 - `contract.suggest`, `contract.version`: what both CLIs answer alike (did-you-mean, --version).
 - `contract.bounded_json`: JSON another machine wrote (a node's timelines and metrics), read within bounds.
+- `contract.heartbeat`, `contract.hang`, `contract.stacks`: each rank's progress file, the hang
+  budgets, the reader's verdict and blame, stragglers, and the stacks' names and commands.
 """

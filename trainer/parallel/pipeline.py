@@ -36,6 +36,8 @@ from trainer.models.lm_loss import loss_context
 from trainer.parallel.grad_norm import clip_grad_norm
 from trainer.parallel.parallelized import Parallelized
 from trainer.parallel.stages import TiedWeights, split_model, sync_tied_grads
+from trainer.runtime import dist_env
+from trainer.runtime.phase_hooks import hook_stage
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +165,8 @@ class PipelineRunner:
         self.tied_copy_ids = {id(named[s][n]) for g in self.tied.groups for s, n in g[1:] if s in parts}
         stage_cls = buffer_safe_stage()
         self.stages = [stage_cls(parts[s], s, num_stages, device, group=pp_group) for s in self.stage_ids]
+        for stage in self.stages:
+            hook_stage(stage)  # heartbeat phases: each microbatch's compute and p2p wait (phase_hooks.py)
         self.pp_group, self.device = pp_group, device
         self.pp_rank, self.pp_size = dist.get_rank(pp_group), dist.get_world_size(pp_group)
         self.has_first = 0 in parts
@@ -251,24 +255,32 @@ def send_tensors(tensors: tuple[torch.Tensor, ...], group: dist.ProcessGroup, ds
         header[base] = t.dim()
         header[base + 1: base + 1 + t.dim()] = torch.tensor(t.shape)
     dev = tensors[0].device
-    dist.send(torch.tensor([header.numel()], dtype=torch.int64, device=dev), group=group, group_dst=dst)
-    dist.send(header.to(dev), group=group, group_dst=dst)
+    _p2p(dist.isend, torch.tensor([header.numel()], dtype=torch.int64, device=dev), group, dst)
+    _p2p(dist.isend, header.to(dev), group, dst)
     for t in tensors:
-        dist.send(t.float().contiguous(), group=group, group_dst=dst)
+        _p2p(dist.isend, t.float().contiguous(), group, dst)
+
+
+def _p2p(op, tensor: torch.Tensor, group: dist.ProcessGroup, peer: int) -> None:
+    """One blocking send/recv; on gloo its wait bounded by the collective timeout now (gloo's p2p
+    keeps its group's first timeout otherwise: dist_env.set_collective_timeout)."""
+    work = op(tensor, group=group, **({"group_dst": peer} if op is dist.isend else {"group_src": peer}))
+    timeout = dist_env.p2p_timeout() if tensor.device.type == "cpu" else None
+    work.wait(timeout) if timeout is not None else work.wait()
 
 
 def recv_tensors(group: dist.ProcessGroup, src: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     size = torch.zeros(1, dtype=torch.int64, device=device)
-    dist.recv(size, group=group, group_src=src)
+    _p2p(dist.irecv, size, group, src)
     header = torch.zeros(int(size), dtype=torch.int64, device=device)
-    dist.recv(header, group=group, group_src=src)
+    _p2p(dist.irecv, header, group, src)
     header = header.cpu()
     out = []
     for i in range(int(header[0])):
         base = 1 + i * (1 + _MAX_DIMS)
         shape = header[base + 1: base + 1 + int(header[base])].tolist()
         t = torch.empty(shape, device=device)
-        dist.recv(t, group=group, group_src=src)
+        _p2p(dist.irecv, t, group, src)
         out.append(t)
     return tuple(out)
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from contract import hang as rule
 from trainer.profiling.gpu_clocks import GpuClocks
 from trainer.profiling.perseus_client import PerseusClient, PerseusError, ProfilingDone
 from trainer.profiling.recorder import Event
@@ -66,11 +67,24 @@ def _metadata(environ: dict[str, str] | os._Environ) -> str | None:
     return meta or None
 
 
+def schedule_timeout(cfg: Any) -> float:
+    """How long a rank waits for the server's plan, which comes once every rank has asked: a
+    collective in all but name, so the collectives' timeout (`parallel.timeout_s`); with `auto`,
+    the one contract/hang.py sizes for the first steps (rounds start there), not a fixed 30 min."""
+    t = cfg.parallel.timeout_s
+    if t != "auto":
+        return float(t)
+    w = cfg.watch
+    return rule.collective_timeout(rule.startup_budget(
+        None, None if w.hang_timeout_s == "auto" else float(w.hang_timeout_s),
+        None if w.startup_timeout_s == "auto" else float(w.startup_timeout_s)))
+
+
 class PerseusRounds:
     def __init__(self, trainer: Any, rank: int, world: int, group: Any, rec: Any, energy: Any,
                  sync: Callable[[], None] | None, cuda_index: int | None, csv_on: bool):
         prof = trainer.cfg.profile
-        self.client = PerseusClient(prof.perseus_url, schedule_timeout=trainer.cfg.parallel.timeout_s)
+        self.client = PerseusClient(prof.perseus_url, schedule_timeout=schedule_timeout(trainer.cfg))
         self.window, self.rank, self.world, self.group = prof.num_prof_steps, rank, world, group
         self.rec, self.energy, self.sync, self.csv_on = rec, energy, sync, csv_on
         self.dims = trainer.dims

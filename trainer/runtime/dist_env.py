@@ -35,10 +35,10 @@ def _int(environ: Mapping[str, str], var: str, default: int | None = None) -> in
         if default is None:
             raise ConfigError(f"env {var} is required by this launcher but not set")
         return default
-    try:
-        return int(raw.split("(")[0].split(",")[0])  # Slurm writes e.g. "4(x2)" for tasks per node
-    except ValueError:
-        raise ConfigError(f"env {var}={raw!r} is not an integer") from None
+    text = raw.split("(")[0].split(",")[0].strip()  # Slurm writes e.g. "4(x2)" for tasks per node
+    if not (text.isascii() and text.lstrip("-").isdigit() and len(text) <= 12):
+        raise ConfigError(f"env {var}={raw[:40]!r} is not an integer")
+    return int(text)
 
 
 def _master(environ: Mapping[str, str], launcher: str, world: int) -> tuple[str, int]:
@@ -47,27 +47,58 @@ def _master(environ: Mapping[str, str], launcher: str, world: int) -> tuple[str,
         if world > 1 and launcher in ("slurm", "mpi"):
             raise ConfigError(f"env MASTER_ADDR is required under {launcher} (e.g. MASTER_ADDR=$(hostname) srun ...)")
         addr = "127.0.0.1"
-    return addr, _int(environ, "MASTER_PORT", 29500)
+    if len(addr) > 255 or not addr.isprintable() or any(c.isspace() for c in addr):
+        raise ConfigError(f"env MASTER_ADDR={addr[:40]!r} is not a host name or address")
+    port = _int(environ, "MASTER_PORT", 29500)
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"env MASTER_PORT={port} is not a TCP port (1..65535)")
+    return addr, port
+
+
+MAX_WORLD = 1 << 20  # ranks of one job, as trainer/config/bounds.py MAX_RANKS
+# Each launcher's variables: rank, world size, local rank, local world size.
+NAMES = {"torchrun": ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+         "slurm": ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+         "mpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                 "OMPI_COMM_WORLD_LOCAL_SIZE")}
+
+
+def _checked(env: DistEnv) -> DistEnv:
+    """Ranks that can be one process of the job, or one line naming the launcher's variables (a
+    RANK not below WORLD_SIZE reached init_process_group, which waited for ranks that never come)."""
+    rank, world, local_rank, local_world = NAMES[env.launcher]
+    if not 1 <= env.world_size <= MAX_WORLD:
+        raise ConfigError(f"env {world}={env.world_size}: a job has 1..{MAX_WORLD} ranks")
+    if not 0 <= env.rank < env.world_size:
+        raise ConfigError(f"env {rank}={env.rank} is not a rank of {world}={env.world_size} (0..{env.world_size - 1}); "
+                          f"{env.launcher} sets both: start the trainer through it")
+    if not 1 <= env.local_world_size <= env.world_size:
+        raise ConfigError(f"env {local_world}={env.local_world_size} is not 1..{world}={env.world_size}")
+    if not 0 <= env.local_rank < env.local_world_size:
+        raise ConfigError(f"env {local_rank}={env.local_rank} is not below {local_world}={env.local_world_size} "
+                          f"(0..{env.local_world_size - 1})")
+    return env
 
 
 def from_environ(environ: Mapping[str, str] | None = None) -> DistEnv:
+    """This process's place in the job from its launcher's env, checked (`_checked`)."""
     env = os.environ if environ is None else environ
     if env.get("RANK", "") != "":
         world = _int(env, "WORLD_SIZE")
         addr, port = _master(env, "torchrun", world)
-        return DistEnv(_int(env, "RANK"), world, _int(env, "LOCAL_RANK", 0),
-                       _int(env, "LOCAL_WORLD_SIZE", world), addr, port, "torchrun")
+        return _checked(DistEnv(_int(env, "RANK"), world, _int(env, "LOCAL_RANK", 0),
+                                _int(env, "LOCAL_WORLD_SIZE", world), addr, port, "torchrun"))
     if env.get("SLURM_PROCID", "") != "":
         world = _int(env, "SLURM_NTASKS")
         addr, port = _master(env, "slurm", world)
         local_world = _int(env, "SLURM_NTASKS_PER_NODE", 0) or _int(env, "SLURM_TASKS_PER_NODE", world)
-        return DistEnv(_int(env, "SLURM_PROCID"), world, _int(env, "SLURM_LOCALID", 0), local_world,
-                       addr, port, "slurm")
+        return _checked(DistEnv(_int(env, "SLURM_PROCID"), world, _int(env, "SLURM_LOCALID", 0), local_world,
+                                addr, port, "slurm"))
     if env.get("OMPI_COMM_WORLD_RANK", "") != "":
         world = _int(env, "OMPI_COMM_WORLD_SIZE")
         addr, port = _master(env, "mpi", world)
-        return DistEnv(_int(env, "OMPI_COMM_WORLD_RANK"), world, _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0),
-                       _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", world), addr, port, "mpi")
+        return _checked(DistEnv(_int(env, "OMPI_COMM_WORLD_RANK"), world, _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0),
+                                _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", world), addr, port, "mpi"))
     return DistEnv()
 
 
@@ -213,3 +244,42 @@ def destroy_process_group() -> None:
 
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+# The process groups' collective timeout now (contract/hang.py sizes it; trainer/runtime/heartbeat.py
+# moves it as the run goes: start-up, steady steps, checkpoints).
+_TIMEOUT_S: float | None = None
+
+
+def set_collective_timeout(seconds: float) -> int:
+    """Every process group this rank is in (the default one, DeviceMesh's, the checkpointer's):
+    their collectives' timeout from now on, through torch's `_set_pg_timeout` (gloo and NCCL). A
+    group made by `new_group` without a timeout would wait torch's default 30 minutes (10 on NCCL)
+    whatever init_process_group was given (DeviceMesh's, split from the default group, take its
+    timeout at creation). gloo's point-to-point waits keep their group's first timeout: the
+    pipeline's waits pass p2p_timeout() instead (trainer/runtime/phase_hooks.py). Returns how many
+    groups took it (0: no process group)."""
+    global _TIMEOUT_S
+    import warnings
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    _TIMEOUT_S = float(seconds)
+    if not dist.is_available() or not dist.is_initialized():
+        return 0
+    timeout, n = timedelta(seconds=seconds), 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a backend that takes no timeout (torch warns): left as it is
+        for group in list(c10d._world.pg_map):
+            try:
+                c10d._set_pg_timeout(timeout, group)
+                n += 1
+            except (ValueError, RuntimeError, AssertionError):
+                continue
+    return n
+
+
+def p2p_timeout() -> timedelta | None:
+    """The timeout a gloo point-to-point wait should be given now (None: none was sized)."""
+    return None if _TIMEOUT_S is None else timedelta(seconds=_TIMEOUT_S)

@@ -1,6 +1,8 @@
 """Watch a launched run: stream every container's output prefixed `[node/rank]` (lines cut at 64 KiB,
 control characters made visible: runner/core/node_output.py; the raw bytes kept per node, 512 MiB at most), and fail fast: the first container exiting non-zero or node becoming unreachable stops
-every other container of the run (one shared event, as Horovod's safe_shell_exec does)."""
+every other container of the run (one shared event, as Horovod's safe_shell_exec does). A rank that
+stops making progress while its node still answers is a hang (runner/backends/ssh/hang_watch.py):
+one line, every rank's stacks taken, then the same failure path (Outcome.hung: exit 5)."""
 
 from __future__ import annotations
 
@@ -10,11 +12,13 @@ import queue
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from runner.backends.ssh import hang_watch
 from runner.backends.ssh.node_runs import stop_run
 from runner.core.fanout import DEFAULT_PARALLEL
 from runner.core.node_output import KeptLog, LineSplitter, visible
@@ -45,6 +49,7 @@ class Outcome:
     lost: bool = False                # the node itself is unreachable (its container not stopped)
     yielded: bool = False             # not a failure: `yield_to` was set and the run was stopped for it
     detected: float | None = None     # when the watcher took it (time.time())
+    hung: bool = False                # no progress past the hang timeout (error: the one line); stacks taken
 
     @property
     def failed(self) -> bool:
@@ -58,7 +63,8 @@ class Watcher:
 
     def __init__(self, remotes: dict[str, Remote], plan: Plan, log_dir: Path | None,
                  out: TextIO | None = None, tail_lines: int = 20, workers: int = DEFAULT_PARALLEL,
-                 yield_to: threading.Event | None = None):
+                 yield_to: threading.Event | None = None, hang_timeout_s: float | None = None,
+                 watch_hangs: bool = True):
         self.remotes, self.plan, self.log_dir = remotes, plan, log_dir
         # Set from outside (an elastic run's lost node is back): stop the run with its grace period,
         # so the trainer writes its preempt checkpoint, and return an Outcome with yielded=True.
@@ -73,6 +79,11 @@ class Watcher:
         self._node_threads: dict[str, threading.Thread] = {}
         self.last_ok: dict[str, float] = {}
         self.stopped_in: float | None = None  # seconds from the failure to the others stopped
+        self.hang = hang_watch.HangWatch(remotes, plan, hang_timeout_s, workers) if watch_hangs else None
+        self.stacks: dict[str, str] = {}      # a hang's stacks: node -> what the helper did
+        # Set from outside (an elastic run whose trainer regroups in place): a lost node's outcome;
+        # True when the others went on without it (watched on), False: stop the run as for any failure.
+        self.on_lost: Callable[[Outcome], bool] | None = None
 
     # -- threads ---------------------------------------------------------------------------
     def _emit(self, prefix: str, node: str, line: str) -> None:
@@ -161,6 +172,33 @@ class Watcher:
                         inflight.add(np.node)
                     pool.submit(ping, np)
 
+    def _watch_hangs(self) -> None:
+        """Every hang_watch.POLL_S: every running node's heartbeats read, a straggler warned about
+        once, and a hang handed to run() as an Outcome (it takes the stacks, then stops the run)."""
+        hw = self.hang
+        assert hw is not None
+        try:
+            while not self.stop.wait(hang_watch.POLL_S):
+                if hw.regrouped.is_set():
+                    hw.start_over()
+                hw.poll(skip=set(self.done))
+                for line in hw.stragglers():
+                    self._say(f"runner: warning: {line}")
+                v = hw.verdict()
+                if v is not None and not self.stop.is_set():
+                    node, rank = hw.culprit(v)
+                    self.events.put(Outcome(node, rank, error=v.line, hung=True))
+                    return
+        except Exception as exc:  # noqa: BLE001 - the watch is an aid: the run goes on without it
+            log.warning("hang watch stopped: %s", visible(str(exc))[:300])
+        finally:
+            hw.close()
+
+    def _say(self, line: str) -> None:
+        with self._print_lock:
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+
     # -- main loop -------------------------------------------------------------------------
     def start_streams(self) -> None:
         for np in self.plan.nodes:
@@ -174,6 +212,8 @@ class Watcher:
         if not self._node_threads:
             self.start_streams()
         threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
+        if self.hang is not None:
+            threading.Thread(target=self._watch_hangs, daemon=True, name="hang-watch").start()
         try:
             while len(self.done) < len(self.plan.nodes):
                 if self.yield_to is not None and self.yield_to.is_set():
@@ -186,6 +226,13 @@ class Watcher:
                     continue
                 ev.detected = time.time()
                 self.done[ev.node] = ev
+                if ev.hung:  # the stacks first, while every rank is still where it stuck
+                    self._say(f"runner: {ev.error}; taking every rank's stacks, then stopping the run")
+                    self.stacks = hang_watch.take_stacks(self.remotes, self.plan, skip=set(self.done) - {ev.node})
+                if ev.failed and ev.lost and self.on_lost is not None and self.on_lost(ev):
+                    if self.hang is not None:  # a new world: the hang watch starts over on its files
+                        self.hang.regrouped.set()
+                    continue
                 if ev.failed:
                     return self._fail(ev)
                 log.info("[%s/%d] exited 0", ev.node, ev.rank)

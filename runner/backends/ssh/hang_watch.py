@@ -1,0 +1,230 @@
+"""The hang watch of `runner up` (issue 57): every node's heartbeat files read while the job runs,
+contract/hang.py's rule applied, a stuck job named in one line and every rank's stacks taken
+before anything is stopped; and, from the same files, one warning line per straggler.
+
+Reading: each node's OUTPUT_DIR/heartbeat/rank<R>.json (contract/heartbeat.py) over a dedicated
+SFTP session of its own (every answer whole within READ_TIMEOUT_S, or the session is dropped and
+opened again at the next round: the link itself is the ping thread's to judge), POLL_S apart,
+in a pool as wide as the watcher's. Never trusted: a listing of at most MAX_FILES entries, regular
+files of at most contract.heartbeat.MAX_BYTES only, each validated (`parse`), a refused one named
+once in a warning and left out. Files an earlier attempt left in the run dir (a resume, an elastic
+layout with fewer ranks) are told apart by never moving: a file is taken only once it has changed
+since this watch first saw it, and only when it belongs to this launch's world size.
+
+Stacks (contract/stacks.py): `python -m trainer.tools.stacks` as root in every node's container,
+all nodes at once, within STACKS_TIMEOUT_S, before the watcher stops the run; they write
+OUTPUT_DIR/hang-rank<R>.txt, which `runner collect` brings back.
+"""
+
+from __future__ import annotations
+
+import logging
+import stat
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TextIO
+
+from contract import hang as rule
+from contract import heartbeat as fmt
+from contract import stacks as names
+from runner.core.node_output import visible
+from runner.planning.plan import Plan
+from runner.transport.sftp import WatchedSFTP, close_quietly, listdir_within
+from runner.transport.ssh import Remote
+
+log = logging.getLogger("runner.watch")
+POLL_S = 2.0               # between two rounds of reads (the trainer writes every watch.heartbeat_s: 1 s)
+READ_TIMEOUT_S = 10.0      # one SFTP answer, whole
+MAX_FILES = 4096           # entries of a node's heartbeat dir looked at
+STACKS_TIMEOUT_S = 60.0    # the helper waits 5 s for handlers, py-spy at most 30 s a stopped rank
+
+
+def world_of(plan: Plan) -> tuple[int, dict[int, str]]:
+    """The launch's world size and each global rank's node (node ranks in order, their nproc each)."""
+    ranks: dict[int, str] = {}
+    base = 0
+    nproc = getattr(plan, "nproc_per_node", None) or {}
+    for np in sorted(plan.nodes, key=lambda n: n.rank):
+        for local in range(nproc.get(np.node, 1)):
+            ranks[base + local] = np.node
+        base += nproc.get(np.node, 1)
+    return base, ranks
+
+
+class HangWatch:
+    """One per launch: `poll` reads every node once, `verdict` says whether the job is hung (a
+    contract.hang.Verdict), `stragglers` the lines to warn with."""
+
+    def __init__(self, remotes: dict[str, Remote], plan: Plan, hang_timeout_s: float | None,
+                 workers: int = 8, clock: Callable[[], float] = time.monotonic):
+        self.remotes, self.plan, self.clock = remotes, plan, clock
+        self.world: int | None
+        self.world, self.rank_node = world_of(plan)
+        self.watch = rule.Watch(hang_timeout_s=hang_timeout_s, started=clock())
+        self.workers = max(1, min(workers, len(plan.nodes)))
+        self._sftp: dict[str, WatchedSFTP] = {}
+        self._first: dict[tuple[str, str], tuple] = {}   # (node, file) -> what it held when first seen
+        self._fresh: set[tuple[str, str]] = set()        # ... files that moved since: this launch's
+        self._refused: set[tuple[str, str]] = set()
+        self.straggle = rule.Stragglers()
+        self._straggle_step = 0
+        self.warned: list[str] = []
+        self.regrouped = threading.Event()  # set by the watcher: the ranks regrouped in place (a new world)
+
+    # -- reading --------------------------------------------------------------------------------
+    def _session(self, node: str) -> WatchedSFTP:
+        s = self._sftp.get(node)
+        if s is None or s.sock.closed:
+            client = self.remotes[node].client
+            transport = client.get_transport() if client is not None else None
+            if transport is None:
+                raise ConnectionError("not connected")
+            chan = transport.open_session(timeout=READ_TIMEOUT_S)
+            chan.invoke_subsystem("sftp")
+            s = self._sftp[node] = WatchedSFTP(chan, node, READ_TIMEOUT_S)
+        return s
+
+    def read_node(self, node: str) -> list[fmt.Heartbeat]:
+        """The heartbeats of one node's run dir that belong to this launch (see the module doc)."""
+        d = f"{self.plan.node(node).run_dir}/{fmt.DIR}"
+        sftp = self._session(node)
+        try:
+            entries = listdir_within(sftp, d, MAX_FILES) or []
+        except OSError:  # no heartbeat dir yet
+            return []
+        out = []
+        for a in entries:
+            m = fmt.NAME_RE.fullmatch(a.filename)
+            if not m or a.st_mode is None or not stat.S_ISREG(a.st_mode) or (a.st_size or 0) > fmt.MAX_BYTES:
+                continue
+            key = (node, a.filename)
+            try:
+                with sftp.open(f"{d}/{a.filename}", "r") as fh:
+                    beat = fmt.parse(fh.read(fmt.MAX_BYTES + 1), f"node {node}: {fmt.DIR}/{a.filename}")
+                if beat.rank != int(m[1]):
+                    raise ValueError(f"node {node}: {fmt.DIR}/{a.filename} holds rank {beat.rank}")
+            except OSError:
+                continue  # replaced between the listing and the read: the next round has it
+            except ValueError as exc:
+                if key not in self._refused:
+                    self._refused.add(key)
+                    log.warning("hang watch: %s; left out", visible(str(exc))[:300])
+                continue
+            mark = (beat.pid, beat.pid_start, beat.seq)
+            if key not in self._fresh:
+                if self._first.setdefault(key, mark) == mark:
+                    continue  # unchanged since first seen: an earlier attempt's, or not moving yet
+                self._fresh.add(key)
+            if self.world is None or beat.world_size == self.world:
+                out.append(beat)
+        return out
+
+    def start_over(self) -> None:
+        """After an in-place regroup: a new world of new rank numbers, its size not known here; every
+        file is an earlier world's until it moves again, and the rule starts over (start-up budget)."""
+        self.regrouped.clear()
+        self.watch = rule.Watch(hang_timeout_s=self.watch.hang_timeout_s, started=self.clock())
+        self._first.clear()
+        self._fresh.clear()
+        self.world = None
+        self.straggle, self._straggle_step = rule.Stragglers(), 0
+
+    def poll(self, skip: set[str] | frozenset[str] = frozenset()) -> int:
+        """Read every node not in `skip` once (in parallel); the Watch updated. How many beats read."""
+        nodes = [np.node for np in self.plan.nodes if np.node not in skip]
+        got = 0
+        with ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="hang-watch") as pool:
+            for node, fut in [(n, pool.submit(self.read_node, n)) for n in nodes]:
+                try:
+                    beats = fut.result()
+                except Exception as exc:  # noqa: BLE001 - the link is the ping thread's to judge
+                    log.debug("hang watch: %s: %s", node, exc)
+                    s = self._sftp.pop(node, None)
+                    if s is not None:
+                        close_quietly(s.sock)
+                    continue
+                now = self.clock()
+                for b in beats:
+                    self.watch.update(b, now)
+                got += len(beats)
+        return got
+
+    def verdict(self) -> rule.Verdict | None:
+        return self.watch.verdict(self.clock())
+
+    def culprit(self, v: rule.Verdict) -> tuple[str, int]:
+        """(node, the node's rank in the plan) of the first rank to blame."""
+        r = v.culprits[0] if v.culprits else 0
+        seen = self.watch.ranks.get(r)
+        node = seen.beat.node if seen is not None and seen.beat.node in self.rank_node.values() else \
+            self.rank_node.get(r, self.plan.nodes[0].node)
+        return node, self.plan.node(node).rank
+
+    # -- stragglers -----------------------------------------------------------------------------
+    def stragglers(self) -> list[str]:
+        """Lines for ranks that just became stragglers: once every rank has ended a step since the
+        last look, their busy times (step less waits, per unit of work) go to contract.hang.Stragglers."""
+        seen, world = self.watch.ranks, self.watch.world_size or 0
+        if world < 2 or sorted(seen) != list(range(world)):
+            return []
+        beats = [seen[r].beat for r in range(world)]
+        step = min(b.step for b in beats)
+        if step <= self._straggle_step or any(b.step_s is None or b.wait_s is None for b in beats):
+            return []
+        self._straggle_step = step
+        busy = rule.busy_times([b.step_s or 0.0 for b in beats], [b.wait_s or 0.0 for b in beats])
+        work = [float(b.work or 0) for b in beats] if all(b.work for b in beats) else None
+        lines = []
+        for r, ratio in self.straggle.update(busy, work):
+            b = beats[r]
+            lines.append(f"straggler: rank {r} ({self.rank_node.get(r, b.node)}) computes {ratio:.1f}x slower than "
+                         f"the other ranks' median{' per parameter it holds' if work else ''} ({busy[r]:.3f} s busy "
+                         f"of its {b.step_s or 0:.3f} s step) for {self.straggle.windows} steps in a row: it holds "
+                         f"the others back")
+        self.warned += lines
+        return lines
+
+    def close(self) -> None:
+        for s in self._sftp.values():
+            close_quietly(s.sock)
+        self._sftp.clear()
+
+
+def take_stacks(remotes: dict[str, Remote], plan: Plan, skip: set[str] | frozenset[str] = frozenset(),
+                timeout: float = STACKS_TIMEOUT_S, out: TextIO | None = None) -> dict[str, str]:
+    """`python -m trainer.tools.stacks` as root in every node's container at once, before anything
+    is stopped. Node -> one line of what it did (the helper's last line, or why not)."""
+    results: dict[str, str] = {}
+
+    def one(np) -> None:
+        try:
+            c = remotes[np.node].docker().containers.get(np.container)
+            res = c.exec_run(list(names.HELPER), user=names.EXEC_FLAGS[1], demux=False)
+            text = (res.output or b"")[:1 << 16].decode(errors="replace")
+            lines = [visible(ln)[:300] for ln in text.splitlines() if ln.strip()]
+            results[np.node] = f"exit {res.exit_code}: " + ("; ".join(lines[-8:]) or "no output")
+        except Exception as exc:  # noqa: BLE001 - one node's failure must not keep the others' stacks
+            results[np.node] = "not taken: " + visible((str(exc).strip().splitlines() or [type(exc).__name__])[0])[:300]
+
+    threads = [threading.Thread(target=one, args=(np,), daemon=True, name=f"stacks-{np.node}")
+               for np in plan.nodes if np.node not in skip]
+    for t in threads:
+        t.start()
+    end = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, end - time.monotonic()))
+    for np in plan.nodes:
+        if np.node not in skip and np.node not in results:
+            results[np.node] = f"not taken: no answer within {timeout:.0f} s"
+    stream = out or sys.stderr
+    for node, line in results.items():
+        log.info("[%s] stacks: %s", node, line)
+    taken = sum(1 for v in results.values() if v.startswith("exit 0"))
+    stream.write(f"runner: stacks taken on {taken}/{len(results)} node(s) into hang-rank<R>.txt in each run dir "
+                 f"(`runner collect {plan.run_id}`)"
+                 + "".join(f"; {n}: {v}" for n, v in results.items() if not v.startswith("exit 0")) + "\n")
+    stream.flush()
+    return results
