@@ -25,6 +25,7 @@ from runner.inventory.model import (
     ARCHES,
     BUILD_FIELDS,
     DEFAULT_FIELDS,
+    DP_SYNC_MODES,
     FINGERPRINT_RE,
     IMAGE_RE,
     JOB_FIELDS,
@@ -100,7 +101,9 @@ def load_inventory(path: str | os.PathLike, *, check_files: bool = True, job_pat
     for i, item in enumerate(nv.value):
         where = f"nodes[{i}]"
         named = item.value.get("name") if isinstance(item.value, dict) else None
-        c.scope = f"node {named[1].value}" if named and isinstance(named[1].value, str) else None
+        name_v = named[1].value if named and isinstance(named[1].value, str) else None
+        # A name is only checked later: shown quoted where it holds a control character (one line).
+        c.scope = None if name_v is None else f"node {name_v if name_v.isprintable() else repr(name_v)}"
         fields = node_fields(c, item, where, NODE_FIELDS, base, check_files)
         for req in ("name", "host"):
             if req not in fields:
@@ -237,8 +240,25 @@ def node_fields(c: Checker, v: Val, where: str, allowed: set[str], base: Path,
     return out
 
 
+def parse_dp_sync(c: Checker, x: Val) -> str:
+    """job.dp_sync: auto chooses from the measured links at plan time (runner/planning/dp_sync.py)."""
+    if x.value not in DP_SYNC_MODES:
+        c.fail(x.line, "job.dp_sync", f"must be one of {', '.join(DP_SYNC_MODES)}, got {show(x.value)}")
+    return x.value
+
+
+def parse_hang_timeout(c: Checker, x: Val) -> int | None:
+    """job.hang_timeout: contract/hang.py's steady budget (the trainer gets it as --watch.hang_timeout_s)."""
+    if x.value == "auto":
+        return None
+    if isinstance(x.value, str):
+        c.fail(x.line, "job.hang_timeout", f"must be 'auto' or whole seconds in 10..86400, got {x.value!r}")
+    return c.int_(x, "job.hang_timeout", 10, 86400)
+
+
 JOB_PARSERS = {"mounts": parse_mounts, "unsafe_mounts": parse_unsafe_mounts, "registry": parse_registry,
-               "elastic": parse_elastic}
+               "elastic": parse_elastic, "dp_sync": parse_dp_sync,
+               "hang_timeout": parse_hang_timeout}
 
 
 def parse_job(c: Checker, v: Val, base: Path) -> Job:
@@ -300,7 +320,7 @@ def parse_job(c: Checker, v: Val, base: Path) -> Job:
             job.build = _build(c, x, w, base)
         elif key == "sync":
             job.sync = parse_sync(c, x, lambda p: expand(p, base))
-        elif key in JOB_PARSERS:  # mounts, unsafe_mounts, registry, elastic: their own modules' checks
+        elif key in JOB_PARSERS:  # mounts, unsafe_mounts, registry, elastic, dp_sync: their own checks
             setattr(job, key, JOB_PARSERS[key](c, x))
         elif key == "perseus":
             job.perseus = parse_perseus(c, x, lambda p: expand(p, base))

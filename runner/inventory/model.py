@@ -89,7 +89,8 @@ DEFAULT_FIELDS = NODE_FIELDS - {"name", "host", "addr", "role", "host_key"}
 PUSH_MODES = ("relay", "direct")
 JOB_FIELDS = {"image", "config", "args", "env", "env_file", "master_port", "nproc_per_node",
               "grace_period", "command", "build", "sync", "mounts", "unsafe_mounts", "registry", "push", "perseus",
-              "notify", "elastic"}
+              "notify", "elastic", "hang_timeout", "dp_sync"}
+DP_SYNC_MODES = ("auto", "allreduce", "diloco")  # job.dp_sync (runner/planning/dp_sync.py)
 BUILD_FIELDS = {"context", "dockerfile", "args", "platform"}
 TOP_FIELDS = {"defaults", "nodes", "job", "slurm"}
 # In job.env_file: how the nodes log in to job.registry (never passed to the job's containers).
@@ -173,6 +174,8 @@ class Job:
     perseus: Any = None               # runner/backends/ssh/perseus.py PerseusSpec: a Perseus server beside the job
     notify: Any = None                # runner/backends/notify.py NotifySpec: told on this machine when `up` ends
     elastic: Any = None               # runner/inventory/elastic_spec.py ElasticSpec: shrink on a lost node, regrow
+    hang_timeout: int | None = None   # seconds without progress that make a hang (None: auto, contract/hang.py)
+    dp_sync: str | None = None        # auto | allreduce | diloco (None: the trainer config's parallel.dp_sync)
 
     def image_for(self, arch: str | None) -> str | None:
         if isinstance(self.image, str):

@@ -125,7 +125,8 @@ def _pick_ports(cl: Cluster, order: list[Node], servers: set[int]) -> dict[int, 
 
 
 def run_probes(cl: Cluster, order: list[Node], probes: dict[str, Probe], tags: dict[str, str],
-               need_compute: set[str], need_link: set[int], min_seconds: float, timeout: float) -> dict[str, dict]:
+               need_compute: set[str], need_link: set[int], min_seconds: float, timeout: float,
+               link_bytes: int | None = None) -> dict[str, dict]:
     inv = cl.inv
     ident = secrets.token_hex(3)
     servers = {i + 1 for i in need_link}
@@ -147,6 +148,8 @@ def run_probes(cl: Cluster, order: list[Node], probes: dict[str, Probe], tags: d
             cmd += ["--peer", f"{order[i + 1].rank_addr}:{ports[i + 1]}"]
         if n.name not in need_compute:
             cmd += ["--no-compute"]
+        if link_bytes is not None:  # `runner check --links`: a round sized to the link (runner/profile/links.py)
+            cmd += ["--link-bytes", str(link_bytes)]
         return cmd + ["--"] + (["--config", f"{OUT}/config.yaml"] if config is not None else []) + list(inv.job.args)
 
     def start(i: int):

@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
+    set_optimizer_state_dict,
     set_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
@@ -74,10 +75,19 @@ class ModelOptimState(Stateful):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, diloco: Any = None):
         self.model, self.optimizer, self.diloco = model, optimizer, diloco
+        # Set before a load (Checkpointer.load): the DiLoCo replicas the checkpoint holds, None for
+        # a checkpoint without DiLoCo. A replica it lacks (an elastic run's rejoining one), or a run
+        # now without DiLoCo, starts from the anchors with replica 0's inner optimizer state.
+        self.saved_replicas: set[int] | None = None
+
+    def _from_anchor(self) -> bool:
+        return self.saved_replicas is not None and (self.diloco is None or self.diloco.replica not in self.saved_replicas)
 
     def state_dict(self) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=OPTIONS)
         if self.diloco is None:
+            if self._from_anchor():  # a DiLoCo checkpoint resumed as one replica: its anchors are the model
+                return {"model": model_sd, "replica0": {"optim": optim_sd}}
             return {"model": model_sd, "optim": optim_sd}
         # The DiLoCo object's own tensors (DTensors over their shards where the parameters are):
         # DCP loads into them in place.
@@ -87,13 +97,31 @@ class ModelOptimState(Stateful):
             anchors[fqn[pid]] = entry.pop("anchor")
             for kind, t in entry.items():
                 outer.setdefault(kind, {})[fqn[pid]] = t
+        if self._from_anchor():  # this replica is not in the checkpoint: the anchors, replica 0's inner state
+            return {"model": anchors, "diloco": outer, "replica0": {"optim": optim_sd}}
         return {"model": anchors, "diloco": outer,
                 f"replica{self.diloco.replica}": {"model": model_sd, "optim": optim_sd}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self._from_anchor():
+            if self.diloco is None:
+                set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                               optim_state_dict=state["replica0"]["optim"], options=OPTIONS)
+            else:  # the anchors were loaded in place into the DiLoCo object's own tensors
+                self.diloco.start_from_anchor()
+                set_optimizer_state_dict(self.model, self.optimizer, state["replica0"]["optim"], options=OPTIONS)
+            return
         own = state if self.diloco is None else state[f"replica{self.diloco.replica}"]
         set_state_dict(self.model, self.optimizer, model_state_dict=own["model"],
                        optim_state_dict=own["optim"], options=OPTIONS)
+
+
+def saved_replicas(keys: Any) -> set[int] | None:
+    """The DiLoCo replicas whose own state a checkpoint holds, from its metadata's keys
+    (`app.replica<k>.…`); None when it holds none (no DiLoCo)."""
+    found = {int(k.split(".")[1][len("replica"):]) for k in keys
+             if k.startswith("app.replica") and k.split(".")[1][len("replica"):].isdigit()}
+    return found or None
 
 
 def _param_fqns(model: nn.Module) -> dict[int, str]:

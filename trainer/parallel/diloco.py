@@ -226,6 +226,14 @@ class DiLoCo:
                 out[id(p)] = {k: like_param(p, v) for k, v in entry.items()}
         return out
 
+    @torch.no_grad()
+    def start_from_anchor(self) -> None:
+        """A replica the checkpoint does not hold (an elastic run's rejoining one): its parameters become
+        the anchors just loaded, the global parameters every replica agrees on; a lost replica's own
+        change since the last sync is simply not in any average (trainer/checkpoint/state.py)."""
+        for f in self.fragments:
+            torch._foreach_copy_(f.local, f.anchor)
+
     def restored(self, step: int) -> None:
         """Before the first step of a run resumed at `step` (the checkpoint's tensors loaded in place):
         a fragment whose sync was in flight then finds its average in its anchors' grads."""
