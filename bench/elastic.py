@@ -13,7 +13,18 @@ preempt checkpoint -> the 3-node layout's first step). Beside it, what the user 
 elasticity: `runner up --resume` by hand on the 2 nodes after noticing (its launch-to-first-step
 time is measured; noticing is not).
 
-    .venv/bin/python -m bench.elastic [--repeat 1]
+With `--path in-place` (or `both`) the same cut with `--elastic.in_place true` (issue 58): the
+survivors regroup in their processes, stages from memory (trainer/parallel/stage_relayout.py):
+
+  cut -> detected      as above
+  detected -> file     the runner chose the layout and wrote regroup.json to the survivors
+  file -> resumed      the ranks left the old group, met in the new one, rebuilt and loaded their stages
+  resumed -> step      the first new step logged
+
+plus the steps redone and the replicas' cost: the training thread's seconds per refresh against the
+median step (target, issue 58: cut -> first new step <= 15 s, <= 1 step redone, replicas < 3%).
+
+    .venv/bin/python -m bench.elastic [--repeat 1] [--path both|restart|in-place] [--image TAG]
 
 Needs root and the trainer image on this host (scripts/build-image.sh). Results:
 bench/results/elastic.json. Target (issue 27): cut -> first new step <= 60 s on this machine.
@@ -23,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -32,6 +44,7 @@ from pathlib import Path
 import yaml
 
 from bench.sandbox_bench import REPO, runner
+from tests.trainer_run import HOOKS_SYNC, hold_env
 
 STATE = Path("/tmp/runner-bench-elastic")
 IMAGE = "runner-trainer:latest"
@@ -39,12 +52,14 @@ ARGS = ["--parallel.partition", "uniform_transformer", "--train.steps", "12", "-
         "--profile_batch", "none"]
 
 
-def job(hold: str) -> Path:
+def job(hold: str, in_place: bool = False) -> Path:
     p = STATE / "elastic-job.yaml"
     p.write_text(yaml.safe_dump({"job": {
-        "image": IMAGE, "config": str(REPO / "configs/pi-qwen3-3stage-tiny.yaml"), "args": ARGS,
-        "master_port": "auto", "grace_period": 60, "env": {"OMP_NUM_THREADS": "1", "TRAINER_TEST_HOLD": hold},
-        "elastic": {"min_nodes": 2, "rejoin": True}}}))
+        "image": IMAGE, "config": str(REPO / "configs/pi-qwen3-3stage-tiny.yaml"),
+        "args": ARGS + (["--elastic.in_place", "true"] if in_place else []),
+        "master_port": "auto", "grace_period": 60, "env": {"OMP_NUM_THREADS": "1", **hold_env(hold)},
+        "sync": [HOOKS_SYNC],  # the hold is test support, switched on by tests/hooks/ (trainer/runtime/hold.py)
+        "elastic": {"min_nodes": 2, "rejoin": not in_place}}}))
     return p
 
 
@@ -107,24 +122,91 @@ def once(inv: Path, workdirs: dict[str, Path]) -> dict:
                        "back_to_step_s": step_grown - back}}
 
 
+def once_in_place(inv: Path, workdirs: dict[str, Path]) -> dict:
+    """The same cut with `--elastic.in_place true` (issue 58): the survivors regroup in their processes."""
+    link = lambda state: runner("sandbox", "--dir", str(STATE / "s"), "link", "node-2", state)  # noqa: E731
+    before = {p.name for p in (workdirs["node-0"] / "runs").glob("*")} if (workdirs["node-0"] / "runs").is_dir() else set()
+    proc = subprocess.Popen([sys.executable, "-m", "runner", "up", "-i", str(inv), "--job",
+                             str(job("step:4,step:8", in_place=True)), "--logs-dir", str(STATE / "logs")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        run_id = wait(lambda: next(iter({p.name for p in (workdirs["node-0"] / "runs").glob("*")} - before), None))
+        runs = {n: w / "runs" / run_id for n, w in workdirs.items()}
+        hold = lambda n, r, s: (runs[n] / ".hold" / f"step-{s}.held.rank{r}").is_file()  # noqa: E731
+        wait(lambda: all(hold(n, r, 4) for r, n in enumerate(runs)))
+        time.sleep(1.0)  # the step-4 replica exchange (its own thread) has ended
+        cut = time.time()
+        link("down")
+        for n in ("node-0", "node-1"):
+            (runs[n] / ".hold" / "step-4.go").write_text("")
+        wait(lambda: hold("node-0", 0, 8) and hold("node-1", 1, 8))
+        link("up")
+        time.sleep(3.0)  # node-2's old container removed (rejoin off)
+        for n in ("node-0", "node-1"):
+            (runs[n] / ".hold" / "step-8.go").write_text("")
+        out, err = proc.communicate(timeout=600)
+    finally:
+        link("up")
+        if proc.poll() is None:
+            proc.kill()
+    if proc.returncode != 0:
+        raise SystemExit(out[-2000:] + err[-3000:])
+    ev = [json.loads(x) for x in (runs["node-0"] / "elastic.jsonl").read_text().splitlines()]
+    lost = next(e for e in ev if e["event"] == "lost")
+    moved = [e for e in ev if e["event"] == "layout"][1]
+    recs = metrics(runs["node-1"])
+    step = next(r["time"] for r in recs if r["step"] == moved["from_step"] + 1)
+    # The replicas' cost: the training thread's seconds per refresh against a step's (pp 3, before the cut).
+    cost = [float(x) for x in re.findall(r"stage replicas: \d+ refresh\(es\), ([0-9.]+) s on the training thread, "
+                                         r"([0-9.]+) s CPU", (runs["node-0"] / "logs" / "rank0.log").read_text())[-1]]
+    refreshes = int(re.findall(r"stage replicas: (\d+) refresh", (runs["node-0"] / "logs" / "rank0.log").read_text())[-1])
+    step_s = statistics.median(r["step_time_s"] for r in metrics(runs["node-2"]))
+    return {"run_id": run_id,
+            "in_place": {"detect_s": lost["detected"] - cut, "file_s": moved["planned"] - lost["detected"],
+                         "regroup_s": moved["resumed"] - moved["planned"], "first_step_s": step - moved["resumed"],
+                         "cut_to_step_s": step - cut, "from_step": moved["from_step"],
+                         "steps_redone": 4 - moved["from_step"],
+                         "replica_cost_pct": 100 * cost[0] / refreshes / step_s,
+                         "replica_exchange_cpu_pct": 100 * cost[1] / refreshes / step_s}}
+
+
 def main() -> int:
+    global IMAGE
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--path", choices=("both", "restart", "in-place"), default="both",
+                    help="the restart path (issue 27), the in-place one (issue 58), or both; a path not run keeps "
+                         "its figures from the last results file")
+    ap.add_argument("--image", default=IMAGE, help="the trainer image (scripts/build-image.sh TAG)")
     args = ap.parse_args()
+    IMAGE = args.image  # job() reads it
     inv = STATE / "local.yaml"
     runner("sandbox", "--dir", str(STATE / "s"), "up", "--nodes", "3", "--netns", "--inventory", str(inv))
     doc = yaml.safe_load(inv.read_text())
     workdirs = {n["name"]: Path(n["workdir"]) for n in doc["nodes"]}
     try:
         runner("push", "-i", str(inv), "--job", str(job("")))
-        rows = [once(inv, workdirs) for _ in range(args.repeat)]
+        rows = [once(inv, workdirs) for _ in range(args.repeat)] if args.path != "in-place" else []
+        fast = [once_in_place(inv, workdirs) for _ in range(args.repeat)] if args.path != "restart" else []
     finally:
         runner("sandbox", "--dir", str(STATE / "s"), "down", check=False)
-    med = {phase: {k: statistics.median(r[phase][k] for r in rows) for k in rows[0][phase]} for phase in ("shrink", "rejoin")}
-    out = {"repeat": args.repeat, "median": med, "runs": rows,
-           "machine": "2 cores, namespaced sandbox, tiny Qwen3 pp 3 (configs/pi-qwen3-3stage-tiny.yaml)"}
     res = REPO / "bench" / "results" / "elastic.json"
+    old = json.loads(res.read_text()) if res.is_file() else {}
+    med = {phase: {k: statistics.median(r[phase][k] for r in rows) for k in rows[0][phase]} for phase in ("shrink", "rejoin")} \
+        if rows else old["median"]
+    out = {"repeat": args.repeat if rows else old.get("repeat"), "median": med, "runs": rows or old["runs"],
+           "machine": "2 cores, namespaced sandbox, tiny Qwen3 pp 3 (configs/pi-qwen3-3stage-tiny.yaml)"}
+    if fast:
+        out["in_place"] = {"repeat": len(fast), "median": {k: statistics.median(r["in_place"][k] for r in fast)
+                                                           for k in fast[0]["in_place"]}, "runs": fast}
+    elif "in_place" in old:
+        out["in_place"] = old["in_place"]
     res.write_text(json.dumps(out, indent=1) + "\n")
+    if "in_place" in out:
+        f = out["in_place"]["median"]
+        print(f"in place: node-2 cut -> first step on 2 nodes: {f['cut_to_step_s']:.1f} s = detect {f['detect_s']:.1f} + "
+              f"file {f['file_s']:.1f} + regroup {f['regroup_s']:.1f} + first step {f['first_step_s']:.1f}; "
+              f"{f['steps_redone']:.0f} step(s) redone; replicas {f['replica_cost_pct']:.2f}% of a step")
     s, g = med["shrink"], med["rejoin"]
     print(f"node-2 cut -> first step on 2 nodes: {s['cut_to_step_s']:.1f} s = detect {s['detect_s']:.1f} + stop "
           f"{s['stop_s']:.1f} + re-plan {s['replan_s']:.1f} + file exchange {s['exchange_s']:.1f} + restart "

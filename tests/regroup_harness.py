@@ -231,6 +231,10 @@ def main(argv: list[str]) -> int:
     ctl.mkdir(parents=True, exist_ok=True)
     if scenario == "blocks":
         blocks(ctl, how, int(argv[3]) if len(argv) > 3 else 5)
+    elif scenario == "in_place":
+        from tests.regroup_in_place import in_place
+
+        in_place(ctl, how, int(argv[3]), argv[4], argv[5:])
     elif scenario == "exact":
         from tests.regroup_exact import exact
 

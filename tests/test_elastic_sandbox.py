@@ -39,7 +39,7 @@ from tests.runner_helpers import (
     signal_sshd,
     wait_for,
 )
-from tests.trainer_run import held, release, run_trainer
+from tests.trainer_run import HOOKS_SYNC, held, hold_env, release, run_trainer
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.docker]
 NODES = ("node-0", "node-1", "node-2")
@@ -54,7 +54,7 @@ def elastic_job(tmp_path: Path, hold: str, min_nodes: int = 2, rejoin: bool = Tr
     p = tmp_path / "elastic-job.yaml"
     p.write_text(yaml.safe_dump({"job": {
         "image": IMAGE, "config": str(REPO / CONFIG), "args": ARGS, "master_port": "auto", "grace_period": 60,
-        "env": {"OMP_NUM_THREADS": "1", "TRAINER_TEST_HOLD": hold},
+        "env": {"OMP_NUM_THREADS": "1", **hold_env(hold)}, "sync": [HOOKS_SYNC],
         "elastic": {"min_nodes": min_nodes, "rejoin": rejoin}}}))
     return p
 

@@ -71,7 +71,8 @@ def setup_logging(rank: int, output_dir: Path, console: bool) -> None:
 class Trainer:
     """Holds everything a step needs; callbacks read and restore this state."""
 
-    def __init__(self, cfg: Config, env: dist_env.DistEnv, dims: ParallelDims, device: torch.device, backend: str):
+    def __init__(self, cfg: Config, env: dist_env.DistEnv, dims: ParallelDims, device: torch.device, backend: str,
+                 relayout: bool = False):
         self.cfg, self.env, self.dims, self.device, self.backend = cfg, env, dims, device, backend
         self.output_dir = Path(cfg.output_dir)
         self.step = 0                    # optimizer steps completed
@@ -144,7 +145,8 @@ class Trainer:
             for h in log.handlers:
                 if type(h) is logging.StreamHandler:
                     h.setLevel(logging.INFO)
-        self.metrics = MetricsWriter(self.output_dir, self.is_logger, resume=bool(cfg.checkpoint.resume),
+        # A relayout in place (elastic.in_place) appends to the records of the steps before it.
+        self.metrics = MetricsWriter(self.output_dir, self.is_logger, resume=bool(cfg.checkpoint.resume) or relayout,
                                      trackers=Trackers(cfg, self.output_dir))
         # The smallest reported loss so far (checkpoints record it), kept on the device.
         self.loss_min = torch.full((), math.inf, device=device)
@@ -221,18 +223,20 @@ class Trainer:
             torch.cuda.synchronize(self.device)  # a log step: the steps since `since` have run
         return time.perf_counter() - since
 
-    def _memory(self) -> tuple[int, int | None]:
-        """(allocated, reserved) bytes, the largest over all ranks: every rank calls it at a log step."""
+    def _memory(self, slots: list[float]) -> tuple[tuple[int, int | None], list[float]]:
+        """(allocated, reserved) bytes, the largest over all ranks, and `slots` assembled over all ranks
+        (each rank fills its own, the rest 0: progress.StepTimes): every rank calls it at a log step,
+        one all-reduce for both. float64 holds a byte count exactly up to 8 PiB."""
         alloc, reserved = memory_bytes(self.device)
         if not self.env.distributed:
-            return alloc, reserved
+            return (alloc, reserved), slots
         import torch.distributed as dist
 
-        both = torch.tensor([alloc, -1 if reserved is None else reserved], dtype=torch.int64,
+        both = torch.tensor([alloc, -1 if reserved is None else reserved, *slots], dtype=torch.float64,
                             device=self.device if self.backend == "nccl" else "cpu")
         dist.all_reduce(both, op=dist.ReduceOp.MAX)
-        alloc, reserved = (int(v) for v in both.tolist())
-        return alloc, (None if reserved < 0 else reserved)
+        values = both.tolist()
+        return (int(values[0]), None if values[1] < 0 else int(values[1])), values[2:]
 
     def _sync_totals(self) -> dict[str, Any]:
         """metrics.jsonl's dp_sync_bytes and dp_sync_s: cumulative since step 0, the largest over all
@@ -266,7 +270,7 @@ class Trainer:
         self.par.train(True)
         self._emit("on_train_start")
         if heartbeat.CURRENT is not None:
-            heartbeat.CURRENT.apply_timeout()  # the groups the layout and callbacks made wait the budget's time too
+            heartbeat.CURRENT.apply_timeout(force=True)  # the groups the layout and callbacks made, too
         self._write_config()  # only now: a resume refused by its checks leaves the run's files as they were
         with self.gc.active():
             self._loop()
@@ -295,8 +299,8 @@ class Trainer:
                 heartbeat.mark("log", units=steps_since)  # waits for the device: steps_since steps' worth
                 dt = self._elapsed(since) / steps_since
                 steps_since = 0
-                memory = self._memory()
-                times = self.step_times.log_step(dt)  # every rank's step and wait times (progress.py)
+                memory, gathered = self._memory(self.step_times.slots(dt))  # + every rank's step and wait times
+                times = self.step_times.fields(gathered)  # metrics fields, the straggler warning (progress.py)
                 sync = self._sync_totals()
                 if loss is not None:
                     record = StepStats(self.step, float(loss), lr, float(grad_norm), self.global_samples,
@@ -338,6 +342,25 @@ class Trainer:
             self._tmp.cleanup()
 
 
+def _fit_in_place(trainer: Trainer, in_place: Any, device: torch.device) -> Trainer:
+    """fit, and after a regroup (a node lost, or a planned switch) fit on in the new layout with the
+    stages from memory (trainer/parallel/stage_relayout.py); an error that is no regroup's goes on."""
+    def build(cfg: Config, env: dist_env.DistEnv) -> Trainer:
+        dims = ParallelDims.from_config(cfg.parallel, env.world_size, env.local_world_size)
+        dims.build_mesh(device.type)
+        return Trainer(cfg, env, dims, device, trainer.backend, relayout=True)
+
+    while True:
+        try:
+            trainer.fit()
+            return trainer
+        except Exception as e:  # noqa: BLE001 - recover() tells a regroup's error from any other
+            new = in_place.recover(e, trainer, build)
+            if new is None:
+                raise
+            trainer = in_place.current = new  # run() closes this one
+
+
 def run(cfg: Config, env: dist_env.DistEnv) -> int:
     from trainer.runtime import tracking
 
@@ -368,7 +391,12 @@ def run(cfg: Config, env: dist_env.DistEnv) -> int:
     owns_group = not torch.distributed.is_initialized()  # a caller's group outlives this run
     watch = progress.start(cfg, env, nccl=device.type == "cuda" and cfg.parallel.backend != "gloo")
     trainer = None
+    in_place = None
     try:  # from the rendezvous on: a timeout anywhere is one line (progress.stalled)
+        if cfg.elastic.in_place and env.distributed:
+            from trainer.parallel.stage_relayout import InPlace
+
+            in_place = InPlace(cfg, env)  # before the first group: the cut spares only what came before
         backend = dist_env.init_process_group(env, device.type, cfg.parallel.backend, progress.initial_timeout(watch))
         heartbeat.mark("build")
         if env.distributed:
@@ -376,7 +404,11 @@ def run(cfg: Config, env: dist_env.DistEnv) -> int:
         log.info("launcher %s; %s; device %s, backend %s", env.launcher, dims.describe(), device,
                  backend if env.distributed else "none")
         trainer = Trainer(cfg, env, dims, device, backend)
-        trainer.fit()
+        if in_place is None:
+            trainer.fit()
+        else:
+            in_place.attach(trainer)
+            trainer = _fit_in_place(trainer, in_place, device)
     except BaseException as e:  # noqa: BLE001 - the heartbeat's last word, then the error goes on
         if (code := progress.stalled(e, out, env.rank)) is None:  # a collective that timed out: one line
             progress.finished(e)
@@ -384,6 +416,9 @@ def run(cfg: Config, env: dist_env.DistEnv) -> int:
         return code
     finally:
         progress.finished()
+        if in_place is not None:
+            in_place.close()
+            trainer = in_place.current if in_place.current is not False else trainer
         if trainer is not None:
             trainer.close()
         if owns_group:

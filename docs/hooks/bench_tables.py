@@ -280,6 +280,16 @@ def runner(r: Results, _arg: str | None) -> str:
         f"exchange {rj['exchange_s']:.1f} + restart {rj['restart_s']:.1f}",
         "without elasticity the run stops and waits for a person: inventory edit, re-split, `up --resume`",
         "unattended vs by hand", f"cut to first step <= 60 s, {met(sh['cut_to_step_s'] <= 60)}"])
+    if "in_place" in el:  # issue 58: the same cut, the survivors regrouped in their own processes
+        ip = el["in_place"]["median"]
+        rows.append([
+            f"the same with `--elastic.in_place true`: the survivors regroup in their processes, stages from "
+            f"memory (median of {el['in_place']['repeat']})",
+            f"{secs(ip['cut_to_step_s'])} = detect {ip['detect_s']:.1f} + file {ip['file_s']:.1f} + regroup "
+            f"{ip['regroup_s']:.1f} + first step {ip['first_step_s']:.1f}; {ip['steps_redone']:.0f} step(s) redone; "
+            f"replicas {ip['replica_cost_pct']:.1f}% of a step",
+            f"the restart path above: {secs(sh['cut_to_step_s'])}", ratio(sh["cut_to_step_s"] / ip["cut_to_step_s"]),
+            f"<= 15 s, <= 1 step redone, replicas < 3%: {met(ip['cut_to_step_s'] <= 15 and ip['steps_redone'] <= 1 and ip['replica_cost_pct'] < 3)}"])
 
     pi = li["pi_experiment"]
     fast, slow = pi["1gbit"], pi["100mbit"]
@@ -306,9 +316,9 @@ def startup(r: Results, _arg: str | None) -> str:
     s = r("startup.json")
     rows, targets, heavy = s["rows"], s["targets"], s["heavy_imports"]
 
-    def cell(name: str) -> str:
+    def cell(name: str) -> str:  # milliseconds: git's 2 ms and SkyPilot's seconds in one column
         v = rows[name]
-        return f"{secs(v['median_s'])} (min {secs(v['min_s'])})"
+        return f"{v['median_s'] * 1000:,.0f} ms (min {v['min_s'] * 1000:,.0f} ms)"
 
     ours = [k for k in rows if k.startswith("runner ")]
     out = []
@@ -317,12 +327,13 @@ def startup(r: Results, _arg: str | None) -> str:
         target = targets.get(k)
         out.append([f"`{k}`", cell(k), cell(before) if before in rows else "-",
                     ", ".join(heavy.get(k, [])) or "none", ", ".join(heavy.get(before, [])) or "-",
-                    f"<= {target} s, {met(rows[k]['median_s'] <= target)}" if target else "reported"])
+                    f"median <= {target * 1000:.0f} ms, {met(rows[k]['median_s'] <= target)}" if target else "reported"])
     main = table(["command", "now: median (min)", "before", "heavy imports now", "before", "target"], out)
     others = [[f"`{k}`", cell(k)] for k in rows if not k.startswith(("runner ", "before: "))]
     versions = ", ".join(f"{k} {v}" for k, v in (s.get("versions") or {}).items())
     return (main + "\n\nAlongside, in the same rounds" + (f" ({versions}, each in a throwaway venv)" if versions else "")
             + ":\n\n" + table(["command", "median (min)"], others)
+            + (f"\n\nBefore: {s['baseline']}." if s.get("baseline") else "")
             + f"\n\n{s['repeats']} rounds, every row once a round, on {s['cpus']} cores (load {s['load_at_start']} at the "
             f"start, {s['load_at_end']} at the end); Python {s['python']}."
             + source("startup.json", command="python -m bench startup --baseline DIR --torchx BIN --sky BIN"))
@@ -444,8 +455,8 @@ def heartbeat(r: Results, _arg: str | None) -> str:
                      f"< {pct(target, 0)}, {met(x['overhead'] < target and x['overhead_by_parts'] < target)}"])
     return (table(["job", "step, heartbeat off", "step, on", "measured", "by its parts", "target"], rows)
             + f"\n\nOn and off every {hb['block']} steps inside each run ({hb['reps']} runs of {hb['steps']} steps, "
-            f"median loop iteration after {hb['warmup']}), the writer at {hb['heartbeat_s']:g} s (20x the default "
-            f"rate). The parts: one mark {p['mark_ns']:.0f} ns ({p['mark_off_ns']:.0f} ns with no heartbeat), one "
+            f"median loop iteration after {hb['warmup']}), the file written every {hb['heartbeat_s']:g} s. "
+            f"The parts: one mark {p['mark_ns']:.0f} ns ({p['mark_off_ns']:.0f} ns with no heartbeat), one "
             f"write of the file {p['write_us']:.0f} us, on {hb['cores']} cores (load {hb['load_avg'][0]:.1f})."
             + source("heartbeat.json", command="python -m bench heartbeat"))
 

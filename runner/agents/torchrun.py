@@ -22,7 +22,9 @@ Standard library only until torchrun starts (runs in the trainer image; see runn
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import sys
 import time
 
@@ -66,6 +68,20 @@ def acknowledge(store, rank: int, timeout: float = ACK_TIMEOUT_S,
     return True
 
 
+def regrouped(run_dir: str | None = None) -> bool:
+    """The workers left the layout the agents started in (trainer elastic.in_place: regroup.json of
+    epoch 1 or later in OUTPUT_DIR): a lost node's agent never reaches the exit barrier, and one
+    that waited for it would hold a finished run for exit_barrier_timeout (300 s)."""
+    path = os.path.join(run_dir or os.environ.get("OUTPUT_DIR", "/out"), "regroup.json")
+    try:
+        with open(path, "rb") as fh:
+            doc = json.loads(fh.read(1 << 16))
+    except (OSError, ValueError, RecursionError):
+        return False
+    epoch = doc.get("epoch") if isinstance(doc, dict) else None
+    return type(epoch) is int and epoch >= 1
+
+
 def mend_exit_barrier() -> bool:
     """Wrap torchrun's agent's exit barrier with `acknowledge`. False where this torch has no such
     barrier (nothing changed)."""
@@ -80,6 +96,10 @@ def mend_exit_barrier() -> bool:
         return True
 
     def _exit_barrier(self) -> None:
+        if regrouped():
+            log.warning("runner: the workers regrouped in place (regroup.json); the agents' exit barrier "
+                        "counts the old layout's nodes: not waited for")
+            return
         announce(self._store)
         original(self)
         acknowledge(self._store, self._worker_group.group_rank, passthrough=(SignalException,))

@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 
 from contract.model_size import NotSized
+from contract.regroup import NewLayout, Regroup, dumps
 from runner.core.errors import UserError
 from runner.inventory import Inventory
 from runner.inventory.elastic_spec import ElasticSpec
@@ -201,6 +202,39 @@ def render(inv: Inventory, spec: ElasticSpec) -> str:
         except UserError as exc:
             lines.append(f"  without {gone}: stops ({str(exc).removeprefix('elastic: ')})")
     return "\n".join(lines)
+
+
+def in_place_on(inv: Inventory) -> bool:
+    """The job's args turn on the trainer's in-place regroup (`--elastic.in_place true`,
+    docs/checkpoints.md): the runner then writes regroup.json on a loss before it restarts anything.
+    Read from job.args only: a config file that turns it on alone leaves the runner on the restart
+    path (the trainer waits elastic.wait_s for a file that never comes, then the restart goes on)."""
+    on, args = False, list(inv.job.args)
+    for i, a in enumerate(args):  # the last one given wins, as the trainer reads them
+        name, eq, value = a.partition("=")
+        if name == "--elastic.in_place":
+            on = (value if eq else (args[i + 1] if i + 1 < len(args) else "")).lower() in ("true", "1", "yes")
+    return on
+
+
+def regroup_spec(inv: Inventory, layout: Layout, epoch: int, port: int, token: str, partition: str,
+                 why: str, at_step: int | None = None, timeout_s: float = 60.0) -> Regroup:
+    """The regroup.json (contract/regroup.py) that moves the running job into `layout` in place:
+    ranks by node in the layout's order (torchrun's: node rank x its processes + local rank), the
+    new master's address, a port the runner chose free on it. ValueError (as a rank would refuse
+    it) for a layout the file cannot say."""
+    ranks, nxt = {}, 0
+    for name in layout.nodes:
+        n = inv.node(name)
+        k = inv.job.nproc_per_node or n.slots
+        ranks[name] = list(range(nxt, nxt + k))
+        nxt += k
+    spec = Regroup(epoch=epoch, token=token, master_addr=inv.node(layout.nodes[0]).rank_addr, master_port=port,
+                   world_size=nxt, ranks=ranks, layout=NewLayout(layout.pp, layout.dp, layout.tp, layout.batch_size,
+                                                                 partition),
+                   at_step=at_step, timeout_s=timeout_s, why=why[:200])
+    dumps(spec)  # checked as a rank reads it
+    return spec
 
 
 def event(kind: str, **fields) -> dict:

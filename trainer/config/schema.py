@@ -197,6 +197,15 @@ class WatchConfig:
 
 
 @dataclass
+class ElasticConfig:
+    in_place: bool = False              # a node lost: the survivors regroup in their processes, stages from the
+                                        # neighbours' in-memory replicas (docs/checkpoints.md); off: containers restart
+    wait_s: float = 30.0                # after a failed step, how long to wait for the runner's regroup.json
+                                        # before the error ends the process (the restart path then)
+    replica_every: int = 1              # refresh the in-memory stage replicas every N steps (N-1 steps redone at most)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -208,6 +217,7 @@ class Config:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     watch: WatchConfig = field(default_factory=WatchConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
     output_dir: str = "outputs"         # where the run writes everything (env OUTPUT_DIR; the runner sets /out)
 
     def to_dict(self) -> dict:

@@ -20,11 +20,13 @@ from __future__ import annotations
 import json
 import logging
 import re
+import secrets
 import sys
 import threading
 import time
 from pathlib import Path
 
+from contract.regroup import REGROUP_FILE, dumps, parse_status, status_name
 from runner.backends.ssh.node_runs import stop_node
 from runner.backends.ssh.watch import FAIL_STOP_GRACE_S
 from runner.core.errors import UserError
@@ -34,19 +36,26 @@ from runner.inventory.elastic_spec import ElasticSpec
 from runner.planning.elastic import (
     ELASTIC_FILE,
     EVENTS_MAX,
+    RULE_PARTITIONS,
     choose,
     event,
     job_layout,
     parse_events,
+    regroup_spec,
     replicas_args,
     sub_inventory,
 )
+from runner.planning.job_settings import job_settings
 from runner.planning.paths import node_paths
 from runner.transport.cluster import Cluster
+from runner.transport.rendezvous import pick_master_port
 from runner.transport.ssh import Remote
 
 log = logging.getLogger("runner.up")
 RETRY_S = 2.0  # how often a lost node is tried again
+IN_PLACE_TIMEOUT_S = 60.0  # regroup.json written to every survivor's rank `resumed` (then: restart)
+STATUS_POLL_S = 0.2
+STATUS_MAX = 4096
 
 
 class ElasticRun:
@@ -58,9 +67,11 @@ class ElasticRun:
         self.lost: dict[str, str] = {}        # node -> why, while it does not answer
         self.back = threading.Event()         # a lost node answered again and `rejoin` is on
         self.returned: list[str] = []         # ... which ones
+        self.stuck: set[str] = set()          # nodes whose rank hung (issue 57): back, but not taken again
         self.events: list[dict] = []
         self.pending: dict = {}               # what the next layout event says (why, steps seen)
         self.planned = 0.0                    # when the last layout was chosen (time.time())
+        self.epoch = 0                        # the last regroup.json's epoch (in-place regroups)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -89,6 +100,8 @@ class ElasticRun:
         when the nodes left cannot go on."""
         if not gone:
             return False
+        if failed is not None and getattr(failed, "hung", False):  # the hang watch's: out for this run
+            self.stuck.add(failed.node)
         for node, why in gone.items():
             self.lost[node] = why
             cl[node].abandon()
@@ -121,11 +134,56 @@ class ElasticRun:
         with self._lock:
             back, self.returned = self.returned, []
             self.back.clear()
-        alive = [n.name for n in self.full.ordered() if n.name not in self.lost]
+        alive = [n.name for n in self.full.ordered() if n.name not in self.lost and n.name not in self.stuck]
         self.layout = choose(self.full, alive, self.want)
         self.planned = time.time()
         self.pending = {"why": f"{', '.join(back)} back", "last_step": last_step}
         sys.stderr.write(f"runner: run {run_id}: {', '.join(back)} back: going on with {self.layout.shown}\n")
+
+    # -- in place (the trainer's elastic.in_place) ------------------------------------------------
+    def regroup_in_place(self, cl: Cluster, run_id: str, homes: dict[str, str | None], ev) -> bool:
+        """A node lost while the others run: they regroup in their processes (trainer/parallel/
+        stage_relayout.py) on the regroup.json written here into each one's run dir, and this waits
+        for every rank's `resumed`. True: the run goes on (watched on without the node); False: the
+        caller takes the restart path, nothing changed here (no layout, a write or a rank failed, late)."""
+        alive = [n for n in self.layout.nodes if n != ev.node and n not in self.lost]
+        if len(alive) < self.spec.min_nodes:
+            return False
+        try:
+            layout = choose(self.full, alive, self.want)
+            part = layout_split(self.inventory()) or str(job_settings(self.full.job)["parallel.partition"])
+            if not part.startswith(RULE_PARTITIONS[:3]):
+                return False  # `auto` is pinned per layout from the profiles: the restart path does that
+            port = pick_master_port(cl[layout.nodes[0]].listening_ports(), f"{run_id}/regroup/{self.epoch + 1}")
+            spec = regroup_spec(self.full, layout, self.epoch + 1, port, secrets.token_hex(8), part,
+                                f"lost {ev.node}", timeout_s=IN_PLACE_TIMEOUT_S)
+        except (UserError, ValueError, OSError) as exc:
+            log.warning("elastic: in place not possible (%s); restarting instead", exc)
+            return False
+        runs = {n: node_paths(self.full.node(n), homes.get(n)).run(run_id) for n in alive}
+        text = dumps(spec).encode()
+        wrote = time.time()
+        errors = [f"{n}: {err}" for n, _, err in cl.map(alive, lambda n: cl[n].put_bytes(f"{runs[n]}/{REGROUP_FILE}",
+                                                                                          text)) if err]
+        status = None if errors else wait_resumed(cl, runs, spec, {n: len(spec.ranks[n]) for n in alive})
+        if status is None or isinstance(status, str):
+            log.warning("elastic: in-place regroup epoch %d failed (%s); restarting instead", spec.epoch,
+                        "; ".join(errors) or status or "?")
+            return False
+        self.epoch, old, self.layout, self.planned = spec.epoch, self.layout, layout, wrote
+        why = printable((ev.error or "unreachable")[:200])
+        self.lost[ev.node] = why
+        cl[ev.node].abandon()
+        self.note(cl, run_id, event("lost", node=ev.node, why=why, last_answer=ev.since, detected=ev.detected))
+        steps = [s.get("step") for s in status.values() if isinstance(s.get("step"), int)]
+        self.note(cl, run_id, event("layout", layout=layout.as_dict(), from_step=min(steps) if steps else None,
+                                    split=part, why=f"lost {ev.node}", in_place=True, epoch=spec.epoch,
+                                    planned=wrote, resumed=max(float(s["times"].get("resumed", 0)) for s in
+                                                                status.values())), homes)
+        sys.stderr.write(f"runner: run {run_id}: lost {ev.node}: regrouped in place as {layout.shown} "
+                         f"(was pp {old.pp} x dp {old.dp} x tp {old.tp})\n")
+        self._watch(cl, run_id)
+        return True
 
     # -- events --------------------------------------------------------------------------------
     def started(self, view: Cluster, run_id: str, homes: dict[str, str | None], checkpoint: str | None,
@@ -149,6 +207,8 @@ class ElasticRun:
             log.warning("elastic: %s; the layout history starts again", exc)
             return
         self.events.extend(parse_events(text))
+        # The next regroup.json must be newer than the last one the ranks saw (they pass over the rest).
+        self.epoch = max([e["epoch"] for e in self.events if type(e.get("epoch")) is int] + [self.epoch])
 
     def note(self, cl: Cluster, run_id: str, ev: dict, homes: dict[str, str | None] | None = None) -> None:
         """Append the event; write the whole history to the layout's nodes and the logs dir."""
@@ -193,7 +253,7 @@ class ElasticRun:
                 with self._lock:
                     del self.lost[node]
                     self.events.append(event("back", node=node))
-                    if self.spec.rejoin:
+                    if self.spec.rejoin and node not in self.stuck:
                         self.returned.append(node)
                         self.back.set()
 
@@ -208,6 +268,32 @@ class ElasticRun:
             shown = ", ".join(f"{n} ({printable(w[:200])})" for n, w in self.lost.items())
             sys.stderr.write(f"runner: warning: still unreachable: {shown}; a container of the run may still run "
                              f"there: `runner down -i {self.full.path}` once it is back\n")
+
+
+def wait_resumed(cl: Cluster, runs: dict[str, str], spec, procs: dict[str, int]) -> dict | str:
+    """Every rank's regroup-status (contract/regroup.py) at `resumed` for spec's epoch: (node, local
+    rank) -> its status; or why not (a rank `failed`, or not all within spec.timeout_s)."""
+    deadline = time.time() + spec.timeout_s
+    got: dict = {}
+    while time.time() < deadline:
+        def one(n: str) -> list:
+            return [cl[n].read_text(f"{runs[n]}/{status_name(lr)}", limit=STATUS_MAX) for lr in range(procs[n])]
+
+        for n, texts, err in cl.map(list(runs), one):
+            for lr, t in enumerate(texts if err is None and texts else []):
+                try:
+                    st = parse_status(t or "", f"{n}:{status_name(lr)}") if t else None
+                except ValueError:
+                    st = None
+                if st is not None and st["epoch"] == spec.epoch:
+                    if st["state"] == "failed":
+                        return f"{n} local rank {lr}: {printable(str(st.get('error', ''))[:200])}"
+                    if st["state"] == "resumed":
+                        got[(n, lr)] = st
+        if len(got) == sum(procs.values()):
+            return got
+        time.sleep(STATUS_POLL_S)
+    return f"{sum(procs.values()) - len(got)} rank(s) not resumed within {spec.timeout_s:.0f} s"
 
 
 def last_step(view: Cluster, nodes: list, probes: dict, run_id: str) -> int | None:
