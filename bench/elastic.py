@@ -44,7 +44,7 @@ from pathlib import Path
 import yaml
 
 from bench.sandbox_bench import REPO, runner
-from tests.trainer_run import HOOKS_SYNC, hold_env
+from tests.support.trainer_run import HOOKS_SYNC, hold_env
 
 STATE = Path("/tmp/runner-bench-elastic")
 IMAGE = "runner-trainer:latest"

@@ -55,7 +55,7 @@ fi
 
 t=$(( $(left) - 10 )); [ "$t" -gt 150 ] && t=150
 if [ "$t" -ge 45 ]; then
-  timeout -k 5 "$t" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py \
+  timeout -k 5 "$t" python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu.py \
     -k "master_adamw or master_weights or bf16_step or no_host_sync" > "$W/gpu_tests.txt" 2>&1
   echo "gpu tests: exit $? at $(( $(date +%s) - START ))s: $(tail -n 1 "$W/gpu_tests.txt")" >> "$W/summary.txt"
 else

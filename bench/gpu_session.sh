@@ -4,7 +4,7 @@
 #   bash bench/gpu_session.sh [--smoke] OUT [BUDGET_S]        (from anywhere; BUDGET_S default 240)
 #
 # 1. environment.txt: nvidia-smi (read only), torch / CUDA / transformers / pytest versions.
-# 2. pytest -m gpu tests/test_gpu.py, at most PYTEST_MAX_S (default 80 s; the tests run most telling
+# 2. pytest -m gpu tests/gpu/test_gpu.py, at most PYTEST_MAX_S (default 80 s; the tests run most telling
 #    first): pytest_gpu.txt (one line per test as it finishes, so a cut-off run still shows what
 #    passed) and pytest_gpu.xml (JUnit, written at the end). A failing test does not stop the session.
 # 3. bench gpu_throughput (bench/gpu_throughput.py) with the time left less 10 s: gpu_throughput.json
@@ -69,7 +69,7 @@ test_budget=$(( $(left) - 70 ))
 [ "$test_budget" -lt 10 ] && test_budget=10
 if $PY -c 'import pytest' 2>/dev/null; then
   say "pytest -m gpu, at most ${test_budget}s"
-  timeout -k 5 "$test_budget" $PY -m pytest -m gpu tests/test_gpu.py -v -rA -p no:cacheprovider \
+  timeout -k 5 "$test_budget" $PY -m pytest -m gpu tests/gpu/test_gpu.py -v -rA -p no:cacheprovider \
     --junitxml="$OUT/pytest_gpu.xml" > "$OUT/pytest_gpu.txt" 2>&1
   rc=$?
 else

@@ -42,7 +42,7 @@ def _stack() -> str:
 
 def host_syncs(run) -> list[str]:
     """Each synchronising CUDA call `run()` makes, as torch's sync debug mode reports it, with the
-    Python stack that made it ("MESSAGE AT file:line fn <- ..."); tests/test_gpu.py uses it too."""
+    Python stack that made it ("MESSAGE AT file:line fn <- ..."); tests/gpu/test_gpu.py uses it too."""
     import torch
 
     found: list[str] = []

@@ -38,7 +38,7 @@ transformers: `datasets` is never imported (synthetic tokens).
 
 `--smoke` runs every path of the harness on CPU with a tiny model in seconds (numbers meaningless):
 real rows, a forced out-of-memory row, a row that hangs into its timeout, and a budget that runs
-out; bench/gpu_session.sh --smoke runs it (tests/test_bench_imports.py, with RUN_SLOW=1).
+out; bench/gpu_session.sh --smoke runs it (tests/unit/test_bench_imports.py, with RUN_SLOW=1).
 """
 
 from __future__ import annotations

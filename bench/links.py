@@ -60,7 +60,7 @@ def pi_experiment(inv: Path, steps: int) -> dict:
 
 
 def containers(inv: Path, node: str, run_id: str) -> list[str]:
-    from tests.runner_helpers import node_docker
+    from tests.support.runner_helpers import node_docker
 
     res = node_docker(inv, node, "ps", "-q", "--filter", f"label=io.runner.run-id={run_id}")
     return res.stdout.split()
@@ -76,7 +76,7 @@ def sleep_job() -> Path:
 def partition_once(inv: Path, watched: bool, wait_s: float = 30.0) -> float | None:
     """Cut node-2's link once every rank runs; seconds until node-0/1 have no container of the run
     (None: still running `wait_s` after the cut)."""
-    from tests.runner_helpers import start_attached, up_detached, wait_for
+    from tests.support.runner_helpers import start_attached, up_detached, wait_for
 
     proc = None
     if watched:

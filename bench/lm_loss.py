@@ -35,7 +35,7 @@ WAYS = ("full logits", "chunks, recomputed", "chunks, head gradient in forward")
 
 def peak_cpu_bytes(fn) -> int:
     """Peak bytes the CPU allocator held above its level at the start of `fn` (the profiler's memory
-    events); tests/test_trainer_compile.py and tests/test_head_loss_grad.py use it too."""
+    events); tests/distributed/test_trainer_compile.py and tests/unit/test_head_loss_grad.py use it too."""
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile

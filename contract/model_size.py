@@ -2,7 +2,7 @@
 block and of its head, and what each part saves for backward per token. With contract/memory.py's
 `stage_memory` this sizes a pipeline stage; the runner uses it for `runner up --dry-run` (it never
 imports torch) and `trainer --dry-run` prints the same arithmetic beside what it counts on the meta
-device. tests/test_sizing.py holds the two equal: parameters exactly, activations within 2 %.
+device. tests/unit/test_sizing.py holds the two equal: parameters exactly, activations within 2 %.
 
 The families with a plain stack of identical blocks: Llama/SmolLM, Qwen2, Qwen3, GPT-2, BERT,
 BLOOM. T5 (two stacks), ViT-MAE and Wide-ResNet are sized by `trainer --dry-run` only.

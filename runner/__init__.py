@@ -1,6 +1,6 @@
 """The runner: the user's machine's half (no torch). `runner.api` is the Python API the command
 line itself calls. Packages in layers, top to bottom (each imports only its own and those below;
-tests/test_layers.py checks it):
+tests/unit/test_layers.py checks it):
 
 - cli/: the command line, parsers and rendering only; api: the typed Python API
 - backends/: where a run goes (ssh/, slurm/), every verb behind one interface

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The fuzzers (tests/test_fuzz_*.py: what the runner reads, the trainer's command lines) for longer
+# The fuzzers (tests/unit/test_fuzz_*.py: what the runner reads, the trainer's command lines) for longer
 # than CI runs them: round after round of new random examples until MINUTES are spent, then the
 # examples tried per target and the failures found recorded in bench/results/fuzz.json.
 #
 #   scripts/fuzz.sh [MINUTES]        # default 30; run it under the heavy lock on a shared machine:
 #   flock /tmp/heavy-tests.lock scripts/fuzz.sh 30
 #
-# Each round is `HYPOTHESIS_PROFILE=long pytest tests/test_fuzz_*.py` (tests/fuzz_support.py: no
+# Each round is `HYPOTHESIS_PROFILE=long pytest tests/unit/test_fuzz_*.py` (tests/support/fuzz_support.py: no
 # derandomizing, FUZZ_LONG_EXAMPLES examples per target and round, default 2000). A failing example
 # is printed by hypothesis with the blob that reproduces it (@reproduce_failure) in its round's log,
 # kept in a /tmp/fuzz-logs.* folder named in the JSON. The last round may run past MINUTES: rounds
@@ -26,11 +26,11 @@ while (( $(date +%s) < deadline )) || (( round == 0 )); do
   round=$((round + 1))
   echo "fuzz: round $round ($(( (deadline - $(date +%s)) / 60 )) min left)" >&2
   HYPOTHESIS_PROFILE=long FUZZ_STATS="$work/stats.jsonl" \
-    "$py" -m pytest -p no:cacheprovider -p no:randomly -q -W ignore::Warning tests/test_fuzz_*.py \
+    "$py" -m pytest -p no:cacheprovider -p no:randomly -q -W ignore::Warning tests/unit/test_fuzz_*.py \
     --junitxml="$work/round-$round.xml" >"$logs/round-$round.log" 2>&1 || true
 done
 "$py" - "$work" "$minutes" "$start" "$round" "$logs" <<'EOF'
-"""Sum the rounds: examples per target (tests/fuzz_support.py's counts), failures per test (junit)."""
+"""Sum the rounds: examples per target (tests/support/fuzz_support.py's counts), failures per test (junit)."""
 import collections, glob, json, os, platform, sys, time
 import xml.etree.ElementTree as ET
 
@@ -67,7 +67,7 @@ try:
 except (OSError, ValueError):
     out = {}
 out = out if isinstance(out, dict) else {}
-# targets are the runner's (tests/test_fuzz_inventory.py) or the trainer's ("trainer ...")
+# targets are the runner's (tests/unit/test_fuzz_inventory.py) or the trainer's ("trainer ...")
 for name, mine in (("runner", lambda k: not k.startswith("trainer")), ("trainer", lambda k: k.startswith("trainer"))):
     if any(mine(k) for k in examples):
         out[name] = section(mine)

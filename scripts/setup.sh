@@ -19,13 +19,13 @@ PKGS=(docker.io openssh-server openssh-client debootstrap docker-compose iproute
       # runc for Slurm's native OCI containers
       slurm-wlm munge runc
       # Go's archive/tar (the reader inside `docker load`) for the relay header fuzz test
-      # (tests/test_relay_headers.py builds tests/tarlist/main.go with it)
+      # (tests/unit/test_relay_headers.py builds tests/tarlist/main.go with it)
       golang-go
-      # bsdtar (libarchive), the tar of a macOS laptop: tests/test_laptop_tar.py runs sync's and
+      # bsdtar (libarchive), the tar of a macOS laptop: tests/unit/test_laptop_tar.py runs sync's and
       # push's local tar commands with it
       libarchive-tools
       # a headless browser: the docs site's pages rendered, screenshotted and read back
-      # (tests/test_docs_site.py)
+      # (tests/unit/test_docs_site.py)
       chromium)
 missing=()
 for p in "${PKGS[@]}"; do

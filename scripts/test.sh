@@ -27,8 +27,8 @@ cov=(--cov --cov-report=term)
 [[ ${COVERAGE:-1} == 0 ]] && cov=()  # COVERAGE=0: no measurement at all
 # Two workers by default (TEST_WORKERS=0: one process): each cluster's tests on one worker, the rest
 # beside them, filling the time the sandbox tests wait on nodes, links and grace periods
-# (tests/worker_share.py). The longest groups go out first, by tests/durations.json; TEST_TIMES=FILE
-# records each test's span there, and `python -m tests.worker_share FILE` rewrites durations.json.
+# (tests/support/worker_share.py). The longest groups go out first, by tests/durations.json; TEST_TIMES=FILE
+# records each test's span there, and `python -m tests.support.worker_share FILE` rewrites durations.json.
 workers=(-n "${TEST_WORKERS:-2}" --dist loadgroup)
 [[ ${TEST_WORKERS:-2} == 0 ]] && workers=(-p no:xdist)
 # --durations: the 30 slowest steps close every run, so CI's own output says where its time went.

@@ -13,7 +13,7 @@ import pytest
 
 from runner.delivery.host_engine import host_engine
 from tests import IMAGE, REPO
-from tests.worker_share import (
+from tests.support.worker_share import (
     groups,
     groups_file,
     machine_share,
@@ -70,7 +70,7 @@ def require(what: str, ok: bool, reason: str) -> None:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
-    groups(items)  # which worker runs what (tests/worker_share.py)
+    groups(items)  # which worker runs what (tests/support/worker_share.py)
     if os.environ.get("RUN_SLOW") == "1":
         return
     skip_slow = pytest.mark.skip(reason="slow tier (qemu emulation, benchmark smoke runs, layouts beyond one per "
@@ -154,9 +154,9 @@ def _sandbox_cluster(state, *up_args: str):
 
 @pytest.fixture(scope="session")
 def netns_sandbox(tmp_path_factory, host_docker, have_sshd, trainer_image):
-    """Three nodes in their own network namespaces with the trainer image (tests/netns_sandbox.py):
+    """Three nodes in their own network namespaces with the trainer image (tests/support/netns_sandbox.py):
     the links tests and the elastic runs share it."""
-    from tests.netns_sandbox import netns_cluster
+    from tests.support.netns_sandbox import netns_cluster
 
     yield from netns_cluster(tmp_path_factory)
 
@@ -168,7 +168,7 @@ def pushed(sandbox, trainer_image, tmp_path_factory):
     here is always onto empty nodes, whatever order the tests run in."""
     import time
 
-    from tests.runner_helpers import parse_push, runner, write_job
+    from tests.support.runner_helpers import parse_push, runner, write_job
 
     tmp = tmp_path_factory.mktemp("push")
     job = write_job(tmp)
@@ -197,7 +197,7 @@ def nonroot_sandbox(tmp_path_factory, host_docker, have_sshd):
 def nonroot_pushed(nonroot_sandbox, trainer_image, tmp_path_factory):
     """The trainer image pushed onto the non-root sandbox (as its user: `docker load` through the
     engine's group); the push table's rows."""
-    from tests.runner_helpers import parse_push, runner, write_job
+    from tests.support.runner_helpers import parse_push, runner, write_job
 
     job = write_job(tmp_path_factory.mktemp("push-nonroot"))
     proc = runner("push", "-i", str(nonroot_sandbox), "--job", str(job), timeout=1200)
@@ -247,7 +247,7 @@ def slurm(tmp_path_factory, have_sshd):
     import psutil
     import yaml
 
-    from tests.runner_helpers import runner
+    from tests.support.runner_helpers import runner
 
     require("Slurm", all(shutil.which(t) for t in SLURM_TOOLS), "slurm-wlm / munge are not installed")
     state = tmp_path_factory.mktemp("slurm")

@@ -31,7 +31,7 @@ def build_optimizer(params: list[nn.Parameter], cfg: Config, master: MasterWeigh
     groups = [g for g in groups if g["params"]]
     if o.name == "sgd":
         # Plain SGD, no momentum: the one inner optimizer whose averaged updates are the update of the
-        # averaged gradients (DiLoCo with H = 1 is then DDP: tests/test_diloco.py). Decay is L2 here.
+        # averaged gradients (DiLoCo with H = 1 is then DDP: tests/distributed/test_diloco.py). Decay is L2 here.
         if master is not None and master.compile_backend is not None:
             raise ConfigError("optim.name sgd: compiled bf16 parameters in one process are stepped by MasterAdamW "
                               "only; use optim.name adamw, train.compile false or train.param_dtype fp32")

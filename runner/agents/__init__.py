@@ -9,5 +9,5 @@
   python3
 
 May import: the standard library only (and torch, for the gate, which runs in the image); nothing
-of runner/, since a node has no runner installed. tests/test_layers.py checks both.
+of runner/, since a node has no runner installed. tests/unit/test_layers.py checks both.
 """

@@ -88,7 +88,7 @@ def parse_header(block: bytes) -> tuple:
     only, the exact unsigned checksum, a plain relative name of at most 99 bytes, and no link
     name, prefix or trailing bytes. Anything else (GNU or pax headers, base-256 or NUL-led
     numbers, links, a prefix) is refused: tar readers disagree on those, this one form they all
-    read alike (tests/test_relay_headers.py checks it against Python's, GNU's and Go's)."""
+    read alike (tests/unit/test_relay_headers.py checks it against Python's, GNU's and Go's)."""
     if len(block) != BLOCK:
         raise Refused(f"header of {len(block)} bytes")
     if not block.isascii():

@@ -11,7 +11,7 @@ matching line is OK; else any other key on a matching line is a CHANGED host key
 type: OpenSSH refuses a host whose known key type it is not offered); else the host is NEW.
 `@cert-authority` lines apply to host certificates only, which the runner never negotiates
 (runner/transport/ssh.py offers plain key types only), so, as for OpenSSH with a plain key, they are not
-matched. tests/test_hostile_hostkeys.py checks each form against OpenSSH's client on one server.
+matched. tests/unit/test_hostkeys_known_hosts.py checks each form against OpenSSH's client on one server.
 
 Each file is read once per process; plain names are indexed (paramiko's HostKeys re-checks every
 earlier entry per line: a 1,000-line file read for each of 1,000 nodes cost ~98 s of CPU), pattern

@@ -61,7 +61,7 @@ RANGES: dict[str, tuple[int, int]] = {
 }
 INTS = set(RANGES) - {"train.loss_chunks"}  # loss_chunks may also be "auto"
 # A model's size fields wherever they are given (hf_overrides, a config.json): the trainer's list
-# (within trainer/config/bounds.py MODEL_SIZES: tests/test_hostile_numbers.py).
+# (within trainer/config/bounds.py MODEL_SIZES: tests/unit/test_inventory_numbers.py).
 MODEL_SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "num_layers", "num_decoder_layers", "num_heads", "d_model",
                      "d_ff", "d_kv", "n_head", "n_layer", "image_size", "patch_size", "num_channels", "num_classes")

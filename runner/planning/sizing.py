@@ -4,7 +4,7 @@ anything starts, a plan in which a node cannot hold its pipeline stage.
 
 Torch-free. The job's shape comes from its config file, its trainer args and its env, read for the
 keys that size a stage (the trainer's defaults and seed-flag spellings for those keys, held equal to
-trainer/config/ and trainer/config/flags.py by tests/test_sizing.py); the model from its preset
+trainer/config/ and trainer/config/flags.py by tests/unit/test_sizing.py); the model from its preset
 (contract/presets.py) or, with model.path, from the config.json that job.sync sends there. The
 arithmetic is contract/model_size.py + contract/memory.py, the same `trainer --dry-run` prints.
 
@@ -44,7 +44,7 @@ from runner.core.errors import UserError
 from runner.inventory import Inventory, Job, Node, memory_bytes
 
 # The keys that size a stage, as the trainer reads them, range-checked: runner/planning/job_settings.py
-# (DEFAULTS, FLAGS, SWITCHES, ENV, YAML re-exported: tests/test_sizing.py holds them to the trainer's).
+# (DEFAULTS, FLAGS, SWITCHES, ENV, YAML re-exported: tests/unit/test_sizing.py holds them to the trainer's).
 from runner.planning.job_settings import (  # noqa: F401
     DEFAULTS,
     ENV,

@@ -1,7 +1,7 @@
 """`trainer --print-config`: every config key with its value and a one-line description, as a YAML
 file one can start a config from. The descriptions are the comments beside the fields in
 trainer/config/ (one place to write them); docs/flags.md carries this output for the defaults
-(tests/test_cli_usability.py keeps the two equal; `python -m trainer.config.doc docs/flags.md`
+(tests/unit/test_cli_usability.py keeps the two equal; `python -m trainer.config.doc docs/flags.md`
 rewrites it there after a key is added). Torch-free."""
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ FSDP2's reduce-scatters (and HSDP's / replicate's all-reduces) are metered by Me
 
 Known trap: over gloo, ReduceOp.AVG has been a silent SUM (pytorch/pytorch#162338), so FSDP2
 on gloo is told to reduce with SUM and divide itself (`set_force_sum_reduction_for_comms`).
-tests/test_trainer_dp.py compares every strategy with a single process to catch regressions.
+tests/distributed/test_trainer_dp.py compares every strategy with a single process to catch regressions.
 """
 
 from __future__ import annotations

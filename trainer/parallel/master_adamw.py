@@ -16,7 +16,7 @@ gradient divided by the clip's `grad_scale` as it is read. Its state (`step` as 
 on the parameter's device, `exp_avg`, `exp_avg_sq`) and param groups are the fused AdamW's own, so
 checkpoints move between the two. The update is compiled (inductor: one kernel per parameter,
 dynamic shapes, so one graph for every size) where the run compiles its blocks, and runs as the
-same torch operations otherwise; equal to torch's fused AdamW to rounding (tests/test_master_adamw.py).
+same torch operations otherwise; equal to torch's fused AdamW to rounding (tests/unit/test_master_adamw.py).
 
 A parameter whose gradient was accumulated over microbatches has an fp32 gradient (master_weights.py
 keeps the sum in fp32): the same update reads it (a second graph).

@@ -21,7 +21,7 @@ memory is freed until the next forward (as FSDP2 reshards after the backward). F
 inputs of the root forward are cast to bf16, as FSDP2's `cast_forward_inputs`. A forward without
 a backward (evaluation, no_grad) registers the masters again when it returns.
 
-FSDP2-on-one-rank's losses and gradients bit for bit (tests/test_master_weights.py).
+FSDP2-on-one-rank's losses and gradients bit for bit (tests/unit/test_master_weights.py).
 
 Where the run compiles (train.compile, the CUDA default) the optimizer is master_adamw.MasterAdamW,
 which calls `keep_copies()`: then a single microbatch's gradients stay bf16 on the copies (no fp32

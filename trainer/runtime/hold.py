@@ -15,7 +15,7 @@ files instead of time.
 Switched on only where test code is: a process reads TRAINER_TEST_* (this hold, and the clock skew
 of trainer/profiling/clocks.py) only once it has imported SWITCH_MODULE, a module that exists in
 tests/hooks/ alone. The tests give it to every trainer they start through PYTHONPATH and
-tests/hooks/sitecustomize.py (a runner job: `job.sync` of that folder, tests/trainer_run.py
+tests/hooks/sitecustomize.py (a runner job: `job.sync` of that folder, tests/support/trainer_run.py
 `hold_env`, `HOOKS_SYNC`). The image, the runner and a user's job never carry it, so these
 variables in a job's env (an inventory someone handed you) do nothing: before, one value of
 TRAINER_TEST_HOLD held every rank forever.

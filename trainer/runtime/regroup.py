@@ -1,6 +1,6 @@
 """Leaving a process group that cannot finish, and meeting in a new one, in the same process (issue 58).
 
-Three pieces, each proven in tests/test_regroup.py with real gloo processes:
+Three pieces, each proven in tests/distributed/test_regroup.py with real gloo processes:
 
 1. `ConnectionCut`: how a rank abandons an op that waits on a peer which will never answer. On gloo
    (torch 2.13) nothing torch offers unblocks a `recv` or an `all_reduce` blocked on a stopped peer:
@@ -27,7 +27,7 @@ Three pieces, each proven in tests/test_regroup.py with real gloo processes:
 
 What the training loop does between them (catch the step's error, wait for the file, rejoin,
 assemble the new stages from memory: trainer/parallel/stage_replicas.py, stage_assembly.py) is,
-once integrated, train.run's; tests/regroup_exact.py does it today around an unchanged Trainer.
+once integrated, train.run's; tests/support/regroup_exact.py does it today around an unchanged Trainer.
 """
 
 from __future__ import annotations

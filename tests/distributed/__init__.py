@@ -1,0 +1,1 @@
+"""Several torch.distributed processes on gloo (marker multiproc): layouts equal one process."""

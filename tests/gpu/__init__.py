@@ -1,0 +1,1 @@
+"""Needs a CUDA GPU; skipped without one (marker gpu)."""

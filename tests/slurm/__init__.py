@@ -1,0 +1,1 @@
+"""Against the Slurm sandbox: slurmctld + several slurmd on this machine (marker slurm)."""

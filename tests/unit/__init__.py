@@ -1,0 +1,1 @@
+"""Unit tests: one process, no Docker engine, no cluster; seconds each."""
