@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from contract.model_size import NotSized
 from runner.inventory import Inventory, Node
@@ -79,6 +80,20 @@ def choose(inv: Inventory) -> DpSyncChoice | None:
     except NotSized as exc:
         return DpSyncChoice("allreduce", _args("allreduce", h), [f"dp_sync: allreduce (auto: the job is not sized: {exc})"])
     return decide(load, known_links(inv), h)
+
+
+def without_links(inv: Any, why: str) -> DpSyncChoice | None:
+    """job.dp_sync where no link between the job's nodes can be measured before it starts (a Slurm
+    allocation): auto keeps allreduce and says why in --dry-run, an explicit mode is applied as is."""
+    mode = inv.job.dp_sync
+    if mode is None:
+        return None
+    h = inner_steps(inv)
+    if mode == "auto":
+        return DpSyncChoice("allreduce", _args("allreduce", h),
+                            [f"dp_sync: allreduce (auto: {why}; set job.dp_sync: diloco for slow links)"])
+    return DpSyncChoice(mode, _args(mode, h), [f"dp_sync: {mode} (job.dp_sync)"
+                                               + (f", inner_steps {h}" if mode == "diloco" else "")])
 
 
 def decide(load: StepLoad, matrix: linkmod.LinkMatrix, h: int, fraction: float = SYNC_FRACTION) -> DpSyncChoice:

@@ -167,3 +167,22 @@ def test_without_check_links_the_profile_neighbour_links_are_used(tmp_path, no_n
             and "over link node-0 -> node-1 (2.0 Mbit/s, 2.00 ms, measured by runner profile)" in out), out
     m = dp_sync.known_links(load_inventory(inv, check_files=False))
     assert m.measured == {("node-0", "node-1"): LinkFigure(2e6 / 8, 0.002)}
+
+
+@pytest.mark.parametrize("mode, flags, line", [
+    ("auto", "--parallel.dp_sync allreduce", "dp_sync: allreduce (auto: a Slurm allocation's links are not measured "
+                                             "before it starts; set job.dp_sync: diloco for slow links)"),
+    ("diloco", "--parallel.dp_sync diloco --parallel.diloco.inner_steps 50", "dp_sync: diloco (job.dp_sync), inner_steps 50"),
+])
+def test_a_slurm_job_applies_its_dp_sync_and_says_so(tmp_path, no_network, mode, flags, line):
+    """job.dp_sync on a Slurm inventory reached neither the batch script nor the plan (auto was
+    silently ignored): an explicit mode is applied, auto keeps allreduce and says why."""
+    from runner.api import backend_for
+    from runner.api import load_inventory as load_any
+
+    text = (REPO / "hosts/slurm.yaml").read_text().replace("  grace_period: 120", f"  grace_period: 120\n  dp_sync: {mode}")
+    p = tmp_path / "slurm.yaml"
+    p.write_text(text.replace("config: configs/", f"config: {REPO}/configs/"))
+    out = backend_for(load_any(p)).plan().render()
+    assert f"-m trainer --config /out/config.yaml {flags} \"$@\"" in out
+    assert line in out.splitlines()

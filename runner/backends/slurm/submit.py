@@ -50,7 +50,19 @@ def _prepare(inv: SlurmInventory, options, detach: bool) -> tuple[SlurmInventory
     inv.job = copy.deepcopy(inv.job)
     refuse_for(inv.job, "--scheduler slurm")
     secrets, spec = up_job(options, detach, inv.job, inv.path)
+    if (dp_sync := _dp_sync(inv)) is not None:
+        inv.job.args += dp_sync.args
     return inv, secrets, spec
+
+
+def _dp_sync(inv: SlurmInventory):
+    """job.dp_sync on Slurm (runner/planning/dp_sync.py): the allocation's links are not known
+    before it runs, so auto keeps allreduce; None when the job does not set it."""
+    if inv.job.dp_sync is None:
+        return None
+    from runner.planning.dp_sync import without_links
+
+    return without_links(inv, "a Slurm allocation's links are not measured before it starts")
 
 
 def make_plan(backend, options) -> Plan:
@@ -63,7 +75,8 @@ def make_plan(backend, options) -> Plan:
                            secret_keys=list(secrets))
     sizing, refused = sizing_text(slurm_nodes(inv.slurm, inv.job, inv.path), memory_field="slurm.mem")
     text = (plan.render(inv, _where(inv)) + "\n" + (sizing + "\n" if sizing is not None else "")
-            + ((hang_budget.dry_run_line(inv.job) or "") + "\n").lstrip("\n"))
+            + ((hang_budget.dry_run_line(inv.job) or "") + "\n").lstrip("\n")
+            + "".join(line + "\n" for line in (getattr(_dp_sync(backend.inventory), "lines", None) or [])))
     s = inv.slurm
     image = (s.image or inv.job.image_for(s.arch)) if s.container != "none" else None
     def launches() -> list[NodeLaunch]:  # the allocation's nodes are known once it runs: named by rank here
