@@ -27,7 +27,7 @@ USAGE = """usage: trainer [train] [--config X.yaml | X.yaml] [--section.key VALU
 
 Train (the default command) with a YAML config plus overrides. Precedence: CLI flag > env var >
 YAML > default. Any key: --section.key VALUE (sections model, data, train, optim, schedule,
-parallel, checkpoint, profile, logging, watch; plus --output-dir). Seed flags such as --train_steps,
+parallel, checkpoint, profile, logging, watch, elastic; plus --output-dir). Seed flags such as --train_steps,
 --batch_size, --max-steps, --mbs, --dp/--tp/--pp are accepted as-is: see docs/flags.md.
 Works as one process, under torchrun, srun (Slurm) or mpirun (Open MPI; MASTER_ADDR required).
 

@@ -288,7 +288,7 @@ def harness(tmp_path: Path, *args: str, timeout: float = 600) -> dict:
     from tests.support.trainer_run import _run
     from tests.support.trainer_zygote import torchrun_argv
 
-    script = REPO / "tests" / "regroup_harness.py"
+    script = REPO / "tests" / "support" / "regroup_harness.py"
     argv = [*args]
     proc = _run([sys.executable, str(script), *argv], "torchrun", torchrun_argv(1, script, argv),
                 {"OMP_NUM_THREADS": "1"}, timeout, False)

@@ -160,7 +160,8 @@ out = {}
 for reserved in (None, 10):
     train.memory_bytes = lambda device, r=rank, res=reserved: (1000 * (r + 1), None if res is None else res * (2 - r))
     me = SimpleNamespace(env=SimpleNamespace(distributed=True), device=torch.device("cpu"), backend="gloo")
-    out[str(reserved)] = train.Trainer._memory(me)
+    slots = [float(rank + 1) if i == rank else 0.0 for i in range(2)]  # each rank fills its own (StepTimes)
+    out[str(reserved)] = train.Trainer._memory(me, slots)
 open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w").write(json.dumps(out))
 dist.destroy_process_group()
 """
@@ -169,7 +170,8 @@ dist.destroy_process_group()
 @pytest.mark.multiproc
 def test_memory_is_the_largest_over_ranks(tmp_path):
     """Every rank reports the largest allocated and the largest reserved figure of all ranks
-    (here rank 1 allocates more, rank 0 reserves more)."""
+    (here rank 1 allocates more, rank 0 reserves more), and the step-time slots each rank filled
+    ride on the same all-reduce."""
     script = tmp_path / "memory.py"
     script.write_text(MEMORY_SCRIPT)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
@@ -178,7 +180,7 @@ def test_memory_is_the_largest_over_ranks(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in (0, 1):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert got == {"None": [2000, None], "10": [2000, 20]}
+        assert got == {"None": [[2000, None], [1.0, 2.0]], "10": [[2000, 20], [1.0, 2.0]]}
 
 
 @pytest.mark.multiproc

@@ -37,11 +37,11 @@ TINY_LM = ("--model.hidden_size", "32", "--model.num_attention_heads", "4", "--m
 
 # What `runner up` prints for the demo job: its own lines (a run's start and end, each node's push,
 # the master listening, each rank's exit) and each rank's, prefixed [node/rank]: the trainer's
-# logged lines ([rankN] ...), the resolved config (YAML), the stage table and the bubble summary.
+# logged lines ([rankN] ...), the resolved config (YAML, nested: parallel.diloco), the stage table and the bubble summary.
 # A warning (`...py:760: UserWarning: ...`, `W1126 ...`), a traceback, a library's notice or a
 # blank line matches none of them.
 DEMO_LINE = re.compile(
-    r"\[node-\d+/\d+\] (\[rank\d+\] .*|[a-z_]+:( .*)?|  [a-z_0-9]+: .*|stage \d+ \(pp rank \d+\): .*"
+    r"\[node-\d+/\d+\] (\[rank\d+\] .*|[a-z_]+:( .*)?|(  )+[a-z_0-9]+:( .*)?|stage \d+ \(pp rank \d+\): .*"
     r"|batch \d+ \S+ p=\d+ m=\d+ .*|  rank \d+ stage \d+: .*|master listening on .*|exited 0)"
     r"|run [\w.-]+( started on .*| finished: .*|: \d+ node\(s\) running after .*)"
     r"|push \S+: \S+ \w+ \(\d+/\d+ layers, .*\)|exporting \S+ \(.*\) from the host engine")

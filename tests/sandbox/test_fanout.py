@@ -5,6 +5,7 @@ sockets of its own, and light sandbox nodes for measuring many nodes."""
 from __future__ import annotations
 
 import builtins
+import os
 import subprocess
 import sys
 import threading
@@ -86,7 +87,15 @@ def test_known_hosts_is_read_once_for_every_node(sandbox, monkeypatch):
         hostkeys._cache.clear()
     except ImportError:
         pass
+    real_os_open = os.open
+
+    def counting_os_open(file, *a, **k):  # known_hosts is read with os.open (non-blocking: a FIFO never hangs it)
+        if str(file) == kh:
+            opened.append(str(file))
+        return real_os_open(file, *a, **k)
+
     monkeypatch.setattr(builtins, "open", counting_open)
+    monkeypatch.setattr(os, "open", counting_os_open)
     remotes, failed = connect_each(inv.nodes)
     try:
         assert not failed and len(remotes) == 3

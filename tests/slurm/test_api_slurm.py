@@ -69,7 +69,8 @@ def test_slurm_runs_through_the_api(slurm, tmp_path, monkeypatch, capsys):
     cancel.join(300)
     assert stopped and stopped[0].lines[0].startswith(f"run {run.run_id}: Slurm job {run.job_id} sent USR1; ended "
                                                       "within the grace period"), stopped
-    st = valid(backend.describe(run.run_id))
+    # the job's steps have ended; Slurm may still show it COMPLETING for a moment (its epilog)
+    st = valid(backend.wait(run.run_id, timeout_s=120, poll_s=1.0))
     assert (st.state, st.native_state, st.exit_code) == ("stopped", "FAILED", 143)
     col = backend.collect(run, dest=str(tmp_path / "art"))
     assert col.ok and len(losses(col.dest / "slurm" / "metrics.jsonl")) == 3

@@ -96,7 +96,7 @@ def run_trainer(out_dir: Path, *args: str, nproc: int = 1, env: dict[str, str] |
     if nproc == 1:
         proc = _run(cmd, "trainer", argv, env, timeout, fresh)
     else:
-        proc = _run(cmd, "torchrun", torchrun_argv(nproc, REPO / "tests" / "trainer_entry.py", argv), env, timeout,
+        proc = _run(cmd, "torchrun", torchrun_argv(nproc, REPO / "tests" / "support" / "trainer_entry.py", argv), env, timeout,
                     fresh or not check)
     if check and proc.returncode != 0:
         raise AssertionError(f"trainer exited {proc.returncode}\ncmd: {' '.join(cmd)}\n"
@@ -121,7 +121,7 @@ def run_trainers(runs: list[tuple[Path, tuple[str, ...]]], nproc: int = 1, timeo
     if nproc == 1:
         proc = _run(cmd, "sequence", [str(spec)], None, timeout, False)
     else:
-        proc = _run(cmd, "torchrun", torchrun_argv(nproc, REPO / "tests" / "trainer_sequence.py", [str(spec)]), None,
+        proc = _run(cmd, "torchrun", torchrun_argv(nproc, REPO / "tests" / "support" / "trainer_sequence.py", [str(spec)]), None,
                     timeout, False)
     if proc.returncode != 0:
         raise AssertionError(f"trainer sequence exited {proc.returncode}\ncmd: {' '.join(cmd)} ({spec})\n"

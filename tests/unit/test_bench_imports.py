@@ -198,5 +198,5 @@ def test_gpu_gap_script_names_rows_and_presets_the_bench_has():
     assert [r.batch for r in search][0] == 8 and all(not r.overrides for r in search)
     # the GPU tests it runs: every -k term names at least one test of tests/gpu/test_gpu.py
     terms = re.search(r'-k "([^"]+)"', text)[1].split(" or ")
-    tests = re.findall(r"^def (test_\w+)", (REPO / "tests" / "test_gpu.py").read_text(), re.M)
+    tests = re.findall(r"^def (test_\w+)", (REPO / "tests" / "gpu" / "test_gpu.py").read_text(), re.M)
     assert terms and all(any(t in name for name in tests) for t in terms), (terms, tests)

@@ -97,7 +97,7 @@ def test_the_good_values_still_pass():
 @pytest.mark.parametrize("argv, key", [
     (["--optim.beta1", "1.0"], "optim.beta1"),               # AdamW used to reject it after the model was built
     (["--data.seq_len", "600"], "data.seq_len"),             # used to end in a traceback after the config dump
-    (["--optim.name", "sgd"], "optim.name"),                 # used to be ignored (AdamW ran)
+    (["--optim.name", "lion"], "optim.name"),                # used to be ignored (AdamW ran); sgd is one now
     (["--parallel.pp_schedule", "bogus"], "parallel.pp_schedule"),  # used to be ignored with pp=1
 ], ids=["beta", "positions", "optimizer", "schedule"])
 def test_cli_refuses_before_anything_starts(tmp_path, argv, key):
