@@ -211,3 +211,18 @@ def test_dry_run_prints_the_rule_once_and_hands_the_trainer_the_timeout(no_netwo
     rc, out = run_cli("up", "-i", inventory, "--dry-run")
     assert "hang watch: hang timeout auto = max(120 s, 10 x the median step)" in out
     assert "--watch.hang_timeout_s" not in out
+
+
+def test_a_straggler_that_lags_again_is_not_named_twice(reader):
+    """Seen on the sandbox: a rank at a third of a CPU that caught up for a few steps was named a
+    second time when it lagged again; the run's warning is one line per straggler."""
+    hw, dirs, clock = reader
+    lines = []
+    for step in range(1, 40):
+        lagging = step <= 11 or step > 22
+        for r, n in enumerate(dirs):
+            busy = 0.3 if r == 2 and lagging else 0.1
+            _write(dirs[n], r, _beat(r, n, 3, step, step=step, step_s=0.35, wait_s=0.35 - busy, work=1000))
+        hw.poll()
+        lines += hw.stragglers()
+    assert len(lines) == 1, lines

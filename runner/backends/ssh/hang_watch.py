@@ -72,6 +72,7 @@ class HangWatch:
         self.straggle = rule.Stragglers()
         self._straggle_step = 0
         self.warned: list[str] = []
+        self._warned_ranks: set[int] = set()  # one line per straggler and run, however often it lags again
         self.regrouped = threading.Event()  # set by the watcher: the ranks regrouped in place (a new world)
 
     # -- reading --------------------------------------------------------------------------------
@@ -179,6 +180,9 @@ class HangWatch:
         work = [float(b.work or 0) for b in beats] if all(b.work for b in beats) else None
         lines = []
         for r, ratio in self.straggle.update(busy, work):
+            if r in self._warned_ranks:
+                continue
+            self._warned_ranks.add(r)
             b = beats[r]
             lines.append(f"straggler: rank {r} ({self.rank_node.get(r, b.node)}) computes {ratio:.1f}x slower than "
                          f"the other ranks' median{' per parameter it holds' if work else ''} ({busy[r]:.3f} s busy "
