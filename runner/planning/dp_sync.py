@@ -73,8 +73,7 @@ def choose(inv: Inventory) -> DpSyncChoice | None:
         return None
     h = inner_steps(inv)
     if mode != "auto":
-        return DpSyncChoice(mode, _args(mode, h), [f"dp_sync: {mode} (job.dp_sync)"
-                                                   + (f", inner_steps {h}" if mode == "diloco" else "")])
+        return _fixed(mode, h)
     try:
         load = step_load(inv)
     except NotSized as exc:
@@ -92,8 +91,12 @@ def without_links(inv: Any, why: str) -> DpSyncChoice | None:
     if mode == "auto":
         return DpSyncChoice("allreduce", _args("allreduce", h),
                             [f"dp_sync: allreduce (auto: {why}; set job.dp_sync: diloco for slow links)"])
-    return DpSyncChoice(mode, _args(mode, h), [f"dp_sync: {mode} (job.dp_sync)"
-                                               + (f", inner_steps {h}" if mode == "diloco" else "")])
+    return _fixed(mode, h)
+
+
+def _fixed(mode: str, h: int) -> DpSyncChoice:
+    """An explicit job.dp_sync (allreduce or diloco): applied as written."""
+    return DpSyncChoice(mode, _args(mode, h), [f"dp_sync: {mode} (job.dp_sync)" + (f", inner_steps {h}" if mode == "diloco" else "")])
 
 
 def decide(load: StepLoad, matrix: linkmod.LinkMatrix, h: int, fraction: float = SYNC_FRACTION) -> DpSyncChoice:

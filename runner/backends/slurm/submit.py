@@ -43,16 +43,18 @@ from runner.planning.plan import masked
 from runner.planning.sizing import check_sizing, slurm_nodes
 
 
-def _prepare(inv: SlurmInventory, options, detach: bool) -> tuple[SlurmInventory, dict[str, str], object]:
+def _prepare(inv: SlurmInventory, options, detach: bool) -> tuple[SlurmInventory, dict[str, str], object, list[str]]:
     """What a plan and a submission both do first, on a copy of the job: what Slurm cannot do with
-    it refused, its secrets and notify spec. (inventory, secrets, notify spec)."""
+    it refused, its secrets and notify spec, job.dp_sync's flags. (inventory, secrets, notify spec,
+    job.dp_sync's --dry-run lines)."""
     inv = copy.copy(inv)
     inv.job = copy.deepcopy(inv.job)
     refuse_for(inv.job, "--scheduler slurm")
     secrets, spec = up_job(options, detach, inv.job, inv.path)
-    if (dp_sync := _dp_sync(inv)) is not None:
+    dp_sync = _dp_sync(inv)
+    if dp_sync is not None:
         inv.job.args += dp_sync.args
-    return inv, secrets, spec
+    return inv, secrets, spec, (dp_sync.lines if dp_sync is not None else [])
 
 
 def _dp_sync(inv: SlurmInventory):
@@ -68,7 +70,7 @@ def _dp_sync(inv: SlurmInventory):
 def make_plan(backend, options) -> Plan:
     """The batch script and its torchrun line (Plan.detail: the SlurmPlan), and the sizing of
     slurm.nodes against slurm.mem; nothing contacted or submitted."""
-    inv, secrets, _spec = _prepare(backend.inventory, options, detach=False)
+    inv, secrets, _spec, dp_lines = _prepare(backend.inventory, options, detach=False)
     run_id = dry_run_id(options)
     home = None if inv.slurm.login else str(Path.home())
     plan = make_slurm_plan(inv, run_id, SlurmFacts(home=home), resume=bool(options.resume), requeue=options.requeue,
@@ -76,7 +78,7 @@ def make_plan(backend, options) -> Plan:
     sizing, refused = sizing_text(slurm_nodes(inv.slurm, inv.job, inv.path), memory_field="slurm.mem")
     text = (plan.render(inv, _where(inv)) + "\n" + (sizing + "\n" if sizing is not None else "")
             + ((hang_budget.dry_run_line(inv.job) or "") + "\n").lstrip("\n")
-            + "".join(line + "\n" for line in (getattr(_dp_sync(backend.inventory), "lines", None) or [])))
+            + "".join(line + "\n" for line in dp_lines))
     s = inv.slurm
     image = (s.image or inv.job.image_for(s.arch)) if s.container != "none" else None
     def launches() -> list[NodeLaunch]:  # the allocation's nodes are known once it runs: named by rank here
@@ -99,7 +101,7 @@ def submit_plan(backend, plan: Plan, detach: bool) -> Run:
     if plan.backend != "slurm":
         raise UserError(f"a plan for {plan.backend} runs cannot be submitted to Slurm")
     opts = plan.options
-    inv, secrets, spec = _prepare(backend.inventory, opts, detach)
+    inv, secrets, spec, _dp_lines = _prepare(backend.inventory, opts, detach)
     run = Run(backend="slurm", inventory=str(inv.path), run_id="", detached=detach)
     with notifying(spec, Outcome(inv.path, "slurm")) as outcome:
         # a stage that cannot fit slurm.mem: refused before anything is contacted or submitted
