@@ -27,7 +27,7 @@ import yaml
 
 from tests import IMAGE, REPO
 from tests.support.runner_helpers import node_workdir, runner
-from tests.support.trainer_run import HOOKS_SYNC, hold_env, losses, run_trainer
+from tests.support.trainer_run import HOOKS, HOOKS_SYNC, hold_env, losses, run_trainer
 from tests.support.worker_share import machine_alone
 
 # Under a third of the others: their quotas separate the speeds while the machine has spare time.
@@ -47,7 +47,9 @@ def unequal_inventory(sandbox: Path, tmp: Path) -> Path:
         node["cpus"] = cpus
     doc["job"] = {"image": IMAGE, "config": CONFIG, "master_port": "auto",
                   "args": [*ARGS, "--parallel.partition", "auto", "--train.exit_interval", "2"],
-                  "env": {"OMP_NUM_THREADS": "1"}}
+                  # the hooks' PYTHONPATH in every run (hold_env sets the same): the env is part of a
+                  # profile's key, so the elastic test's held runs plan from the fixture's profiles
+                  "env": {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(HOOKS)}, "sync": [HOOKS_SYNC]}
     p = tmp / "unequal.yaml"
     p.write_text(yaml.safe_dump(doc, sort_keys=False))
     return p
@@ -165,7 +167,6 @@ def test_an_elastic_run_losing_a_fast_node_splits_again_giving_the_slow_node_few
     # step 2: the 3-node layout, before node-2 goes; step 3: the 2-node layout has trained (its
     # stage lines are out) and cannot end the run before node-2 is back.
     doc["job"]["env"].update(hold_env("step:2", "step:3"))
-    doc["job"]["sync"] = [*doc["job"].get("sync", []), HOOKS_SYNC]  # the hold's switch (trainer/runtime/hold.py)
     inv = tmp_path / "elastic.yaml"
     inv.write_text(yaml.safe_dump(doc, sort_keys=False))
     runs_dir = node_workdir(inv, "node-0") / "runs"
