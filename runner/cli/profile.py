@@ -44,7 +44,7 @@ def main(args) -> int:
     if split is not None:
         from runner.profile.auto import render_plan
 
-        print(render_plan(split, uniform, problem))
+        print(render_plan(split, uniform, problem, prof))
     return 0
 
 

@@ -10,7 +10,13 @@ taken back; each time the layout is chosen again here, before anything restarts:
   checkpoint's, so the loss curve equals a resume into the same layout by hand;
 - a layout in which a node cannot hold its stage (runner/planning/sizing.py) is passed over;
 - `parallel.partition` must be a rule (uniform_transformer, parameters, auto, ...): the trainer, or
-  for `auto` the runner from the cached profiles, splits the layers again for the new pp.
+  for `auto` the runner from the cached profiles, splits the layers again for the new pp, with the
+  new pipeline neighbours' links as `runner check --links` cached them where it did;
+- a pure pipeline (dp 1) of 3 stages or more takes its nodes (the master first) in the order whose
+  hops are fastest over the links `runner check --links` cached, where it measured every pair and
+  that order fits (_link_ordered); else the inventory's order. The layout chosen, its pipeline hops
+  are printed with their cached links and check --links' warning for a link too slow for the step
+  (link_lines). The links choose no pp or dp.
 
 Torch-free and pure: the layouts and the refusals are decided from the inventory alone (tests and
 `up --dry-run` use it without a node). The events of a run (`elastic.jsonl` in its run dir) are
@@ -38,7 +44,7 @@ RULE_PARTITIONS = ("uniform_transformer", "uniform", "parameters", "auto")
 
 @dataclass(frozen=True)
 class Layout:
-    nodes: tuple[str, ...]   # node rank order: the master first
+    nodes: tuple[str, ...]   # node rank order: the master first (then the inventory's, or the links', _link_ordered)
     pp: int
     dp: int
     tp: int
@@ -69,11 +75,14 @@ def spec_of(inv: Inventory, flag: bool) -> ElasticSpec | None:
     return inv.job.elastic if inv.job.elastic is not None else (ElasticSpec() if flag else None)
 
 
-def sub_inventory(inv: Inventory, names: list[str] | tuple[str, ...]) -> Inventory:
-    """The inventory restricted to `names`, in its own order; the master stays the master while it
-    is among them, else the first of them is (node rank 0)."""
+def sub_inventory(inv: Inventory, names: list[str] | tuple[str, ...], keep_order: bool = False) -> Inventory:
+    """The inventory restricted to `names`, in its own order (keep_order: in names' order, a
+    layout's, whose first is its master); the master stays the master while it is among them, else
+    the first of them is (node rank 0)."""
     keep = set(names)
     nodes = [n for n in inv.nodes if n.name in keep]
+    if keep_order:
+        nodes.sort(key=lambda n: list(names).index(n.name))
     if not nodes:
         raise UserError(f"{inv.path}: no node left")
     master = inv.master.name if inv.master.name in keep else nodes[0].name
@@ -127,9 +136,46 @@ def choose(inv: Inventory, names: list[str] | tuple[str, ...], want: Layout) -> 
     for lay in found:
         line = _misfit(sub, lay)
         if line is None:
-            return lay
+            return _link_ordered(inv, s, lay)
         why.append(f"pp {lay.pp} x dp {lay.dp}: {line}")
     raise UserError(f"elastic: no layout runs on {', '.join(order)}: " + ("; ".join(why) or "no candidate"))
+
+
+def _link_ordered(inv: Inventory, s: dict, lay: Layout) -> Layout:
+    """lay with its pipeline's nodes in the order whose hops are fastest over the links `runner
+    check --links` cached (runner/planning/link_use.py best_order; the master stays first): a pure
+    pipeline (dp 1) of three stages or more, every pair measured, and the order fitting each node's
+    memory; else lay as it is (the inventory's order)."""
+    if lay.dp != 1 or lay.pp < 3 or len(lay.nodes) < 3:
+        return lay
+    from runner.planning.link_use import best_order
+    from runner.planning.step_load import WIRE_BYTES
+
+    try:
+        hidden = model_of(s, inv.job)[1].hidden
+    except (NotSized, UserError, OSError, ValueError):
+        return lay
+    micro = max(lay.batch_size // int(s["train.microbatch_num"] or 4), 1)
+    got = best_order(sub_inventory(inv, lay.nodes), lay.pp, micro * int(s["data.seq_len"]) * hidden * WIRE_BYTES)
+    if got is None:
+        return lay
+    cand = replace(lay, nodes=tuple(got[0]))
+    return cand if _misfit(sub_inventory(inv, cand.nodes, keep_order=True), cand) is None else lay
+
+
+def link_lines(inv: Inventory, layout: Layout) -> list[str]:
+    """What `runner check --links`' cache says about the layout's links (runner/planning/link_use.py):
+    its pipeline hops' figures and check --links' warning for any too slow for its step; [] where
+    nothing is cached. Printed when a layout is chosen; never refuses one."""
+    from runner.planning.link_use import layout_lines
+
+    sub = sub_inventory(inv, layout.nodes, keep_order=True)
+    plain = [n.name for n in sub_inventory(inv, layout.nodes).ordered()]
+    lines = layout_lines(replace(sub, job=replace(sub.job, args=[*sub.job.args, *layout.args()])), layout.pp)
+    if lines and plain != list(layout.nodes):
+        lines.insert(1, f"elastic: pipeline order {', '.join(layout.nodes)} (inventory order {', '.join(plain)}): "
+                        f"its hops are the fastest of the orders over the cached links")
+    return lines
 
 
 def _misfit(sub: Inventory, lay: Layout) -> str | None:

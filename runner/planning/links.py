@@ -90,13 +90,20 @@ def save(a: Node, b: Node, fig: LinkFigure) -> None:
 
 
 def load(a: Node, b: Node) -> LinkFigure | None:
+    got = load_dated(a, b)
+    return got[0] if got else None
+
+
+def load_dated(a: Node, b: Node) -> tuple[LinkFigure, float | None] | None:
+    """a -> b as cached, with when it was measured (epoch seconds; None in a file that lacks it)."""
     doc = profile_cache.load(KIND, f"{a.name}-{b.name}", pair_key(a, b))
     if not isinstance(doc, dict):
         return None
-    bw, lat = doc.get("bandwidth_Bps"), doc.get("latency_s")
+    bw, lat, at = doc.get("bandwidth_Bps"), doc.get("latency_s"), doc.get("measured_at")
     if not (isinstance(bw, (int, float)) and bw > 0 and isinstance(lat, (int, float)) and lat >= 0):
         return None  # a file edited or half-written by hand: measured again
-    return LinkFigure(float(bw), float(lat))
+    when = float(at) if isinstance(at, (int, float)) and not isinstance(at, bool) and 0 < at < 1e11 else None
+    return LinkFigure(float(bw), float(lat)), when
 
 
 def cached_matrix(nodes: list[Node]) -> LinkMatrix:

@@ -19,6 +19,7 @@ from runner.core.errors import UserError
 from runner.inventory import Inventory, Job
 from runner.inventory.safe_yaml import CONFIG_MAX_BYTES
 from runner.inventory.safe_yaml import load as load_yaml
+from runner.planning.link_use import partition_line
 from runner.profile import doc_check
 from runner.profile.measure import profile_cluster
 from runner.profile.split import (
@@ -113,13 +114,16 @@ def with_pp(prof, pp: int):
     return prof
 
 
-def render_plan(split: Split, uniform: Split | None, problem: Problem) -> str:
+def render_plan(split: Split, uniform: Split | None, problem: Problem, prof=None) -> str:
+    """The split as printed; with the profile, a last line naming the links it took from
+    `runner check --links` (runner/planning/link_use.py), where it took any."""
     text = format_split(split, problem.microbatches)
     if uniform is not None:
         text += (f"\n  uniform_transformer ({uniform.spec}): slowest stage {uniform.bottleneck_s * 1e3:.2f} ms, "
                  f"step ~{uniform.step_s(problem.microbatches):.3f} s predicted "
                  f"({uniform.step_s(problem.microbatches) / split.step_s(problem.microbatches):.2f}x auto's)")
-    return text
+    line = None if prof is None else partition_line([d["node"] for d in prof.nodes], prof.links)
+    return text + (f"\n{line}" if line else "")
 
 
 def pin_auto_partition(cl, probes: dict, run_dir_of, resume: bool, refresh: bool = False,
@@ -154,7 +158,7 @@ def pin_auto_partition(cl, probes: dict, run_dir_of, resume: bool, refresh: bool
     split, uniform, problem = plan_from_profile(prof, inv)
     if split is None:
         return None
-    print(render_plan(split, uniform, problem), flush=True)
+    print(render_plan(split, uniform, problem, prof), flush=True)
     doc = json.dumps({"spec": split.spec, "bounds": split.bounds,
                       "stages": [{"stage": s.stage, "node": s.node, "start": s.start, "end": s.end,
                                   "compute_s": s.compute_s, "comm_s": s.comm_s, "memory_bytes": s.memory_bytes}

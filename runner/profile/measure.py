@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from runner.core.errors import UserError
 from runner.inventory import Inventory, Node
 from runner.planning import profile_cache
+from runner.planning.link_use import neighbour_docs
 from runner.planning.paths import node_paths
 from runner.planning.plan import LABEL_NODE, LABEL_PREFIX, OUT, docker_limits, user_env
 from runner.profile import doc_check
@@ -75,9 +76,11 @@ def profile_cluster(cl: Cluster, probes: dict[str, Probe], refresh: bool = False
     nodes = {n.name: None if refresh else profile_cache.load("node", n.name, keys[n.name]) for n in order}
     nodes = {k: d if doc_check.problem(d, compute=True, link=False) is None else None for k, d in nodes.items()}
     links: list[dict | None] = []
-    for a, b in zip(order, order[1:], strict=False):
-        lk = None if refresh else profile_cache.load("link", f"{a.name}-{b.name}",
-                                                     profile_cache.link_key(keys[a.name], keys[b.name]))
+    # `runner check --links`' cached pairs first (runner/planning/link_use.py): no probe for those links
+    checked: list[dict | None] = [None] * len(order) if refresh else neighbour_docs(order)
+    for a, b, lk in zip(order, order[1:], checked, strict=False):
+        if lk is None and not refresh:
+            lk = profile_cache.load("link", f"{a.name}-{b.name}", profile_cache.link_key(keys[a.name], keys[b.name]))
         links.append(lk if doc_check.problem({"link": lk}, compute=False, link=True) is None else None)
     cached = {n.name: nodes[n.name] is not None for n in order}
     need_compute = {n.name for n in order if nodes[n.name] is None}

@@ -40,6 +40,7 @@ from runner.planning.elastic import (
     choose,
     event,
     job_layout,
+    link_lines,
     parse_events,
     regroup_spec,
     replicas_args,
@@ -79,7 +80,7 @@ class ElasticRun:
     # -- layouts -------------------------------------------------------------------------------
     def inventory(self) -> Inventory:
         """The current layout's nodes, with the trainer args that put the job in it."""
-        sub = sub_inventory(self.full, self.layout.nodes)
+        sub = sub_inventory(self.full, self.layout.nodes, keep_order=True)  # a link-ordered pipeline's order
         extra = [] if self.layout == self.want else self.layout.args(self.want)
         sub.job.args = [*self.base_args, *extra]
         return sub
@@ -125,8 +126,20 @@ class ElasticRun:
         self.pending = {"why": f"lost {', '.join(gone)}", "last_step": last_step}
         sys.stderr.write(f"runner: run {run_id}: lost {', '.join(gone)}: going on with {self.layout.shown} "
                          f"(was pp {old.pp} x dp {old.dp} x tp {old.tp})\n")
+        self.say_links(run_id)
         self._watch(cl, run_id)
         return True
+
+    def say_links(self, run_id: str) -> None:
+        """The new layout's links as `runner check --links` cached them (runner/planning/link_use.py);
+        a cache that cannot be read holds up no recovery."""
+        try:
+            lines = link_lines(self.full, self.layout)
+        except (UserError, OSError, ValueError) as exc:
+            log.debug("elastic: cached links not read: %s", exc)
+            return
+        for line in lines:
+            sys.stderr.write(f"runner: run {run_id}: {line}\n")
 
     def regrow(self, run_id: str, last_step: int | None) -> None:
         """After the running layout was stopped for returning nodes: every node of the inventory
@@ -139,6 +152,7 @@ class ElasticRun:
         self.planned = time.time()
         self.pending = {"why": f"{', '.join(back)} back", "last_step": last_step}
         sys.stderr.write(f"runner: run {run_id}: {', '.join(back)} back: going on with {self.layout.shown}\n")
+        self.say_links(run_id)
 
     # -- in place (the trainer's elastic.in_place) ------------------------------------------------
     def regroup_in_place(self, cl: Cluster, run_id: str, homes: dict[str, str | None], ev) -> bool:
@@ -182,6 +196,7 @@ class ElasticRun:
                                                                 status.values())), homes)
         sys.stderr.write(f"runner: run {run_id}: lost {ev.node}: regrouped in place as {layout.shown} "
                          f"(was pp {old.pp} x dp {old.dp} x tp {old.tp})\n")
+        self.say_links(run_id)
         self._watch(cl, run_id)
         return True
 
