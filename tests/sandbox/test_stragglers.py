@@ -1,8 +1,9 @@
 """Stragglers as the runner shows them (issue 57): `runner status`'s per-node step time and wait
 share from the last metrics record (runner/backends/ssh/step_times.py), checked on records it must
-not trust; and on the sandbox cluster, the reduced Pi pipeline with node-2 limited to a third of a
-CPU (the inventory's `cpus: 0.33`, docker's --cpus): the running `runner up` warns once, naming
-rank 2 and node-2, and `runner status` marks node-2 as the straggler."""
+not trust; and on a sandbox cluster (the non-root one: the session sandbox's worker is CI's critical
+path), the reduced Pi pipeline with node-2 limited to a fifth of a CPU (the inventory's `cpus`,
+docker's --cpus): the running `runner up` warns once, naming rank 2 and node-2, metrics.jsonl flags
+rank 2 and no other, and `runner status` marks node-2 as the straggler."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import yaml
 
 from runner.backends.ssh import step_times
 from tests import IMAGE, REPO
-from tests.support.runner_helpers import runner, runner_cmd, wait_for
+from tests.support.runner_helpers import node_workdir, runner, runner_cmd, wait_for
 
 
 def test_record_times_takes_numbers_of_the_worlds_length_only():
@@ -62,17 +63,26 @@ def test_rows_get_figures_from_the_node_that_logs(monkeypatch):
                                      "straggler": True}
 
 
-# ------------------------------------------------------------------ the sandbox: node-2 at a third of a CPU
+# ------------------------------------------------------------------ the sandbox: node-2 on a fifth of a CPU
 
-STEPS = 40
+# The issue's node "at a third of a CPU" is not decisively slower here: a quota separates the nodes'
+# speeds only while the machine has CPU to spare (on 2 cores beside other work the unlimited nodes get
+# about a third of a CPU too), and node-2's stage holds the LM head, which the rule's per-parameter
+# comparison counts as work. Measured on this machine (2026-12-06): at 0.33, node-2's busy time per
+# parameter was 1.4-2.3x the others' median, varying from step to step and below 1.5 now and then, so
+# the trainer's flag (3 steps in a row) came and went and status's last record could miss it; at 0.2
+# it was 2.2-3.9x (median 3.2) from step 3 to the last, and 1.9-4.1x (median 2.8) beside 2 busy
+# processes. The price: the test took 70-82 s here (40 s at 0.33), on the non-root sandbox's worker.
+SLOW_CPUS = 0.2
+STEPS = 30
 
 
 def _slow_inventory(sandbox: Path, tmp: Path) -> Path:
-    """The session's inventory, node-2 limited to a third of a CPU, beside it (never over it)."""
+    """The session's inventory, node-2 limited to SLOW_CPUS, beside it (never over it)."""
     doc = yaml.safe_load(sandbox.read_text())
     for n in doc["nodes"]:
         if n["name"] == "node-2":
-            n["cpus"] = 0.33
+            n["cpus"] = SLOW_CPUS
     doc["job"] = {"image": IMAGE, "config": str(REPO / "configs/pi-qwen3-3stage-tiny.yaml"), "master_port": "auto",
                   "grace_period": 5, "env": {"OMP_NUM_THREADS": "1"},
                   "args": ["--train.steps", str(STEPS), "--profile_batch", "none", "--data.seq_len", "256",
@@ -82,28 +92,49 @@ def _slow_inventory(sandbox: Path, tmp: Path) -> Path:
     return p
 
 
+def _records(inv: Path, run_id: str) -> list[dict]:
+    """metrics.jsonl's records with per-rank figures (the last stage, on node-2, logs them)."""
+    p = node_workdir(inv, "node-2") / "runs" / run_id / "metrics.jsonl"
+    recs = [json.loads(ln) for ln in p.read_text().splitlines() if ln.strip()] if p.is_file() else []
+    return [r for r in recs if "rank_step_s" in r]
+
+
+def _shown(records: list[dict]) -> str:
+    """Each step's busy seconds per rank and the ranks flagged: what a failure prints."""
+    def busy(r: dict) -> list[float]:
+        return [round(s - w, 3) for s, w in zip(r["rank_step_s"], r["rank_wait_s"], strict=True)]
+
+    return "\n".join(f"step {r.get('step')}: busy {busy(r)} stragglers {r.get('stragglers', [])}" for r in records)
+
+
 @pytest.mark.sandbox
 @pytest.mark.docker
 @pytest.mark.alone  # relative speeds: the other test worker's load must not blur them
-# Not yet steady enough for CI: in one full run no warning came, alone it warned and status's last
-# record no longer flagged the rank (slowness 1.79). RUN_SLOW=1 runs it (issue 57 stays open on it).
-@pytest.mark.slow
-def test_node_at_a_third_of_a_cpu_is_the_straggler_in_the_warning_and_status(sandbox, pushed, tmp_path):
-    inv = _slow_inventory(sandbox, tmp_path)
+def test_node_on_a_fifth_of_a_cpu_is_the_straggler_in_the_warning_metrics_and_status(nonroot_sandbox, nonroot_pushed,
+                                                                                     tmp_path):
+    inv = _slow_inventory(nonroot_sandbox, tmp_path)
     logs = tmp_path / "logs"
     proc = subprocess.run(runner_cmd("up", "-i", str(inv), "--logs-dir", str(logs)), capture_output=True, text=True,
                           cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_id = re.search(r"run (\S+) started", proc.stdout)[1]
+    records = _records(inv, run_id)
+    why = proc.stderr[-1500:] + "\n" + _shown(records)
+    assert len(records) == STEPS, why
+    # the running job's one warning line (the runner's, from the heartbeats)
     warned = [ln for ln in proc.stderr.splitlines() if ln.startswith("runner: warning: straggler:")]
-    assert len(warned) == 1, proc.stderr[-3000:]
+    assert len(warned) == 1, why
     assert warned[0].startswith("runner: warning: straggler: rank 2 (node-2) computes "), warned
+    # metrics.jsonl keeps the figures: the trainer flagged rank 2 in a run of records, never another
+    flagged = [r.get("stragglers", []) for r in records]
+    assert sum(f == [2] for f in flagged) >= STEPS // 2 and all(f in ([], [2]) for f in flagged), why
     st = json.loads(wait_for(lambda: (r := runner("status", run_id, "-i", str(inv), "--json")).returncode == 0
                              and r.stdout, 60))
     by_node = {n["node"]: n["step_times"] for n in st["nodes"]}
-    assert by_node["node-2"]["straggler"] is True, by_node
+    assert by_node["node-2"]["straggler"] is True, (by_node, why)
     assert by_node["node-2"]["ranks"] == [2]
     assert not by_node["node-0"]["straggler"] and not by_node["node-1"]["straggler"], by_node
+    assert by_node["node-2"]["slowness"] >= 1.5, by_node
     # the others wait for it: a larger share of their step than of node-2's
     assert by_node["node-2"]["wait_share"] < min(by_node["node-0"]["wait_share"], by_node["node-1"]["wait_share"])
     table = runner("status", run_id, "-i", str(inv))
@@ -119,3 +150,4 @@ def test_status_table_runs_without_figures(monkeypatch, capsys):
                                                                                              [str(c) for c in t.columns[-1].cells])))
     runs._node_table(RunStatus("ssh", "x.yaml", "r1", "running", "running", None, [NodeStatus("node-0", 0, "running")]))
     assert capsys.readouterr().out.strip() == "step (wait) ['-']"
+
