@@ -54,8 +54,49 @@ def parse_push(out: str) -> dict[str, dict]:
                    "image_mb": float(m[7]), "source": m[8] or ""} for m in PUSH_RE.finditer(out)}
 
 
+# A measured runner process (runner_cmd while pytest --cov measures the tests): coverage started
+# as its start-up hook would (process_startup: data saved at exit; pyproject.toml's parallel = true
+# gives each process its own file beside the tests', which pytest-cov combines into the report),
+# then its variables taken out of the runner's environment again, so that nothing the runner starts
+# measures itself: `sbatch` hands the submitter's environment to the job, whose trainer ranks run
+# this venv's Python (Slurm inventories without a login node), and ranks measured cost +40% CPU.
+_MEASURED = """import os, runpy, coverage
+saved = {{k: os.environ.get(k) for k in ('COVERAGE_PROCESS_START', 'COVERAGE_FILE')}}
+os.environ.update(COVERAGE_PROCESS_START={config!r}, COVERAGE_FILE={data!r})
+coverage.process_startup()
+for k, v in saved.items():
+    os.environ.pop(k) if v is None else os.environ.update({{k: v}})
+runpy.run_module('runner', run_name='__main__', alter_sys=True)
+"""
+
+
+def _measured_start() -> list[str]:
+    """The interpreter options that start `runner`: `-m runner`, or under measurement the same
+    through _MEASURED. Not when every Python subprocess is measured already (COVER_SUBPROCESSES=1
+    scripts/test.sh exports COVERAGE_PROCESS_START), nor without coverage running here, nor
+    with COVER_RUNNER=0 (to time the runner, or see it as `ps` shows it unmeasured)."""
+    if os.environ.get("COVER_RUNNER") == "0":
+        return ["-m", "runner"]
+    try:
+        import coverage
+    except ImportError:
+        return ["-m", "runner"]
+    cov = coverage.Coverage.current()
+    if cov is None or os.environ.get("COVERAGE_PROCESS_START"):
+        return ["-m", "runner"]
+    # Absolute: the runner may run in another directory; coverage made its own path absolute
+    # when it started, in pytest's start directory, which is where the data file resolves.
+    data = os.path.join(_START_DIR, cov.config.data_file)
+    return ["-c", _MEASURED.format(config=str(REPO / "pyproject.toml"), data=data)]
+
+
+_START_DIR = os.getcwd()  # pytest's start directory (this module is imported while collecting)
+
+
 def runner_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "runner", *args]
+    """`python -m runner ARGS`, measured where the tests are (_measured_start): the runner's own
+    code (runner/backends/ above all) is what these subprocesses run."""
+    return [sys.executable, *_measured_start(), *args]
 
 
 def runner(*args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
