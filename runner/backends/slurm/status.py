@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 
 from runner.backends.results import LogLine, NodeStatus, RunStatus, slurm_state
 from runner.backends.slurm.jobs import JobState, job_state, node_names, read_record, resolve_run, workdir
@@ -40,6 +40,7 @@ class Follower:
         self.keep: set[str] | None = None  # the prefixes shown (None: every file's)
         self.offsets: dict[str, int] = {}
         self.split: dict[str, LineSplitter] = {}
+        self.state: JobState | None = None  # the job's, as the last round saw it
 
     def _files(self) -> list[tuple[str, int | None, str]]:
         d = f"{self.run_dir}/slurm"
@@ -85,7 +86,7 @@ class Follower:
             yield self.read()
             if time.monotonic() - last_check > 1.0:
                 last_check = time.monotonic()
-                st = job_state(self.sh, self.job_id, self.run_dir)
+                st = self.state = job_state(self.sh, self.job_id, self.run_dir)
                 if st.state == "COMPLETING" and completing_since is None:
                     completing_since = last_check
                 settling = st.state == "COMPLETING" and last_check - completing_since < COMPLETING_WAIT_S
@@ -94,8 +95,9 @@ class Follower:
                     return st
             time.sleep(POLL_S)
 
-    def follow(self) -> JobState:
-        """Write every round's lines to out until the job has ended; its final state."""
+    def follow(self, tick: Callable[[JobState | None], None] | None = None) -> JobState:
+        """Write every round's lines to out until the job has ended; its final state. `tick`: called
+        after each round with the job's state as last seen (the hang watch: runner/backends/slurm/hang.py)."""
         rounds = self.rounds()
         while True:
             try:
@@ -104,6 +106,8 @@ class Follower:
                 return end.value
             self.out.writelines(f"{ln}\n" for ln in lines)
             self.out.flush()
+            if tick is not None:
+                tick(self.state)
 
     def lines(self, follow: bool, tail: int | str = "all") -> Iterator[LogLine]:
         """Every line there is (follow: and then as they come, until the job ends); tail: only

@@ -34,8 +34,9 @@ from runner.backends.slurm.jobs import (
 from runner.backends.slurm.plan import DOWN_MARK, SlurmFacts, SlurmPlan, make_slurm_plan, oci_config_json
 from runner.backends.slurm.shell import Shell
 from runner.backends.slurm.status import Follower, last_job, last_metrics_line
-from runner.core.errors import Terminated, UserError
+from runner.core.errors import EXIT_HUNG, Terminated, UserError
 from runner.core.node_output import visible
+from runner.core.redact import printable
 from runner.inventory.job_data import refuse_for
 from runner.inventory.slurm import SlurmInventory
 from runner.planning import hang_budget
@@ -209,8 +210,11 @@ def submit(sh: Shell, inv: SlurmInventory, plan: SlurmPlan, secrets: dict[str, s
 
 
 def _follow(sh: Shell, inv: SlurmInventory, plan: SlurmPlan, job_id: str, outcome=None) -> int:
+    from runner.backends.slurm.hang import watch_for
+
+    watch = watch_for(sh, inv, plan, job_id)
     try:
-        st = Follower(sh, plan.run_dir, job_id).follow()
+        st = Follower(sh, plan.run_dir, job_id).follow(watch.tick if watch is not None else None)
         if outcome is not None:
             outcome.nodes = node_names(sh, plan.run_dir, job_id)
             outcome.last_metrics = last_metrics_line(sh, plan.run_dir)
@@ -221,6 +225,16 @@ def _follow(sh: Shell, inv: SlurmInventory, plan: SlurmPlan, job_id: str, outcom
                          f"{plan.run_id} (Slurm job {job_id}, grace {inv.job.grace_period:.0f}s)\n")
         stop_job(sh, plan.run_dir, job_id, inv.job.grace_period)
         return getattr(exc, "exit_code", 130)
+    finally:
+        if watch is not None:
+            watch.close()
+    if watch is not None and (hung := watch.hung) is not None:  # the hang watch cancelled it
+        what = f"node {hung.node} (rank {hung.node_rank}) failed: {hung.verdict.line}"
+        sys.stderr.write(f"runner: error: run {plan.run_id}: {printable(what)}; stopped Slurm job {job_id} "
+                         f"(ended {st.state})\n")
+        if outcome is not None:
+            outcome.summary = f"run {plan.run_id}: {what}"
+        return EXIT_HUNG
     code = st.exit_code
     if st.state in ("COMPLETED", "GONE") and code == 0:
         print(f"run {plan.run_id} finished: Slurm job {job_id} exited 0 on all {inv.slurm.nodes} node(s); "

@@ -5,11 +5,9 @@ before anything is stopped; and, from the same files, one warning line per strag
 Reading: each node's OUTPUT_DIR/heartbeat/rank<R>.json (contract/heartbeat.py) over a dedicated
 SFTP session of its own (every answer whole within READ_TIMEOUT_S, or the session is dropped and
 opened again at the next round: the link itself is the ping thread's to judge), POLL_S apart,
-in a pool as wide as the watcher's. Never trusted: a listing of at most MAX_FILES entries, regular
-files of at most contract.heartbeat.MAX_BYTES only, each validated (`parse`), a refused one named
-once in a warning and left out. Files an earlier attempt left in the run dir (a resume, an elastic
-layout with fewer ranks) are told apart by never moving: a file is taken only once it has changed
-since this watch first saw it, and only when it belongs to this launch's world size.
+in a pool as wide as the watcher's; a listing of at most MAX_FILES entries. What a file must be to
+be taken, and when it counts as this launch's, is the shared reader's (runner/backends/beat_reader.py,
+also the Slurm watch's).
 
 Stacks (contract/stacks.py): `python -m trainer.tools.stacks` as root in every node's container,
 all nodes at once, within STACKS_TIMEOUT_S, before the watcher stops the run; they write
@@ -19,7 +17,6 @@ OUTPUT_DIR/hang-rank<R>.txt, which `runner collect` brings back.
 from __future__ import annotations
 
 import logging
-import stat
 import sys
 import threading
 import time
@@ -30,16 +27,14 @@ from typing import TextIO
 from contract import hang as rule
 from contract import heartbeat as fmt
 from contract import stacks as names
+from runner.backends.beat_reader import MAX_FILES, POLL_S, STACKS_TIMEOUT_S, BeatReader, watched_sftp
 from runner.core.node_output import visible
 from runner.planning.plan import Plan
 from runner.transport.sftp import WatchedSFTP, close_quietly, listdir_within
 from runner.transport.ssh import Remote
 
 log = logging.getLogger("runner.watch")
-POLL_S = 2.0               # between two rounds of reads (the trainer writes every watch.heartbeat_s: 1 s)
-READ_TIMEOUT_S = 10.0      # one SFTP answer, whole
-MAX_FILES = 4096           # entries of a node's heartbeat dir looked at
-STACKS_TIMEOUT_S = 60.0    # the helper waits 5 s for handlers, py-spy at most 30 s a stopped rank
+__all__ = ["POLL_S", "HangWatch", "take_stacks", "world_of"]
 
 
 def world_of(plan: Plan) -> tuple[int, dict[int, str]]:
@@ -54,21 +49,17 @@ def world_of(plan: Plan) -> tuple[int, dict[int, str]]:
     return base, ranks
 
 
-class HangWatch:
+class HangWatch(BeatReader):
     """One per launch: `poll` reads every node once, `verdict` says whether the job is hung (a
     contract.hang.Verdict), `stragglers` the lines to warn with."""
 
     def __init__(self, remotes: dict[str, Remote], plan: Plan, hang_timeout_s: float | None,
                  workers: int = 8, clock: Callable[[], float] = time.monotonic):
-        self.remotes, self.plan, self.clock = remotes, plan, clock
-        self.world: int | None
-        self.world, self.rank_node = world_of(plan)
-        self.watch = rule.Watch(hang_timeout_s=hang_timeout_s, started=clock())
+        world, self.rank_node = world_of(plan)
+        super().__init__(world, hang_timeout_s, clock)
+        self.remotes, self.plan = remotes, plan
         self.workers = max(1, min(workers, len(plan.nodes)))
         self._sftp: dict[str, WatchedSFTP] = {}
-        self._first: dict[tuple[str, str], tuple] = {}   # (node, file) -> what it held when first seen
-        self._fresh: set[tuple[str, str]] = set()        # ... files that moved since: this launch's
-        self._refused: set[tuple[str, str]] = set()
         self.straggle = rule.Stragglers()
         self._straggle_step = 0
         self.warned: list[str] = []
@@ -79,13 +70,7 @@ class HangWatch:
     def _session(self, node: str) -> WatchedSFTP:
         s = self._sftp.get(node)
         if s is None or s.sock.closed:
-            client = self.remotes[node].client
-            transport = client.get_transport() if client is not None else None
-            if transport is None:
-                raise ConnectionError("not connected")
-            chan = transport.open_session(timeout=READ_TIMEOUT_S)
-            chan.invoke_subsystem("sftp")
-            s = self._sftp[node] = WatchedSFTP(chan, node, READ_TIMEOUT_S)
+            s = self._sftp[node] = watched_sftp(self.remotes[node], node)
         return s
 
     def read_node(self, node: str) -> list[fmt.Heartbeat]:
@@ -96,41 +81,18 @@ class HangWatch:
             entries = listdir_within(sftp, d, MAX_FILES) or []
         except OSError:  # no heartbeat dir yet
             return []
-        out = []
-        for a in entries:
-            m = fmt.NAME_RE.fullmatch(a.filename)
-            if not m or a.st_mode is None or not stat.S_ISREG(a.st_mode) or (a.st_size or 0) > fmt.MAX_BYTES:
-                continue
-            key = (node, a.filename)
-            try:
-                with sftp.open(f"{d}/{a.filename}", "r") as fh:
-                    beat = fmt.parse(fh.read(fmt.MAX_BYTES + 1), f"node {node}: {fmt.DIR}/{a.filename}")
-                if beat.rank != int(m[1]):
-                    raise ValueError(f"node {node}: {fmt.DIR}/{a.filename} holds rank {beat.rank}")
-            except OSError:
-                continue  # replaced between the listing and the read: the next round has it
-            except ValueError as exc:
-                if key not in self._refused:
-                    self._refused.add(key)
-                    log.warning("hang watch: %s; left out", visible(str(exc))[:300])
-                continue
-            mark = (beat.pid, beat.pid_start, beat.seq)
-            if key not in self._fresh:
-                if self._first.setdefault(key, mark) == mark:
-                    continue  # unchanged since first seen: an earlier attempt's, or not moving yet
-                self._fresh.add(key)
-            if self.world is None or beat.world_size == self.world:
-                out.append(beat)
-        return out
+
+        def read(name: str) -> bytes:
+            with sftp.open(f"{d}/{name}", "r") as fh:
+                return fh.read(fmt.MAX_BYTES + 1)
+
+        return self.take(f"node {node}", ((a.filename, a.st_mode, a.st_size) for a in entries), read)
 
     def start_over(self) -> None:
         """After an in-place regroup: a new world of new rank numbers, its size not known here; every
         file is an earlier world's until it moves again, and the rule starts over (start-up budget)."""
         self.regrouped.clear()
-        self.watch = rule.Watch(hang_timeout_s=self.watch.hang_timeout_s, started=self.clock())
-        self._first.clear()
-        self._fresh.clear()
-        self.world = None
+        self.restart(None)
         self.straggle, self._straggle_step = rule.Stragglers(), 0
 
     def poll(self, skip: set[str] | frozenset[str] = frozenset()) -> int:
@@ -147,14 +109,9 @@ class HangWatch:
                     if s is not None:
                         close_quietly(s.sock)
                     continue
-                now = self.clock()
-                for b in beats:
-                    self.watch.update(b, now)
+                self.feed(beats)
                 got += len(beats)
         return got
-
-    def verdict(self) -> rule.Verdict | None:
-        return self.watch.verdict(self.clock())
 
     def culprit(self, v: rule.Verdict) -> tuple[str, int]:
         """(node, the node's rank in the plan) of the first rank to blame."""
