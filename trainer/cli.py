@@ -14,6 +14,7 @@ Overrides for `train`:
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 from trainer.config import ConfigError
@@ -64,7 +65,9 @@ def train_main(argv: list[str]) -> int:
     config_path, overrides = parse_train_args(argv)
     cfg = resolve(config_path, overrides)
     env = from_environ()
-    ParallelDims.from_config(cfg.parallel, env.world_size, env.local_world_size)
+    if not (cfg.elastic.in_place and os.environ.get("ELASTIC_JOIN_EPOCH", "").isdigit()):
+        # (a node coming back, joining a running job: its layout comes with regroup.json; train.run checks it)
+        ParallelDims.from_config(cfg.parallel, env.world_size, env.local_world_size)
     from trainer.parallel.compose import check_supported
     from trainer.train import run
 

@@ -345,11 +345,7 @@ class Trainer:
 def _fit_in_place(trainer: Trainer, in_place: Any, device: torch.device) -> Trainer:
     """fit, and after a regroup (a node lost, or a planned switch) fit on in the new layout with the
     stages from memory (trainer/parallel/stage_relayout.py); an error that is no regroup's goes on."""
-    def build(cfg: Config, env: dist_env.DistEnv) -> Trainer:
-        dims = ParallelDims.from_config(cfg.parallel, env.world_size, env.local_world_size)
-        dims.build_mesh(device.type)
-        return Trainer(cfg, env, dims, device, trainer.backend, relayout=True)
-
+    build = _builder(device, trainer.backend)
     while True:
         try:
             trainer.fit()
@@ -359,6 +355,33 @@ def _fit_in_place(trainer: Trainer, in_place: Any, device: torch.device) -> Trai
             if new is None:
                 raise
             trainer = in_place.current = new  # run() closes this one
+
+
+def _builder(device: torch.device, backend: str) -> Any:
+    """How the in-place regroup makes the Trainer of a new layout (after it joined the new group)."""
+    def build(cfg: Config, env: dist_env.DistEnv) -> Trainer:
+        dims = ParallelDims.from_config(cfg.parallel, env.world_size, env.local_world_size)
+        dims.build_mesh(device.type)
+        return Trainer(cfg, env, dims, device, backend, relayout=True)
+    return build
+
+
+def _join_epoch(cfg: Config) -> int | None:
+    """The regroup epoch this process was started to join (a node coming back under elastic.in_place:
+    the runner sets stage_relayout.JOIN_ENV), or None."""
+    value = os.environ.get("ELASTIC_JOIN_EPOCH", "")
+    return int(value) if cfg.elastic.in_place and value.isdigit() and int(value) > 0 else None
+
+
+def _join(in_place: Any, device: torch.device, backend: str) -> Trainer:
+    """A node coming back: no group and no weights until it joins the running ranks' next group and
+    receives its stages from them (stage_relayout.InPlace.join); then the loop, as for any rank."""
+    trainer = in_place.current = in_place.join(backend, _builder(device, backend))
+    if trainer is None:
+        raise RuntimeError(f"elastic.in_place: node {in_place.node} found no regroup epoch "
+                           f"{in_place.join_epoch} to join")
+    trainer = in_place.current = _fit_in_place(trainer, in_place, device)
+    return trainer
 
 
 def run(cfg: Config, env: dist_env.DistEnv) -> int:
@@ -384,7 +407,8 @@ def run(cfg: Config, env: dist_env.DistEnv) -> int:
     cfg.train.param_dtype = dist_env.resolve_param_dtype(cfg.train.param_dtype, cfg.train.dtype, device.type,
                                                           task_of(cfg.model))
     cfg.logging.log_interval = resolve_log_interval(cfg.logging.log_interval, device.type)
-    dims = ParallelDims.from_config(cfg.parallel, env.world_size, env.local_world_size)
+    join = _join_epoch(cfg)  # a node coming back has no layout until its regroup.json: its dims are made then
+    dims = None if join else ParallelDims.from_config(cfg.parallel, env.world_size, env.local_world_size)
     if env.rank == 0:
         log.info("resolved config:\n%s", cfg.to_yaml().rstrip())
     device = dist_env.local_device(device.type, env.local_rank)
@@ -393,11 +417,15 @@ def run(cfg: Config, env: dist_env.DistEnv) -> int:
     trainer = None
     in_place = None
     try:  # from the rendezvous on: a timeout anywhere is one line (progress.stalled)
-        if cfg.elastic.in_place and env.distributed:
+        if cfg.elastic.in_place and (env.distributed or join):
             from trainer.parallel.stage_relayout import InPlace
 
-            in_place = InPlace(cfg, env)  # before the first group: the cut spares only what came before
+            in_place = InPlace(cfg, env, join)  # before the first group: the cut spares only what came before
         backend = dist_env.init_process_group(env, device.type, cfg.parallel.backend, progress.initial_timeout(watch))
+        if in_place is not None and join:
+            trainer = _join(in_place, device, backend)
+            return trainer.exit_code
+        assert dims is not None  # not joining
         heartbeat.mark("build")
         if env.distributed:
             dims.build_mesh(device.type)

@@ -34,9 +34,10 @@ def test_a_planned_switch_ends_the_loop_after_its_step_only():
     class W:
         pending = Regroup(epoch=2, token="t", master_addr="h", master_port=2000, world_size=1, ranks={"a": [0]},
                           layout=NewLayout(1, 1, 1, 16, "p"), at_step=5)
+        epoch = 0
 
     class T:
-        step = 4
+        step, stop_requested = 4, False
 
     cb = BoundaryCallback(W())  # type: ignore[arg-type]
     cb.on_step_end(T(), None)  # step 4: trains on

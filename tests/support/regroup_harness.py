@@ -235,6 +235,10 @@ def main(argv: list[str]) -> int:
         from tests.support.regroup_in_place import in_place
 
         in_place(ctl, how, int(argv[3]), argv[4], argv[5:])
+    elif scenario == "rejoin":
+        from tests.support.regroup_rejoin import rejoin
+
+        rejoin(ctl, argv[3], argv[4:])
     elif scenario == "exact":
         from tests.support.regroup_exact import exact
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import signal
+from collections.abc import Callable
 from types import FrameType
 
 import torch
@@ -30,6 +31,10 @@ class Preemption:
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.group = group               # a gloo group for the vote (None: the default group)
         self.received: int | None = None
+        # More step-end numbers the same all_reduce(MAX) carries, so a feature that must stop every rank
+        # at one step needs no collective of its own (elastic.in_place: a regroup pending); `rode` the results.
+        self.riders: list[Callable[[], int]] = []
+        self.rode: list[int] = []
         self._previous: dict[int, object] = {}
 
     def install(self) -> None:
@@ -49,13 +54,14 @@ class Preemption:
             self.received = signum
 
     def agree(self) -> bool:
-        flag = torch.tensor([0 if self.received is None else 1], dtype=torch.int32)
+        flag = torch.tensor([0 if self.received is None else 1, *(r() for r in self.riders)], dtype=torch.int32)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             # On the host over gloo (self.group on NCCL runs): the vote never waits for the GPU.
             if self.group is None and dist.get_backend() == "nccl":
                 flag = flag.cuda()
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        stop = bool(flag.item())
+        values = flag.tolist()
+        stop, self.rode = bool(values[0]), [int(v) for v in values[1:]]
         if stop and self.received is None:
             self.received = int(signal.SIGTERM)  # another rank got it
         return stop

@@ -16,6 +16,11 @@ their processes and their weights:
    memory (stage_assembly.py: the step every old stage is whole at), the run state restored, and the
    loop goes on; every step writes regroup-status.local<L>.json so the runner knows.
 
+A node coming back: the runner starts one process there with JOIN_ENV (`join`): no group, no weights.
+The running ranks get regroup.json with `at_step` and stop after the same step (BoundaryCallback: the
+pending epoch rides the step-end preemption vote), regroup as in 2-3, and the newcomer receives its
+stages over the new group (stage_assembly.assemble: a rank holding nothing receives all it needs).
+
 What it cannot do falls back to the restart path by ending the process with the error: no
 regroup.json within wait_s, this node left out of the new layout, or some old stage surviving in no
 memory (NoCopy: the restart then resumes from the disk checkpoint).
@@ -42,6 +47,9 @@ from trainer.runtime import heartbeat
 from trainer.runtime.regroup import ConnectionCut, Watcher, rejoin, write_status
 
 log = logging.getLogger("trainer")
+# Set by the runner in the container it starts on a node coming back: the regroup epoch that process
+# joins (it has no group and no weights until then; InPlace.join).
+JOIN_ENV = "ELASTIC_JOIN_EPOCH"
 
 
 class RegroupNow(Exception):
@@ -49,15 +57,52 @@ class RegroupNow(Exception):
 
 
 class BoundaryCallback:
-    """Ends the loop after step `at_step` of a pending planned regroup (a node back: no step abandoned)."""
+    """Ends the loop, on every rank after the same step, once a planned regroup (a node back: no step
+    abandoned) is pending and its `at_step` reached. Ranks see the file at different moments, so a rank
+    acting on its own file would leave the others waiting in the next step: the pending epoch rides the
+    checkpointer's step-end preemption vote (one all_reduce(MAX) that runs anyway; trainer/checkpoint/
+    preempt.py), or, with no vote (checkpoint.on_signal false), a one-number all_reduce of its own.
+    Only at steps whose stage replicas are whole (`every`): the survivors' stages are taken as of it."""
 
-    def __init__(self, watcher: Watcher):
-        self.watcher = watcher
+    def __init__(self, watcher: Watcher, every: int = 1):
+        self.watcher, self.every = watcher, max(1, every)
+        self.vote: Any = None
+        self.slot = -1
+
+    def bind(self, trainer: Any) -> None:
+        """Ride the trainer's preemption vote where it has one."""
+        for cb in trainer.callbacks:
+            vote = getattr(cb, "preemption", None)
+            if vote is not None and hasattr(vote, "riders"):
+                self.vote, self.slot = vote, len(vote.riders)
+                vote.riders.append(lambda: self.mine(trainer))
+                return
+
+    def mine(self, trainer: Any) -> int:
+        """This rank's word: the epoch of a planned regroup due at this step, else 0."""
+        spec = self.watcher.pending
+        due = spec is not None and spec.at_step is not None and trainer.step >= spec.at_step
+        return spec.epoch if due and spec is not None else 0
+
+    def agreed(self, trainer: Any) -> int:
+        if self.vote is not None:
+            return self.vote.rode[self.slot] if len(self.vote.rode) > self.slot else 0
+        word = self.mine(trainer)
+        if getattr(trainer, "env", None) is None or not trainer.env.distributed:
+            return word
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([word], dtype=torch.int64, device=trainer.device if trainer.backend == "nccl" else "cpu")
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
 
     def on_step_end(self, trainer: Any, record: dict | None) -> None:
-        spec = self.watcher.pending
-        if spec is not None and spec.at_step is not None and trainer.step >= spec.at_step:
-            raise RegroupNow(f"regroup epoch {spec.epoch} after step {trainer.step}")
+        epoch = self.agreed(trainer)  # every step where it is a collective of its own: all ranks call it
+        if trainer.stop_requested or trainer.step % self.every:
+            return  # a preemption goes first; replicas not whole at this step: the next such step
+        if epoch > self.watcher.epoch:
+            raise RegroupNow(f"regroup epoch {epoch} after step {trainer.step}")
 
 
 def _parts_names(trainer: Any) -> list[str]:
@@ -79,12 +124,14 @@ def new_config(cfg: Any, spec: Regroup) -> Any:
 class InPlace:
     """One rank's in-place regroup machinery (module doc). Made before the first process group."""
 
-    def __init__(self, cfg: Any, env: Any):
+    def __init__(self, cfg: Any, env: Any, join_epoch: int | None = None):
         self.cfg, self.env = cfg, env
         self.node = os.environ.get("NODE_NAME") or os.uname().nodename
         self.run_dir = Path(cfg.output_dir)
         self.cut = ConnectionCut()  # before any group: what it spares is not a group's
-        self.watcher = Watcher(self.run_dir, self.node, env.local_rank, self.cut).start()
+        self.join_epoch = join_epoch  # a node coming back: the epoch whose group it joins (JOIN_ENV)
+        self.watcher = Watcher(self.run_dir, self.node, env.local_rank, self.cut,
+                               baseline=None if join_epoch is None else join_epoch - 1).start()
         self.replicas: StageReplicas | None = None
         self.history: list[dict[str, Any]] = []
         self.cost = {"refreshes": 0, "copy_s": 0.0, "exchange_cpu_s": 0.0}  # every layout's replicas together
@@ -101,7 +148,10 @@ class InPlace:
             # First: the snapshot is taken, and its exchange runs on its thread, while the checkpointer
             # (and anything after it that may hold the step's end) does its work.
             trainer.callbacks.insert(0, ReplicaCallback(self.replicas))
-        trainer.callbacks.append(BoundaryCallback(self.watcher))  # after the refresh: that step's replicas count
+        # after the refresh and the checkpointer's vote: that step's replicas count, the vote carries the bit
+        boundary = BoundaryCallback(self.watcher, self.cfg.elastic.replica_every if self.replicas else 1)
+        boundary.bind(trainer)
+        trainer.callbacks.append(boundary)
 
     def _retire(self) -> None:
         rep, self.replicas = self.replicas, None
@@ -126,7 +176,8 @@ class InPlace:
         Trainer for a layout (train.py's)."""
         planned = isinstance(error, RegroupNow)
         # planned: the watcher set `pending` and sets its event right after
-        spec = self.watcher.wait(1.0 if planned else float(self.cfg.elastic.wait_s))
+        # planned: the vote may carry another rank's word before this rank's watcher read its own file
+        spec = self.watcher.wait(float(self.cfg.elastic.wait_s))
         if spec is None:
             log.warning("regroup: no regroup.json within elastic.wait_s %.0f s after %s: the restart path takes "
                         "over", self.cfg.elastic.wait_s, type(error).__name__)
@@ -149,17 +200,37 @@ class InPlace:
                          error=f"{type(e).__name__}: {str(e)[:200]}")
             raise
 
+    def join(self, backend: str, build: Callable[[Any, Any], Any]) -> Any | None:
+        """A node coming back (started with JOIN_ENV): no group, no weights. Waits up to elastic.wait_s for
+        its epoch's regroup.json, joins the running ranks' new group and receives its stages from them
+        (the running ranks switch at a step boundary: BoundaryCallback). None: no file, or this node is
+        not in it (the process ends; the runner's restart path goes on)."""
+        self.backend = backend
+        spec = self.watcher.wait(float(self.cfg.elastic.wait_s))
+        rank = None if spec is None else spec.rank_of(self.node, self.env.local_rank)
+        if spec is None or rank is None or spec.epoch != self.join_epoch:
+            log.warning("regroup: started to join epoch %s, got %s: this process ends", self.join_epoch,
+                        "no regroup.json within elastic.wait_s" if spec is None else f"epoch {spec.epoch} without it")
+            return None
+        try:
+            return self._regroup(spec, rank, dict(self.watcher.times), None, build)
+        except Exception as e:
+            write_status(self.run_dir, self.env.local_rank, spec.epoch, "failed", dict(self.watcher.times), rank=rank,
+                         error=f"{type(e).__name__}: {str(e)[:200]}")
+            raise
+
     def _regroup(self, spec: Regroup, rank: int, times: dict[str, float], trainer: Any,  # long: the steps, in order
                  build: Callable[[Any, Any], Any]) -> Any:
         heartbeat.mark("build")
         write_status(self.run_dir, self.env.local_rank, spec.epoch, "left", times, rank=rank)
-        rep, old_pp = self.replicas, trainer.dims.pp
+        rep, old_pp = self.replicas, (trainer.dims.pp if trainer is not None else None)
         if rep is not None:
             rep.settle(10)  # the exchange in flight has ended (its connections were cut too)
-        trainer.close()
-        self.current = None  # closed: the caller must not close it again
-        del trainer
-        gc.collect()  # the old stages, schedule and groups go before the new ones come
+        if trainer is not None:
+            trainer.close()
+            self.current = None  # closed: the caller must not close it again
+            del trainer
+            gc.collect()  # the old stages, schedule and groups go before the new ones come
         rejoin_s = rejoin(spec, rank, self.backend, nnodes=len(spec.ranks))
         times["joined"] = time.time()
         self.watcher.done(spec)

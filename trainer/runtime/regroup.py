@@ -122,12 +122,13 @@ class Watcher:
     """The regroup file of one rank's run dir, watched from a thread (module doc, 2).
 
     `baseline`: the epoch this rank runs in (0 at a launch; a file already there when the watcher
-    starts is an old epoch's, so its epoch is taken as the baseline). `pending` is set, and the
+    starts is an old epoch's, so its epoch is taken as the baseline; a process started to join a
+    running job is given it: the epoch before the one it joins). `pending` is set, and the
     event with it, when a newer epoch names this node; a file that does not read is passed over
     with one warning per change (the runner writes it whole, by a rename)."""
 
     def __init__(self, run_dir: Path, node: str, local_rank: int, cut: ConnectionCut,
-                 poll_s: float = POLL_S) -> None:
+                 poll_s: float = POLL_S, baseline: int | None = None) -> None:
         self.path = Path(run_dir) / contract.REGROUP_FILE
         self.node, self.local_rank, self.cut, self.poll_s = node, local_rank, cut, poll_s
         self.epoch = 0
@@ -139,6 +140,8 @@ class Watcher:
         first = self._read()
         if first is not None:
             self.epoch = first.epoch
+        if baseline is not None:  # a node coming back: the file of its epoch may be there before it starts
+            self.epoch, self._seen = baseline, None
         self._thread = threading.Thread(target=self._run, name="regroup-watch", daemon=True)
 
     def start(self) -> Watcher:

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from contract.regroup import REGROUP_FILE, dumps, parse_status, status_name
-from runner.backends.ssh.node_runs import stop_node
+from runner.backends.ssh.node_runs import create_container, stop_node
 from runner.backends.ssh.watch import FAIL_STOP_GRACE_S
 from runner.core.errors import UserError
 from runner.core.redact import printable
@@ -200,6 +200,77 @@ class ElasticRun:
         self._watch(cl, run_id)
         return True
 
+    def rejoin_in_place(self, cl: Cluster, run_id: str, homes: dict[str, str | None], start) -> list | None:
+        """Lost nodes back while the others run (the trainer's elastic.in_place): one container started
+        on each (`start(node, epoch)`: its NodePlan; its trainer waits to join, with no weights), the
+        regroup.json of the larger layout written to every node of it with `at_step` 0 (the running
+        ranks switch after the step they are in: trainer/parallel/stage_relayout.py BoundaryCallback),
+        and every rank's `resumed` waited for. The new nodes' plans: the run goes on, watched with them;
+        None: the caller takes the restart path (why: one line)."""
+        with self._lock:
+            back = list(self.returned)
+        why = self._rejoin_refused(back)
+        layout = None
+        if why is None:
+            alive = [n.name for n in self.full.ordered() if n.name not in self.lost and n.name not in self.stuck]
+            try:
+                layout = choose(self.full, alive, self.want)
+                part = layout_split(self.inventory()) or str(job_settings(self.full.job)["parallel.partition"])
+                kept = [n for n in self.layout.nodes if n not in layout.nodes]
+                if kept:
+                    why = f"the new layout {layout.shown} leaves out the running {', '.join(kept)}"
+                elif not part.startswith(RULE_PARTITIONS[:3]):
+                    why = f"partition {part} is pinned per layout from the profiles"
+                else:
+                    port = pick_master_port(cl[layout.nodes[0]].listening_ports(), f"{run_id}/regroup/{self.epoch + 1}")
+                    spec = regroup_spec(self.full, layout, self.epoch + 1, port, secrets.token_hex(8), part,
+                                        f"{', '.join(back)} back", at_step=0, timeout_s=IN_PLACE_TIMEOUT_S)
+            except (UserError, ValueError, OSError) as exc:
+                why = printable(str(exc))[:200]
+        if why is not None or layout is None:
+            sys.stderr.write(f"runner: run {run_id}: {', '.join(back)} back: not joined in place ({why}); "
+                             "restarting every node instead\n")
+            return None
+        new = [n for n in layout.nodes if n not in self.layout.nodes]
+        try:
+            plans = [start(n, spec.epoch) for n in new]
+        except Exception as exc:  # noqa: BLE001 - any: the restart path still works
+            sys.stderr.write(f"runner: run {run_id}: starting {', '.join(new)} failed ({printable(str(exc))[:200]}); "
+                             "restarting every node instead\n")
+            return None
+        runs = {n: node_paths(self.full.node(n), homes.get(n)).run(run_id) for n in layout.nodes}
+        text = dumps(spec).encode()
+        wrote = time.time()
+        errors = [f"{n}: {err}" for n, _, err in cl.map(list(layout.nodes), lambda n: cl[n].put_bytes(
+            f"{runs[n]}/{REGROUP_FILE}", text)) if err]
+        status = None if errors else wait_resumed(cl, runs, spec, {n: len(spec.ranks[n]) for n in layout.nodes})
+        if status is None or isinstance(status, str):
+            sys.stderr.write(f"runner: run {run_id}: in-place rejoin epoch {spec.epoch} failed "
+                             f"({'; '.join(errors) or status or '?'}); restarting every node instead\n")
+            return None
+        with self._lock:
+            self.returned = [n for n in self.returned if n not in back]
+            self.back.clear()
+        self.epoch, old, self.layout, self.planned = spec.epoch, self.layout, layout, wrote
+        steps = [s.get("step") for s in status.values() if isinstance(s.get("step"), int)]
+        self.note(cl, run_id, event("layout", layout=layout.as_dict(), from_step=min(steps) if steps else None,
+                                    split=part, why=f"{', '.join(back)} back", in_place=True, epoch=spec.epoch,
+                                    planned=wrote, resumed=max(float(s["times"].get("resumed", 0)) for s in
+                                                                status.values())), homes)
+        sys.stderr.write(f"runner: run {run_id}: {', '.join(back)} back: joined in place as {layout.shown} "
+                         f"(was pp {old.pp} x dp {old.dp} x tp {old.tp})\n")
+        return plans
+
+    def _rejoin_refused(self, back: list[str]) -> str | None:
+        """Why the nodes back cannot join the running layout in place (None: they can). The running
+        ranks hand the newcomers their stages from the stage replicas, kept only for pp > 1, tp 1."""
+        if not back:
+            return "no node back"
+        if self.layout.pp < 2 or self.layout.tp != 1:
+            return (f"the running layout (pp {self.layout.pp}, tp {self.layout.tp}) keeps no stage replicas to "
+                    "hand over; in place needs pp > 1 and tp 1")
+        return None
+
     # -- events --------------------------------------------------------------------------------
     def started(self, view: Cluster, run_id: str, homes: dict[str, str | None], checkpoint: str | None,
                 split: str | None, synced: float | None = None) -> None:
@@ -283,6 +354,27 @@ class ElasticRun:
             shown = ", ".join(f"{n} ({printable(w[:200])})" for n, w in self.lost.items())
             sys.stderr.write(f"runner: warning: still unreachable: {shown}; a container of the run may still run "
                              f"there: `runner down -i {self.full.path}` once it is back\n")
+
+
+def joiner(launcher, el: ElasticRun, cl: Cluster, probes: dict, run_id: str):
+    """`start(node, epoch)` for ElasticRun.rejoin_in_place: the node's container of this run, a torchrun of
+    its own (one node, its own port) whose trainer joins regroup epoch `epoch` of the running ranks
+    (ELASTIC_JOIN_EPOCH: no group and no weights until then). Returns its NodePlan."""
+    def start(node: str, epoch: int):
+        sub = sub_inventory(el.full, [node])
+        sub.job.args = list(el.inventory().job.args)  # its layout comes from regroup.json: the job's args parse
+        port = pick_master_port(cl[node].listening_ports(), f"{run_id}/join/{epoch}")
+        saved, launcher.inv = launcher.inv, sub
+        try:
+            plan = launcher.make_plan({node: probes[node]}, run_id, False, port)
+        finally:
+            launcher.inv = saved
+        np = plan.nodes[0]
+        np.env["ELASTIC_JOIN_EPOCH"] = str(epoch)
+        launcher.stage_files(cl, plan)
+        create_container(cl[node], np).start()
+        return np
+    return start
 
 
 def wait_resumed(cl: Cluster, runs: dict[str, str], spec, procs: dict[str, int]) -> dict | str:

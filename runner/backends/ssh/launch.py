@@ -23,7 +23,7 @@ from pathlib import Path
 
 from runner.backends.ssh import perseus
 from runner.backends.ssh.dry_run import RESUME_ARGS, prepare
-from runner.backends.ssh.elastic_loop import ElasticRun, last_step, layout_split
+from runner.backends.ssh.elastic_loop import ElasticRun, joiner, last_step, layout_split
 from runner.backends.ssh.node_runs import create_container, run_containers, stop_node, stop_run
 from runner.backends.ssh.resume import hand_back_runs, resume_run
 from runner.backends.ssh.run_end import last_metrics, write_status
@@ -339,6 +339,7 @@ class Launcher:
             if (el := self.el) is not None and in_place_on(self.inv):  # the trainer regroups in place
                 homes = {n: p.home for n, p in probes.items()}
                 watcher.on_lost = lambda ev: el.regroup_in_place(cl, run_id, homes, ev)
+                watcher.on_back = lambda: el.rejoin_in_place(cl, run_id, homes, joiner(self, el, cl, probes, run_id))
             failed = watcher.run()
             self.failed, self.stopped_at = failed, time.time()
         except KeyboardInterrupt as exc:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from runner.backends.beat_reader import stopping_line
 from runner.backends.ssh import hang_watch
 from runner.backends.ssh.node_runs import stop_run
 from runner.core.fanout import DEFAULT_PARALLEL
@@ -84,6 +85,10 @@ class Watcher:
         # Set from outside (an elastic run whose trainer regroups in place): a lost node's outcome;
         # True when the others went on without it (watched on), False: stop the run as for any failure.
         self.on_lost: Callable[[Outcome], bool] | None = None
+        # Set from outside (the same, a lost node back): the NodePlans of the containers that joined the
+        # running ranks, watched from then on; None: yield as without it (the restart path).
+        self.on_back: Callable[[], list | None] | None = None
+        self._gen: dict[str, int] = {}  # a node's container generation: the old one's late outcome is dropped
 
     # -- threads ---------------------------------------------------------------------------
     def _emit(self, prefix: str, node: str, line: str) -> None:
@@ -95,7 +100,7 @@ class Watcher:
     def _follow(self, np) -> None:
         """Stream the container's output until it ends (the container exited), then its exit code."""
         prefix = f"[{np.node}/{np.rank}]"
-        fh = None
+        fh, gen = None, self._gen.get(np.node, 0)
         if self.log_dir:
             kept = self.log_dir / np.node / "container.log"
             try:
@@ -128,9 +133,10 @@ class Watcher:
                             visible(str(exc).strip())[:300])
             for line in split.end():
                 self._emit(prefix, np.node, line)
-            self.events.put(Outcome(np.node, np.rank, exit_code=int(res.get("StatusCode", 1))))
+            if gen == self._gen.get(np.node, 0):
+                self.events.put(Outcome(np.node, np.rank, exit_code=int(res.get("StatusCode", 1))))
         except Exception as exc:  # noqa: BLE001
-            if not self.stop.is_set():
+            if not self.stop.is_set() and gen == self._gen.get(np.node, 0):
                 first = visible((str(exc).strip().splitlines() or [type(exc).__name__])[0])[:300]
                 self.events.put(Outcome(np.node, np.rank, error=f"lost contact with the engine: {first}",
                                         since=self.last_ok.get(np.node, time.time()), lost=True))
@@ -216,7 +222,7 @@ class Watcher:
             threading.Thread(target=self._watch_hangs, daemon=True, name="hang-watch").start()
         try:
             while len(self.done) < len(self.plan.nodes):
-                if self.yield_to is not None and self.yield_to.is_set():
+                if self.yield_to is not None and self.yield_to.is_set() and not self._take_back():
                     return self._yield()
                 try:
                     ev = self.events.get(timeout=0.5)
@@ -227,7 +233,7 @@ class Watcher:
                 ev.detected = time.time()
                 self.done[ev.node] = ev
                 if ev.hung:  # the stacks first, while every rank is still where it stuck
-                    self._say(f"runner: {ev.error}; taking every rank's stacks, then stopping the run")
+                    self._say(stopping_line(ev.error or "hang"))
                     self.stacks = hang_watch.take_stacks(self.remotes, self.plan, skip=set(self.done) - {ev.node})
                 if ev.failed and ev.lost and self.on_lost is not None and self.on_lost(ev):
                     if self.hang is not None:  # a new world: the hang watch starts over on its files
@@ -240,6 +246,29 @@ class Watcher:
             return None
         finally:
             self.stop.set()
+
+    def _take_back(self) -> bool:
+        """Lost nodes back, joined in place by `on_back`: their new containers watched in the lost
+        ones' places. False: none joined (yield)."""
+        added = self.on_back() if self.on_back is not None else None
+        if added is None:
+            return False
+        for np in added:
+            self._gen[np.node] = self._gen.get(np.node, 0) + 1
+            at = [i for i, old in enumerate(self.plan.nodes) if old.node == np.node]
+            if at:
+                self.plan.nodes[at[0]] = np
+            else:
+                self.plan.nodes.append(np)
+            self.tail.setdefault(np.node, collections.deque(maxlen=20))
+            self.last_ok[np.node] = time.time()
+            self.done.pop(np.node, None)
+            t = threading.Thread(target=self._follow, args=(np,), daemon=True, name=f"watch-{np.node}")
+            t.start()
+            self._node_threads[np.node] = t
+        if self.hang is not None:  # a new world: the hang watch starts over on its files
+            self.hang.regrouped.set()
+        return True
 
     def _drain(self, timeout: float = 3.0) -> None:
         end = time.time() + timeout
