@@ -102,7 +102,24 @@ def one_run(job: str, steps: int, block: int, warmup: int, interval: float, out:
     off = [t for t, m, i in zip(its, rank0["modes"], range(len(its)), strict=False) if not m and i >= warmup]
     marks = max(json.loads(p.read_text())["marks"][0] / max(json.loads(p.read_text())["marks"][1], 1)
                 for p in out.glob("bench-rank*.json"))
-    return {"on_s": statistics.median(on), "off_s": statistics.median(off), "marks_per_step": marks}
+    return {"on_s": statistics.median(on), "off_s": statistics.median(off), "marks_per_step": marks,
+            "paired": paired(its, rank0["modes"], warmup)}
+
+
+def paired(its: list[float], modes: list[bool], warmup: int) -> list[float]:
+    """Each `on` block's median step over the mean of its two `off` neighbours' medians, minus 1: a
+    change in the machine's load slower than two blocks (a few seconds) cancels in each ratio, so
+    the median of these ratios is the overhead with the neighbours' drift taken out."""
+    blocks: list[tuple[bool, list[float]]] = []
+    for i, (t, m) in enumerate(zip(its, modes, strict=False)):
+        if i < warmup:
+            continue
+        if not blocks or blocks[-1][0] != m:
+            blocks.append((m, []))
+        blocks[-1][1].append(t)
+    meds = [(m, statistics.median(ts)) for m, ts in blocks]
+    return [on / ((a + b) / 2) - 1 for (ma, a), (m, on), (mb, b) in zip(meds, meds[1:], meds[2:], strict=False)
+            if m and not ma and not mb]
 
 
 def parts() -> dict:
@@ -156,12 +173,15 @@ def main(argv: list[str] | None = None) -> int:
             for i, r in enumerate(runs):
                 print(f"{job} run {i + 1}: step {r['off_s'] * 1e3:.2f} ms off, {r['on_s'] * 1e3:.2f} ms on", flush=True)
             ratios = [r["on_s"] / r["off_s"] - 1 for r in runs]
+            pairs = [x for r in runs for x in r["paired"]]
             off = statistics.median(r["off_s"] for r in runs)
             marks = statistics.median(r["marks_per_step"] for r in runs)
             by_parts = (marks * (p["mark_ns"] - p["mark_off_ns"]) * 1e-9 + p["write_us"] * 1e-6 * off / args.heartbeat_s) / off
             results[job] = {"nproc": JOBS[job][0], "args": JOBS[job][1], "runs": runs, "step_off_s": off,
                             "step_on_s": statistics.median(r["on_s"] for r in runs), "overheads": ratios,
                             "overhead": statistics.median(ratios), "marks_per_step": marks,
+                            "overhead_paired": statistics.median(pairs), "pairs": len(pairs),
+                            "paired_quartiles": statistics.quantiles(pairs, n=4),
                             "overhead_by_parts": by_parts}
     out = {"what": "loop iteration with the heartbeat on vs off, interleaved every block of steps in one run",
            "steps": args.steps, "block": args.block, "warmup": args.warmup, "reps": args.reps,
@@ -169,11 +189,13 @@ def main(argv: list[str] | None = None) -> int:
            "cores": os.cpu_count(), "load_avg": [round(x, 2) for x in os.getloadavg()], "parts": p,
            "results": results}
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    print("| job | step, off | step, on | overhead (median of runs) | each run | by its parts |\n|---|---|---|---|---|---|")
+    print("| job | step, off | step, on | overhead (median of runs) | each run | paired blocks (median, IQR) "
+          "| by its parts |\n|---|---|---|---|---|---|---|")
     for job, r in results.items():
         each = ", ".join(f"{100 * x:+.2f}%" for x in r["overheads"])
         print(f"| {job} | {r['step_off_s'] * 1e3:.2f} ms | {r['step_on_s'] * 1e3:.2f} ms | {100 * r['overhead']:+.2f}% "
-              f"| {each} | {100 * r['overhead_by_parts']:.3f}% |")
+              f"| {each} | {100 * r['overhead_paired']:+.2f}% ({100 * r['paired_quartiles'][0]:+.2f}.."
+              f"{100 * r['paired_quartiles'][2]:+.2f}%, {r['pairs']} pairs) | {100 * r['overhead_by_parts']:.3f}% |")
     print(f"one mark {p['mark_ns']:.0f} ns ({p['mark_off_ns']:.0f} ns unset), one write {p['write_us']:.0f} us")
     return 0
 
