@@ -233,11 +233,14 @@ def test_a_run_as_the_ssh_user_through_down_resume_restart_and_collect(nonroot_s
             assert (local / rel).read_bytes() == p.read_bytes(), rel
         assert not_owned_by(local, me) == {}
 
-    # down --keep-runs 0: the run dirs go, as the user, with no permission error.
+    # down --keep-runs 0: the run dirs go, as the user, with no permission error. Other tests' runs
+    # on this session cluster (earlier in the group) go too: keep 0 keeps none.
     rm = runner("down", run_id, "--keep-runs", "0", "-i", str(inv))
     assert rm.returncode == 0, rm.stdout + rm.stderr
     for n in NODES:
-        assert f"{n}: removed 1 run dir(s): {run_id}" in rm.stdout.splitlines(), rm.stdout
+        removed = re.search(rf"^{n}: removed (\d+) run dir\(s\): (.+)$", rm.stdout, re.M)
+        assert removed and run_id in removed[2].split(", ") and int(removed[1]) == len(removed[2].split(", ")), \
+            rm.stdout
         assert not out[n].exists()
     assert run_containers(inv, run_id) == {n: [] for n in NODES}
 
