@@ -21,6 +21,13 @@ survivors regroup in their processes, stages from memory (trainer/parallel/stage
   file -> resumed      the ranks left the old group, met in the new one, rebuilt and loaded their stages
   resumed -> step      the first new step logged
 
+and node-2's link back, it joins the running ranks in place (`rejoin`):
+
+  back -> reached      the runner's retry reaches node-2 again (the `back` event)
+  reached -> file      its one container started, regroup.json of the 3-node layout written
+  file -> resumed      the running ranks switched at their next step boundary, node-2 took its stage
+  resumed -> step      node-2's first step
+
 plus the steps redone and the replicas' cost: the training thread's seconds per refresh against the
 median step (target, issue 58: cut -> first new step <= 15 s, <= 1 step redone, replicas < 3%).
 
@@ -52,14 +59,14 @@ ARGS = ["--parallel.partition", "uniform_transformer", "--train.steps", "12", "-
         "--profile_batch", "none"]
 
 
-def job(hold: str, in_place: bool = False) -> Path:
+def job(hold: str, in_place: bool = False, rejoin: bool | None = None) -> Path:
     p = STATE / "elastic-job.yaml"
     p.write_text(yaml.safe_dump({"job": {
         "image": IMAGE, "config": str(REPO / "configs/pi-qwen3-3stage-tiny.yaml"),
         "args": ARGS + (["--elastic.in_place", "true"] if in_place else []),
         "master_port": "auto", "grace_period": 60, "env": {"OMP_NUM_THREADS": "1", **hold_env(hold)},
         "sync": [HOOKS_SYNC],  # the hold is test support, switched on by tests/hooks/ (trainer/runtime/hold.py)
-        "elastic": {"min_nodes": 2, "rejoin": not in_place}}}))
+        "elastic": {"min_nodes": 2, "rejoin": (not in_place) if rejoin is None else rejoin}}}))
     return p
 
 
@@ -123,11 +130,13 @@ def once(inv: Path, workdirs: dict[str, Path]) -> dict:
 
 
 def once_in_place(inv: Path, workdirs: dict[str, Path]) -> dict:
-    """The same cut with `--elastic.in_place true` (issue 58): the survivors regroup in their processes."""
+    """The same cut with `--elastic.in_place true` (issue 58): the survivors regroup in their processes;
+    node-2's link back, it joins the running ranks in place (one container started, its stage from
+    their memory, the switch at a step boundary)."""
     link = lambda state: runner("sandbox", "--dir", str(STATE / "s"), "link", "node-2", state)  # noqa: E731
     before = {p.name for p in (workdirs["node-0"] / "runs").glob("*")} if (workdirs["node-0"] / "runs").is_dir() else set()
     proc = subprocess.Popen([sys.executable, "-m", "runner", "up", "-i", str(inv), "--job",
-                             str(job("step:4,step:8", in_place=True)), "--logs-dir", str(STATE / "logs")],
+                             str(job("step:4,step:8", in_place=True, rejoin=True)), "--logs-dir", str(STATE / "logs")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     try:
         run_id = wait(lambda: next(iter({p.name for p in (workdirs["node-0"] / "runs").glob("*")} - before), None))
@@ -140,8 +149,14 @@ def once_in_place(inv: Path, workdirs: dict[str, Path]) -> dict:
         for n in ("node-0", "node-1"):
             (runs[n] / ".hold" / "step-4.go").write_text("")
         wait(lambda: hold("node-0", 0, 8) and hold("node-1", 1, 8))
+        back = time.time()
         link("up")
-        time.sleep(3.0)  # node-2's old container removed (rejoin off)
+        # Held after step 8 until the 3-node layout's regroup.json is on every node, then let go: a
+        # running job switches at its next step end (its vote carries the file's epoch); the hold adds
+        # the 0.5 s the ranks' watchers (100 ms) take to read it, no more.
+        regroup = lambda n: json.loads((runs[n] / "regroup.json").read_text() or "{}")  # noqa: E731
+        wait(lambda: all((runs[n] / "regroup.json").is_file() and regroup(n).get("epoch", 0) >= 2 for n in runs), 180)
+        time.sleep(0.5)
         for n in ("node-0", "node-1"):
             (runs[n] / ".hold" / "step-8.go").write_text("")
         out, err = proc.communicate(timeout=600)
@@ -156,6 +171,14 @@ def once_in_place(inv: Path, workdirs: dict[str, Path]) -> dict:
     moved = [e for e in ev if e["event"] == "layout"][1]
     recs = metrics(runs["node-1"])
     step = next(r["time"] for r in recs if r["step"] == moved["from_step"] + 1)
+    came = next((e for e in ev if e["event"] == "back"), None)
+    grown = next((e for e in ev if e["event"] == "layout" and e.get("in_place") and e["why"].endswith("back")), None)
+    rejoin = None
+    if came is not None and grown is not None:  # joined in place (else the run restarted: no figures)
+        step3 = next(r["time"] for r in metrics(runs["node-2"]) if r["step"] == grown["from_step"] + 1)
+        rejoin = {"reach_s": came["t"] - back, "start_s": grown["planned"] - came["t"],
+                  "regroup_s": grown["resumed"] - grown["planned"], "first_step_s": step3 - grown["resumed"],
+                  "back_to_step_s": step3 - back, "from_step": grown["from_step"]}
     # The replicas' cost: the training thread's seconds per refresh against a step's (pp 3, before the cut).
     cost = [float(x) for x in re.findall(r"stage replicas: \d+ refresh\(es\), ([0-9.]+) s on the training thread, "
                                          r"([0-9.]+) s CPU", (runs["node-0"] / "logs" / "rank0.log").read_text())[-1]]
@@ -167,7 +190,8 @@ def once_in_place(inv: Path, workdirs: dict[str, Path]) -> dict:
                          "cut_to_step_s": step - cut, "from_step": moved["from_step"],
                          "steps_redone": 4 - moved["from_step"],
                          "replica_cost_pct": 100 * cost[0] / refreshes / step_s,
-                         "replica_exchange_cpu_pct": 100 * cost[1] / refreshes / step_s}}
+                         "replica_exchange_cpu_pct": 100 * cost[1] / refreshes / step_s},
+            "rejoin_in_place": rejoin}
 
 
 def main() -> int:
@@ -199,6 +223,9 @@ def main() -> int:
     if fast:
         out["in_place"] = {"repeat": len(fast), "median": {k: statistics.median(r["in_place"][k] for r in fast)
                                                            for k in fast[0]["in_place"]}, "runs": fast}
+        joined = [r["rejoin_in_place"] for r in fast if r["rejoin_in_place"]]
+        out["in_place"]["rejoin"] = {"joined": f"{len(joined)}/{len(fast)}", "median": {
+            k: statistics.median(r[k] for r in joined) for k in joined[0]} if joined else None}
     elif "in_place" in old:
         out["in_place"] = old["in_place"]
     res.write_text(json.dumps(out, indent=1) + "\n")
@@ -207,6 +234,12 @@ def main() -> int:
         print(f"in place: node-2 cut -> first step on 2 nodes: {f['cut_to_step_s']:.1f} s = detect {f['detect_s']:.1f} + "
               f"file {f['file_s']:.1f} + regroup {f['regroup_s']:.1f} + first step {f['first_step_s']:.1f}; "
               f"{f['steps_redone']:.0f} step(s) redone; replicas {f['replica_cost_pct']:.2f}% of a step")
+        j = out["in_place"].get("rejoin") or {}
+        if j.get("median"):
+            g = j["median"]
+            print(f"in place: node-2 back -> first step on 3 nodes: {g['back_to_step_s']:.1f} s = reach "
+                  f"{g['reach_s']:.1f} + container started {g['start_s']:.1f} + regroup {g['regroup_s']:.1f} + first "
+                  f"step {g['first_step_s']:.1f} (joined in place {j['joined']})")
     s, g = med["shrink"], med["rejoin"]
     print(f"node-2 cut -> first step on 2 nodes: {s['cut_to_step_s']:.1f} s = detect {s['detect_s']:.1f} + stop "
           f"{s['stop_s']:.1f} + re-plan {s['replan_s']:.1f} + file exchange {s['exchange_s']:.1f} + restart "
