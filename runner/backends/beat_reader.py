@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from contract import hang as rule
 from contract import heartbeat as fmt
 from runner.core.node_output import visible
-from runner.transport.sftp import WatchedSFTP
+from runner.transport.sftp import WatchedSFTP, listdir_within
 from runner.transport.ssh import Remote
 
 log = logging.getLogger("runner.watch")
@@ -92,6 +92,20 @@ class BeatReader:
             if self.world is None or beat.world_size == self.world:
                 out.append(beat)
         return out
+
+    def take_sftp(self, place: str, sftp: WatchedSFTP, d: str) -> list[fmt.Heartbeat]:
+        """`take` over an SFTP session: the heartbeat dir `d` listed (at most MAX_FILES entries, no
+        link followed) and each file read bounded; [] while the dir does not exist yet."""
+        try:
+            entries = listdir_within(sftp, d, MAX_FILES) or []
+        except OSError:
+            return []
+
+        def read(name: str) -> bytes:
+            with sftp.open(f"{d}/{name}", "r") as fh:
+                return fh.read(fmt.MAX_BYTES + 1)
+
+        return self.take(place, ((a.filename, a.st_mode, a.st_size) for a in entries), read)
 
     def feed(self, beats: Iterable[fmt.Heartbeat]) -> None:
         now = self.clock()

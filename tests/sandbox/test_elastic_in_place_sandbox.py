@@ -42,12 +42,14 @@ from tests.support.trainer_run import HOOKS_SYNC, held, hold_env, release, run_t
 pytestmark = [pytest.mark.sandbox, pytest.mark.docker]
 
 
-def in_place_job(tmp_path: Path, hold: str) -> Path:
+def in_place_job(tmp_path: Path, hold: str, rejoin: bool = False) -> Path:
+    """The reduced Pi pipeline's elastic job with --elastic.in_place true, held at `hold`; `rejoin`:
+    a node coming back is taken back (in place)."""
     p = tmp_path / "in-place-job.yaml"
     p.write_text(yaml.safe_dump({"job": {
         "image": IMAGE, "config": str(REPO / CONFIG), "args": [*ARGS, "--elastic.in_place", "true"],
         "master_port": "auto", "grace_period": 60, "env": {"OMP_NUM_THREADS": "1", **hold_env(hold)},
-        "sync": [HOOKS_SYNC], "elastic": {"min_nodes": 2, "rejoin": False}}}))
+        "sync": [HOOKS_SYNC], "elastic": {"min_nodes": 2, "rejoin": rejoin}}}))
     return p
 
 

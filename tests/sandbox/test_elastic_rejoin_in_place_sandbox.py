@@ -19,9 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
-from tests import IMAGE, REPO
+from tests.sandbox.test_elastic_in_place_sandbox import in_place_job
 from tests.sandbox.test_elastic_sandbox import (
     ARGS,
     CONFIG,
@@ -35,18 +34,9 @@ from tests.sandbox.test_elastic_sandbox import (
 )
 from tests.support.netns_sandbox import sandbox_cmd
 from tests.support.runner_helpers import run_containers, wait_for
-from tests.support.trainer_run import HOOKS_SYNC, held, hold_env, release, run_trainer
+from tests.support.trainer_run import held, release, run_trainer
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.docker]
-
-
-def rejoin_job(tmp_path: Path, hold: str) -> Path:
-    p = tmp_path / "rejoin-in-place-job.yaml"
-    p.write_text(yaml.safe_dump({"job": {
-        "image": IMAGE, "config": str(REPO / CONFIG), "args": [*ARGS, "--elastic.in_place", "true"],
-        "master_port": "auto", "grace_period": 60, "env": {"OMP_NUM_THREADS": "1", **hold_env(hold)},
-        "sync": [HOOKS_SYNC], "elastic": {"min_nodes": 2, "rejoin": True}}}))
-    return p
 
 
 def pids(run_dir: Path) -> dict[str, tuple[int, int]]:
@@ -66,7 +56,7 @@ def epoch_written(run_dir: Path, epoch: int) -> bool:
 def test_a_node_back_joins_the_running_ranks_in_place_with_the_hand_resumed_losses(netns_sandbox, tmp_path):
     state, inv = netns_sandbox["state"], netns_sandbox["inv"]
     before = existing_runs(inv)
-    proc = start(inv, rejoin_job(tmp_path, "step:4,step:7"), tmp_path / "logs")
+    proc = start(inv, in_place_job(tmp_path, "step:4,step:7", rejoin=True), tmp_path / "logs")
     seen: list[str] = []
 
     def said(text: str) -> bool:

@@ -16,6 +16,7 @@ import pytest
 
 from contract import hang as rule
 from contract import heartbeat as fmt
+from runner.backends import beat_reader
 from runner.backends.ssh import hang_watch
 from runner.core.errors import UserError
 from runner.inventory.model import Job
@@ -142,7 +143,7 @@ def reader(tmp_path, monkeypatch):
     clock = [0.0]
     hw = hang_watch.HangWatch({}, _plan(dirs), hang_timeout_s=20, clock=lambda: clock[0])
     monkeypatch.setattr(hw, "_session", lambda node: LocalSFTP())
-    monkeypatch.setattr(hang_watch, "listdir_within", lambda sftp, d, limit: _entries(d, limit))
+    monkeypatch.setattr(beat_reader, "listdir_within", lambda sftp, d, limit: _entries(d, limit))
     return hw, dirs, clock
 
 

@@ -48,7 +48,7 @@ from runner.backends.slurm.shell import LoginShell, Shell
 from runner.core.node_output import visible
 from runner.inventory.slurm import SlurmInventory
 from runner.planning.plan import OUT
-from runner.transport.sftp import WatchedSFTP, close_quietly, listdir_within
+from runner.transport.sftp import WatchedSFTP, close_quietly
 
 log = logging.getLogger("runner.watch")
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -133,17 +133,7 @@ class SlurmHangWatch(BeatReader):
     def _read_sftp(self, sh: LoginShell) -> list[fmt.Heartbeat]:
         if self._sftp is None or self._sftp.sock.closed:
             self._sftp = watched_sftp(sh.remote, sh.where)
-        sftp, d = self._sftp, f"{self.plan.run_dir}/{fmt.DIR}"
-        try:
-            entries = listdir_within(sftp, d, MAX_FILES) or []
-        except OSError:  # no heartbeat dir yet
-            return []
-
-        def read(name: str) -> bytes:
-            with sftp.open(f"{d}/{name}", "r") as fh:
-                return fh.read(fmt.MAX_BYTES + 1)
-
-        return self.take("run dir", ((a.filename, a.st_mode, a.st_size) for a in entries), read)
+        return self.take_sftp("run dir", self._sftp, f"{self.plan.run_dir}/{fmt.DIR}")
 
     # -- judging --------------------------------------------------------------------------------
     def tick(self, state: JobState | None) -> None:

@@ -189,11 +189,7 @@ class ElasticRun:
         self.lost[ev.node] = why
         cl[ev.node].abandon()
         self.note(cl, run_id, event("lost", node=ev.node, why=why, last_answer=ev.since, detected=ev.detected))
-        steps = [s.get("step") for s in status.values() if isinstance(s.get("step"), int)]
-        self.note(cl, run_id, event("layout", layout=layout.as_dict(), from_step=min(steps) if steps else None,
-                                    split=part, why=f"lost {ev.node}", in_place=True, epoch=spec.epoch,
-                                    planned=wrote, resumed=max(float(s["times"].get("resumed", 0)) for s in
-                                                                status.values())), homes)
+        self.note(cl, run_id, in_place_layout(layout, status, part, f"lost {ev.node}", spec.epoch, wrote), homes)
         sys.stderr.write(f"runner: run {run_id}: lost {ev.node}: regrouped in place as {layout.shown} "
                          f"(was pp {old.pp} x dp {old.dp} x tp {old.tp})\n")
         self.say_links(run_id)
@@ -252,11 +248,8 @@ class ElasticRun:
             self.returned = [n for n in self.returned if n not in back]
             self.back.clear()
         self.epoch, old, self.layout, self.planned = spec.epoch, self.layout, layout, wrote
-        steps = [s.get("step") for s in status.values() if isinstance(s.get("step"), int)]
-        self.note(cl, run_id, event("layout", layout=layout.as_dict(), from_step=min(steps) if steps else None,
-                                    split=part, why=f"{', '.join(back)} back", in_place=True, epoch=spec.epoch,
-                                    planned=wrote, resumed=max(float(s["times"].get("resumed", 0)) for s in
-                                                                status.values())), homes)
+        self.note(cl, run_id, in_place_layout(layout, status, part, f"{', '.join(back)} back", spec.epoch, wrote),
+                  homes)
         sys.stderr.write(f"runner: run {run_id}: {', '.join(back)} back: joined in place as {layout.shown} "
                          f"(was pp {old.pp} x dp {old.dp} x tp {old.tp})\n")
         return plans
@@ -375,6 +368,15 @@ def joiner(launcher, el: ElasticRun, cl: Cluster, probes: dict, run_id: str):
         create_container(cl[node], np).start()
         return np
     return start
+
+
+def in_place_layout(layout, status: dict, split: str, why: str, epoch: int, planned: float) -> dict:
+    """The `layout` event of an in-place switch: from the earliest step a rank resumed at, the file's
+    time (`planned`) and the last rank's `resumed` (bench/elastic.py reads both)."""
+    steps = [s.get("step") for s in status.values() if isinstance(s.get("step"), int)]
+    return event("layout", layout=layout.as_dict(), from_step=min(steps) if steps else None, split=split, why=why,
+                 in_place=True, epoch=epoch, planned=planned,
+                 resumed=max(float(s["times"].get("resumed", 0)) for s in status.values()))
 
 
 def wait_resumed(cl: Cluster, runs: dict[str, str], spec, procs: dict[str, int]) -> dict | str:

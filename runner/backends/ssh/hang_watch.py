@@ -27,10 +27,10 @@ from typing import TextIO
 from contract import hang as rule
 from contract import heartbeat as fmt
 from contract import stacks as names
-from runner.backends.beat_reader import MAX_FILES, POLL_S, STACKS_TIMEOUT_S, BeatReader, watched_sftp
+from runner.backends.beat_reader import POLL_S, STACKS_TIMEOUT_S, BeatReader, watched_sftp
 from runner.core.node_output import visible
 from runner.planning.plan import Plan
-from runner.transport.sftp import WatchedSFTP, close_quietly, listdir_within
+from runner.transport.sftp import WatchedSFTP, close_quietly
 from runner.transport.ssh import Remote
 
 log = logging.getLogger("runner.watch")
@@ -75,18 +75,7 @@ class HangWatch(BeatReader):
 
     def read_node(self, node: str) -> list[fmt.Heartbeat]:
         """The heartbeats of one node's run dir that belong to this launch (see the module doc)."""
-        d = f"{self.plan.node(node).run_dir}/{fmt.DIR}"
-        sftp = self._session(node)
-        try:
-            entries = listdir_within(sftp, d, MAX_FILES) or []
-        except OSError:  # no heartbeat dir yet
-            return []
-
-        def read(name: str) -> bytes:
-            with sftp.open(f"{d}/{name}", "r") as fh:
-                return fh.read(fmt.MAX_BYTES + 1)
-
-        return self.take(f"node {node}", ((a.filename, a.st_mode, a.st_size) for a in entries), read)
+        return self.take_sftp(f"node {node}", self._session(node), f"{self.plan.node(node).run_dir}/{fmt.DIR}")
 
     def start_over(self) -> None:
         """After an in-place regroup: a new world of new rank numbers, its size not known here; every
