@@ -22,6 +22,24 @@ the peer's budget. The collective timeout (`collective_timeout`) is that budget 
 the stacks before any collective gives up; where none watches (compose, Slurm), the collective
 ends the job by itself, in minutes rather than torch's default 30.
 
+Two hangs the phase budgets do not see:
+- a frozen rank (`Watch.frozen`: its heartbeat writer silent past max(FROZEN_MIN_S, 5 of its
+  intervals) while another rank's still moves: SIGSTOP, a process in D state, a C call holding the
+  GIL) is a hang once the reader has seen it silent for the steady budget (`steady_budget`: the
+  job's hang timeout, 120 s by default), whatever longer phase the other ranks are in. A frozen
+  process writes no checkpoint: a rank inside one keeps its writer going (I/O releases the GIL),
+  and a writer that is only starved (a 0.2-CPU container, swap) still runs once per
+  `heartbeat_s`, far inside the steady budget. Silence counts only between reads that found the
+  file unchanged (`Seen.read_at`): a node the reader cannot reach is no frozen rank.
+- a teardown hang (`Watch.teardown`): every rank has said its last word (`done`/`failed`, or its
+  process is known to have exited: `Watch.exited`) and a rank's process, or its container, or its
+  Slurm job, as the reader sees it, still runs `teardown_budget` after the last rank's last word:
+  max(TEARDOWN_MIN_S, the steady budget). The floor: torchrun's closing barrier may wait up to
+  30 s for its agents (runner/agents/torchrun.py) and an interpreter exit on a swapping board takes
+  seconds more; a final drain (a DiLoCo outer sync in flight) is one step's work, inside the steady
+  budget. Ranks that end early wait for the others (a final barrier, the exit barrier): the clock
+  starts at the last one's end.
+
 Pure and torch-free: the trainer computes its heartbeat's `budget_s` and its process groups'
 timeouts with it, the runner its hang verdicts and `--dry-run` line.
 """
@@ -29,6 +47,7 @@ timeouts with it, the runner its hang verdicts and `--dry-run` line.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from contract.heartbeat import ENDED, ORDER, STARTUP, Heartbeat
@@ -42,6 +61,7 @@ CHECKPOINT_FACTOR = 5.0
 SLOW_WRITE_BPS = 10e6
 GRACE_MIN_S = 60.0
 FROZEN_MIN_S = 3.0           # a writer silent this long (and 5 of its intervals) is a stopped process
+TEARDOWN_MIN_S = 60.0        # least time from the last rank's `done` to its process's exit (module doc)
 STRAGGLER_FACTOR = 1.5
 STRAGGLER_WINDOWS = 5        # consecutive log steps over the factor before one warning
 EXIT_STALLED = 124           # the trainer's exit code when one of its collectives timed out
@@ -93,6 +113,12 @@ def budget_of(beat: Heartbeat, hang_timeout_s: float | None = None, startup_s: f
                         min_hang_s=min_hang_s)
 
 
+def teardown_budget(median_step_s: float | None, hang_timeout_s: float | None = None,
+                    min_hang_s: float = MIN_HANG_S, floor_s: float = TEARDOWN_MIN_S) -> float:
+    """Seconds a rank's process may live on after every rank's last word (module doc)."""
+    return max(floor_s, steady_budget(median_step_s, hang_timeout_s, min_hang_s))
+
+
 def collective_timeout(budget_s: float, steady_s: float | None = None, configured_s: float | None = None) -> float:
     """A process group's timeout while a rank's phase has `budget_s`: the budget plus its grace; with a
     configured timeout (`parallel.timeout_s` N), N in steady state and max(N, budget) in longer phases."""
@@ -121,6 +147,8 @@ def describe(hang_timeout_s: float | None = None, startup_s: float | None = None
 class Seen:
     beat: Heartbeat
     alive_seen: float            # the reader's clock when the rank's writer was last seen to move
+    read_at: float = 0.0         # ... when its file was last read (moved or not)
+    ended_at: float | None = None  # ... when its last word (ENDED) was first read
 
 
 @dataclass
@@ -131,6 +159,7 @@ class Verdict:
     budget_s: float
     line: str
     waiting: list[int] = field(default_factory=list)
+    teardown: bool = False       # every rank had ended; the culprits' processes had not exited
 
 
 class Watch:
@@ -140,16 +169,31 @@ class Watch:
     machines is ever compared."""
 
     def __init__(self, hang_timeout_s: float | None = None, startup_s: float | None = None,
-                 world_size: int | None = None, started: float = 0.0, min_hang_s: float = MIN_HANG_S):
+                 world_size: int | None = None, started: float = 0.0, min_hang_s: float = MIN_HANG_S,
+                 teardown_min_s: float = TEARDOWN_MIN_S):
         self.hang_timeout_s, self.startup_s, self.min_hang_s = hang_timeout_s, startup_s, min_hang_s
+        self.teardown_min_s = teardown_min_s  # tests lower it, as min_hang_s
         self.world_size, self.started = world_size, started
         self.ranks: dict[int, Seen] = {}
+        self.gone: set[int] = set()   # ranks whose process is known to have exited (`exited`)
 
     def update(self, beat: Heartbeat, now: float) -> None:
         old = self.ranks.get(beat.rank)
         moved = old is None or (beat.seq, beat.alive_at, beat.pid) != (old.beat.seq, old.beat.alive_at, old.beat.pid)
-        self.ranks[beat.rank] = Seen(beat, now if moved or old is None else old.alive_seen)
+        same = old is not None and old.beat.ended and old.beat.pid == beat.pid  # its last word, read again
+        ended_at = old.ended_at if same and old is not None else None
+        if beat.ended and ended_at is None:
+            ended_at = now
+        self.ranks[beat.rank] = Seen(beat, now if moved or old is None else old.alive_seen, now, ended_at)
         self.world_size = max(self.world_size or 0, beat.world_size)
+
+    def exited(self, ranks: Iterable[int]) -> None:
+        """Ranks whose process has ended (their node's container exited; its last word may never have
+        been read): judged as ended from now on, by `verdict` and `teardown` alike."""
+        self.gone.update(ranks)
+
+    def ended(self, rank: int) -> bool:
+        return rank in self.gone or (rank in self.ranks and self.ranks[rank].beat.ended)
 
     def silent_s(self, rank: int, now: float) -> float:
         return max(0.0, now - self.ranks[rank].alive_seen)
@@ -161,16 +205,20 @@ class Watch:
     def frozen(self, rank: int, now: float) -> bool:
         """Its writer stopped while another rank's still moves: the process itself is stopped."""
         limit = max(FROZEN_MIN_S, 5 * self.ranks[rank].beat.heartbeat_s)
-        others = [r for r in self.ranks if r != rank and not self.ranks[r].beat.ended]
+        others = [r for r in self.ranks if r != rank and not self.ended(r)]
         return self.silent_s(rank, now) > limit and any(self.silent_s(r, now) <= limit for r in others)
 
     def budget(self, rank: int) -> float | None:
         return budget_of(self.ranks[rank].beat, self.hang_timeout_s, self.startup_s, self.min_hang_s)
 
+    def steady(self, rank: int) -> float:
+        return steady_budget(self.ranks[rank].beat.median_step_s, self.hang_timeout_s, self.min_hang_s)
+
     def verdict(self, now: float) -> Verdict | None:
-        """None while the job progresses somewhere or every stall is within its budget."""
-        live = [r for r, s in self.ranks.items() if not s.beat.ended]
-        missing = [r for r in range(self.world_size or 0) if r not in self.ranks]
+        """None while the job progresses somewhere or every stall is within its budget, and no rank's
+        process has been frozen for its steady budget (module doc)."""
+        live = [r for r in self.ranks if not self.ended(r)]
+        missing = [r for r in range(self.world_size or 0) if r not in self.ranks and r not in self.gone]
         if not live and not missing:
             return None
         budgets = [b for r in live if (b := self.budget(r)) is not None]
@@ -178,10 +226,52 @@ class Watch:
         stalls = [self.stall_s(r, now) for r in live] + ([now - self.started] if missing else [])
         stall = min(stalls)
         if stall <= budget:
-            return None
+            return self._stopped(live, now)
         culprits, why = self._blame(live, missing, now)
         waiting = sorted(r for r in live if r not in culprits and self.ranks[r].beat.waiting)
         return Verdict(culprits, stall, budget, self._line(culprits, why, waiting, stall, budget), waiting)
+
+    def _stopped(self, live: list[int], now: float) -> Verdict | None:
+        """Frozen ranks seen silent for their steady budget, however long the others' phases may
+        last: the reader's own reads span the silence (read_at), so a node it could not read is none."""
+        stopped = [r for r in live if self.frozen(r, now)
+                   and self.ranks[r].read_at - self.ranks[r].alive_seen > self.steady(r)]
+        if not stopped:
+            return None
+        stall = max(self.stall_s(r, now) for r in stopped)
+        budget = min(self.steady(r) for r in stopped)
+        silent = max(self.ranks[r].read_at - self.ranks[r].alive_seen for r in stopped)
+        why = (f"its process is stopped or frozen (its heartbeat writer silent for {silent:.0f} s while the "
+               f"others' run: a stopped process gets the steady budget, whatever phase the others are in)")
+        waiting = sorted(r for r in live if r not in stopped and self.ranks[r].beat.waiting)
+        return Verdict(stopped, stall, budget, self._line(stopped, why, waiting, stall, budget), waiting)
+
+    def teardown(self, now: float, running: Iterable[int]) -> Verdict | None:
+        """A teardown hang (module doc): every rank ended, and the ranks of `running` (whose process,
+        container or job the reader sees still running) past `teardown_budget` since the last one
+        ended. None otherwise; the phase rule (`verdict`) judges every rank not ended."""
+        world = range(self.world_size or 0)
+        if not world or not all(self.ended(r) for r in world):
+            return None
+        ends = [s.ended_at for r, s in self.ranks.items() if s.ended_at is not None and r not in self.gone]
+        stuck = sorted(r for r in set(running) if r in self.ranks and r not in self.gone
+                       and self.ranks[r].ended_at is not None)
+        if not stuck or not ends:
+            return None
+        budget = max(teardown_budget(self.ranks[r].beat.median_step_s, self.hang_timeout_s, self.min_hang_s,
+                                     self.teardown_min_s) for r in self.ranks)
+        stall = now - max(ends)
+        if stall <= budget:
+            return None
+        first = self.ranks[stuck[0]]
+        since = now - (first.ended_at if first.ended_at is not None else now)
+        parts = [f"rank {r} ({self.ranks[r].beat.node}, pid {self.ranks[r].beat.pid})" for r in stuck[:4]]
+        more = f" and {len(stuck) - 4} more" if len(stuck) > 4 else ""
+        did = "finished" if first.beat.phase == "done" else f"{first.beat.phase} at"
+        whose = "its process has" if len(stuck) == 1 else "their processes have"
+        line = (f"hang: {', '.join(parts)}{more} {did} step {first.beat.step} but {whose} not exited for "
+                f"{since:.0f} s (teardown; budget {budget:.0f} s)")
+        return Verdict(stuck, stall, budget, line, teardown=True)
 
     def _blame(self, live: list[int], missing: list[int], now: float) -> tuple[list[int], str]:
         if missing:
@@ -232,9 +322,10 @@ def busy_times(step_s: list[float], wait_s: list[float]) -> list[float]:
 
 def slowness(busy: list[float], work: list[float] | None = None) -> list[float]:
     """Each rank's busy time per unit of its work over the median of the other ranks' (1.0 with
-    nothing to compare). `work`: what each rank computes (the trainer: its parameters outside
-    embedding tables), so pipeline stages of different sizes (the Pi guide's 7:14:7 layers) compare
-    fairly and a slow node stands out; None: equal work (data-parallel replicas)."""
+    nothing to compare). `work`: what each rank computes (the trainer: its forward + backward FLOPs
+    per token, trainer/runtime/progress.py compute_work), so pipeline stages of different sizes (the
+    Pi guide's 7:14:7 layers, a last stage with the LM head) compare fairly and a slow node stands
+    out; None: equal work (data-parallel replicas)."""
     rate = [b / w if w and w > 0 else b for b, w in zip(busy, work or [1.0] * len(busy), strict=True)]
     out = []
     for r, x in enumerate(rate):

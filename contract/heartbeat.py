@@ -51,7 +51,8 @@ PHASES = (
     "grad_norm",    # the gradient norm and clipping (an all-reduce on sharded or pipelined layouts)
     "optimizer",    # optimizer step, LR schedule, zero_grad
     "log",          # a log step: the device synchronised, step time and memory gathered
-    "collective",   # the step's end: callbacks' collectives (the preemption vote)
+    "collective",   # waiting on other ranks in a collective: the step's end (the preemption vote), a
+    #                 pipeline's tied-weight gradient sum and gradient-norm all-reduce
     "eval",         # evaluation batches
     "checkpoint",   # a checkpoint written (or an async one finalised)
     "done", "failed",        # the rank's last word: finished, or ended by an error (error: why)
@@ -107,7 +108,7 @@ class Heartbeat:
     max_step_s: float | None = None         # the longest log window's mean step, the first included
     phase_units: int | None = None          # steps' worth of work this phase may hold (log: steps since the
     #                                         last sync; eval: its batches)
-    work: int | None = None                 # what this rank computes: its parameters outside embedding tables
+    work: int | None = None                 # what this rank computes: forward + backward FLOPs per token
     ckpt_bytes: int | None = None           # what this rank writes per checkpoint (estimate)
     last_ckpt_s: float | None = None        # how long its previous checkpoint took
     heartbeat_s: float = 1.0                # the writer's interval

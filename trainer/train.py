@@ -117,7 +117,7 @@ class Trainer:
         self.diloco = self.par.extras.get("diloco")  # parallel.dp_sync diloco: the outer loop (diloco.py)
         self.sync_meter = self.par.extras.get("sync_meter")  # data-parallel bytes and time (sync_meter.py)
         # Per-rank step/wait times at log steps, stragglers, the heartbeat's work and checkpoint size.
-        self.step_times = progress.StepTimes(cfg, env.rank, env.world_size, device, backend, self.par.model_parts)
+        self.step_times = progress.StepTimes(cfg, env, device, backend, self.par.model_parts, self.spec)
 
         self.local_batch = t.batch_size * t.grad_acc_steps
         self.data: DataStream = build_data(d, self.spec.task, self.spec.hf_config, t.seed, self.local_batch,

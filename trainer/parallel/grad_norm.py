@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.parallel.ordered_reduce import ordered_sum
+from trainer.runtime import heartbeat
 
 
 def _group_key(g: torch.Tensor) -> tuple:
@@ -43,7 +44,8 @@ def total_grad_norm(params: list[torch.Tensor], pp_group: dist.ProcessGroup | No
     for gs in groups.values():
         sq = sq + fp32_norm(gs) ** 2
     if pp_group is not None:
-        sq = ordered_sum(sq, pp_group)  # rank order: the norm decides the clip, and it is logged
+        with heartbeat.during("collective"):  # a wait for the other stages' backward, not compute
+            sq = ordered_sum(sq, pp_group)  # rank order: the norm decides the clip, and it is logged
     return sq.sqrt()
 
 

@@ -36,7 +36,7 @@ from trainer.models.lm_loss import loss_context
 from trainer.parallel.grad_norm import clip_grad_norm
 from trainer.parallel.parallelized import Parallelized
 from trainer.parallel.stages import TiedWeights, split_model, sync_tied_grads
-from trainer.runtime import dist_env
+from trainer.runtime import dist_env, heartbeat
 from trainer.runtime.phase_hooks import hook_stage
 
 log = logging.getLogger(__name__)
@@ -203,8 +203,9 @@ class PipelineRunner:
             # `targets` reaches every local stage's forward; only the last stage uses it.
             sched.step(*args, target=target, losses=losses if self.has_last else None, return_outputs=False,
                        targets=labels)
-        for params, key in self.tied_local:
-            sync_tied_grads(params, self.tied_pgs.get(key))
+        with heartbeat.during("collective"):  # waiting for the other copies' ranks: not this rank's compute
+            for params, key in self.tied_local:
+                sync_tied_grads(params, self.tied_pgs.get(key))
         if self.has_last:
             return torch.stack([loss.detach() for loss in losses]).sum()
         return None

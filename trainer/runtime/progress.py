@@ -65,9 +65,9 @@ def shard_bytes(params: list[Any]) -> int:
     return 3 * sum(p.numel() * p.element_size() for p in params)
 
 
-def compute_work(parts: list[Any]) -> int:
-    """What a rank computes per token, roughly: its parameters outside embedding tables (a lookup
-    costs no FLOPs; a tied LM head counts, through the module that multiplies by it)."""
+def matmul_params(parts: list[Any]) -> int:
+    """A rank's parameters that multiply activations: all but embedding tables (a lookup costs no
+    FLOPs; a tied LM head counts, through the module that multiplies by it), each counted once."""
     from torch import nn
 
     seen: set[int] = set()
@@ -83,14 +83,43 @@ def compute_work(parts: list[Any]) -> int:
     return total
 
 
+def attention_layers(parts: list[Any]) -> int:
+    """A rank's attention blocks: modules whose class is named *Attention and hold no other such
+    module (BERT's BertAttention wraps its BertSelfAttention: one; a T5 decoder block's self and
+    cross attention: two; a Wide-ResNet: none)."""
+    count = 0
+    for part in parts:
+        for mod in part.modules():
+            if type(mod).__name__.endswith("Attention") and not any(
+                    type(m).__name__.endswith("Attention") for m in mod.modules() if m is not mod):
+                count += 1
+    return count
+
+
+def compute_work(parts: list[Any], attention_width: int = 0, seq_len: int = 0) -> int:
+    """What a rank computes per token: its forward + backward FLOPs, the MFU formula of
+    trainer/metrics.py (6 N + 12 L a S) applied to the part of the model it holds: 6 per parameter
+    that multiplies (matmul_params) plus 12 x its attention blocks x attention width x sequence
+    length (the scores and their weighted sum, which hold no parameters). The straggler rule divides
+    busy time by it, so it must follow each stage's real cost: counting parameters alone made the
+    reduced Pi pipeline's last stage (2 layers and the LM head, whose weights are almost a layer's,
+    its matmul a third of one at seq_len 256) look 1.17x cheaper per unit than it runs, and a node
+    slowed to a third of a CPU slip under the 1.5x rule (tests/unit/test_stage_work.py)."""
+    return round(6 * matmul_params(parts) + 12 * attention_layers(parts) * attention_width * seq_len)
+
+
 class StepTimes:
     """Per-rank step and wait times gathered at log steps; the straggler warning on rank 0."""
 
-    def __init__(self, cfg: Any, rank: int, world: int, device: Any, backend: str, parts: list[Any]):
-        self.rank, self.world, self.device, self.backend = rank, world, device, backend
+    def __init__(self, cfg: Any, env: Any, device: Any, backend: str, parts: list[Any], spec: Any = None):
+        """`env`: the rank's (rank, world_size); `spec`: the model's ModelSpec, whose attention width
+        and tokens per sample size the work this rank's parts compute per token (compute_work,
+        counted once, here; without it, the parameters' share alone)."""
+        self.rank, self.world, self.device, self.backend = env.rank, env.world_size, device, backend
         w = cfg.watch
         self.stragglers = rule.Stragglers(w.straggler_factor, w.straggler_steps) if w.straggler_steps else None
-        self.work = compute_work(parts)
+        width, seq = (spec.attention_width, spec.tokens_per_sample(cfg.data.seq_len)) if spec is not None else (0, 0)
+        self.work = compute_work(parts, width, seq)
         if heartbeat.CURRENT is not None:
             heartbeat.CURRENT.work = self.work
             heartbeat.CURRENT.ckpt_bytes = shard_bytes([p for m in parts for p in m.parameters()])
@@ -124,8 +153,8 @@ class StepTimes:
                 out["stragglers"] = self.stragglers.current()
             if self.rank == 0:
                 for r, ratio in new:
-                    log.warning("straggler: rank %d computes %.1fx slower than the other ranks' median, per parameter "
-                                "it holds (%.3f s busy of its %.3f s step), for %d log steps in a row: it holds the "
+                    log.warning("straggler: rank %d computes %.1fx slower than the other ranks' median, per FLOP "
+                                "it computes (%.3f s busy of its %.3f s step), for %d log steps in a row: it holds the "
                                 "others back", r, ratio, busy[r], steps[r], self.stragglers.windows)
         return out
 

@@ -10,6 +10,9 @@ regular file, MAX_BYTES + 1 at most (as slurm/collect.py reads the run dir); thr
 node, over a dedicated SFTP session whose every answer must come whole within READ_TIMEOUT_S.
 Judged only while the job is RUNNING, and from the start again whenever it starts running (a
 requeue: a new world; the start-up budget counts from the start, not from the submission).
+A job still RUNNING when every rank has said its last word (`done`) and the teardown budget has
+passed is a teardown hang (contract/hang.py Watch.teardown), stopped the same way.
+From the same files, one warning line per straggler, the SSH watch's (runner/backends/stragglers.py).
 
 On a hang: one line (the SSH watch's: beat_reader.stopping_line), every rank's stacks taken by
 `python -m trainer.tools.stacks` in one `srun --overlap` step of the job's allocation, one task a
@@ -29,6 +32,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TextIO
 
 from contract import hang as rule
 from contract import heartbeat as fmt
@@ -45,6 +49,7 @@ from runner.backends.beat_reader import (
 from runner.backends.slurm.jobs import JobState, node_names
 from runner.backends.slurm.plan import DOWN_MARK, SlurmPlan, container_flags, resolve
 from runner.backends.slurm.shell import LoginShell, Shell
+from runner.backends.stragglers import StragglerLines
 from runner.core.node_output import visible
 from runner.inventory.slurm import SlurmInventory
 from runner.planning.plan import OUT
@@ -72,10 +77,11 @@ class Hang:
 
 class SlurmHangWatch(BeatReader):
     """One per attached `up`: `tick(state)` after every round of the log follower; `hung` once a
-    hang was found and the job cancelled."""
+    hang was found and the job cancelled. Its lines (a straggler's warning, a hang's) go to `out`
+    (stderr when None, as the SSH watch's)."""
 
     def __init__(self, sh: Shell, inv: SlurmInventory, plan: SlurmPlan, job_id: str,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, out: TextIO | None = None):
         self.nproc = inv.job.nproc_per_node or inv.slurm.gpus_per_node or 1
         super().__init__(inv.slurm.nodes * self.nproc, inv.job.hang_timeout, clock)
         self.sh, self.inv, self.plan, self.job_id = sh, inv, plan, job_id
@@ -83,6 +89,8 @@ class SlurmHangWatch(BeatReader):
         self._running = False
         self._next = 0.0
         self._sftp: WatchedSFTP | None = None
+        self.out = out
+        self.straggle = StragglerLines()  # nodes as each rank's heartbeat names them (SLURMD_NODENAME)
 
     # -- reading --------------------------------------------------------------------------------
     def read(self) -> list[fmt.Heartbeat]:
@@ -147,6 +155,7 @@ class SlurmHangWatch(BeatReader):
         if not self._running:  # it (re)started: a new world, and the start-up budget from now
             self._running = True
             self.restart(self.world)
+            self.straggle.start_over()
         if self.clock() < self._next:
             return
         self._next = self.clock() + POLL_S
@@ -156,7 +165,11 @@ class SlurmHangWatch(BeatReader):
             log.debug("hang watch: %s", exc)
             self.close()
             return
-        v = self.verdict()
+        self._say([f"runner: warning: {line}" for line in self.straggle.lines(self.watch)])
+        # A job still RUNNING after every rank's last word, past the teardown budget: a rank's process
+        # (or its step) that does not exit (contract/hang.py Watch.teardown); Slurm shows the job, not
+        # which process, so every ended rank is named and the stacks say which one still runs.
+        v = self.verdict() or self.watch.teardown(self.clock(), self.watch.ranks)
         if v is not None:
             self.stop(v)
 
@@ -169,9 +182,15 @@ class SlurmHangWatch(BeatReader):
         node = seen.beat.node if seen is not None else (nodes[k] if k < len(nodes) else f"node-{k}")
         return node, nodes.index(node) if node in nodes else k
 
+    def _say(self, lines: list[str]) -> None:
+        if lines:
+            stream = self.out or sys.stderr
+            stream.write("".join(ln + "\n" for ln in lines))
+            stream.flush()
+
     def stop(self, v: rule.Verdict, out=None) -> Hang:
         """The line, every rank's stacks, the `down` mark, scancel."""
-        stream = out or sys.stderr
+        stream = out or self.out or sys.stderr
         stream.write(stopping_line(v.line) + "\n")
         stream.flush()
         nodes = node_names(self.sh, self.plan.run_dir, self.job_id)

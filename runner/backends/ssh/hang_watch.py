@@ -28,6 +28,7 @@ from contract import hang as rule
 from contract import heartbeat as fmt
 from contract import stacks as names
 from runner.backends.beat_reader import POLL_S, STACKS_TIMEOUT_S, BeatReader, watched_sftp
+from runner.backends.stragglers import StragglerLines
 from runner.core.node_output import visible
 from runner.planning.plan import Plan
 from runner.transport.sftp import WatchedSFTP, close_quietly
@@ -60,10 +61,7 @@ class HangWatch(BeatReader):
         self.remotes, self.plan = remotes, plan
         self.workers = max(1, min(workers, len(plan.nodes)))
         self._sftp: dict[str, WatchedSFTP] = {}
-        self.straggle = rule.Stragglers()
-        self._straggle_step = 0
-        self.warned: list[str] = []
-        self._warned_ranks: set[int] = set()  # one line per straggler and run, however often it lags again
+        self.straggle = StragglerLines(self.rank_node)  # the warning lines, shared with Slurm's watch
         self.regrouped = threading.Event()  # set by the watcher: the ranks regrouped in place (a new world)
 
     # -- reading --------------------------------------------------------------------------------
@@ -82,7 +80,7 @@ class HangWatch(BeatReader):
         file is an earlier world's until it moves again, and the rule starts over (start-up budget)."""
         self.regrouped.clear()
         self.restart(None)
-        self.straggle, self._straggle_step = rule.Stragglers(), 0
+        self.straggle.start_over()
 
     def poll(self, skip: set[str] | frozenset[str] = frozenset()) -> int:
         """Read every node not in `skip` once (in parallel); the Watch updated. How many beats read."""
@@ -112,30 +110,12 @@ class HangWatch(BeatReader):
 
     # -- stragglers -----------------------------------------------------------------------------
     def stragglers(self) -> list[str]:
-        """Lines for ranks that just became stragglers: once every rank has ended a step since the
-        last look, their busy times (step less waits, per unit of work) go to contract.hang.Stragglers."""
-        seen, world = self.watch.ranks, self.watch.world_size or 0
-        if world < 2 or sorted(seen) != list(range(world)):
-            return []
-        beats = [seen[r].beat for r in range(world)]
-        step = min(b.step for b in beats)
-        if step <= self._straggle_step or any(b.step_s is None or b.wait_s is None for b in beats):
-            return []
-        self._straggle_step = step
-        busy = rule.busy_times([b.step_s or 0.0 for b in beats], [b.wait_s or 0.0 for b in beats])
-        work = [float(b.work or 0) for b in beats] if all(b.work for b in beats) else None
-        lines = []
-        for r, ratio in self.straggle.update(busy, work):
-            if r in self._warned_ranks:
-                continue
-            self._warned_ranks.add(r)
-            b = beats[r]
-            lines.append(f"straggler: rank {r} ({self.rank_node.get(r, b.node)}) computes {ratio:.1f}x slower than "
-                         f"the other ranks' median{' per parameter it holds' if work else ''} ({busy[r]:.3f} s busy "
-                         f"of its {b.step_s or 0:.3f} s step) for {self.straggle.windows} steps in a row: it holds "
-                         f"the others back")
-        self.warned += lines
-        return lines
+        """Lines for ranks that just became stragglers (runner/backends/stragglers.py)."""
+        return self.straggle.lines(self.watch)
+
+    @property
+    def warned(self) -> list[str]:
+        return self.straggle.warned
 
     def close(self) -> None:
         for s in self._sftp.values():

@@ -1,8 +1,10 @@
 """Watch a launched run: stream every container's output prefixed `[node/rank]` (lines cut at 64 KiB,
 control characters made visible: runner/core/node_output.py; the raw bytes kept per node, 512 MiB at most), and fail fast: the first container exiting non-zero or node becoming unreachable stops
 every other container of the run (one shared event, as Horovod's safe_shell_exec does). A rank that
-stops making progress while its node still answers is a hang (runner/backends/ssh/hang_watch.py):
-one line, every rank's stacks taken, then the same failure path (Outcome.hung: exit 5)."""
+stops making progress while its node still answers is a hang (runner/backends/ssh/hang_watch.py),
+and so is one whose process outlives its last word (`done`) past the teardown budget while its
+container runs (runner/backends/ssh/teardown.py): one line, every rank's stacks taken, then the
+same failure path (Outcome.hung: exit 5)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from pathlib import Path
 from typing import TextIO
 
 from runner.backends.beat_reader import stopping_line
-from runner.backends.ssh import hang_watch
+from runner.backends.ssh import hang_watch, teardown
 from runner.backends.ssh.node_runs import stop_run
 from runner.core.fanout import DEFAULT_PARALLEL
 from runner.core.node_output import KeptLog, LineSplitter, visible
@@ -51,6 +53,7 @@ class Outcome:
     yielded: bool = False             # not a failure: `yield_to` was set and the run was stopped for it
     detected: float | None = None     # when the watcher took it (time.time())
     hung: bool = False                # no progress past the hang timeout (error: the one line); stacks taken
+    teardown: bool = False            # hung after every rank's last word: the training itself had ended
 
     @property
     def failed(self) -> bool:
@@ -180,20 +183,26 @@ class Watcher:
 
     def _watch_hangs(self) -> None:
         """Every hang_watch.POLL_S: every running node's heartbeats read, a straggler warned about
-        once, and a hang handed to run() as an Outcome (it takes the stacks, then stops the run)."""
+        once, and a hang handed to run() as an Outcome (it takes the stacks, then stops the run).
+        The ranks of a node whose container has exited are ended for the rule (their last word may
+        not have been read); a rank ended while its container still runs past the teardown budget
+        is a hang too (runner/backends/ssh/teardown.py)."""
         hw = self.hang
         assert hw is not None
         try:
             while not self.stop.wait(hang_watch.POLL_S):
                 if hw.regrouped.is_set():
                     hw.start_over()
-                hw.poll(skip=set(self.done))
+                exited = set(self.done)
+                hw.poll(skip=exited)
+                hw.watch.exited(teardown.ranks_on(hw, exited))
                 for line in hw.stragglers():
                     self._say(f"runner: warning: {line}")
-                v = hw.verdict()
+                v = hw.verdict() or teardown.check(hw, self.remotes,
+                                                   [np for np in self.plan.nodes if np.node not in exited])
                 if v is not None and not self.stop.is_set():
                     node, rank = hw.culprit(v)
-                    self.events.put(Outcome(node, rank, error=v.line, hung=True))
+                    self.events.put(Outcome(node, rank, error=v.line, hung=True, teardown=v.teardown))
                     return
         except Exception as exc:  # noqa: BLE001 - the watch is an aid: the run goes on without it
             log.warning("hang watch stopped: %s", visible(str(exc))[:300])
