@@ -24,9 +24,13 @@ survivors regroup in their processes, stages from memory (trainer/parallel/stage
 and node-2's link back, it joins the running ranks in place (`rejoin`):
 
   back -> reached      the runner's retry reaches node-2 again (the `back` event)
-  reached -> file      its one container started, regroup.json of the 3-node layout written
+  reached -> ready     its one container started, torch imported, its trainer waits (`ready`);
+                       the 2-node layout trains on meanwhile
+  ready -> file        regroup.json of the 3-node layout written
   file -> resumed      the running ranks switched at their next step boundary, node-2 took its stage
   resumed -> step      node-2's first step
+  pause                the running ranks' gap between their last 2-node step and the first 3-node
+                       one, less their usual step time: what the rejoin cost the training
 
 plus the steps redone and the replicas' cost: the training thread's seconds per refresh against the
 median step (target, issue 58: cut -> first new step <= 15 s, <= 1 step redone, replicas < 3%).
@@ -55,15 +59,16 @@ from tests.support.trainer_run import HOOKS_SYNC, hold_env
 
 STATE = Path("/tmp/runner-bench-elastic")
 IMAGE = "runner-trainer:latest"
+IN_PLACE_STEPS = 200  # the in-place run: long enough that the 2-node layout still trains when node-2 is ready
 ARGS = ["--parallel.partition", "uniform_transformer", "--train.steps", "12", "--checkpoint.interval", "2",
         "--profile_batch", "none"]
 
 
-def job(hold: str, in_place: bool = False, rejoin: bool | None = None) -> Path:
+def job(hold: str, in_place: bool = False, rejoin: bool | None = None, steps: int | None = None) -> Path:
     p = STATE / "elastic-job.yaml"
     p.write_text(yaml.safe_dump({"job": {
         "image": IMAGE, "config": str(REPO / "configs/pi-qwen3-3stage-tiny.yaml"),
-        "args": ARGS + (["--elastic.in_place", "true"] if in_place else []),
+        "args": ARGS + (["--elastic.in_place", "true"] if in_place else []) + (["--train.steps", str(steps)] if steps else []),
         "master_port": "auto", "grace_period": 60, "env": {"OMP_NUM_THREADS": "1", **hold_env(hold)},
         "sync": [HOOKS_SYNC],  # the hold is test support, switched on by tests/hooks/ (trainer/runtime/hold.py)
         "elastic": {"min_nodes": 2, "rejoin": (not in_place) if rejoin is None else rejoin}}}))
@@ -136,7 +141,8 @@ def once_in_place(inv: Path, workdirs: dict[str, Path]) -> dict:
     link = lambda state: runner("sandbox", "--dir", str(STATE / "s"), "link", "node-2", state)  # noqa: E731
     before = {p.name for p in (workdirs["node-0"] / "runs").glob("*")} if (workdirs["node-0"] / "runs").is_dir() else set()
     proc = subprocess.Popen([sys.executable, "-m", "runner", "up", "-i", str(inv), "--job",
-                             str(job("step:4,step:8", in_place=True, rejoin=True)), "--logs-dir", str(STATE / "logs")],
+                             str(job("step:4,step:8", in_place=True, rejoin=True, steps=IN_PLACE_STEPS)), "--logs-dir",
+                             str(STATE / "logs")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     try:
         run_id = wait(lambda: next(iter({p.name for p in (workdirs["node-0"] / "runs").glob("*")} - before), None))
@@ -151,12 +157,9 @@ def once_in_place(inv: Path, workdirs: dict[str, Path]) -> dict:
         wait(lambda: hold("node-0", 0, 8) and hold("node-1", 1, 8))
         back = time.time()
         link("up")
-        # Held after step 8 until the 3-node layout's regroup.json is on every node, then let go: a
-        # running job switches at its next step end (its vote carries the file's epoch); the hold adds
-        # the 0.5 s the ranks' watchers (100 ms) take to read it, no more.
-        regroup = lambda n: json.loads((runs[n] / "regroup.json").read_text() or "{}")  # noqa: E731
-        wait(lambda: all((runs[n] / "regroup.json").is_file() and regroup(n).get("epoch", 0) >= 2 for n in runs), 180)
-        time.sleep(0.5)
+        # The 2-node layout trains on from step 8 while node-2 is reached and its container starts; the
+        # runner writes the 3-node regroup.json once node-2's trainer says `ready`, and the running
+        # ranks switch at the next step end (their vote carries the file's epoch).
         for n in ("node-0", "node-1"):
             (runs[n] / ".hold" / "step-8.go").write_text("")
         out, err = proc.communicate(timeout=600)
@@ -176,9 +179,16 @@ def once_in_place(inv: Path, workdirs: dict[str, Path]) -> dict:
     rejoin = None
     if came is not None and grown is not None:  # joined in place (else the run restarted: no figures)
         step3 = next(r["time"] for r in metrics(runs["node-2"]) if r["step"] == grown["from_step"] + 1)
-        rejoin = {"reach_s": came["t"] - back, "start_s": grown["planned"] - came["t"],
+        ready = json.loads((runs["node-2"] / "regroup-status.local0.json").read_text())["times"]["ready"]
+        # The running ranks' pause: the gap between their last step in the 2-node layout (node-1 logs it)
+        # and the first in the 3-node one (node-2 logs it), less their usual step time before it.
+        old_t = {r["step"]: r["time"] for r in metrics(runs["node-1"])}
+        k = grown["from_step"]
+        usual = statistics.median(old_t[i + 1] - old_t[i] for i in range(max(5, k - 5), k) if i in old_t and i + 1 in old_t)
+        rejoin = {"reach_s": came["t"] - back, "ready_s": ready - came["t"], "file_s": grown["planned"] - ready,
                   "regroup_s": grown["resumed"] - grown["planned"], "first_step_s": step3 - grown["resumed"],
-                  "back_to_step_s": step3 - back, "from_step": grown["from_step"]}
+                  "back_to_step_s": step3 - back, "pause_s": step3 - old_t[k] - usual, "step_s": usual,
+                  "from_step": grown["from_step"]}
     # The replicas' cost: the training thread's seconds per refresh against a step's (pp 3, before the cut).
     cost = [float(x) for x in re.findall(r"stage replicas: \d+ refresh\(es\), ([0-9.]+) s on the training thread, "
                                          r"([0-9.]+) s CPU", (runs["node-0"] / "logs" / "rank0.log").read_text())[-1]]
@@ -238,8 +248,9 @@ def main() -> int:
         if j.get("median"):
             g = j["median"]
             print(f"in place: node-2 back -> first step on 3 nodes: {g['back_to_step_s']:.1f} s = reach "
-                  f"{g['reach_s']:.1f} + container started {g['start_s']:.1f} + regroup {g['regroup_s']:.1f} + first "
-                  f"step {g['first_step_s']:.1f} (joined in place {j['joined']})")
+                  f"{g['reach_s']:.1f} + its container up and `ready` {g['ready_s']:.1f} (the others training) + file "
+                  f"{g['file_s']:.1f} + regroup {g['regroup_s']:.1f} + first step {g['first_step_s']:.1f}; the running "
+                  f"ranks paused {g['pause_s']:.1f} s beyond a {g['step_s']:.2f} s step (joined in place {j['joined']})")
     s, g = med["shrink"], med["rejoin"]
     print(f"node-2 cut -> first step on 2 nodes: {s['cut_to_step_s']:.1f} s = detect {s['detect_s']:.1f} + stop "
           f"{s['stop_s']:.1f} + re-plan {s['replan_s']:.1f} + file exchange {s['exchange_s']:.1f} + restart "

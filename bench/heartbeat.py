@@ -3,8 +3,8 @@
     python -m bench.heartbeat [--reps 3 --steps 200 --block 5]
 
 On a shared 2-core machine two runs of one job differ by tens of percent, so the heartbeat is
-switched on and off inside each run instead, every --block steps on every rank at once (steps
-interleaved: on, off, on, ...), and a run's overhead is the median loop iteration (one step, its log
+switched on and off inside each run instead, every --block steps on every rank at once (each block
+on or off by a coin seeded by its index: nothing periodic in the trainer lines up with one mode), and a run's overhead is the median loop iteration (one step, its log
 step and its callbacks: from one step's start to the next) of its `on` steps over that of its `off`
 ones; the job's figure is the median over --reps runs, each a fresh process group.
 - on: the trainer as shipped (its writer every watch.heartbeat_s, --heartbeat-s, default 1 s as shipped);
@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -65,7 +66,7 @@ class Toggle:
 
     def on_step_start(self, trainer: Any, step: int) -> None:
         self.starts.append(time.perf_counter())
-        on = (step // self.block) % 2 == 1
+        on = block_on(step // self.block)
         self.modes.append(on)
         self.marks[1] += on
         self.hb.CURRENT = self.writer if on else None
@@ -74,6 +75,13 @@ class Toggle:
         self.starts.append(time.perf_counter())
         self.hb.CURRENT = self.writer
         self.out.write_text(json.dumps({"starts": self.starts, "modes": self.modes, "marks": self.marks}))
+
+
+def block_on(index: int) -> bool:
+    """Whether block `index` runs with the heartbeat on: a coin seeded by the index alone, the same on
+    every rank. Strict alternation let anything periodic in the trainer (its gc every N steps, the
+    timeout refresh every 50, checkpoints) fall into one mode's blocks every time."""
+    return random.Random(index * 1_000_003 + 17).random() < 0.5
 
 
 def worker(argv: list[str]) -> int:

@@ -23,7 +23,10 @@ prefix no member of an older epoch knows (`store_prefix`: the epoch and the runn
 
 Each rank answers in `regroup-status.local<L>.json` beside it (L: its local rank): the epoch and how
 far it got (seen, left, joined, resumed, failed), with epoch seconds, so the runner knows when the
-new layout trains or that it must fall back to restarting the containers.
+new layout trains or that it must fall back to restarting the containers. A node coming back
+answers `ready` first, for the epoch it was started to join, once its process has imported torch
+and waits for the file: the runner writes the file only then, so the running ranks keep training
+through the newcomer's start-up and pause only for the switch itself.
 
 Torch-free (both wings read it); every reader here is bounded and checks every field, so a file
 someone else wrote is refused in one line (ValueError) rather than acted on.
@@ -41,7 +44,8 @@ from typing import Any
 from contract.bounded_json import loads
 
 REGROUP_FILE = "regroup.json"
-STATUS_STATES = ("seen", "left", "joined", "resumed", "failed")
+# "ready": a node coming back (started to join) has imported torch and waits for its epoch's file
+STATUS_STATES = ("ready", "seen", "left", "joined", "resumed", "failed")
 MAX_BYTES = 64 << 10     # a real file: a few hundred bytes a node
 MAX_NODES = 4096
 MAX_WORLD = 1 << 16

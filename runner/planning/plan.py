@@ -7,6 +7,8 @@ rank order cannot be reshuffled by torchrun's c10d rendezvous.
 
 from __future__ import annotations
 
+import ipaddress
+import re
 import shlex
 from dataclasses import dataclass, field
 
@@ -52,6 +54,7 @@ class Facts:
     uid: int | None = None      # the SSH user's (`id -u`, `id -g`, `id -un`): containers run as uid:gid
     gid: int | None = None
     user: str | None = None
+    src_ip: str | None = None   # the node's address toward the master (`ip route get`'s src): its /etc/hosts line
 
 
 @dataclass
@@ -79,6 +82,8 @@ class NodePlan:
     go_file: str | None = None    # on the node: written once the master listens (gated workers)
     cpus: float | None = None     # the node's limits (inventory cpus/memory) on the job's container
     memory: str | None = None
+    # name -> address of the job's nodes, the container's /etc/hosts lines (`hosts_of`)
+    hosts: dict[str, str] = field(default_factory=dict)
 
     @property
     def is_master(self) -> bool:
@@ -206,6 +211,7 @@ def make_plan(inv: Inventory, run_id: str, facts: dict[str, Facts] | None = None
     secret_keys = sorted(secret_keys or [])
     plans: list[NodePlan] = []
     nproc = {n.name: job.nproc_per_node or n.slots for n in nodes}
+    hosts = hosts_of(nodes, facts)
     for rank, node in enumerate(nodes):
         f = facts.get(node.name, Facts())
         arch = node.arch or f.arch
@@ -260,11 +266,48 @@ def make_plan(inv: Inventory, run_id: str, facts: dict[str, Facts] | None = None
             container=container_name(run_id, node.name), labels=labels, command=command, env=env,
             secret_keys=secret_keys, workdir=workdir, run_dir=run_dir, secrets_file=secrets_file,
             config_file=f"{run_dir}/config.yaml" if job.config else None, gpus=node.gpus, mounts=mounts,
-            go_file=go_file, cpus=node.cpus, memory=node.memory, user=container_user(node, f, strict),
+            go_file=go_file, cpus=node.cpus, memory=node.memory, user=container_user(node, f, strict), hosts=hosts,
             writable=frozenset({OUT, *(m.dst for m in job.mounts if m.rw)})))
     return Plan(run_id=run_id, nnodes=nnodes, master=master.name, master_addr=master.rank_addr, master_port=port,
                 nproc_per_node=nproc, nodes=plans, grace_period=job.grace_period,
                 config_src=job.config, env_file_src=job.env_file)
+
+
+def hosts_of(nodes: list[Node], facts: dict[str, Facts]) -> dict[str, str]:
+    """Every job node's address under its name, for the containers' /etc/hosts. torch's c10d looks up
+    the name of each store connection's address (socket.cpp: "The hostname of the client socket
+    cannot be retrieved"); with no DNS server in reach (Pis on a bare switch, a sealed subnet, the
+    namespaced sandbox) each lookup waits out the resolver: 10 s (5 s x 2 tries) per connection, on
+    the path to every first step. A line in /etc/hosts answers it at once. Addresses are the nodes'
+    own (the probe's `src`), else the inventory's when it is an IP literal; names made hostname-safe.
+    `extra_hosts` writes them as Docker takes them."""
+    out: dict[str, str] = {}
+    for n in nodes:
+        addr = facts.get(n.name, Facts()).src_ip or ip_literal(n.rank_addr)
+        name = re.sub(r"[^A-Za-z0-9.-]", "-", n.name).strip(".-")[:63]
+        if addr and name and name not in out:
+            out[name] = addr
+    return out
+
+
+def extra_hosts(hosts: dict[str, str]) -> list[str]:
+    """Docker's `name:address` lines for `hosts`, an IPv4 address twice: c10d's sockets are IPv6 ones
+    holding IPv4-mapped addresses (::ffff:a.b.c.d), which glibc looks up as IPv6 and so never matches
+    against an IPv4 line of /etc/hosts (seen on the namespaced sandbox: a PTR query despite the line)."""
+    out = []
+    for name, addr in hosts.items():
+        out.append(f"{name}:{addr}")
+        if ipaddress.ip_address(addr).version == 4:
+            out.append(f"{name}:::ffff:{addr}")
+    return out
+
+
+def ip_literal(text: str) -> str | None:
+    """`text` as an IP address, or None (a name, or anything a node said that is not one)."""
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        return None
 
 
 # HOME of a container run as a non-root SSH user: the image has no passwd entry for its uid, so

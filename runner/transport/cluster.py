@@ -32,6 +32,7 @@ class Cluster:
         self.workers = workers
         self.remotes: dict[str, Remote] = {}
         self.unreachable: dict[str, str] = {}
+        self.owner: Cluster | None = None  # the cluster this is a view of (view())
 
     def __enter__(self) -> Cluster:
         if not self.partial:
@@ -68,7 +69,15 @@ class Cluster:
         entered, not closed; this cluster owns the connections."""
         v = Cluster(inv, self.accept_new, self.partial, self.workers)
         v.remotes = {n.name: self.remotes[n.name] for n in inv.nodes}
+        v.owner = self
         return v
+
+    def reconnected(self, name: str, remote: Remote) -> None:
+        """A node's new connection (a lost node that answers again), here and in the cluster this is a
+        view of: the next layout's view is made from that one, and must not get the dead connection."""
+        self.remotes[name] = remote
+        if self.owner is not None:
+            self.owner.reconnected(name, remote)
 
     def __getitem__(self, name: str) -> Remote:
         return self.remotes[name]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from runner.core.errors import UserError
 from runner.planning.paths import node_paths
-from runner.planning.plan import Facts
+from runner.planning.plan import Facts, ip_literal
 from runner.transport.ssh import Remote
 
 
@@ -21,6 +21,7 @@ class Probe:
     arch: str | None = None
     home: str | None = None
     ifname: str | None = None
+    src_ip: str | None = None     # the address this node's sockets to the master come from (`src` of the route)
     master_ip: str | None = None
     cpus: int | None = None
     mem_gb: float | None = None
@@ -38,7 +39,7 @@ class Probe:
 
     def facts(self) -> Facts:
         return Facts(arch=self.arch, ifname=self.ifname, home=self.home, uid=self.uid, gid=self.gid,
-                     user=self.user)
+                     user=self.user, src_ip=self.src_ip)
 
 
 UNAME_ARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
@@ -87,10 +88,13 @@ echo "docker=$V"
     route = kv.get("route", "").split()
     if "dev" in route:
         p.ifname = route[route.index("dev") + 1]
+    if "src" in route[:-1]:
+        p.src_ip = ip_literal(route[route.index("src") + 1])
     if kv.get("addrdev"):
         # The master routes its own address via `local ... dev lo`; gloo must bind the interface
         # that HOLDS the address, which other nodes can reach.
         p.ifname = kv["addrdev"]
+        p.src_ip = ip_literal(p.master_ip or "")
     p.cpus = _int(kv.get("nproc"))
     mem = _int(kv.get("mem_kb"))
     p.mem_gb = round(mem / 1048576, 1) if mem else None

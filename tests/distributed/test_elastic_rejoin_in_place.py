@@ -62,6 +62,9 @@ def test_a_node_coming_back_joins_in_place_and_the_losses_equal_a_hand_resumed_p
     for node in ("node-0", "node-1", "node-2"):
         st = out["status"][node]
         assert (st["epoch"], st["state"], st["step"]) == (1, "resumed", 4), st  # no step abandoned, none redone
+    # the newcomer said `ready` (what the runner waits for before it writes the file) before it read it
+    assert out["status"]["node-2"]["times"]["ready"] <= out["status"]["node-2"]["times"]["seen"]
+    assert "ready" not in out["status"]["node-0"]["times"]  # a running rank has no start-up to announce
     flags = out["flags"]
     # the running ranks: steps 1-4 as pp 2, 5-6 as pp 3, in the processes they started in
     for r, node in enumerate(("node-0", "node-1")):

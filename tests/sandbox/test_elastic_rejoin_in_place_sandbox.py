@@ -4,7 +4,7 @@ stage a node) on the namespaced sandbox, `job.elastic` with rejoin on, `--elasti
 node-2's link is cut after step 4: node-0 and node-1 regroup in place as pp 2 (as in
 test_elastic_in_place_sandbox.py). Held after step 7, node-2's link comes back: the runner removes its
 old container, starts one new container there whose trainer waits to join (no group, no weights), and
-writes regroup.json for pp 3 over the three nodes with `at_step` 0. Let go, the running ranks see it
+writes regroup.json for pp 3 over the three nodes with `at_step` 0 once that trainer says `ready`. Let go, the running ranks see it
 through their step-8 preemption vote, finish step 8 and regroup; node-2 receives its stage (parameters
 and optimizer state) from them. Steps 9-10 run as pp 3 within the same `runner up`, in the running
 ranks' same processes (the pids of their heartbeats), with the losses of a pp 3 run resumed by hand
@@ -99,6 +99,15 @@ def test_a_node_back_joins_the_running_ranks_in_place_with_the_hand_resumed_loss
     for n in NODES:
         st = json.loads((runs[n] / "regroup-status.local0.json").read_text())
         assert (st["epoch"], st["state"], st["step"]) == (2, "resumed", 8), (n, st)
+    # the file was written only once node-2's new trainer said it waits (torch imported): the running
+    # ranks train through its start-up (runner/backends/ssh/elastic_loop.py wait_ready)
+    ready = json.loads((runs["node-2"] / "regroup-status.local0.json").read_text())["times"]
+    assert ready["ready"] < grown["planned"] <= ready["seen"], (ready, grown)
+    # no container waited out a DNS resolver for the name of a store connection's address: the sealed
+    # sandbox has none in reach, and each such lookup cost 10 s (runner/planning/plan.py hosts_of)
+    for n in NODES:
+        log = (tmp_path / "logs" / run_id / n / "container.log").read_text()
+        assert "hostname of the client socket cannot be retrieved" not in log, (n, log[-2000:])
     # node-0 and node-1: the processes that started the run ran it to its end
     after = {n: pids(runs[n]) for n in ("node-0", "node-1")}
     for n in ("node-0", "node-1"):

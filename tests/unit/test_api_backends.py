@@ -111,6 +111,9 @@ class _Cluster:
     def __getitem__(self, name):
         return self.remotes[name]
 
+    def reconnected(self, name, remote):  # as runner.transport.cluster.Cluster's (a view of none)
+        self.remotes[name] = remote
+
     def map(self, items, fn):
         out = []
         for it in items:

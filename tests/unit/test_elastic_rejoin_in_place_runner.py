@@ -57,12 +57,13 @@ def test_a_node_back_gets_one_container_and_every_node_the_larger_layout_s_file(
 def test_where_the_rejoin_cannot_be_in_place_the_restart_path_says_why_in_one_line(tmp_path, monkeypatch, capsys):
     el, cl, homes = _after_a_loss(tmp_path, monkeypatch)
     started: list[str] = []
-    # the newcomer fails to join: the file was written, the wait gives up, the restart path takes over
+    # the newcomer fails before it is ready: no file written, the restart path takes over
     _status(tmp_path / "node-2", "/home/runs/r1", 2, "failed")
     assert el.rejoin_in_place(cl, "r1", homes, lambda n, e: started.append(n) or SimpleNamespace(node=n)) is None
     assert started == ["node-2"] and el.layout.pp == 2 and el.returned == ["node-2"] and el.back.is_set()
+    assert contract.read(tmp_path / "node-0" / "home/runs/r1" / contract.REGROUP_FILE).epoch == 1  # the loss's
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == ("runner: run r1: in-place rejoin epoch 2 failed (node-2 local rank 0: boom); "
+    assert err[-1] == ("runner: run r1: node-2 not ready to join in place (node-2 local rank 0: boom); "
                        "restarting every node instead"), err
     # a running layout without stage replicas (pp 1): nothing started, nothing written
     el.layout = SimpleNamespace(pp=1, tp=1, nodes=("node-0", "node-1"))

@@ -206,16 +206,21 @@ class InPlace:
         (the running ranks switch at a step boundary: BoundaryCallback). None: no file, or this node is
         not in it (the process ends; the runner's restart path goes on)."""
         self.backend = backend
+        # The runner writes the file only once every newcomer says this: the running ranks train on
+        # meanwhile (their pause is the switch, not this process's start-up).
+        ready = {"ready": time.time()}
+        write_status(self.run_dir, self.env.local_rank, int(self.join_epoch or 0), "ready", ready)
         spec = self.watcher.wait(float(self.cfg.elastic.wait_s))
         rank = None if spec is None else spec.rank_of(self.node, self.env.local_rank)
         if spec is None or rank is None or spec.epoch != self.join_epoch:
             log.warning("regroup: started to join epoch %s, got %s: this process ends", self.join_epoch,
                         "no regroup.json within elastic.wait_s" if spec is None else f"epoch {spec.epoch} without it")
             return None
+        times = {**ready, **self.watcher.times}
         try:
-            return self._regroup(spec, rank, dict(self.watcher.times), None, build)
+            return self._regroup(spec, rank, times, None, build)
         except Exception as e:
-            write_status(self.run_dir, self.env.local_rank, spec.epoch, "failed", dict(self.watcher.times), rank=rank,
+            write_status(self.run_dir, self.env.local_rank, spec.epoch, "failed", times, rank=rank,
                          error=f"{type(e).__name__}: {str(e)[:200]}")
             raise
 

@@ -48,6 +48,7 @@ from runner.planning.elastic import (
 )
 from runner.planning.job_settings import job_settings
 from runner.planning.paths import node_paths
+from runner.planning.plan import container_name, hosts_of
 from runner.transport.cluster import Cluster
 from runner.transport.rendezvous import pick_master_port
 from runner.transport.ssh import Remote
@@ -56,6 +57,8 @@ log = logging.getLogger("runner.up")
 RETRY_S = 2.0  # how often a lost node is tried again
 IN_PLACE_TIMEOUT_S = 60.0  # regroup.json written to every survivor's rank `resumed` (then: restart)
 STATUS_POLL_S = 0.2
+READY_TIMEOUT_S = 600.0  # a node back: its container started to every rank `ready` (a Pi imports torch in ~1 min)
+CONTAINER_CHECK_S = 2.0  # meanwhile, how often the layout's containers are asked whether they still run
 STATUS_MAX = 4096
 
 
@@ -235,6 +238,22 @@ class ElasticRun:
                              "restarting every node instead\n")
             return None
         runs = {n: node_paths(self.full.node(n), homes.get(n)).run(run_id) for n in layout.nodes}
+        # The file only once every newcomer has imported torch and waits: the running ranks train on
+        # through its start-up (a Pi's torch import: a minute) and pause for the switch alone.
+        late, ended = wait_ready(cl, {n: runs[n] for n in new}, spec.epoch, {n: len(spec.ranks[n]) for n in new},
+                                 {n: container_name(run_id, n) for n in layout.nodes}, set(self.layout.nodes))
+        if late is not None and ended:  # the running layout ended meanwhile (its last step, or a failure):
+            for n in new:               # the watch takes its outcome as it is; the newcomer is stopped
+                stop_node(cl[n], run_id, grace=FAIL_STOP_GRACE_S)
+            with self._lock:
+                self.returned = [n for n in self.returned if n not in back]
+                self.back.clear()
+            sys.stderr.write(f"runner: run {run_id}: {', '.join(new)} not joined: {late} before it was ready\n")
+            return []
+        if late is not None:
+            sys.stderr.write(f"runner: run {run_id}: {', '.join(new)} not ready to join in place ({late}); "
+                             "restarting every node instead\n")
+            return None
         text = dumps(spec).encode()
         wrote = time.time()
         errors = [f"{n}: {err}" for n, _, err in cl.map(list(layout.nodes), lambda n: cl[n].put_bytes(
@@ -326,7 +345,7 @@ class ElasticRun:
                 except Exception:  # noqa: BLE001 - the engine not answering yet: next round
                     r.close()
                     continue
-                cl.remotes[node] = r
+                cl.reconnected(node, r)  # in the launch's view and the run's cluster: the next view has it
                 sys.stderr.write(f"runner: node {node} is reachable again"
                                  + (": stopped and removed its container" if gone else "") + "\n")
                 with self._lock:
@@ -364,6 +383,8 @@ def joiner(launcher, el: ElasticRun, cl: Cluster, probes: dict, run_id: str):
             launcher.inv = saved
         np = plan.nodes[0]
         np.env["ELASTIC_JOIN_EPOCH"] = str(epoch)
+        # every node of the job in its /etc/hosts, not only its own: it meets the running ranks' store
+        np.hosts = hosts_of(el.full.ordered(), {n: p.facts() for n, p in probes.items()})
         launcher.stage_files(cl, plan)
         create_container(cl[node], np).start()
         return np
@@ -377,6 +398,42 @@ def in_place_layout(layout, status: dict, split: str, why: str, epoch: int, plan
     return event("layout", layout=layout.as_dict(), from_step=min(steps) if steps else None, split=split, why=why,
                  in_place=True, epoch=epoch, planned=planned,
                  resumed=max(float(s["times"].get("resumed", 0)) for s in status.values()))
+
+
+def wait_ready(cl: Cluster, runs: dict[str, str], epoch: int, procs: dict[str, int], containers: dict[str, str],
+               running: set[str], timeout_s: float = READY_TIMEOUT_S) -> tuple[str | None, bool]:
+    """(None, False) once every newcomer's rank answered `ready` (or later) for `epoch` in its status
+    file (contract/regroup.py); else (why not, whether it was one of the `running` nodes' containers
+    that stopped: the running job ended meanwhile). Also: a newcomer's container stopped, or not all
+    within timeout_s."""
+    deadline, checked = time.time() + timeout_s, 0.0
+    ok = {"ready", "seen", "left", "joined", "resumed"}
+    while time.time() < deadline:
+        def answered(n: str) -> int | str:
+            got = 0
+            for lr in range(procs[n]):
+                t = cl[n].read_text(f"{runs[n]}/{status_name(lr)}", limit=STATUS_MAX)
+                try:
+                    st = parse_status(t, f"{n}:{status_name(lr)}") if t else None
+                except ValueError:
+                    st = None
+                if st is not None and st["epoch"] == epoch and st["state"] == "failed":
+                    return f"{n} local rank {lr}: {printable(str(st.get('error', ''))[:200])}"
+                got += st is not None and st["epoch"] == epoch and st["state"] in ok
+            return got
+        got = cl.map(list(runs), answered)
+        failed = [v for _, v, err in got if err is None and isinstance(v, str)]
+        if failed:
+            return failed[0], False
+        if all(err is None and v == procs[n] for n, v, err in got):
+            return None, False
+        if time.time() - checked >= CONTAINER_CHECK_S:  # an engine that does not answer: asked again
+            checked = time.time()
+            for n, state, err in cl.map(list(containers), lambda n: cl[n].docker().containers.get(containers[n]).status):
+                if err is None and state != "running":
+                    return f"{n}'s container is {state}", n in running
+        time.sleep(STATUS_POLL_S)
+    return f"no `ready` from every rank within {timeout_s:.0f} s", False
 
 
 def wait_resumed(cl: Cluster, runs: dict[str, str], spec, procs: dict[str, int]) -> dict | str:

@@ -145,6 +145,8 @@ class Launcher:
                 code = self.launch_once(cl, probes, run_id, resume=bool(self.args.resume) or attempt > 0)
                 if code in (0, EXIT_INTERRUPTED, EXIT_TERMINATED) or attempt >= self.args.max_restarts:
                     return code  # Ctrl-C and SIGTERM mean stop, not try again
+                if self.trained_out():
+                    return code
                 if self.lost and not self.lost_reclaimed:
                     return code  # a relaunch needs every node
                 attempt += 1
@@ -168,7 +170,7 @@ class Launcher:
             pin_auto_partition(view, probes, lambda n: node_paths(n, probes[n.name].home).run(run_id), resume=resume,
                                pp=el.layout.pp)
             code = self.launch_once(view, probes, run_id, resume=resume)
-            if code in (0, EXIT_INTERRUPTED, EXIT_TERMINATED):
+            if code in (0, EXIT_INTERRUPTED, EXIT_TERMINATED) or self.trained_out():
                 return code
             # Which nodes are gone first (pings with a timeout): a read from a cut node would hang.
             gone = {} if code == REGROW else el.gone(self.lost, self.failed, self.silent)
@@ -191,6 +193,11 @@ class Launcher:
                     el.lost.clear()
                     return code
             resume = True
+
+    def trained_out(self) -> bool:
+        """The last attempt hung after every rank's `done` (a teardown hang): its training had ended,
+        so neither --max-restarts nor job.elastic launches it again; exit 5 says what happened."""
+        return bool(self.failed is not None and getattr(self.failed, "teardown", False))
 
     def _run_id(self, cl: Cluster) -> str:
         if not self.args.resume:
@@ -377,7 +384,7 @@ class Launcher:
                          f"stopped the run on {where}\n")
         self._tell(cl, plan, f"run {run_id}: node {failed.node} (rank {failed.rank}) failed: {what}",
                    skip=set(self.silent))
-        if failed.hung and self.el is not None:  # an elastic run goes on without the stuck node
+        if failed.hung and self.el is not None and not failed.teardown:  # an elastic run goes on without it
             self.lost = failed.node
         if failed.lost:
             self.lost = failed.node
@@ -441,7 +448,7 @@ class Launcher:
                     r.close()
                     time.sleep(1.0)
                     continue
-                cl.remotes[node] = r
+                cl.reconnected(node, r)
                 sys.stderr.write(f"runner: node {node} is reachable again: "
                                  + ("stopped and removed its container\n" if gone else "no container of the run left\n"))
                 return True

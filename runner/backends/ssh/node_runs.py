@@ -17,7 +17,7 @@ from runner.core.errors import UserError
 from runner.core.fanout import DEFAULT_PARALLEL, parallel
 from runner.core.node_output import visible
 from runner.planning.paths import node_paths
-from runner.planning.plan import LABEL_GRACE, LABEL_NODE, LABEL_RUN, NodePlan, docker_limits
+from runner.planning.plan import LABEL_GRACE, LABEL_NODE, LABEL_RUN, NodePlan, docker_limits, extra_hosts
 from runner.transport.cluster import Cluster
 from runner.transport.sftp import listdir_within
 from runner.transport.ssh import Remote
@@ -53,6 +53,8 @@ def create_container(remote: Remote, np: NodePlan):
         kwargs["user"] = np.user  # the SSH user's uid:gid: what the run writes on the node is the user's
     # py-spy reads a stopped rank's stacks on a hang (contract/stacks.py): ptrace within the container only
     kwargs["cap_add"] = ["SYS_PTRACE"]
+    if np.hosts:
+        kwargs["extra_hosts"] = extra_hosts(np.hosts)  # c10d's address lookups answered locally (plan.hosts_of)
     if np.gpus:
         count = -1 if np.gpus == "all" else int(np.gpus)
         kwargs["device_requests"] = [docker.types.DeviceRequest(count=count, capabilities=[["gpu"]])]
