@@ -312,7 +312,9 @@ def test_survivors_of_a_stopped_peer_leave_blocked_ops_and_regroup_five_times_wi
         assert epochs[0]["t_back"] >= out["writes"]["1"], (epochs[0], out["writes"])
         assert all(e["sum"] == 3.0 for e in epochs)  # the new group of 2 reduces right, every time
         # nothing grows from one regroup to the next: threads, fds, Python threads
-        assert {tuple(e["threads_fds"]) for e in epochs[1:]} == {tuple(epochs[1]["threads_fds"])}, epochs
+        # (at most: one fd fewer in a later epoch was seen in CI, a socket of the last group closed later)
+        first = epochs[1]["threads_fds"]
+        assert all(t <= first[0] and f <= first[1] for t, f in (e["threads_fds"] for e in epochs[1:])), epochs
         assert {e["python_threads"] for e in epochs} == {epochs[0]["python_threads"]}
         status = contract.parse_status((tmp_path / "ctl" / f"node-{r['rank']}" / contract.status_name(0)).read_text(),
                                        "status")
