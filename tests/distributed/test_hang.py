@@ -169,8 +169,9 @@ def feed_all(watch: rule.Watch, out: Path) -> None:
         watch.update(b, now)
 
 
-def take_stacks(out: Path, stopped: int) -> None:
-    """The helper, as the runner execs it in a container: every rank's stacks, the stopped one too."""
+def stacks_tool(out: Path) -> subprocess.CompletedProcess:
+    """`python -m trainer.tools.stacks --out OUT` as the runner execs it in a container (skips
+    without py-spy); asserts it exited 0."""
     if shutil.which("py-spy", path=str(Path(sys.executable).parent)) is None:
         pytest.skip("py-spy is not installed (pip install -e '.[dev]')")
     env = trainer_env({"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"})
@@ -178,6 +179,12 @@ def take_stacks(out: Path, stopped: int) -> None:
     p = subprocess.run([sys.executable, "-m", "trainer.tools.stacks", "--out", str(out)], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
+    return p
+
+
+def take_stacks(out: Path, stopped: int) -> None:
+    """The helper, as the runner execs it in a container: every rank's stacks, the stopped one too."""
+    p = stacks_tool(out)
     assert len(p.stdout.splitlines()) == 3, p.stdout
     for r in range(3):
         text = (out / f"hang-rank{r}.txt").read_text()

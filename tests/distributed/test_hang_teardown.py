@@ -9,7 +9,6 @@ rank 1 alone; the stacks helper then reads the stopped process (py-spy), as for 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,8 +20,8 @@ import pytest
 from contract import hang as rule
 from contract import heartbeat as fmt
 from runner.backends.ssh import teardown
-from tests.distributed.test_hang import kill_all, until
-from tests.support.trainer_run import REPO, start_trainer, trainer_env
+from tests.distributed.test_hang import kill_all, stacks_tool, until
+from tests.support.trainer_run import start_trainer
 
 STEPS = 4
 BUDGET_S = 2.0  # the job's hang timeout, and the teardown floor lowered to 0: a 2-s teardown budget
@@ -92,13 +91,7 @@ def test_a_rank_stopped_after_done_is_named_as_a_teardown_hang(tmp_path):
         assert v.line.startswith(f"hang: rank 1 ({stuck.node}, pid {stuck.pid}) finished step {STEPS} but its "
                                  f"process has not exited for ")
         assert v.line.endswith(f"(teardown; budget {BUDGET_S:.0f} s)")
-        if shutil.which("py-spy", path=str(Path(sys.executable).parent)) is None:
-            pytest.skip("py-spy is not installed (pip install -e '.[dev]')")
-        env = trainer_env({"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"})
-        env.pop("NODE_NAME", None)
-        p = subprocess.run([sys.executable, "-m", "trainer.tools.stacks", "--out", str(out)], cwd=REPO, env=env,
-                           capture_output=True, text=True, timeout=120)
-        assert p.returncode == 0, p.stdout + p.stderr
+        stacks_tool(out)
         text = (out / "hang-rank1.txt").read_text()
         assert "process state T" in text.splitlines()[0] and "py-spy dump --nonblocking" in text.splitlines()[0]
         assert "MainThread" in text, text[:2000]
