@@ -66,6 +66,10 @@ COPY runner ./runner
 COPY contract ./contract
 COPY configs ./configs
 RUN set -e; [ -f /tmp/certs/ca.crt ] && export PIP_CERT=/tmp/certs/ca.crt; \
-    pip install --no-deps . && rm -rf build *.egg-info
+    pip install --no-deps . && rm -rf build *.egg-info && \
+    python -m compileall -q trainer runner contract
+# ^ the bytecode of /workspace's copy (the one `python -m trainer` imports: the working directory
+# comes first on sys.path) in the image: else every container compiles it again at start, and a
+# container run as a non-root SSH user cannot even keep it (0.34 s of each start, idle).
 
 CMD ["trainer", "--help"]

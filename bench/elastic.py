@@ -25,7 +25,9 @@ and node-2's link back, it joins the running ranks in place (`rejoin`):
 
   back -> reached      the runner's retry reaches node-2 again (the `back` event)
   reached -> ready     its one container started, torch imported, its trainer waits (`ready`);
-                       the 2-node layout trains on meanwhile
+                       the 2-node layout trains on meanwhile. Split: the runner's launch (the watch
+                       taking the node back, port, plan, files, container created and started),
+                       container start -> the trainer's process, its imports up to `ready`
   ready -> file        regroup.json of the 3-node layout written
   file -> resumed      the running ranks switched at their next step boundary, node-2 took its stage
   resumed -> step      node-2's first step
@@ -179,7 +181,8 @@ def once_in_place(inv: Path, workdirs: dict[str, Path]) -> dict:
     rejoin = None
     if came is not None and grown is not None:  # joined in place (else the run restarted: no figures)
         step3 = next(r["time"] for r in metrics(runs["node-2"]) if r["step"] == grown["from_step"] + 1)
-        ready = json.loads((runs["node-2"] / "regroup-status.local0.json").read_text())["times"]["ready"]
+        times2 = json.loads((runs["node-2"] / "regroup-status.local0.json").read_text())["times"]
+        ready = times2["ready"]
         # The running ranks' pause: the gap between their last step in the 2-node layout (node-1 logs it)
         # and the first in the 3-node one (node-2 logs it), less their usual step time before it.
         old_t = {r["step"]: r["time"] for r in metrics(runs["node-1"])}
@@ -188,7 +191,12 @@ def once_in_place(inv: Path, workdirs: dict[str, Path]) -> dict:
         rejoin = {"reach_s": came["t"] - back, "ready_s": ready - came["t"], "file_s": grown["planned"] - ready,
                   "regroup_s": grown["resumed"] - grown["planned"], "first_step_s": step3 - grown["resumed"],
                   "back_to_step_s": step3 - back, "pause_s": step3 - old_t[k] - usual, "step_s": usual,
-                  "from_step": grown["from_step"]}
+                  "from_step": grown["from_step"],
+                  # reached -> ready, split: the runner's own part (the watch noticing, port, plan, files,
+                  # container created and started), the launcher's (container start -> trainer process
+                  # exec'd) and the trainer's (its imports up to `ready`)
+                  "launch_s": grown["launched"] - came["t"], "exec_s": times2["started"] - grown["launched"],
+                  "imports_s": ready - times2["started"]}
     # The replicas' cost: the training thread's seconds per refresh against a step's (pp 3, before the cut).
     cost = [float(x) for x in re.findall(r"stage replicas: \d+ refresh\(es\), ([0-9.]+) s on the training thread, "
                                          r"([0-9.]+) s CPU", (runs["node-0"] / "logs" / "rank0.log").read_text())[-1]]
@@ -248,7 +256,9 @@ def main() -> int:
         if j.get("median"):
             g = j["median"]
             print(f"in place: node-2 back -> first step on 3 nodes: {g['back_to_step_s']:.1f} s = reach "
-                  f"{g['reach_s']:.1f} + its container up and `ready` {g['ready_s']:.1f} (the others training) + file "
+                  f"{g['reach_s']:.1f} + its container up and `ready` {g['ready_s']:.1f} (the others training; the "
+                  f"runner's launch {g['launch_s']:.1f}, container to trainer {g['exec_s']:.1f}, imports "
+                  f"{g['imports_s']:.1f}) + file "
                   f"{g['file_s']:.1f} + regroup {g['regroup_s']:.1f} + first step {g['first_step_s']:.1f}; the running "
                   f"ranks paused {g['pause_s']:.1f} s beyond a {g['step_s']:.2f} s step (joined in place {j['joined']})")
     s, g = med["shrink"], med["rejoin"]

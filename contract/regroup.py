@@ -46,6 +46,8 @@ from contract.bounded_json import loads
 REGROUP_FILE = "regroup.json"
 # "ready": a node coming back (started to join) has imported torch and waits for its epoch's file
 STATUS_STATES = ("ready", "seen", "left", "joined", "resumed", "failed")
+# the times a status may carry: each state's, and a newcomer's process start (`started`, before `ready`)
+STATUS_TIMES = ("started", *STATUS_STATES)
 MAX_BYTES = 64 << 10     # a real file: a few hundred bytes a node
 MAX_NODES = 4096
 MAX_WORLD = 1 << 16
@@ -215,7 +217,7 @@ def parse_status(data: str | bytes, what: str) -> dict[str, Any]:
     if not isinstance(doc, dict) or doc.get("state") not in STATUS_STATES or type(doc.get("epoch")) is not int:
         raise ValueError(f"{what}: not a regroup status (epoch, state)")
     times = doc.get("times")
-    if not isinstance(times, dict) or any(k not in STATUS_STATES or type(v) not in (int, float)
+    if not isinstance(times, dict) or any(k not in STATUS_TIMES or type(v) not in (int, float)
                                           for k, v in times.items()):
         raise ValueError(f"{what}: 'times' must map states to epoch seconds")
     return doc

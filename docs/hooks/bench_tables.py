@@ -297,6 +297,11 @@ def runner(r: Results, _arg: str | None) -> str:
                 f"node-2's link back, `--elastic.in_place true`: one container started, its stage from the running "
                 f"ranks, the switch at a step boundary (joined in place in {jn['joined']} runs)",
                 (f"{secs(g['back_to_step_s'])} = reach {g['reach_s']:.1f} + container up and `ready` "
+                 f"{g['ready_s']:.1f} (the others training; of it the runner's launch {g['launch_s']:.1f}, imports "
+                 f"{g['imports_s']:.1f}) + file {g['file_s']:.1f} + regroup {g['regroup_s']:.1f} + "
+                 f"first step {g['first_step_s']:.1f}; the running ranks paused {g['pause_s']:.1f} s"
+                 if "imports_s" in g else
+                 f"{secs(g['back_to_step_s'])} = reach {g['reach_s']:.1f} + container up and `ready` "
                  f"{g['ready_s']:.1f} (the others training) + file {g['file_s']:.1f} + regroup {g['regroup_s']:.1f} + "
                  f"first step {g['first_step_s']:.1f}; the running ranks paused {g['pause_s']:.1f} s"
                  if "ready_s" in g else

@@ -25,6 +25,14 @@ def entry_argv(job, config: str | None) -> list[str]:
     return ["-m", "trainer", *(["--config", config] if config else [])]
 
 
+def direct_argv(job, config: str | None, args: list[str]) -> list[str]:
+    """One process without torchrun (a node of one rank joining a running job in place: its rank
+    and world come with regroup.json, not from a launcher): the job's program, or the trainer. No
+    torchrun agent importing torch beside it on the node's CPU, no agent rendezvous, no second
+    interpreter: 2.4 s of a newcomer's start-up on the namespaced sandbox."""
+    return [*job.command, *args] if job.command else ["python", *entry_argv(job, config), *args]
+
+
 # torchrun with its exit barrier mended (runner/agents/torchrun.py) where the environment that runs
 # it (this project's image, or a virtualenv with this project) has it, else the torchrun on PATH:
 # for the schedulers whose script runs in an environment the runner does not inspect (Slurm's task,

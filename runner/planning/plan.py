@@ -16,7 +16,7 @@ from runner.core.errors import UserError
 from runner.core.node_output import visible
 from runner.core.redact import MASK
 from runner.inventory import Inventory, Node, looks_secret
-from runner.planning.jobspec import signal_env, torchrun_argv
+from runner.planning.jobspec import direct_argv, signal_env, torchrun_argv
 from runner.planning.paths import node_paths
 
 LABEL_PREFIX = "io.runner"
@@ -55,6 +55,7 @@ class Facts:
     gid: int | None = None
     user: str | None = None
     src_ip: str | None = None   # the node's address toward the master (`ip route get`'s src): its /etc/hosts line
+    hostname: str | None = None  # the node's own (host_name): its containers' too, answered by their /etc/hosts
 
 
 @dataclass
@@ -84,6 +85,7 @@ class NodePlan:
     memory: str | None = None
     # name -> address of the job's nodes, the container's /etc/hosts lines (`hosts_of`)
     hosts: dict[str, str] = field(default_factory=dict)
+    own_host: tuple[str, str] | None = None  # (the node's hostname, its address): the first of those lines
 
     @property
     def is_master(self) -> bool:
@@ -191,13 +193,20 @@ def launch_command(f: Facts, torchrun: list[str], go_file: str | None, gate_time
     return torchrun
 
 
+def with_secrets(argv: list[str]) -> list[str]:
+    """argv run with the job's env_file sourced inside the container: secrets never appear in argv,
+    `docker inspect` or logs."""
+    return ["/bin/sh", "-c", f'set -a; . {SECRETS_IN_CONTAINER}; set +a; exec "$@"', "runner-env", *argv]
+
+
 def make_plan(inv: Inventory, run_id: str, facts: dict[str, Facts] | None = None,
               master_port: int | None = None, secret_keys: list[str] | None = None,
               strict: bool = False, launch_token: str | None = None, gate_timeout: float = 300,
-              trees: list | None = None) -> Plan:
+              trees: list | None = None, direct: bool = False) -> Plan:
     """strict=True (a real launch) demands every probed fact; dry-runs show placeholders.
     launch_token (one per launch) turns on the gate for workers whose image has it.
-    trees: job.sync's scanned sources (runner/delivery/sync.py Tree), mounted read-only."""
+    trees: job.sync's scanned sources (runner/delivery/sync.py Tree), mounted read-only.
+    direct: a node of one process runs it without torchrun (jobspec.direct_argv)."""
     facts = facts or {}
     nodes = inv.ordered()
     nnodes = len(nodes)
@@ -251,14 +260,13 @@ def make_plan(inv: Inventory, run_id: str, facts: dict[str, Facts] | None = None
             gate_dir = paths.gates(run_id)
             go_file = f"{gate_dir}/go-{launch_token}"
             mounts[GATE_IN_CONTAINER] = gate_dir
-        tr = launch_command(f, tr, go_file and f"{GATE_IN_CONTAINER}/go-{launch_token}", gate_timeout)
+        if direct and nproc[node.name] == 1:
+            tr = direct_argv(job, f"{OUT}/config.yaml" if job.config else None, list(job.args))
+        else:
+            tr = launch_command(f, tr, go_file and f"{GATE_IN_CONTAINER}/go-{launch_token}", gate_timeout)
         if secrets_file:
             mounts[SECRETS_IN_CONTAINER] = secrets_file
-            # Sourced inside the container: secrets never appear in argv, `docker inspect` or logs.
-            command = ["/bin/sh", "-c", f'set -a; . {SECRETS_IN_CONTAINER}; set +a; exec "$@"',
-                       "runner-env", *tr]
-        else:
-            command = tr
+        command = with_secrets(tr) if secrets_file else tr
         labels = {LABEL_RUN: run_id, LABEL_NODE: node.name, LABEL_RANK: str(rank), LABEL_NNODES: str(nnodes),
                   LABEL_RUN_DIR: run_dir, LABEL_MASTER: master.name, LABEL_GRACE: str(job.grace_period)}
         plans.append(NodePlan(
@@ -267,7 +275,7 @@ def make_plan(inv: Inventory, run_id: str, facts: dict[str, Facts] | None = None
             secret_keys=secret_keys, workdir=workdir, run_dir=run_dir, secrets_file=secrets_file,
             config_file=f"{run_dir}/config.yaml" if job.config else None, gpus=node.gpus, mounts=mounts,
             go_file=go_file, cpus=node.cpus, memory=node.memory, user=container_user(node, f, strict), hosts=hosts,
-            writable=frozenset({OUT, *(m.dst for m in job.mounts if m.rw)})))
+            own_host=own_host(node, f), writable=frozenset({OUT, *(m.dst for m in job.mounts if m.rw)})))
     return Plan(run_id=run_id, nnodes=nnodes, master=master.name, master_addr=master.rank_addr, master_port=port,
                 nproc_per_node=nproc, nodes=plans, grace_period=job.grace_period,
                 config_src=job.config, env_file_src=job.env_file)
@@ -290,12 +298,32 @@ def hosts_of(nodes: list[Node], facts: dict[str, Facts]) -> dict[str, str]:
     return out
 
 
-def extra_hosts(hosts: dict[str, str]) -> list[str]:
-    """Docker's `name:address` lines for `hosts`, an IPv4 address twice: c10d's sockets are IPv6 ones
-    holding IPv4-mapped addresses (::ffff:a.b.c.d), which glibc looks up as IPv6 and so never matches
+def own_host(node: Node, f: Facts) -> tuple[str, str] | None:
+    """The node's hostname and address, for its containers' /etc/hosts. With host networking a
+    container has the node's hostname, and torchrun's agent looks it up for every event it records
+    (socket.getfqdn(): torch/distributed/elastic/agent/server/api.py _get_fq_hostname). Docker writes
+    the file itself once given extra lines, without the hostname, and with no DNS server in reach
+    each lookup waited out the resolver: 10 s, several times before the first step (22.8 s from a
+    container's start to its trainer's, measured on the namespaced sandbox; 1.6 s answered here).
+    None: the hostname was not probed (a dry-run)."""
+    if not f.hostname:
+        return None
+    return f.hostname, f.src_ip or ip_literal(node.rank_addr) or "127.0.1.1"  # Debian's line for its own name
+
+
+def host_name(text: str) -> str | None:
+    """A hostname a node reported, or None where it is not one (RFC 1123 characters, at most 253):
+    it becomes a line of the node's containers' /etc/hosts."""
+    return text if re.fullmatch(r"[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?", text) else None
+
+
+def extra_hosts(hosts: dict[str, str], own: tuple[str, str] | None = None) -> list[str]:
+    """Docker's `name:address` lines for `hosts`, after the node's `own` (hostname, address): glibc
+    takes the first line that matches. An IPv4 address twice: c10d's sockets are IPv6 ones holding
+    IPv4-mapped addresses (::ffff:a.b.c.d), which glibc looks up as IPv6 and so never matches
     against an IPv4 line of /etc/hosts (seen on the namespaced sandbox: a PTR query despite the line)."""
     out = []
-    for name, addr in hosts.items():
+    for name, addr in ([own] if own else []) + list(hosts.items()):
         out.append(f"{name}:{addr}")
         if ipaddress.ip_address(addr).version == 4:
             out.append(f"{name}:::ffff:{addr}")

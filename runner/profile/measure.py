@@ -23,7 +23,16 @@ from runner.inventory import Inventory, Node
 from runner.planning import profile_cache
 from runner.planning.link_use import neighbour_docs
 from runner.planning.paths import node_paths
-from runner.planning.plan import LABEL_NODE, LABEL_PREFIX, OUT, docker_limits, extra_hosts, hosts_of, user_env
+from runner.planning.plan import (
+    LABEL_NODE,
+    LABEL_PREFIX,
+    OUT,
+    docker_limits,
+    extra_hosts,
+    hosts_of,
+    own_host,
+    user_env,
+)
 from runner.profile import doc_check
 from runner.transport.cluster import Cluster
 from runner.transport.container_logs import log_tail
@@ -155,7 +164,7 @@ def run_probes(cl: Cluster, order: list[Node], probes: dict[str, Probe], tags: d
             cmd += ["--link-bytes", str(link_bytes)]
         return cmd + ["--"] + (["--config", f"{OUT}/config.yaml"] if config is not None else []) + list(inv.job.args)
 
-    hosts = {"extra_hosts": extra_hosts(hosts_of(order, {k: p.facts() for k, p in probes.items()}))}  # plan.py
+    hosts = hosts_of(order, {k: p.facts() for k, p in probes.items()})  # plan.py: no lookup waits on DNS
     def start(i: int):
         n = order[i]
         r = cl[n.name]
@@ -171,7 +180,7 @@ def run_probes(cl: Cluster, order: list[Node], probes: dict[str, Probe], tags: d
             tags[n.name], command(i), name=f"runner-profile-{ident}-{n.name}", environment=env,
             labels={LABEL_PROFILE: ident, LABEL_NODE: n.name}, network_mode="host", ipc_mode="host",
             volumes={dirs[n.name]: {"bind": OUT, "mode": "rw"}}, **docker_limits(n.cpus, n.memory), **run_as,
-            **hosts)
+            extra_hosts=extra_hosts(hosts, own_host(n, p.facts())))
         c.start()
         return c
 

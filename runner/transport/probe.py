@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from runner.core.errors import UserError
 from runner.planning.paths import node_paths
-from runner.planning.plan import Facts, ip_literal
+from runner.planning.plan import Facts, host_name, ip_literal
 from runner.transport.ssh import Remote
 
 
@@ -36,10 +36,11 @@ class Probe:
     uid: int | None = None        # the SSH user's: its containers run as uid:gid (plan.py)
     gid: int | None = None
     user: str | None = None
+    hostname: str | None = None   # the node's (its containers share it: network_mode host): its /etc/hosts line
 
     def facts(self) -> Facts:
         return Facts(arch=self.arch, ifname=self.ifname, home=self.home, uid=self.uid, gid=self.gid,
-                     user=self.user, src_ip=self.src_ip)
+                     user=self.user, src_ip=self.src_ip, hostname=self.hostname)
 
 
 UNAME_ARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
@@ -56,6 +57,7 @@ R=$(ip -o route get "$A" 2>/dev/null | head -1)
 echo "route=$R"
 case "$R" in local*) echo "addrdev=$(ip -o addr show to "$A" 2>/dev/null | awk 'NR==1{{print $2}}')";; esac
 echo "arch=$(uname -m)"
+echo "hostname=$(cat /proc/sys/kernel/hostname 2>/dev/null)"
 echo "home=$HOME"
 echo "uid=$(id -u)"
 echo "gid=$(id -g)"
@@ -85,6 +87,7 @@ echo "docker=$V"
     user = kv.get("user") or None  # the node's words, printed in messages: none with a control character
     p.uid, p.gid, p.user = _int(kv.get("uid")), _int(kv.get("gid")), user if user and user.isprintable() else None
     p.master_ip = kv.get("master_ip")
+    p.hostname = host_name(kv.get("hostname", ""))
     route = kv.get("route", "").split()
     if "dev" in route:
         p.ifname = route[route.index("dev") + 1]

@@ -145,6 +145,7 @@ def test_an_elastic_run_shrinks_regrows_and_writes_its_history(tmp_path, monkeyp
             pass
 
     monkeypatch.setattr(elastic_loop, "Remote", Remote)
+    monkeypatch.setattr(elastic_loop, "answers", lambda node, timeout: True)  # the knock: no socket here; connect() decides
     monkeypatch.setattr(elastic_loop, "stop_node", lambda r, run_id, grace: ["node-2"])
     inv = load_inventory(str(elastic_inventory(tmp_path)))
     el = elastic_loop.ElasticRun(inv, spec_of(inv, False), False, tmp_path / "logs")

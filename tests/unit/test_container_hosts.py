@@ -78,3 +78,37 @@ def test_a_reconnected_node_reaches_the_cluster_a_view_was_made_from(tmp_path, n
     view.reconnected("w2", "new-w2")
     assert view.view(inv).remotes["w2"] == "new-w2"
     assert root.view(inv).remotes["w2"] == "new-w2"
+
+
+def test_the_probe_takes_the_nodes_hostname_and_nothing_else(monkeypatch):
+    """Its containers share it (host networking) and torchrun looks it up: it becomes their first line."""
+    def with_name(name: str) -> probe.Probe:
+        monkeypatch.setattr(probe, "_probe_session", lambda remote, script, clock: (
+            ["route=10.0.0.1 dev eth0 src 10.0.0.7", "arch=x86_64", f"hostname={name}", "docker=24.0.7"], None))
+        remote = NS(node=NS(name="n1", user="root", workdir=None), home="/root", listening_ports=lambda: set())
+        monkeypatch.setattr(probe, "node_paths", lambda node, home: NS(workdir="/root/runner"))
+        return probe.probe(remote, "10.0.0.1", clock=False)
+
+    assert (with_name("pi-3.lan").hostname, with_name("pi-3.lan").facts().hostname) == ("pi-3.lan", "pi-3.lan")
+    for bad in ("", "vm;reboot", "a b", "-lead", "trail-", "x" * 254, "pi\x1b[2J", "::ffff:10.0.0.1", "#comment"):
+        assert with_name(bad).hostname is None, bad
+    assert with_name("x" * 253).hostname == "x" * 253
+
+
+def test_each_container_answers_its_own_hostname_first_with_its_address(tmp_path, no_network):
+    from runner.planning.plan import extra_hosts
+
+    inv = load_inventory(inventory(tmp_path, NODES3))
+    facts = {"m": Facts(ifname="eth0", src_ip="10.9.0.1", hostname="vm"),
+             "w1": Facts(ifname="eth0", src_ip="10.9.0.2", hostname="vm"), "w2": Facts(ifname="eth0", src_ip="10.9.0.3")}
+    plan = make_plan(inv, "r1", facts, master_port=29500, strict=True)
+    assert [(p.node, p.own_host) for p in plan.nodes] == [("m", ("vm", "10.9.0.1")), ("w1", ("vm", "10.9.0.2")),
+                                                          ("w2", None)]
+    # every node's hostname may be the same (the sandbox's): each container's first line is its own
+    assert extra_hosts(plan.nodes[1].hosts, plan.nodes[1].own_host)[:4] == [
+        "vm:10.9.0.2", "vm:::ffff:10.9.0.2", "m:10.9.0.1", "m:::ffff:10.9.0.1"]
+    assert extra_hosts(plan.nodes[2].hosts, plan.nodes[2].own_host)[0] == "m:10.9.0.1"
+    # no address known (no route's src, a name in the inventory): Debian's line for its own name
+    named = load_inventory(inventory(tmp_path, "  - {name: pi, host: pi.local, arch: arm64, role: master}\n"))
+    got = make_plan(named, "r1", {"pi": Facts(ifname="eth0", hostname="raspberrypi")}, master_port=29500)
+    assert got.nodes[0].own_host == ("raspberrypi", "127.0.1.1")

@@ -382,3 +382,21 @@ def test_containers_run_as_the_ssh_users_uid_gid(tmp_path, no_network):
     assert rc == 0
     assert "container runner-<new run id>-m  network=host  user=<probed at launch>  gpus=none" in out, out
     assert "container runner-<new run id>-w1  network=host  user=image default  gpus=none" in out, out
+
+
+def test_a_direct_plan_runs_a_one_rank_node_without_torchrun(tmp_path, no_network):
+    """An in-place newcomer (runner/backends/ssh/elastic_loop.py joiner): one rank, its place from
+    regroup.json, so no torchrun agent importing torch beside it; a node of two ranks keeps torchrun."""
+    inv = load_inventory(inventory(tmp_path, NODES3, "  master_port: 29555\n  args: [--train_steps, '5']\n"))
+    facts = {"m": Facts(ifname="eth0"), "w1": Facts(ifname="wlan0"), "w2": Facts(ifname="eth1")}
+    plan = make_plan(inv, "20260101-000000-abcd", facts, secret_keys=list(inv.job.secrets()), strict=True,
+                     direct=True)
+    m, w1, _ = plan.nodes
+    # the env_file still sourced in the container, the trainer exec'd as its process
+    assert w1.command == ["/bin/sh", "-c", 'set -a; . /run/runner/secrets.env; set +a; exec "$@"', "runner-env",
+                          "python", "-m", "trainer", "--config", "/out/config.yaml", "--train_steps", "5"]
+    assert "torchrun" in m.command and m.command[m.command.index("--nproc-per-node") + 1] == "2"
+    plain = load_inventory(inventory(tmp_path, NODES3, "  command: [python, my.py]\n"))
+    plain.job.env_file = None
+    got = make_plan(plain, "r", facts, master_port=29555, strict=True, direct=True).nodes[1].command
+    assert got == ["python", "my.py"]

@@ -44,6 +44,7 @@ from trainer.parallel.stage_assembly import ReplicaCallback, assemble, load_stag
 from trainer.parallel.stage_moves import NoCopy
 from trainer.parallel.stage_replicas import StageReplicas, make_groups
 from trainer.runtime import heartbeat
+from trainer.runtime.dist_env import process_started
 from trainer.runtime.regroup import ConnectionCut, Watcher, rejoin, write_status
 
 log = logging.getLogger("trainer")
@@ -209,6 +210,8 @@ class InPlace:
         # The runner writes the file only once every newcomer says this: the running ranks train on
         # meanwhile (their pause is the switch, not this process's start-up).
         ready = {"ready": time.time()}
+        if (started := process_started()) is not None:  # its start-up, split: the launcher's part, then its own
+            ready["started"] = started
         write_status(self.run_dir, self.env.local_rank, int(self.join_epoch or 0), "ready", ready)
         spec = self.watcher.wait(float(self.cfg.elastic.wait_s))
         rank = None if spec is None else spec.rank_of(self.node, self.env.local_rank)

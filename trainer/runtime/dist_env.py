@@ -10,6 +10,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 from trainer.config import ConfigError
 
@@ -283,3 +284,17 @@ def set_collective_timeout(seconds: float) -> int:
 def p2p_timeout() -> timedelta | None:
     """The timeout a gloo point-to-point wait should be given now (None: none was sized)."""
     return None if _TIMEOUT_S is None else timedelta(seconds=_TIMEOUT_S)
+
+
+def process_started(pid: int | str = "self") -> float | None:
+    """Epoch seconds at which a process (default: this one) was started, from /proc (Linux), or
+    None where it cannot be read. The in-place rejoin's `ready` carries it: its start-up split into
+    the launcher's part (container start -> this process) and this process's own (imports)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        ticks = int(stat[stat.rindex(")") + 2:].split()[19])  # field 22, starttime: clock ticks after boot
+        btime = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                     if line.startswith("btime "))
+        return btime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None

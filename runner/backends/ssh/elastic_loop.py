@@ -50,11 +50,15 @@ from runner.planning.job_settings import job_settings
 from runner.planning.paths import node_paths
 from runner.planning.plan import container_name, hosts_of
 from runner.transport.cluster import Cluster
+from runner.transport.knock import answers
 from runner.transport.rendezvous import pick_master_port
 from runner.transport.ssh import Remote
 
 log = logging.getLogger("runner.up")
-RETRY_S = 2.0  # how often a lost node is tried again
+RETRY_S = 1.0  # a lost node knocked at again (a TCP connect, transport/knock.py) every RETRY_S
+# A lost node's old container, once reached, is killed at once: its ranks were cut out of the group,
+# their collectives cannot finish, and the run's state lives on in the others (memory, checkpoints).
+LOST_STOP_GRACE_S = 0
 IN_PLACE_TIMEOUT_S = 60.0  # regroup.json written to every survivor's rank `resumed` (then: restart)
 STATUS_POLL_S = 0.2
 READY_TIMEOUT_S = 600.0  # a node back: its container started to every rank `ready` (a Pi imports torch in ~1 min)
@@ -208,6 +212,7 @@ class ElasticRun:
         None: the caller takes the restart path (why: one line)."""
         with self._lock:
             back = list(self.returned)
+        begun = time.time()
         why = self._rejoin_refused(back)
         layout = None
         if why is None:
@@ -233,6 +238,7 @@ class ElasticRun:
         new = [n for n in layout.nodes if n not in self.layout.nodes]
         try:
             plans = [start(n, spec.epoch) for n in new]
+            launched = time.time()
         except Exception as exc:  # noqa: BLE001 - any: the restart path still works
             sys.stderr.write(f"runner: run {run_id}: starting {', '.join(new)} failed ({printable(str(exc))[:200]}); "
                              "restarting every node instead\n")
@@ -267,8 +273,8 @@ class ElasticRun:
             self.returned = [n for n in self.returned if n not in back]
             self.back.clear()
         self.epoch, old, self.layout, self.planned = spec.epoch, self.layout, layout, wrote
-        self.note(cl, run_id, in_place_layout(layout, status, part, f"{', '.join(back)} back", spec.epoch, wrote),
-                  homes)
+        self.note(cl, run_id, in_place_layout(layout, status, part, f"{', '.join(back)} back", spec.epoch, wrote,
+                                           begun=begun, launched=launched), homes)
         sys.stderr.write(f"runner: run {run_id}: {', '.join(back)} back: joined in place as {layout.shown} "
                          f"(was pp {old.pp} x dp {old.dp} x tp {old.tp})\n")
         return plans
@@ -334,14 +340,17 @@ class ElasticRun:
             self._thread.start()
 
     def _retry(self, cl: Cluster, run_id: str) -> None:
-        while not self._stop.wait(RETRY_S):
+        while not self._stop.is_set():
+            began = time.monotonic()
             for node in list(self.lost):
+                if not answers(self.full.node(node), timeout=RETRY_S):
+                    continue
                 try:
                     r = Remote(self.full.node(node), self.accept_new).connect()
                 except UserError:
                     continue
                 try:
-                    gone = stop_node(r, run_id, grace=FAIL_STOP_GRACE_S)
+                    gone = stop_node(r, run_id, grace=LOST_STOP_GRACE_S)
                 except Exception:  # noqa: BLE001 - the engine not answering yet: next round
                     r.close()
                     continue
@@ -354,6 +363,8 @@ class ElasticRun:
                     if self.spec.rejoin and node not in self.stuck:
                         self.returned.append(node)
                         self.back.set()
+            # a knock that went unanswered has waited RETRY_S already; one refused at once waits the rest
+            self._stop.wait(max(0.0, RETRY_S - (time.monotonic() - began)))
 
     def stop_retrying(self) -> None:
         self._stop.set()
@@ -369,16 +380,17 @@ class ElasticRun:
 
 
 def joiner(launcher, el: ElasticRun, cl: Cluster, probes: dict, run_id: str):
-    """`start(node, epoch)` for ElasticRun.rejoin_in_place: the node's container of this run, a torchrun of
-    its own (one node, its own port) whose trainer joins regroup epoch `epoch` of the running ranks
-    (ELASTIC_JOIN_EPOCH: no group and no weights until then). Returns its NodePlan."""
+    """`start(node, epoch)` for ElasticRun.rejoin_in_place: the node's container of this run, its trainer
+    started as the container's process where the node runs one rank (else a torchrun of its own: one
+    node, its own port), which joins regroup epoch `epoch` of the running ranks (ELASTIC_JOIN_EPOCH:
+    no group and no weights until then). Returns its NodePlan."""
     def start(node: str, epoch: int):
         sub = sub_inventory(el.full, [node])
         sub.job.args = list(el.inventory().job.args)  # its layout comes from regroup.json: the job's args parse
         port = pick_master_port(cl[node].listening_ports(), f"{run_id}/join/{epoch}")
         saved, launcher.inv = launcher.inv, sub
         try:
-            plan = launcher.make_plan({node: probes[node]}, run_id, False, port)
+            plan = launcher.make_plan({node: probes[node]}, run_id, False, port, direct=True)  # one rank: no torchrun
         finally:
             launcher.inv = saved
         np = plan.nodes[0]
@@ -391,13 +403,14 @@ def joiner(launcher, el: ElasticRun, cl: Cluster, probes: dict, run_id: str):
     return start
 
 
-def in_place_layout(layout, status: dict, split: str, why: str, epoch: int, planned: float) -> dict:
+def in_place_layout(layout, status: dict, split: str, why: str, epoch: int, planned: float, **times: float) -> dict:
     """The `layout` event of an in-place switch: from the earliest step a rank resumed at, the file's
-    time (`planned`) and the last rank's `resumed` (bench/elastic.py reads both)."""
+    time (`planned`), the last rank's `resumed` and, for a rejoin, when the runner `begun` it and had
+    `launched` the newcomers' containers (bench/elastic.py reads them)."""
     steps = [s.get("step") for s in status.values() if isinstance(s.get("step"), int)]
     return event("layout", layout=layout.as_dict(), from_step=min(steps) if steps else None, split=split, why=why,
                  in_place=True, epoch=epoch, planned=planned,
-                 resumed=max(float(s["times"].get("resumed", 0)) for s in status.values()))
+                 resumed=max(float(s["times"].get("resumed", 0)) for s in status.values()), **times)
 
 
 def wait_ready(cl: Cluster, runs: dict[str, str], epoch: int, procs: dict[str, int], containers: dict[str, str],

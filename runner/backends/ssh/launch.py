@@ -244,7 +244,7 @@ class Launcher:
         return probes
 
     def make_plan(self, probes: dict[str, Probe], run_id: str, resume: bool, port: int,
-                  resume_args: list[str] = RESUME_ARGS) -> Plan:
+                  resume_args: list[str] = RESUME_ARGS, direct: bool = False) -> Plan:
         job = self.inv.job
         saved = list(job.args)
         if resume and not any(a == "--resume" for a in job.args):
@@ -255,7 +255,7 @@ class Launcher:
                      for n, p in probes.items()}
             plan = make_plan(self.inv, run_id, facts, master_port=port, secret_keys=list(self.secret_vals),
                              strict=True, launch_token=secrets.token_hex(4),
-                             gate_timeout=self.args.rendezvous_timeout + 60, trees=self.trees)
+                             gate_timeout=self.args.rendezvous_timeout + 60, trees=self.trees, direct=direct)
             if job.perseus is not None:
                 perseus.attach(plan, self.perseus_port)
             return plan

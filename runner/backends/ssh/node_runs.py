@@ -53,8 +53,8 @@ def create_container(remote: Remote, np: NodePlan):
         kwargs["user"] = np.user  # the SSH user's uid:gid: what the run writes on the node is the user's
     # py-spy reads a stopped rank's stacks on a hang (contract/stacks.py): ptrace within the container only
     kwargs["cap_add"] = ["SYS_PTRACE"]
-    if np.hosts:
-        kwargs["extra_hosts"] = extra_hosts(np.hosts)  # c10d's address lookups answered locally (plan.hosts_of)
+    if np.hosts or np.own_host:
+        kwargs["extra_hosts"] = extra_hosts(np.hosts, np.own_host)  # c10d's address lookups answered locally (plan.hosts_of)
     if np.gpus:
         count = -1 if np.gpus == "all" else int(np.gpus)
         kwargs["device_requests"] = [docker.types.DeviceRequest(count=count, capabilities=[["gpu"]])]

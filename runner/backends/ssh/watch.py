@@ -234,7 +234,7 @@ class Watcher:
                 if self.yield_to is not None and self.yield_to.is_set() and not self._take_back():
                     return self._yield()
                 try:
-                    ev = self.events.get(timeout=0.5)
+                    ev = self.events.get(timeout=0.2)  # also how soon a node back is taken (yield_to)
                 except queue.Empty:
                     continue
                 if ev.node in self.done:
