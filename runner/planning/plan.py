@@ -304,9 +304,11 @@ def own_host(node: Node, f: Facts) -> tuple[str, str] | None:
     (socket.getfqdn(): torch/distributed/elastic/agent/server/api.py _get_fq_hostname). Docker writes
     the file itself once given extra lines, without the hostname, and with no DNS server in reach
     each lookup waited out the resolver: 10 s, several times before the first step (22.8 s from a
-    container's start to its trainer's, measured on the namespaced sandbox; 1.6 s answered here).
-    None: the hostname was not probed (a dry-run)."""
-    if not f.hostname:
+    container's start to its trainer's, measured on the namespaced sandbox; 2.4 s answered here).
+    None: the hostname was not probed (a dry-run), or it is one Docker's own lines answer (localhost,
+    ip6-*: it must stay the loopback inside the container)."""
+    name = (f.hostname or "").lower()
+    if not name or name.split(".")[0] == "localhost" or name.startswith("ip6-"):
         return None
     return f.hostname, f.src_ip or ip_literal(node.rank_addr) or "127.0.1.1"  # Debian's line for its own name
 

@@ -4,7 +4,7 @@ out (10 s: 5 s x 2 tries). torchrun's agent calls socket.getfqdn() on the node's
 event it records (torch/distributed/elastic/agent/server/api.py _get_fq_hostname) and c10d looks up
 the name of each store connection's address. Docker writes the container's /etc/hosts itself once
 it is given extra lines, and that file did not hold the node's hostname: a newcomer's torchrun took
-22.8 s from its container's start to its trainer's exec (bench/elastic.py `exec_s`; 1.6 s with the
+22.8 s from its container's start to its trainer's exec (bench/elastic.py `exec_s`; 2.4 s with the
 name answered). Here each node's container looks up its own hostname and the other nodes' names
 with `getent hosts` (files and DNS, as glibc does for torch): each answers from /etc/hosts, with the
 node's own address, or exits 2 (no DNS answer) and the test fails."""

@@ -112,3 +112,13 @@ def test_each_container_answers_its_own_hostname_first_with_its_address(tmp_path
     named = load_inventory(inventory(tmp_path, "  - {name: pi, host: pi.local, arch: arm64, role: master}\n"))
     got = make_plan(named, "r1", {"pi": Facts(ifname="eth0", hostname="raspberrypi")}, master_port=29500)
     assert got.nodes[0].own_host == ("raspberrypi", "127.0.1.1")
+
+
+def test_a_node_named_localhost_keeps_docker_s_loopback_lines(tmp_path, no_network):
+    """A hostname Docker's own lines answer (localhost, ip6-*) is not pointed at the node's address:
+    `localhost` must stay the loopback inside the container (a store on localhost, a single-node run)."""
+    inv = load_inventory(inventory(tmp_path, NODES3))
+    for name in ("localhost", "LocalHost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"):
+        facts = {n: Facts(ifname="eth0", src_ip=f"10.9.0.{i}", hostname=name)
+                 for i, n in ((1, "m"), (2, "w1"), (3, "w2"))}
+        assert [p.own_host for p in make_plan(inv, "r1", facts, master_port=29500).nodes] == [None] * 3, name
