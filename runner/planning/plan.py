@@ -307,10 +307,10 @@ def own_host(node: Node, f: Facts) -> tuple[str, str] | None:
     container's start to its trainer's, measured on the namespaced sandbox; 2.4 s answered here).
     None: the hostname was not probed (a dry-run), or it is one Docker's own lines answer (localhost,
     ip6-*: it must stay the loopback inside the container)."""
-    name = (f.hostname or "").lower()
-    if not name or name.split(".")[0] == "localhost" or name.startswith("ip6-"):
+    host = f.hostname
+    if not host or host.lower().split(".")[0] == "localhost" or host.lower().startswith("ip6-"):
         return None
-    return f.hostname, f.src_ip or ip_literal(node.rank_addr) or "127.0.1.1"  # Debian's line for its own name
+    return host, f.src_ip or ip_literal(node.rank_addr) or "127.0.1.1"  # Debian's line for its own name
 
 
 def host_name(text: str) -> str | None:

@@ -84,14 +84,17 @@ def test_constraint_violation_is_one_line(args, fragment):
 
 
 def test_cli_reports_a_pipeline_error_in_one_line(tmp_path):
-    # Three ranks, so the world fits pp=3 and the partition itself is what is refused: every rank
-    # says it in exactly one line and none dumps a traceback (torchrun's own summary aside).
+    # Three ranks, so the world fits pp=3 and the partition itself is what is refused: each rank that
+    # gets to say it says it in exactly one line, and none dumps a traceback (torchrun's own summary
+    # aside). Not always all three: torchrun stops the others once the first one exits (seen in CI:
+    # rank 1 exited, ranks 0 and 2 were SIGTERMed, two lines).
     proc = run_trainer(tmp_path, *MODELS["llama"], *common(8, 1, 4), "--parallel.pp", "3",
                        "--parallel.partition", "custom:0,2,4", nproc=3, check=False)
     assert proc.returncode != 0
     err = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert err == ["error: parallel.partition: custom:0,2,4 has 3 boundaries but 3 stages need 4: first 0, last "
-                   "4 (layers) or 6 (Merak's items); tiny-llama has 6 Merak items or 4 layers"] * 3, proc.stderr[-2000:]
+    assert 1 <= len(err) <= 3 and set(err) == {
+        "error: parallel.partition: custom:0,2,4 has 3 boundaries but 3 stages need 4: first 0, last "
+        "4 (layers) or 6 (Merak's items); tiny-llama has 6 Merak items or 4 layers"}, proc.stderr[-2000:]
     assert not [line for line in proc.stderr.splitlines() if line.startswith("[rank") and "Traceback" in line]
 
 
