@@ -34,10 +34,11 @@ STACKS_TIMEOUT_S = 60.0    # the helper waits 5 s for handlers, py-spy at most 3
 Entry = tuple[str, "int | None", "int | None"]
 
 
-def stopping_line(verdict_line: str) -> str:
-    """The one line a hang is announced with, before the stacks are taken and the run stopped, from
-    the rule's own (a contract.hang.Verdict's line: node, rank, step, phase, how long, why)."""
-    return f"runner: {verdict_line}; taking every rank's stacks, then stopping the run"
+def stopping_line(verdict_line: str, then: str = "stopping the run") -> str:
+    """The one line a hang is announced with, before the stacks are taken and the run stopped (or,
+    `then`, regrouped without the rank), from the rule's own (a contract.hang.Verdict's line: node,
+    rank, step, phase, how long, why)."""
+    return f"runner: {verdict_line}; taking every rank's stacks, then {then}"
 
 
 def watched_sftp(remote: Remote, who: str) -> WatchedSFTP:

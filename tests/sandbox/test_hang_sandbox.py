@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,14 @@ import yaml
 from contract import hang as rule
 from contract import heartbeat as fmt
 from tests import IMAGE, REPO
-from tests.support.runner_helpers import node_docker, node_workdir, runner, runner_cmd, wait_for
+from tests.support.runner_helpers import (
+    container_events,
+    node_docker,
+    node_workdir,
+    runner,
+    runner_cmd,
+    wait_for,
+)
 from tests.support.trainer_run import HOOKS_SYNC, held, hold_env, release
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.docker]
@@ -104,10 +112,13 @@ def test_stopped_rank_named_stacked_and_run_stopped_with_the_hang_code(sandbox, 
 CKPT_AT = 5  # the elastic run's one periodic checkpoint before the stop: where it goes on from
 
 
-def test_elastic_run_goes_on_without_the_stuck_node(nonroot_sandbox, nonroot_pushed, tmp_path):
+@pytest.mark.parametrize("in_place", [False, True], ids=["restart", "in-place"])
+def test_elastic_run_goes_on_without_the_stuck_node(nonroot_sandbox, nonroot_pushed, tmp_path, in_place):
     """The same stop with job.elastic (rejoin on): the run goes on over node-0 and node-2 from the
     last checkpoint to its last step, and node-1, which answers again at once (its stuck container
-    was removed), is not taken back: its rank hung, not its link.
+    was removed), is not taken back: its rank hung, not its link. With `--elastic.in_place true`
+    (issue 58) node-0's and node-2's ranks regroup in their own processes, node-1's stage from
+    node-0's replica: at most one step redone, no container of theirs restarted.
 
     Where rank 1 stops is fixed, not raced: every rank is held (trainer/runtime/hold.py) right after
     checkpoint CKPT_AT, rank 1 is stopped there, and the others are let go into the next step, where
@@ -122,7 +133,7 @@ def test_elastic_run_goes_on_without_the_stuck_node(nonroot_sandbox, nonroot_pus
     job.write_text(yaml.safe_dump({"job": {
         "image": IMAGE, "config": str(REPO / CONFIG), "master_port": "auto", "grace_period": 5,
         "args": ["--train.steps", str(steps), "--profile_batch", "none", "--parallel.partition", "uniform_transformer",
-                 "--checkpoint.interval", str(CKPT_AT)],
+                 "--checkpoint.interval", str(CKPT_AT), *(["--elastic.in_place", "true"] if in_place else [])],
         "env": {"OMP_NUM_THREADS": "1", **hold_env(f"step:{CKPT_AT}")}, "sync": [HOOKS_SYNC],
         "elastic": {"min_nodes": 2, "rejoin": True}}}))
     logs = tmp_path / "logs"
@@ -141,6 +152,9 @@ def test_elastic_run_goes_on_without_the_stuck_node(nonroot_sandbox, nonroot_pus
         held_at = float((runs["node-1"] / ".hold" / f"{point}.held.rank1").read_text())
         stuck = wait_for(lambda: (b := _beats(inv, run_id).get(1)) and b.alive_at > held_at and b, 10, interval=0.1)
         assert rule.budget_of(stuck, HANG_S) == HANG_S, stuck
+        if in_place:  # the step's replica exchange (its own thread) given time to end, as bench/elastic.py;
+            time.sleep(1.0)  # were it cut, the stage comes from the step before's replica (1 step redone)
+        stopped_at = time.time()
         stop = node_docker(inv, "node-1", "exec", f"runner-{run_id}-node-1", "python", "-c",
                            f"import os, signal; os.kill({stuck.pid}, signal.SIGSTOP)")
         assert stop.returncode == 0, stop.stderr
@@ -161,14 +175,23 @@ def test_elastic_run_goes_on_without_the_stuck_node(nonroot_sandbox, nonroot_pus
     hang = [ln for ln in err.splitlines() if ln.startswith("runner: hang: ")]
     assert len(hang) == 1 and hang[0].startswith(f"runner: hang: rank 1 (node-1, pid {stuck.pid}) at step {CKPT_AT}"), \
         err[-3000:]
-    assert f"runner: run {run_id}: lost node-1: going on with" in err, err[-3000:]
+    then = "going on without node-1 (elastic.in_place)" if in_place else "stopping the run"
+    assert hang[0].endswith(f"taking every rank's stacks, then {then}"), hang
+    went_on = "regrouped in place as" if in_place else "going on with"
+    assert f"runner: run {run_id}: lost node-1: {went_on}" in err, err[-3000:]
     assert "node-1 back" not in err, err[-3000:]
     events = [json.loads(ln) for ln in (logs / run_id / "elastic.jsonl").read_text().splitlines()]
     lost = [e for e in events if e.get("event") == "lost"]
     assert [e["node"] for e in lost] == ["node-1"] and lost[0]["why"].startswith("hang: rank 1"), events
     layouts = [e for e in events if e.get("event") == "layout"]
     assert len(layouts) == 2 and "node-1" not in json.dumps(layouts[-1]["layout"]), layouts
-    assert layouts[-1]["from_step"] == CKPT_AT, layouts[-1]
+    if in_place:  # the survivors' containers are the ones that started the run; <= 1 step redone
+        assert layouts[-1]["in_place"] is True and CKPT_AT - 1 <= layouts[-1]["from_step"] <= CKPT_AT, layouts[-1]
+        for n in ("node-0", "node-2"):  # no container of the run created or started on them since the stop
+            acts = [a for _, a, _ in container_events(inv, n, f"runner-{run_id}-{n}", stopped_at)]
+            assert "create" not in acts and "start" not in acts, (n, acts)
+    else:
+        assert layouts[-1]["from_step"] == CKPT_AT, layouts[-1]
     files = [p for n in ("node-0", "node-2") if (p := runs[n] / "metrics.jsonl").is_file()]
     records = [json.loads(ln) for p in files for ln in p.read_text().splitlines() if ln.strip()]
     assert max(r.get("step", 0) for r in records) == steps, files

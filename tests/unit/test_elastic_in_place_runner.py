@@ -14,8 +14,9 @@ import pytest
 
 from contract import regroup as contract
 from runner.agents.torchrun import regrouped
-from runner.backends.ssh import elastic_loop
-from runner.backends.ssh.elastic_loop import ElasticRun, wait_resumed
+from runner.backends.ssh import elastic_loop, regroup_wait
+from runner.backends.ssh.elastic_loop import ElasticRun
+from runner.backends.ssh.regroup_wait import wait_resumed
 from runner.inventory import load_inventory
 from runner.planning.elastic import choose, in_place_on, job_layout, regroup_spec
 from tests.unit.test_elastic_plan import _no_profiles, inventory  # noqa: F401 - the fixture, autouse here too
@@ -85,7 +86,7 @@ def _status(root: Path, run: str, epoch: int, state: str, step: int | None = 4, 
 
 
 def test_the_runner_waits_for_every_rank_resumed_and_names_a_failed_or_late_one(tmp_path, monkeypatch):
-    monkeypatch.setattr(elastic_loop, "STATUS_POLL_S", 0.01)
+    monkeypatch.setattr(regroup_wait, "STATUS_POLL_S", 0.01)
     cl = FakeCluster({n: FakeNode(tmp_path / n) for n in ("a", "b")})
     runs = {"a": "/run", "b": "/run"}
     spec = SimpleNamespace(epoch=2, timeout_s=0.2)
@@ -100,7 +101,7 @@ def test_the_runner_waits_for_every_rank_resumed_and_names_a_failed_or_late_one(
 
 
 def test_a_lost_node_s_survivors_get_the_file_and_the_history_says_in_place(tmp_path, monkeypatch):
-    monkeypatch.setattr(elastic_loop, "STATUS_POLL_S", 0.01)
+    monkeypatch.setattr(regroup_wait, "STATUS_POLL_S", 0.01)
     inv = load_inventory(str(inventory(tmp_path, args=["--parallel.partition", "uniform_transformer",
                                                        "--elastic.in_place", "true"])))
     el = ElasticRun(inv, inv.job.elastic, False, tmp_path / "logs")
@@ -166,3 +167,41 @@ def test_the_watcher_hands_a_lost_node_to_the_in_place_path_and_stops_the_run_wh
     w2.events.put(Outcome("b", 1, error="node unreachable", lost=True))
     got = w2.run()
     assert got is not None and got.node == "b"
+
+
+def test_the_watcher_hands_a_hung_rank_to_the_in_place_path_but_never_a_teardown_hang(monkeypatch, capsys):
+    """A hang the watch named (its stacks taken first) goes to on_hung like a loss (the others regroup
+    without that node, stack line saying so); one after every rank's last word (teardown) stops the run."""
+    from runner.backends.ssh import hang_watch
+    from runner.backends.ssh.watch import Outcome, Watcher
+
+    stacks: list[str] = []
+    monkeypatch.setattr(hang_watch, "take_stacks", lambda remotes, plan, skip: stacks.append("taken") or {})
+    plan = SimpleNamespace(nodes=[SimpleNamespace(node="a"), SimpleNamespace(node="b")], run_id="r")
+    threads = {"a": threading.Thread(target=int), "b": threading.Thread(target=int)}  # no streams here
+    for t in threads.values():
+        t.start()
+
+    def watcher(on_hung):
+        w = Watcher({}, plan, None, watch_hangs=False)  # type: ignore[arg-type]
+        w._node_threads = dict(threads)
+        w._heartbeat = lambda: None  # type: ignore[method-assign]
+        w._fail = lambda ev: ev  # type: ignore[method-assign]  # stopping the others: not here
+        w.on_hung = on_hung
+        return w
+
+    asked: list[str] = []
+    w = watcher(lambda ev: asked.append(ev.node) or True)
+    w.events.put(Outcome("b", 1, error="hang: rank 1 (b, pid 7) at step 5", hung=True))
+    w.events.put(Outcome("a", 0, exit_code=0))
+    assert w.run() is None and asked == ["b"] and stacks == ["taken"]
+    assert "taking every rank's stacks, then going on without b (elastic.in_place)" in capsys.readouterr().err
+    declined = watcher(lambda ev: False)
+    declined.events.put(Outcome("b", 1, error="hang: rank 1", hung=True))
+    got = declined.run()
+    assert got is not None and got.node == "b" and got.hung
+    teardown = watcher(lambda ev: asked.append("teardown") or True)
+    teardown.events.put(Outcome("b", 1, error="hang: rank 1 ended", hung=True, teardown=True))
+    got = teardown.run()
+    assert got is not None and got.teardown and "teardown" not in asked
+    assert "then stopping the run" in capsys.readouterr().err

@@ -11,7 +11,7 @@ import threading
 from types import SimpleNamespace
 
 from contract import regroup as contract
-from runner.backends.ssh import elastic_loop
+from runner.backends.ssh import elastic_loop, regroup_wait
 from runner.backends.ssh.elastic_loop import ElasticRun
 from runner.inventory import load_inventory
 from tests.unit.test_elastic_in_place_runner import FakeCluster, FakeNode, _status
@@ -19,7 +19,7 @@ from tests.unit.test_elastic_plan import _no_profiles, inventory  # noqa: F401 -
 
 
 def _after_a_loss(tmp_path, monkeypatch, args=("--parallel.partition", "uniform_transformer")):
-    monkeypatch.setattr(elastic_loop, "STATUS_POLL_S", 0.01)
+    monkeypatch.setattr(regroup_wait, "STATUS_POLL_S", 0.01)
     monkeypatch.setattr(elastic_loop, "node_paths", lambda node, home: SimpleNamespace(run=lambda rid: f"{home}/runs/{rid}"))
     inv = load_inventory(str(inventory(tmp_path, args=[*args, "--elastic.in_place", "true"])))
     el = ElasticRun(inv, inv.job.elastic, False, tmp_path / "logs")
@@ -104,3 +104,34 @@ def test_the_watcher_watches_the_joined_container_in_the_lost_one_s_place_or_yie
     w2._yield = lambda: "yielded"  # type: ignore[method-assign,assignment]
     back.set()
     assert w2.run() == "yielded"
+
+
+def test_news_from_the_running_layout_ends_the_wait_for_a_newcomer_at_once(tmp_path, monkeypatch, capsys):
+    """A running rank that ends, fails or hangs while the newcomer starts (the watch's event queue not
+    empty): the wait for its `ready` ends at the next poll, not after READY_TIMEOUT_S (600 s), the
+    newcomer is stopped and the watch takes the event; before, the watch loop was held meanwhile."""
+    el, cl, homes = _after_a_loss(tmp_path, monkeypatch)
+    stopped: list[str] = []
+    monkeypatch.setattr(elastic_loop, "stop_node", lambda remote, run_id, grace: stopped.append(run_id) or [])
+    polls: list[int] = []
+    news = lambda: polls.append(1) or len(polls) >= 3  # noqa: E731 - news on the third poll
+    got = el.rejoin_in_place(cl, "r1", homes, lambda n, e: SimpleNamespace(node=n), news=news)
+    assert got == [] and len(polls) == 3 and stopped == ["r1"]
+    assert el.returned == [] and not el.back.is_set() and el.layout.pp == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "runner: run r1: node-2 not joined: the running layout has news (a rank ended, failed or hung) " \
+                      "before it was ready", err
+
+
+def test_the_watch_s_news_is_an_outcome_of_a_node_it_still_watches():
+    """A lost node's late word (its old container's stream ending) is no news; a running node's is."""
+    from runner.backends.ssh.watch import Outcome, Watcher
+
+    plan = SimpleNamespace(nodes=[SimpleNamespace(node="a"), SimpleNamespace(node="b")], run_id="r")
+    w = Watcher({}, plan, None, watch_hangs=False)  # type: ignore[arg-type]
+    w.done["b"] = Outcome("b", 1, error="node unreachable", lost=True)
+    assert not w.news()
+    w.events.put(Outcome("b", 1, error="lost contact with the engine"))
+    assert not w.news()
+    w.events.put(Outcome("a", 0, exit_code=1))
+    assert w.news()

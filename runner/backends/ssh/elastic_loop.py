@@ -24,10 +24,12 @@ import secrets
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from contract.regroup import REGROUP_FILE, dumps, parse_status, status_name
+from contract.regroup import REGROUP_FILE, dumps
 from runner.backends.ssh.node_runs import create_container, stop_node
+from runner.backends.ssh.regroup_wait import wait_ready, wait_resumed
 from runner.backends.ssh.watch import FAIL_STOP_GRACE_S
 from runner.core.errors import UserError
 from runner.core.redact import printable
@@ -60,10 +62,6 @@ RETRY_S = 1.0  # a lost node knocked at again (a TCP connect, transport/knock.py
 # their collectives cannot finish, and the run's state lives on in the others (memory, checkpoints).
 LOST_STOP_GRACE_S = 0
 IN_PLACE_TIMEOUT_S = 60.0  # regroup.json written to every survivor's rank `resumed` (then: restart)
-STATUS_POLL_S = 0.2
-READY_TIMEOUT_S = 600.0  # a node back: its container started to every rank `ready` (a Pi imports torch in ~1 min)
-CONTAINER_CHECK_S = 2.0  # meanwhile, how often the layout's containers are asked whether they still run
-STATUS_MAX = 4096
 
 
 class ElasticRun:
@@ -203,13 +201,27 @@ class ElasticRun:
         self._watch(cl, run_id)
         return True
 
-    def rejoin_in_place(self, cl: Cluster, run_id: str, homes: dict[str, str | None], start) -> list | None:
+    def hung_in_place(self, cl: Cluster, run_id: str, homes: dict[str, str | None], ev) -> bool:
+        """A rank the hang watch named hung (its stacks taken): its node's container killed, the others
+        regroup in place without it as for a loss (regroup_in_place), and the node is not taken back
+        (its rank hung, not its link). False: the restart path (which drops the node as well)."""
+        try:
+            stop_node(cl[ev.node], run_id, grace=LOST_STOP_GRACE_S)
+        except Exception as exc:  # noqa: BLE001 - unreachable as well: the regroup goes on without it
+            log.warning("elastic: %s's container not stopped (%s)", ev.node, printable(str(exc))[:200])
+        with self._lock:
+            self.stuck.add(ev.node)
+        return self.regroup_in_place(cl, run_id, homes, ev)
+
+    def rejoin_in_place(self, cl: Cluster, run_id: str, homes: dict[str, str | None], start,
+                        news: Callable[[], bool] = lambda: False) -> list | None:
         """Lost nodes back while the others run (the trainer's elastic.in_place): one container started
         on each (`start(node, epoch)`: its NodePlan; its trainer waits to join, with no weights), the
         regroup.json of the larger layout written to every node of it with `at_step` 0 (the running
         ranks switch after the step they are in: trainer/parallel/stage_relayout.py BoundaryCallback),
         and every rank's `resumed` waited for. The new nodes' plans: the run goes on, watched with them;
-        None: the caller takes the restart path (why: one line)."""
+        None: the caller takes the restart path (why: one line). `news()` true while the newcomer
+        starts (the watch has an event of the running layout): the newcomer stopped, [] returned."""
         with self._lock:
             back = list(self.returned)
         begun = time.time()
@@ -247,7 +259,8 @@ class ElasticRun:
         # The file only once every newcomer has imported torch and waits: the running ranks train on
         # through its start-up (a Pi's torch import: a minute) and pause for the switch alone.
         late, ended = wait_ready(cl, {n: runs[n] for n in new}, spec.epoch, {n: len(spec.ranks[n]) for n in new},
-                                 {n: container_name(run_id, n) for n in layout.nodes}, set(self.layout.nodes))
+                                 {n: container_name(run_id, n) for n in layout.nodes}, set(self.layout.nodes),
+                                 news=news)
         if late is not None and ended:  # the running layout ended meanwhile (its last step, or a failure):
             for n in new:               # the watch takes its outcome as it is; the newcomer is stopped
                 stop_node(cl[n], run_id, grace=FAIL_STOP_GRACE_S)
@@ -411,68 +424,6 @@ def in_place_layout(layout, status: dict, split: str, why: str, epoch: int, plan
     return event("layout", layout=layout.as_dict(), from_step=min(steps) if steps else None, split=split, why=why,
                  in_place=True, epoch=epoch, planned=planned,
                  resumed=max(float(s["times"].get("resumed", 0)) for s in status.values()), **times)
-
-
-def wait_ready(cl: Cluster, runs: dict[str, str], epoch: int, procs: dict[str, int], containers: dict[str, str],
-               running: set[str], timeout_s: float = READY_TIMEOUT_S) -> tuple[str | None, bool]:
-    """(None, False) once every newcomer's rank answered `ready` (or later) for `epoch` in its status
-    file (contract/regroup.py); else (why not, whether it was one of the `running` nodes' containers
-    that stopped: the running job ended meanwhile). Also: a newcomer's container stopped, or not all
-    within timeout_s."""
-    deadline, checked = time.time() + timeout_s, 0.0
-    ok = {"ready", "seen", "left", "joined", "resumed"}
-    while time.time() < deadline:
-        def answered(n: str) -> int | str:
-            got = 0
-            for lr in range(procs[n]):
-                t = cl[n].read_text(f"{runs[n]}/{status_name(lr)}", limit=STATUS_MAX)
-                try:
-                    st = parse_status(t, f"{n}:{status_name(lr)}") if t else None
-                except ValueError:
-                    st = None
-                if st is not None and st["epoch"] == epoch and st["state"] == "failed":
-                    return f"{n} local rank {lr}: {printable(str(st.get('error', ''))[:200])}"
-                got += st is not None and st["epoch"] == epoch and st["state"] in ok
-            return got
-        got = cl.map(list(runs), answered)
-        failed = [v for _, v, err in got if err is None and isinstance(v, str)]
-        if failed:
-            return failed[0], False
-        if all(err is None and v == procs[n] for n, v, err in got):
-            return None, False
-        if time.time() - checked >= CONTAINER_CHECK_S:  # an engine that does not answer: asked again
-            checked = time.time()
-            for n, state, err in cl.map(list(containers), lambda n: cl[n].docker().containers.get(containers[n]).status):
-                if err is None and state != "running":
-                    return f"{n}'s container is {state}", n in running
-        time.sleep(STATUS_POLL_S)
-    return f"no `ready` from every rank within {timeout_s:.0f} s", False
-
-
-def wait_resumed(cl: Cluster, runs: dict[str, str], spec, procs: dict[str, int]) -> dict | str:
-    """Every rank's regroup-status (contract/regroup.py) at `resumed` for spec's epoch: (node, local
-    rank) -> its status; or why not (a rank `failed`, or not all within spec.timeout_s)."""
-    deadline = time.time() + spec.timeout_s
-    got: dict = {}
-    while time.time() < deadline:
-        def one(n: str) -> list:
-            return [cl[n].read_text(f"{runs[n]}/{status_name(lr)}", limit=STATUS_MAX) for lr in range(procs[n])]
-
-        for n, texts, err in cl.map(list(runs), one):
-            for lr, t in enumerate(texts if err is None and texts else []):
-                try:
-                    st = parse_status(t or "", f"{n}:{status_name(lr)}") if t else None
-                except ValueError:
-                    st = None
-                if st is not None and st["epoch"] == spec.epoch:
-                    if st["state"] == "failed":
-                        return f"{n} local rank {lr}: {printable(str(st.get('error', ''))[:200])}"
-                    if st["state"] == "resumed":
-                        got[(n, lr)] = st
-        if len(got) == sum(procs.values()):
-            return got
-        time.sleep(STATUS_POLL_S)
-    return f"{sum(procs.values()) - len(got)} rank(s) not resumed within {spec.timeout_s:.0f} s"
 
 
 def last_step(view: Cluster, nodes: list, probes: dict, run_id: str) -> int | None:

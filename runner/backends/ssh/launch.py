@@ -346,7 +346,9 @@ class Launcher:
             if (el := self.el) is not None and in_place_on(self.inv):  # the trainer regroups in place
                 homes = {n: p.home for n, p in probes.items()}
                 watcher.on_lost = lambda ev: el.regroup_in_place(cl, run_id, homes, ev)
-                watcher.on_back = lambda: el.rejoin_in_place(cl, run_id, homes, joiner(self, el, cl, probes, run_id))
+                watcher.on_hung = lambda ev: el.hung_in_place(cl, run_id, homes, ev)
+                watcher.on_back = lambda: el.rejoin_in_place(cl, run_id, homes, joiner(self, el, cl, probes, run_id),
+                                                             news=watcher.news)
             failed = watcher.run()
             self.failed, self.stopped_at = failed, time.time()
         except KeyboardInterrupt as exc:

@@ -88,6 +88,9 @@ class Watcher:
         # Set from outside (an elastic run whose trainer regroups in place): a lost node's outcome;
         # True when the others went on without it (watched on), False: stop the run as for any failure.
         self.on_lost: Callable[[Outcome], bool] | None = None
+        # The same for a rank the hang watch named hung (its stacks taken): True when the others went on
+        # without its node; False: stop the run as before.
+        self.on_hung: Callable[[Outcome], bool] | None = None
         # Set from outside (the same, a lost node back): the NodePlans of the containers that joined the
         # running ranks, watched from then on; None: yield as without it (the restart path).
         self.on_back: Callable[[], list | None] | None = None
@@ -203,7 +206,10 @@ class Watcher:
                 if v is not None and not self.stop.is_set():
                     node, rank = hw.culprit(v)
                     self.events.put(Outcome(node, rank, error=v.line, hung=True, teardown=v.teardown))
-                    return
+                    # the run stops, or (on_hung) goes on without that node: watched again from its new world
+                    while not hw.regrouped.wait(hang_watch.POLL_S):
+                        if self.stop.is_set():
+                            return
         except Exception as exc:  # noqa: BLE001 - the watch is an aid: the run goes on without it
             log.warning("hang watch stopped: %s", visible(str(exc))[:300])
         finally:
@@ -241,10 +247,13 @@ class Watcher:
                     continue
                 ev.detected = time.time()
                 self.done[ev.node] = ev
+                in_place = ev.hung and not ev.teardown and self.on_hung is not None
                 if ev.hung:  # the stacks first, while every rank is still where it stuck
-                    self._say(stopping_line(ev.error or "hang"))
+                    self._say(stopping_line(ev.error or "hang", f"going on without {ev.node} (elastic.in_place)"
+                                            if in_place else "stopping the run"))
                     self.stacks = hang_watch.take_stacks(self.remotes, self.plan, skip=set(self.done) - {ev.node})
-                if ev.failed and ev.lost and self.on_lost is not None and self.on_lost(ev):
+                if (ev.failed and ev.lost and self.on_lost is not None and self.on_lost(ev)) or \
+                        (in_place and self.on_hung is not None and self.on_hung(ev)):
                     if self.hang is not None:  # a new world: the hang watch starts over on its files
                         self.hang.regrouped.set()
                     continue
@@ -255,6 +264,12 @@ class Watcher:
             return None
         finally:
             self.stop.set()
+
+    def news(self) -> bool:
+        """An outcome waiting in the queue for a node still watched (not one the loop has taken: a lost
+        node's late word is none): what an in-place rejoin's wait for its newcomer gives way to."""
+        with self.events.mutex:
+            return any(ev.node not in self.done for ev in self.events.queue)
 
     def _take_back(self) -> bool:
         """Lost nodes back, joined in place by `on_back`: their new containers watched in the lost
